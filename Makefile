@@ -1,0 +1,64 @@
+# meshserve — two commands on a fresh machine: `make serve` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.deps-stamp
+PROTO_STAMP := meshserve/v1/__init__.py
+MODEL_DIR ?= .cache/models/meshserve-tiny-llama
+MODEL_STAMP := $(MODEL_DIR)/config.json
+PYTEST_ARGS ?=
+
+.PHONY: all deps proto model redis serve test lint typecheck soak bench clean
+
+all: deps proto model
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $@
+
+deps: $(STAMP) redis
+
+# redis-server is needed by the tests and the local launcher (unless REDIS_URL is set).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y redis-server >/dev/null 2>&1 || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }; }
+
+$(PROTO_STAMP): $(STAMP) $(wildcard proto/meshserve/v1/*.proto) scripts/gen_proto.sh
+	PYTHON=$(BIN)/python ./scripts/gen_proto.sh
+
+proto: $(PROTO_STAMP)
+
+$(MODEL_STAMP): $(STAMP) devtools/build_model.py
+	$(BIN)/python -m devtools.build_model --out $(MODEL_DIR)
+
+model: $(MODEL_STAMP)
+
+# Starts Redis (or uses REDIS_URL) and every service as its own process on 127.0.0.1.
+serve: deps proto model
+	$(BIN)/python -m services.launcher up --model-dir $(MODEL_DIR)
+
+lint: deps proto
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: deps proto
+	$(BIN)/mypy
+
+test: deps proto model
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+soak: deps proto model
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+bench: deps proto model
+	$(BIN)/python -m bench.engine_bench --model-dir $(MODEL_DIR)
+
+clean:
+	rm -rf meshserve .cache .pytest_cache .mypy_cache .ruff_cache
