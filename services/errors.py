@@ -1,0 +1,90 @@
+"""Error taxonomy shared by every service.
+
+Domain code raises these (or plain `ValueError` for bad input) without importing grpc;
+`services.rpc` maps them to gRPC status codes and the gateway maps those to HTTP.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Code(StrEnum):
+    """Transport-neutral status codes; values equal gRPC `StatusCode` names."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    CANCELLED = "CANCELLED"
+    ABORTED = "ABORTED"
+    INTERNAL = "INTERNAL"
+
+
+# HTTP status the gateway answers for each code (OpenAI-style clients retry 429/503).
+HTTP_STATUS: dict[Code, int] = {
+    Code.INVALID_ARGUMENT: 400,
+    Code.FAILED_PRECONDITION: 400,
+    Code.NOT_FOUND: 404,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.UNAVAILABLE: 503,
+    Code.DEADLINE_EXCEEDED: 504,
+    Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
+    Code.CANCELLED: 499,
+    Code.ABORTED: 409,
+    Code.INTERNAL: 500,
+}
+
+
+class MeshError(Exception):
+    """Base class: an error with a status code and a client-safe message."""
+
+    code: Code = Code.INTERNAL
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        # The request field at fault, if any (OpenAI error `param`).
+        self.param = param
+
+
+class InvalidArgument(MeshError):
+    code = Code.INVALID_ARGUMENT
+
+
+class NotFound(MeshError):
+    code = Code.NOT_FOUND
+
+
+class Overloaded(MeshError):
+    code = Code.RESOURCE_EXHAUSTED
+
+
+class Unavailable(MeshError):
+    code = Code.UNAVAILABLE
+
+
+class PermissionDenied(MeshError):
+    code = Code.PERMISSION_DENIED
+
+
+class Aborted(MeshError):
+    code = Code.ABORTED
+
+
+def classify(exc: BaseException) -> tuple[Code, str]:
+    """The status code and message to report for an exception raised by a handler."""
+    if isinstance(exc, MeshError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):
+        return Code.INVALID_ARGUMENT, str(exc) or "invalid argument"
+    if isinstance(exc, TimeoutError):
+        return Code.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if isinstance(exc, MemoryError):
+        return Code.RESOURCE_EXHAUSTED, "out of memory"
+    return Code.INTERNAL, f"internal error: {type(exc).__name__}"

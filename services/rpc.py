@@ -1,0 +1,168 @@
+"""gRPC plumbing: handler decorator (errors → status, metrics, tracing, in-flight
+tracking), client channels, health checks and status → exception mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import metrics, tracing
+from services.errors import Code, MeshError, classify
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class InflightTracker:
+    """Counts RPCs in progress so shutdown can wait for them to drain."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def enter(self) -> None:
+        self._count += 1
+        self._idle.clear()
+
+    def exit(self) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every RPC finished within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+INFLIGHT = InflightTracker()
+
+
+def grpc_code(code: Code) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code.value)  # type: ignore[no-any-return]
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    code, message = classify(exc)
+    if code is Code.INTERNAL:
+        log.exception("%s failed", method, exc_info=exc)
+    await context.abort(grpc_code(code), message)
+
+
+def _status_name(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
+def rpc_handler(func: F) -> F:
+    """Wraps a servicer method (unary or server-streaming).
+
+    Maps exceptions to status codes (ValueError → INVALID_ARGUMENT, MeshError → its
+    code, anything else → INTERNAL with a log), records metrics, continues the trace
+    from the caller's metadata and counts the call as in flight for draining.
+    """
+    method = func.__qualname__
+    if inspect.isasyncgenfunction(func):
+
+        @functools.wraps(func)
+        async def stream_wrapper(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            INFLIGHT.enter()
+            try:
+                with tracing.server_span(method, context):
+                    async for item in func(self, request, context):
+                        yield item
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort(context, exc, method)
+            finally:
+                INFLIGHT.exit()
+                metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(func)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        INFLIGHT.enter()
+        try:
+            with tracing.server_span(method, context):
+                return await func(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+        finally:
+            INFLIGHT.exit()
+            metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
+
+    return unary_wrapper  # type: ignore[return-value]
+
+
+def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Fail fast and reconnect quickly when a peer restarts.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+
+
+def insecure_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+    """An asyncio channel whose calls carry the current trace context in metadata."""
+    return grpc.aio.insecure_channel(
+        address,
+        options=channel_options(max_message_bytes),
+        interceptors=tracing.client_interceptors(),
+    )
+
+
+async def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
+    """True when `address` answers grpc.health.v1 Check with SERVING."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> MeshError:
+    """Converts a failed call into a MeshError carrying the peer's code and message."""
+    try:
+        code = Code(exc.code().name)
+    except ValueError:
+        code = Code.INTERNAL
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and not exc.details():
+        code = Code.UNAVAILABLE
+    error = MeshError(exc.details() or code.value)
+    error.code = code
+    return error
