@@ -1,0 +1,1 @@
+"""Decoder worker service: the gRPC front (worker_svc.server) over the engine package."""

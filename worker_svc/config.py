@@ -1,0 +1,50 @@
+"""Worker process configuration."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from services.config import ServerConfig
+
+ROLES = ("decoder", "embedding", "encoder")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServerConfig):
+    """A model worker: which model, which role, how big its KV cache is, whom it reports to."""
+
+    port: int = 50061
+    model_dir: str = ""
+    served_model_name: str = ""
+    role: str = "decoder"
+    worker_id: str = ""
+    # Address the scheduler should dial to reach this worker (default host:port).
+    advertise_address: str = ""
+    scheduler_address: str = ""
+    redis_url: str = ""
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory_mb: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_dir:
+            raise ValueError("model_dir is required (--model-dir)")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in `model`: --served-model-name or the directory's name."""
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model_dir))

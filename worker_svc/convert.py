@@ -1,0 +1,99 @@
+"""Proto ↔ engine conversions for the decoder worker (no grpc here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshserve.v1 import common_pb2
+from worker_svc.engine.engine import RequestOutput
+from worker_svc.engine.sampling import SamplingParams
+
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def num_samples(sampling: common_pb2.SamplingParams, max_n: int = 64) -> int:
+    """OpenAI `n`: parallel samples of one prompt (1 when unset)."""
+    n = sampling.n if sampling.HasField("n") else 1
+    if not 1 <= n <= max_n:
+        raise ValueError(f"n must be in 1..{max_n}, got {n}")
+    return n
+
+
+def sampling_params(
+    sampling: common_pb2.SamplingParams, prompt_len: int, max_model_len: int, sample_index: int = 0
+) -> SamplingParams:
+    """Engine params from the proto: unset fields keep engine defaults, except
+    max_tokens, which defaults to the rest of the context window (as vLLM does)."""
+    kwargs: dict[str, Any] = {}
+    for name in _OPTIONAL_FIELDS:
+        if sampling.HasField(name):
+            kwargs[name] = getattr(sampling, name)
+    if "max_tokens" not in kwargs:
+        kwargs["max_tokens"] = max(max_model_len - prompt_len, 1)
+    # Parallel samples with a seed must differ from each other yet stay reproducible.
+    if "seed" in kwargs and sample_index:
+        kwargs["seed"] = kwargs["seed"] + sample_index
+    kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
+    kwargs["ignore_eos"] = sampling.ignore_eos
+    params = SamplingParams(**kwargs)
+    params.validate()
+    return params
+
+
+def _logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
+    if not out.new_logprobs:
+        return []
+    return [
+        common_pb2.TokenLogprob(
+            token_id=token_id,
+            logprob=logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+        )
+        for token_id, logprob, top in out.new_logprobs
+    ]
+
+
+def sequence_delta(index: int, out: RequestOutput) -> common_pb2.SequenceDelta:
+    delta = common_pb2.SequenceDelta(
+        index=index,
+        token_ids=out.new_token_ids,
+        logprobs=_logprobs(out),
+        finish_reason=FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR),
+    )
+    if out.stop_token_id is not None:
+        delta.stop_token_id = out.stop_token_id
+    return delta
+
+
+def prompt_logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
+    if not out.prompt_logprobs:
+        return []
+    return [
+        common_pb2.TokenLogprob(
+            token_id=token_id,
+            logprob=logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+        )
+        for token_id, logprob, top in out.prompt_logprobs
+    ]
