@@ -1,0 +1,46 @@
+"""Fixtures shared by every test package: model directories and a real Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.redis_client import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"
+
+
+def _build(out: Path, *extra: str) -> Path:
+    subprocess.run([sys.executable, "-m", "devtools.build_model", "--out", str(out), *extra], check=True, cwd=ROOT)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model (`make model` builds it; built here if missing)."""
+    configured = os.environ.get("MESHSERVE_TEST_MODEL_DIR")
+    if configured:
+        return Path(configured)
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR
+    return _build(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A very small untrained model for fast tests (same loading code as any HF dir)."""
+    return _build(tmp_path_factory.mktemp("models") / "tiny", "--tiny")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port for the whole session."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()

@@ -1,0 +1,134 @@
+"""End to end: real processes for every service, real Redis, the real model, and the
+official `openai` client against the gateway."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import RedisServer, free_port
+
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello, who are you?"},
+]
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(
+        model_dir=str(model_dir),
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        num_decoders=1,
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
+        kv_cache_memory_mb=64,
+    )
+    started = Mesh(config).start(timeout=180)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+def _chat_prompt_tokens(model_dir: Path) -> int:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def test_chat_completion_non_streaming(client: openai.OpenAI, model_name: str, model_dir: Path) -> None:
+    reply = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == _chat_prompt_tokens(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if choice.finish_reason == "length":
+        assert reply.usage.completion_tokens == 12
+    assert 1 <= reply.usage.completion_tokens <= 12
+    # The text decodes from exactly completion_tokens tokens (modulo the stop token).
+    assert len(tokenizer.encode(choice.message.content, add_special_tokens=False)) <= 12
+
+
+def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI, model_name: str) -> None:
+    full = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and full.usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_and_prefix_cache_reuse(client: openai.OpenAI, model_name: str) -> None:
+    prompt = "The function returns the value of the first argument. " * 6
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    second = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    assert first.choices[0].text == second.choices[0].text
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
+def test_bad_input_is_400_naming_the_field(mesh: Mesh, model_name: str) -> None:
+    reply = httpx.post(
+        mesh.gateway_url + "/v1/chat/completions",
+        json={"model": model_name, "messages": MESSAGES, "max_tokens": -1},
+        timeout=30,
+    )
+    assert reply.status_code == 400
+    assert "max_tokens" in reply.json()["error"]["message"] + str(reply.json()["error"].get("param"))
+
+
+def test_killing_a_service_shows_in_health(mesh: Mesh) -> None:
+    assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
+    mesh.stop_service("tokenizer")
+    try:
+        deadline = time.monotonic() + 20
+        status = 200
+        while time.monotonic() < deadline and status == 200:
+            status = httpx.get(mesh.gateway_url + "/health", timeout=10).status_code
+            time.sleep(0.2)
+        assert status == 503
+        assert "tokenizer" in httpx.get(mesh.gateway_url + "/health", timeout=10).text
+    finally:
+        mesh.start_service(mesh.specs["tokenizer"])
+        mesh.wait_healthy(60)
+    assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
