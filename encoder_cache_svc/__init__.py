@@ -1,0 +1,1 @@
+"""Encoder cache: encoder outputs (e.g. image embeddings) stored by content identifier."""

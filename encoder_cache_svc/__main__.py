@@ -1,0 +1,37 @@
+"""`python -m encoder_cache_svc --port 50070 --capacity-mb 1024 --redis-url URL`"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from encoder_cache_svc.config import EncoderCacheConfig
+from encoder_cache_svc.servicer import EncoderCacheServicer, RedisMetadata
+from encoder_cache_svc.store import EncoderCacheStore
+from meshserve.v1 import encoder_cache_pb2_grpc
+from services.config import load_config
+from services.log import setup_logging
+from services.server import GrpcServer, run_service
+
+
+async def main(argv: Sequence[str]) -> None:
+    config = load_config(EncoderCacheConfig, argv, prog="encoder_cache_svc")
+    setup_logging("encoder-cache", config.log_level)
+    server = GrpcServer("encoder-cache", config)
+    store = EncoderCacheStore(config.capacity_mb * 1024 * 1024)
+    servicer = EncoderCacheServicer(
+        store, RedisMetadata(config.redis_url, config.shard_id, ""), config.chunk_bytes
+    )
+    server.add_service(
+        "meshserve.v1.EncoderCache", encoder_cache_pb2_grpc.add_EncoderCacheServicer_to_server, servicer
+    )
+    port = await server.start()
+    servicer.metadata = RedisMetadata(
+        config.redis_url, config.shard_id, config.advertise_address or f"{config.host}:{port}"
+    )
+    await server.set_serving(True)
+    await server.run_until_signal()
+
+
+if __name__ == "__main__":
+    run_service(lambda: main(sys.argv[1:]))
