@@ -1,0 +1,103 @@
+"""Shared runtime: config loading, error mapping, health, and signal-free drain."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshserve.v1 import worker_pb2, worker_pb2_grpc
+from services.config import ServerConfig, env_for, load_config
+from services.errors import Code, Overloaded, classify
+from services.rpc import rpc_handler
+from services.server import GrpcServer
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig(ServerConfig):
+    model_dir: str = ""
+    names: tuple[str, ...] = ()
+    enabled: bool = False
+
+
+def test_config_flags_override_env_override_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_PORT", "1234")
+    monkeypatch.setenv("MESHSERVE_NAMES", "a, b")
+    monkeypatch.setenv("MESHSERVE_ENABLED", "yes")
+    config = load_config(DemoConfig, ["--model-dir", "/m", "--port", "99"])
+    assert config.port == 99 and config.model_dir == "/m"
+    assert config.names == ("a", "b") and config.enabled is True
+    assert env_for(config)["MESHSERVE_NAMES"] == "a,b"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(SystemExit):
+        load_config(DemoConfig, ["--port", "70000"])
+    with pytest.raises(ValueError, match="tracing"):
+        ServerConfig(tracing="bogus")
+
+
+def test_error_classification() -> None:
+    assert classify(ValueError("temperature must be finite")) == (
+        Code.INVALID_ARGUMENT,
+        "temperature must be finite",
+    )
+    assert classify(Overloaded("queue full"))[0] is Code.RESOURCE_EXHAUSTED
+    code, message = classify(RuntimeError("secret detail"))
+    assert code is Code.INTERNAL and "secret" not in message
+
+
+class SlowWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+
+    @rpc_handler
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadStats:
+        self.started.set()
+        await asyncio.sleep(0.5)
+        return worker_pb2.LoadStats(num_running=7)
+
+    @rpc_handler
+    async def GetModelInfo(
+        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelInfo:
+        raise ValueError("role is not valid here")
+
+
+async def _health(stub: health_pb2_grpc.HealthStub) -> int:
+    return int((await stub.Check(health_pb2.HealthCheckRequest(service=""))).status)
+
+
+async def test_health_errors_and_drain() -> None:
+    server = GrpcServer("demo", ServerConfig(port=0, drain_timeout_s=5))
+    servicer = SlowWorker()
+    server.add_service("meshserve.v1.Worker", worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+    port = await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        worker = worker_pb2_grpc.WorkerStub(channel)
+        assert await _health(health) == health_pb2.HealthCheckResponse.NOT_SERVING
+        await server.set_serving(True)
+        assert await _health(health) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await worker.GetModelInfo(worker_pb2.GetModelInfoRequest())
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "role" in (bad.value.details() or "")
+        in_flight = asyncio.ensure_future(worker.GetLoad(worker_pb2.GetLoadRequest()))
+        await servicer.started.wait()
+        drained = asyncio.create_task(server.drain_and_stop())
+        # The call in flight finishes during the drain ...
+        assert (await in_flight).num_running == 7
+        await drained
+    # ... and the stopped server refuses new calls.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
