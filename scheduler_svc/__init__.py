@@ -1,0 +1,1 @@
+"""Global scheduler: worker registry, admission queue, prefix/load-aware routing, failover."""

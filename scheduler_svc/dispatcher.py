@@ -1,0 +1,160 @@
+"""Admission + routing: turns a request into a lease on one worker, or queues it.
+
+Domain code (asyncio, no grpc). `acquire` places the request at once when nobody is
+waiting and a worker has capacity; otherwise it waits in the `AdmissionQueue` until
+`release` (or a registry change) frees capacity, the queue timeout passes, or the request
+is aborted. Requests for a model no worker serves fail with `NotFound`; requests for a
+model whose workers are all down or draining fail with `Unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from scheduler_svc.admission import AdmissionQueue
+from scheduler_svc.policies import Decision, RoutingPolicy, RoutingRequest
+from scheduler_svc.registry import Lease, WorkerRegistry
+from services.errors import Aborted, NotFound, Overloaded, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting in the admission queue."""
+
+    request: RoutingRequest
+    exclude: frozenset[str]
+    future: asyncio.Future[tuple[Lease, Decision]] = field(repr=False)
+
+    def group(self) -> Hashable:
+        return (self.request.model, self.request.role, self.exclude)
+
+
+DispatchHook = Callable[[RoutingRequest, Decision], None]
+
+
+class Dispatcher:
+    """Places requests on workers: admission queue in front of a routing policy."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: RoutingPolicy,
+        max_queue_len: int,
+        queue_timeout_s: float,
+        on_dispatch: DispatchHook | None = None,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.queue: AdmissionQueue[Waiter] = AdmissionQueue(max_queue_len)
+        self._queue_timeout_s = queue_timeout_s
+        self._on_dispatch = on_dispatch
+        self._waiting: dict[str, Waiter] = {}
+
+    def check_model(self, model: str, role: str = "decoder", exclude: frozenset[str] = frozenset()) -> None:
+        """Raises NotFound when nobody serves `model`, Unavailable when nobody can take it now."""
+        if not self.registry.serving(model, role):
+            known = ", ".join(self.registry.models(healthy_only=False)) or "none"
+            noun = "model" if role == "decoder" else f"{role} model"
+            raise NotFound(f"{noun} '{model}' is not served (served models: {known})", param="model")
+        if not self.registry.candidates(model, role, exclude):
+            detail = " other than " + ", ".join(sorted(exclude)) if exclude else ""
+            raise Unavailable(f"no healthy {role} worker{detail} for model '{model}'")
+
+    async def acquire(
+        self, request: RoutingRequest, exclude: frozenset[str] = frozenset(), *, retry: bool = False
+    ) -> tuple[Lease, Decision]:
+        """A lease on the worker chosen for `request`, waiting in the queue if needed."""
+        self.check_model(request.model, request.role, exclude)
+        if len(self.queue) == 0:
+            placed = self._place(request, exclude)
+            if placed is not None:
+                return placed
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(request, exclude, loop.create_future())
+        self.queue.push(waiter, request.priority, request.tenant, front=retry)
+        self._waiting[request.request_id] = waiter
+        self.pump()
+        try:
+            await self._wait(waiter)
+        except BaseException:
+            self._abandon(waiter, release=True)
+            raise
+        self._abandon(waiter, release=False)
+        return waiter.future.result()
+
+    async def _wait(self, waiter: Waiter) -> None:
+        if waiter.future.done():
+            return
+        try:
+            async with asyncio.timeout(self._queue_timeout_s):
+                await asyncio.shield(waiter.future)
+        except TimeoutError:
+            if waiter.future.done():
+                return
+            raise Overloaded(
+                f"request waited {self._queue_timeout_s:g}s in the scheduler queue without a free worker"
+            ) from None
+
+    def release(self, lease: Lease) -> None:
+        """Hands a lease back (request finished or failed) and admits waiting requests."""
+        self.registry.release(lease)
+        if len(self.queue):
+            self.pump()
+
+    def pump(self) -> int:
+        """Dispatches every waiting request that can run now; returns how many left the queue."""
+        if not len(self.queue):
+            return 0
+        return self.queue.drain(self._take, Waiter.group)
+
+    def abort_waiting(self, request_id: str) -> bool:
+        """Fails a queued request with Aborted; False when it is not waiting."""
+        waiter = self._waiting.get(request_id)
+        if waiter is None or waiter.future.done():
+            return False
+        self.queue.remove(waiter)
+        waiter.future.set_exception(Aborted(f"request {request_id} was aborted while queued"))
+        return True
+
+    def _place(self, request: RoutingRequest, exclude: frozenset[str]) -> tuple[Lease, Decision] | None:
+        candidates = [
+            w for w in self.registry.candidates(request.model, request.role, exclude) if w.has_capacity()
+        ]
+        if not candidates:
+            return None
+        decision = self.policy.choose(request, candidates)
+        lease = self.registry.acquire(decision.worker)
+        if self._on_dispatch is not None:
+            self._on_dispatch(request, decision)
+        return lease, decision
+
+    def _take(self, waiter: Waiter) -> bool:
+        if waiter.future.done():
+            return True
+        try:
+            self.check_model(waiter.request.model, waiter.request.role, waiter.exclude)
+        except (NotFound, Unavailable) as exc:
+            waiter.future.set_exception(exc)
+            return True
+        placed = self._place(waiter.request, waiter.exclude)
+        if placed is None:
+            return False
+        waiter.future.set_result(placed)
+        return True
+
+    def _abandon(self, waiter: Waiter, *, release: bool) -> None:
+        """Cleans up after a waiter; with `release`, a lease nobody will use goes back."""
+        self.queue.remove(waiter)
+        if self._waiting.get(waiter.request.request_id) is waiter:
+            del self._waiting[waiter.request.request_id]
+        future = waiter.future
+        if not future.done():
+            future.cancel()
+        elif release and not future.cancelled() and future.exception() is None:
+            lease, _ = future.result()
+            self.release(lease)

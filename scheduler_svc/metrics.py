@@ -1,0 +1,95 @@
+"""Prometheus metrics of the scheduler (exposed on its --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from scheduler_svc.registry import WorkerRegistry
+
+WORKERS = Gauge(
+    "meshserve_scheduler_workers",
+    "Registered workers by role and health (healthy, draining, unhealthy)",
+    ["role", "health"],
+)
+WORKER_INFLIGHT = Gauge(
+    "meshserve_scheduler_worker_inflight",
+    "Requests this scheduler has in flight on each worker",
+    ["worker_id"],
+)
+QUEUE_DEPTH = Gauge("meshserve_scheduler_queue_depth", "Requests waiting in the admission queue")
+OVERHEAD = Histogram(
+    "meshserve_scheduler_overhead_seconds",
+    "Time from receiving a request to starting the worker call (admission + routing + queueing)",
+    buckets=(
+        0.0001,
+        0.00025,
+        0.0005,
+        0.00075,
+        0.001,
+        0.0015,
+        0.002,
+        0.003,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        30,
+        60,
+    ),
+)
+QUEUE_WAIT = Histogram(
+    "meshserve_scheduler_queue_wait_seconds",
+    "Time requests spent in the admission queue (only those that had to wait)",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+ROUTED = Counter(
+    "meshserve_scheduler_routed_total",
+    "Routing decisions by policy and reason (prefix, score, load_cap, round_robin, least_load)",
+    ["policy", "reason"],
+)
+PREFIX_HIT = Histogram(
+    "meshserve_scheduler_prefix_hit_ratio",
+    "Fraction of the prompt's full blocks the chosen worker already held, at routing time",
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+)
+REJECTED = Counter(
+    "meshserve_scheduler_rejected_total",
+    "Requests refused before reaching a worker, by status code",
+    ["code"],
+)
+FAILOVERS = Counter(
+    "meshserve_scheduler_failovers_total",
+    "Worker calls that failed, by outcome (retried before the first token, or failed mid-stream)",
+    ["outcome"],
+)
+KV_EVENTS = Counter(
+    "meshserve_scheduler_kv_events_total",
+    "KV events read from the stream, by result (applied, duplicate, resync)",
+    ["result"],
+)
+KV_RESYNCS = Counter(
+    "meshserve_scheduler_kv_resyncs_total", "Per-worker prefix index reloads from Redis block sets"
+)
+REDIS_UP = Gauge("meshserve_scheduler_redis_up", "1 when the scheduler can reach Redis (0 = local state)")
+
+
+def update_worker_gauges(registry: WorkerRegistry) -> None:
+    """Refreshes the workers-by-role/health and in-flight gauges from the registry."""
+    for (role, health), count in registry.counts().items():
+        WORKERS.labels(role=role, health=health.value).set(count)
+    for state in registry.all():
+        WORKER_INFLIGHT.labels(worker_id=state.worker_id).set(state.inflight)
+
+
+def forget_worker(worker_id: str) -> None:
+    try:
+        WORKER_INFLIGHT.remove(worker_id)
+    except KeyError:
+        pass

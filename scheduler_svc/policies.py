@@ -1,0 +1,178 @@
+"""Routing policies: pick one worker for a request among candidates with capacity.
+
+Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing_policy`:
+
+* ``round_robin`` cycles through workers in worker_id order;
+* ``least_load`` takes the worker with the fewest requests relative to its capacity,
+  then the lowest KV usage;
+* ``prefix`` (default) scores every worker with
+  ``prefix_weight * hit + queue_weight * idle + kv_weight * (1 - kv_usage)`` where ``hit``
+  is the fraction of the prompt's full blocks the worker already holds (longest prefix,
+  from the `PrefixIndex`) and ``idle`` is its queue depth min-max normalised across the
+  candidates (1 = least loaded). A worker at or above ``load_cap`` of its capacity gets no
+  prefix affinity: the request falls back to least-load so a hot prefix cannot pile onto
+  one worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler_svc.prefix_index import PrefixIndex
+from scheduler_svc.registry import WorkerState
+from services.kv_hash import block_hashes
+
+
+@dataclass
+class RoutingRequest:
+    """What routing needs to know about a request; prompt hashes are computed once per block size."""
+
+    request_id: str
+    model: str
+    token_ids: Sequence[int] = ()
+    extra_keys: tuple[str, ...] = ()
+    priority: int = 0
+    tenant: str = ""
+    role: str = "decoder"
+    _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def hashes(self, block_size: int) -> list[int]:
+        cached = self._hashes.get(block_size)
+        if cached is None:
+            cached = block_hashes(self.token_ids, block_size, self.extra_keys)
+            self._hashes[block_size] = cached
+        return cached
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen worker and why (for metrics and logs)."""
+
+    worker: WorkerState
+    reason: str
+    matched_blocks: int = 0
+    total_blocks: int = 0
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
+        """Picks one of `candidates` (never empty; all routable and with capacity)."""
+        ...
+
+
+class RoundRobinPolicy:
+    """Cycles through workers in worker_id order, stable when membership changes."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last = ""
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
+        ordered = sorted(candidates, key=lambda w: w.worker_id)
+        chosen = next((w for w in ordered if w.worker_id > self._last), ordered[0])
+        self._last = chosen.worker_id
+        return Decision(chosen, "round_robin")
+
+
+def _load_key(worker: WorkerState) -> tuple[float, float]:
+    return (worker.load_fraction(), worker.load.kv_usage)
+
+
+class LeastLoadPolicy:
+    """Fewest requests per unit of capacity, then lowest KV usage; ties rotate."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._tiebreak = RoundRobinPolicy()
+
+    def pick(self, candidates: Sequence[WorkerState]) -> WorkerState:
+        best = min(_load_key(w) for w in candidates)
+        tied = [w for w in candidates if _load_key(w) == best]
+        return tied[0] if len(tied) == 1 else self._tiebreak.choose(RoutingRequest("", ""), tied).worker
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
+        return Decision(self.pick(candidates), "least_load")
+
+
+@dataclass(frozen=True)
+class PrefixWeights:
+    prefix: float = 3.0
+    queue: float = 2.0
+    kv: float = 1.0
+    load_cap: float = 0.8
+
+
+class PrefixAwarePolicy:
+    """Longest cached prefix weighed against queue depth and KV usage, with a load cap."""
+
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None) -> None:
+        self._index = index
+        self._weights = weights or PrefixWeights()
+        self._least_load = LeastLoadPolicy()
+
+    def _matches(
+        self, request: RoutingRequest, candidates: Sequence[WorkerState]
+    ) -> dict[str, tuple[int, int]]:
+        """worker_id -> (matched blocks, total blocks), hashing once per block size."""
+        result: dict[str, tuple[int, int]] = {}
+        for size in {w.spec.block_size for w in candidates}:
+            hashes = request.hashes(size)
+            group = [w.worker_id for w in candidates if w.spec.block_size == size]
+            for worker_id, matched in self._index.match(hashes, group).items():
+                result[worker_id] = (matched, len(hashes))
+        return result
+
+    def scores(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[WorkerState],
+        matches: dict[str, tuple[int, int]] | None = None,
+    ) -> dict[str, float]:
+        """The score of every candidate (higher is better)."""
+        if matches is None:
+            matches = self._matches(request, candidates)
+        loads = [w.estimated_load() for w in candidates]
+        low, high = min(loads), max(loads)
+        result: dict[str, float] = {}
+        for worker, load in zip(candidates, loads, strict=True):
+            matched, total = matches[worker.worker_id]
+            hit = matched / total if total else 0.0
+            idle = (high - load) / (high - low) if high > low else 1.0
+            kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
+            w = self._weights
+            result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free
+        return result
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
+        matches = self._matches(request, candidates)
+        scores = self.scores(request, candidates, matches)
+        best = max(candidates, key=lambda w: (scores[w.worker_id], -w.load_fraction()))
+        top = [w for w in candidates if scores[w.worker_id] == scores[best.worker_id]]
+        if len(top) > 1:
+            best = self._least_load.pick(top)
+        reason = "prefix" if matches[best.worker_id][0] else "score"
+        if best.load_fraction() >= self._weights.load_cap:
+            best = self._least_load.pick(candidates)
+            reason = "load_cap"
+        matched, total = matches[best.worker_id]
+        self._index.add_speculative(best.worker_id, request.hashes(best.spec.block_size))
+        return Decision(best, reason, matched, total)
+
+
+def make_policy(name: str, index: PrefixIndex, weights: PrefixWeights | None = None) -> RoutingPolicy:
+    """The policy named by `SchedulerConfig.routing_policy`."""
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_load":
+        return LeastLoadPolicy()
+    if name == "prefix":
+        return PrefixAwarePolicy(index, weights)
+    raise ValueError(f"unknown routing policy {name!r}")

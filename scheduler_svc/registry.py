@@ -1,0 +1,271 @@
+"""Worker registry: who serves what, how loaded each worker is, and whether it is alive.
+
+Pure domain code (no grpc, no Redis): the servicer feeds it registrations and heartbeats,
+a periodic sweep marks silent workers unhealthy, and the Redis mirror merges entries seen
+by other scheduler replicas through `observe_remote`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+ROLES = ("decoder", "embedding", "encoder")
+
+
+class Health(StrEnum):
+    """The state a worker is in, as exported in metrics and ListWorkers."""
+
+    HEALTHY = "healthy"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker announced on registration."""
+
+    worker_id: str
+    address: str
+    role: str = "decoder"
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 16
+    num_total_blocks: int = 0
+    max_num_seqs: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        if not self.worker_id:
+            raise ValueError("worker.worker_id is required")
+        if not self.address:
+            raise ValueError("worker.address is required")
+        if self.role not in ROLES:
+            raise ValueError(f"worker.role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.model:
+            raise ValueError("worker.model is required")
+        if self.block_size <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("worker.block_size and worker.max_num_seqs must be > 0")
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A worker's self-reported load (LoadStats)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+
+@dataclass
+class WorkerState:
+    """Registry entry of one worker: spec, last load, liveness and our own in-flight count."""
+
+    spec: WorkerSpec
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    last_seen: float = 0.0
+    healthy: bool = True
+    draining: bool = False
+    suspect_until: float = 0.0
+    # Requests this scheduler sent and that have not finished yet.
+    inflight: int = 0
+    # Of those, the ones sent after the last heartbeat (not yet in `load`).
+    inflight_since_heartbeat: int = 0
+    capacity: int = 1
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def health(self) -> Health:
+        if not self.healthy:
+            return Health.UNHEALTHY
+        return Health.DRAINING if self.draining else Health.HEALTHY
+
+    def routable(self) -> bool:
+        """Healthy and accepting new requests (suspects are routable only as a last resort)."""
+        return self.healthy and not self.draining
+
+    def is_suspect(self, now: float) -> bool:
+        return now < self.suspect_until
+
+    def has_capacity(self) -> bool:
+        return self.inflight < self.capacity
+
+    def estimated_load(self) -> int:
+        """Requests on the worker: its last report plus what we sent since, at least our own."""
+        reported = self.load.num_running + self.load.num_waiting + self.inflight_since_heartbeat
+        return max(reported, self.inflight)
+
+    def load_fraction(self) -> float:
+        return self.estimated_load() / max(self.capacity, 1)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One request dispatched to one worker; hand it back with `WorkerRegistry.release`."""
+
+    worker: WorkerState
+    dispatched_at: float
+
+
+class WorkerRegistry:
+    """All known workers, keyed by worker_id."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        forget_s: float,
+        max_inflight_per_worker: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._forget_s = forget_s
+        self._max_inflight = max_inflight_per_worker
+        self._clock = clock
+        self._workers: dict[str, WorkerState] = {}
+        self.version = 0  # bumped whenever routability may have changed
+
+    def now(self) -> float:
+        return self._clock()
+
+    def _capacity(self, spec: WorkerSpec) -> int:
+        return self._max_inflight if self._max_inflight > 0 else max(spec.max_num_seqs, 1)
+
+    def register(self, spec: WorkerSpec) -> tuple[WorkerState, bool]:
+        """Adds or replaces a worker (a restart re-registers); returns (state, is_new)."""
+        spec.validate()
+        now = self._clock()
+        state = self._workers.get(spec.worker_id)
+        is_new = state is None
+        if state is None:
+            state = WorkerState(spec=spec)
+            self._workers[spec.worker_id] = state
+        state.spec = spec
+        state.capacity = self._capacity(spec)
+        state.load = LoadSnapshot(num_total_blocks=spec.num_total_blocks)
+        state.last_seen = now
+        state.healthy = True
+        state.draining = False
+        state.suspect_until = 0.0
+        state.inflight_since_heartbeat = 0
+        self.version += 1
+        return state, is_new
+
+    def heartbeat(self, worker_id: str, load: LoadSnapshot, draining: bool) -> tuple[bool, bool]:
+        """Records a heartbeat; returns (known, revived) where revived means it was unhealthy."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return False, False
+        revived = not state.healthy
+        if revived or state.draining != draining:
+            self.version += 1
+        state.load = load
+        state.last_seen = self._clock()
+        state.healthy = True
+        state.draining = draining
+        state.inflight_since_heartbeat = 0
+        return True, revived
+
+    def observe_remote(self, spec: WorkerSpec, load: LoadSnapshot, draining: bool, age_s: float) -> bool:
+        """Merges an entry another scheduler replica wrote; True when it changed ours."""
+        seen = self._clock() - max(age_s, 0.0)
+        if age_s > self._timeout_s:
+            return False
+        state = self._workers.get(spec.worker_id)
+        if state is not None and state.last_seen >= seen:
+            return False
+        if state is None or state.spec != spec:
+            state, _ = self.register(spec)
+        if not state.healthy or state.draining != draining:
+            self.version += 1
+        state.load = load
+        state.draining = draining
+        state.healthy = True
+        state.last_seen = seen
+        return True
+
+    def sweep(self) -> tuple[list[str], list[str]]:
+        """Marks workers silent for > timeout unhealthy and forgets long-gone ones.
+
+        Returns (newly unhealthy ids, forgotten ids).
+        """
+        now = self._clock()
+        down: list[str] = []
+        gone: list[str] = []
+        for worker_id, state in list(self._workers.items()):
+            silent = now - state.last_seen
+            if silent > self._forget_s and state.inflight == 0:
+                del self._workers[worker_id]
+                gone.append(worker_id)
+            elif silent > self._timeout_s and state.healthy:
+                state.healthy = False
+                down.append(worker_id)
+        if down or gone:
+            self.version += 1
+        return down, gone
+
+    def mark_down(self, worker_id: str) -> bool:
+        """Marks a worker unhealthy at once (e.g. it is known dead); True when it was healthy."""
+        state = self._workers.get(worker_id)
+        if state is None or not state.healthy:
+            return False
+        state.healthy = False
+        self.version += 1
+        return True
+
+    def mark_suspect(self, worker_id: str, penalty_s: float) -> None:
+        """Keeps a worker out of routing for `penalty_s` after a failed call."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.suspect_until = self._clock() + penalty_s
+            self.version += 1
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def serving(self, model: str, role: str) -> list[WorkerState]:
+        """Every registered worker (healthy or not) of `role` serving `model`."""
+        return [w for w in self._workers.values() if w.spec.model == model and w.spec.role == role]
+
+    def candidates(self, model: str, role: str, exclude: Iterable[str] = ()) -> list[WorkerState]:
+        """Routable workers for (model, role); suspects only when nothing else is left."""
+        excluded = set(exclude)
+        routable = [w for w in self.serving(model, role) if w.routable() and w.worker_id not in excluded]
+        now = self._clock()
+        trusted = [w for w in routable if not w.is_suspect(now)]
+        return trusted or routable
+
+    def models(self, healthy_only: bool = True) -> list[str]:
+        return sorted({w.spec.model for w in self._workers.values() if w.healthy or not healthy_only})
+
+    def acquire(self, state: WorkerState) -> Lease:
+        """Counts one more request in flight on `state`."""
+        state.inflight += 1
+        state.inflight_since_heartbeat += 1
+        return Lease(worker=state, dispatched_at=self._clock())
+
+    def release(self, lease: Lease) -> None:
+        state = lease.worker
+        state.inflight = max(state.inflight - 1, 0)
+        if lease.dispatched_at >= state.last_seen and state.inflight_since_heartbeat > 0:
+            state.inflight_since_heartbeat -= 1
+
+    def counts(self) -> dict[tuple[str, Health], int]:
+        """Number of workers per (role, health), every combination present."""
+        result = {(role, health): 0 for role in ROLES for health in Health}
+        for state in self._workers.values():
+            key = (state.spec.role, state.health)
+            result[key] = result.get(key, 0) + 1
+        return result

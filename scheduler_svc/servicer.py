@@ -1,0 +1,139 @@
+"""The meshserve.v1.Scheduler gRPC servicer: proto ↔ domain conversion, nothing more."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler_svc.app import Scheduler
+from scheduler_svc.forward import CallHandle, Forwarder
+from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
+from services.rpc import rpc_handler
+
+OVERHEAD_METADATA_KEY = "x-meshserve-scheduler-overhead-us"
+
+
+def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
+    return WorkerSpec(
+        worker_id=worker.worker_id,
+        address=worker.address,
+        role=worker.role or "decoder",
+        model=worker.model,
+        max_model_len=worker.max_model_len,
+        block_size=worker.block_size,
+        num_total_blocks=worker.num_total_blocks,
+        max_num_seqs=worker.max_num_seqs,
+    )
+
+
+def load_from_proto(load: worker_pb2.LoadStats) -> LoadSnapshot:
+    return LoadSnapshot(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_usage=load.kv_usage,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        num_preemptions=load.num_preemptions,
+        num_finished=load.num_finished,
+    )
+
+
+def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatus:
+    spec, load = state.spec, state.load
+    return scheduler_pb2.WorkerStatus(
+        worker=scheduler_pb2.WorkerDescriptor(
+            worker_id=spec.worker_id,
+            address=spec.address,
+            role=spec.role,
+            model=spec.model,
+            max_model_len=spec.max_model_len,
+            block_size=spec.block_size,
+            num_total_blocks=spec.num_total_blocks,
+            max_num_seqs=spec.max_num_seqs,
+        ),
+        healthy=state.healthy,
+        draining=state.draining,
+        load=worker_pb2.LoadStats(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            kv_usage=load.kv_usage,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+            num_preemptions=load.num_preemptions,
+            num_finished=load.num_finished,
+        ),
+        last_heartbeat_age_s=max(now - state.last_seen, 0.0),
+    )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]
+    """meshserve.v1.Scheduler over a `Scheduler` core."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.forwarder = Forwarder(scheduler)
+
+    @rpc_handler
+    async def Generate(
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Admit, route and run a request on a decoder worker, streaming its output."""
+        received_at = time.perf_counter()
+        handle = CallHandle()
+        context.add_done_callback(lambda _ctx: handle.close())
+        reported = False
+        async for response in self.forwarder.generate(request, handle, received_at):
+            if not reported and handle.overhead_s is not None:
+                context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(handle.overhead_s * 1e6))),))
+                reported = True
+            yield response
+
+    @rpc_handler
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        """Aborts a queued or running request (forwarded to the worker running it)."""
+        return common_pb2.AbortResponse(found=await self.forwarder.abort(request.request_id))
+
+    @rpc_handler
+    async def Embed(
+        self, request: common_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.EmbedResponse:
+        """Routes an embedding request to a healthy embedding worker serving its model."""
+        return await self.forwarder.embed(request)
+
+    @rpc_handler
+    async def RegisterWorker(
+        self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RegisterWorkerResponse:
+        """Adds (or, after a restart, replaces) a worker; answers the heartbeat interval."""
+        self.scheduler.register(spec_from_proto(request.worker))
+        return scheduler_pb2.RegisterWorkerResponse(
+            heartbeat_interval_ms=self.scheduler.config.heartbeat_interval_ms
+        )
+
+    @rpc_handler
+    async def Heartbeat(
+        self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.HeartbeatResponse:
+        """Records a worker's load; known=false tells an unknown worker to register again."""
+        if not request.worker_id:
+            raise ValueError("worker_id is required")
+        known = self.scheduler.heartbeat(request.worker_id, load_from_proto(request.load), request.draining)
+        return scheduler_pb2.HeartbeatResponse(known=known)
+
+    @rpc_handler
+    async def ListWorkers(
+        self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListWorkersResponse:
+        """Every known worker with health, load and heartbeat age; models with a healthy worker."""
+        now = self.scheduler.registry.now()
+        return scheduler_pb2.ListWorkersResponse(
+            workers=[status_to_proto(state, now) for state in self.scheduler.workers()],
+            models=self.scheduler.registry.models(healthy_only=True),
+        )
