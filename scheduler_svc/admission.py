@@ -103,20 +103,32 @@ class AdmissionQueue(Generic[T]):
             progress = False
             level = self._levels[priority]
             for tenant in list(level):
-                entry = self._next_unblocked(level.get(tenant, ()), group_of, blocked)
-                if entry is None:
-                    continue
-                if take(entry.item):
-                    self.remove(entry.item)
-                    if tenant in level:
-                        level.move_to_end(tenant)
+                if self._serve_tenant(level, tenant, take, group_of, blocked):
                     taken += 1
                     progress = True
-                else:
-                    blocked.add(group_of(entry.item))
                 if priority not in self._levels:
                     break
         return taken
+
+    def _serve_tenant(
+        self,
+        level: OrderedDict[str, deque[_Entry[T]]],
+        tenant: str,
+        take: Callable[[T], bool],
+        group_of: Callable[[T], Hashable],
+        blocked: set[Hashable],
+    ) -> bool:
+        """Offers the tenant's first items of unblocked groups until one is taken."""
+        while True:
+            entry = self._next_unblocked(level.get(tenant, ()), group_of, blocked)
+            if entry is None:
+                return False
+            if take(entry.item):
+                self.remove(entry.item)
+                if tenant in level:
+                    level.move_to_end(tenant)
+                return True
+            blocked.add(group_of(entry.item))
 
     @staticmethod
     def _next_unblocked(

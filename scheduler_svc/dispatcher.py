@@ -57,6 +57,8 @@ class Dispatcher:
 
     def check_model(self, model: str, role: str = "decoder", exclude: frozenset[str] = frozenset()) -> None:
         """Raises NotFound when nobody serves `model`, Unavailable when nobody can take it now."""
+        if not any(w.spec.role == role for w in self.registry.all()):
+            raise Unavailable(f"no {role} workers are registered with the scheduler")
         if not self.registry.serving(model, role):
             known = ", ".join(self.registry.models(healthy_only=False)) or "none"
             noun = "model" if role == "decoder" else f"{role} model"

@@ -8,8 +8,9 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
 * ``prefix`` (default) scores every worker with
   ``prefix_weight * hit + queue_weight * idle + kv_weight * (1 - kv_usage)`` where ``hit``
   is the fraction of the prompt's full blocks the worker already holds (longest prefix,
-  from the `PrefixIndex`) and ``idle`` is its queue depth min-max normalised across the
-  candidates (1 = least loaded). A worker at or above ``load_cap`` of its capacity gets no
+  from the `PrefixIndex`) and ``idle = (min_load + 1) / (load + 1)`` compares its queue
+  depth (running + waiting) with the least loaded candidate's (1 = least loaded; a
+  one-request difference matters between idle workers, little between busy ones). A worker at or above ``load_cap`` of its capacity gets no
   prefix affinity: the request falls back to least-load so a hot prefix cannot pile onto
   one worker.
 """
@@ -140,12 +141,12 @@ class PrefixAwarePolicy:
         if matches is None:
             matches = self._matches(request, candidates)
         loads = [w.estimated_load() for w in candidates]
-        low, high = min(loads), max(loads)
+        low = min(loads)
         result: dict[str, float] = {}
         for worker, load in zip(candidates, loads, strict=True):
             matched, total = matches[worker.worker_id]
             hit = matched / total if total else 0.0
-            idle = (high - load) / (high - low) if high > low else 1.0
+            idle = (low + 1) / (load + 1)
             kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
             w = self._weights
             result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free

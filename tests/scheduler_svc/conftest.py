@@ -1,0 +1,289 @@
+"""Real gRPC schedulers and small in-process fake workers (real gRPC servers, deterministic
+token streams, scripted failures) for the scheduler's integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.app import Scheduler
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.servicer import SchedulerServicer
+from services.kv_hash import block_hashes
+from services.server import GrpcServer
+from worker_svc.kv_events import KvEventPublisher, request_extra_keys
+
+FAST = {"heartbeat_interval_ms": 100, "worker_timeout_s": 0.5, "worker_forget_s": 5.0, "block_size": 4}
+
+
+@dataclasses.dataclass
+class KvEvent:
+    kind: str
+    block_hashes: list[int]
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """A decoder (or embedding) worker that streams `tokens` deterministic tokens.
+
+    Token i of a request is `(sum(prompt) + i) % 1000`. Scripted failures:
+    `fail_first` aborts UNAVAILABLE before any token; `die_after=N` kills the whole
+    server after N tokens; `hang_after=N` stops sending (and heartbeating) after N tokens.
+    With a Redis URL it publishes the prompt's full blocks as KV events, like the engine.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        model: str = "m",
+        role: str = "decoder",
+        tokens: int = 4,
+        delay: float = 0.005,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        redis_url: str = "",
+    ) -> None:
+        self.worker_id = worker_id
+        self.model = model
+        self.role = role
+        self.tokens = tokens
+        self.delay = delay
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.fail_first = False
+        self.die_after: int | None = None
+        self.hang_after: int | None = None
+        self.draining = False
+        self.heartbeating = True
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.aborted: list[str] = []
+        self.active: set[str] = set()
+        self.publisher = KvEventPublisher(redis_url, worker_id)
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._abort_events: dict[str, asyncio.Event] = {}
+
+    async def start(self, scheduler_address: str | None = None) -> FakeWorker:
+        self.server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        await self.server.start()
+        self.publisher.start()
+        if scheduler_address:
+            await self.connect(scheduler_address)
+        return self
+
+    def descriptor(self) -> scheduler_pb2.WorkerDescriptor:
+        return scheduler_pb2.WorkerDescriptor(
+            worker_id=self.worker_id,
+            address=self.address,
+            role=self.role,
+            model=self.model,
+            max_model_len=4096,
+            block_size=self.block_size,
+            num_total_blocks=1000,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    async def connect(self, scheduler_address: str) -> None:
+        """Registers and starts heartbeating every 100 ms (re-registering when unknown)."""
+        self._channel = grpc.aio.insecure_channel(scheduler_address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        await self._stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=self.descriptor()))
+        self._heartbeat = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if not self.heartbeating:
+                continue
+            load = worker_pb2.LoadStats(num_running=len(self.active), num_total_blocks=1000)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await self._stub.Heartbeat(
+                    scheduler_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, load=load, draining=self.draining
+                    )
+                )
+                if not reply.known:
+                    await self._stub.RegisterWorker(
+                        scheduler_pb2.RegisterWorkerRequest(worker=self.descriptor())
+                    )
+
+    async def kill(self) -> None:
+        """Stops serving and heartbeating at once (like kill -9)."""
+        self.heartbeating = False
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.server is not None:
+            await self.server.stop(0)
+
+    async def close(self) -> None:
+        await self.kill()
+        if self._heartbeat is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            await self._channel.close()
+        await asyncio.to_thread(self.publisher.close)
+
+    def prompt_hashes(self, request: common_pb2.GenerateRequest) -> list[int]:
+        keys = request_extra_keys(request.cache_salt, [m.identifier for m in request.mm_items])
+        return block_hashes(list(request.prompt_token_ids), self.block_size, keys)
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        rid = request.request_id
+        self.started.append(rid)
+        if self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is broken")
+        self.active.add(rid)
+        abort = self._abort_events.setdefault(rid, asyncio.Event())
+        self.publisher.publish([KvEvent("stored", self.prompt_hashes(request))])
+        limit = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else self.tokens
+        base = sum(request.prompt_token_ids)
+        try:
+            for i in range(limit):
+                await self._maybe_fail(i)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(abort.wait(), self.delay)
+                if abort.is_set():
+                    yield _finish(rid, common_pb2.FINISH_REASON_ABORT, len(request.prompt_token_ids), i)
+                    return
+                last = i == limit - 1
+                yield common_pb2.GenerateResponse(
+                    request_id=rid,
+                    deltas=[
+                        common_pb2.SequenceDelta(
+                            index=0,
+                            token_ids=[(base + i) % 1000],
+                            finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                        )
+                    ],
+                    usage=common_pb2.Usage(
+                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1
+                    )
+                    if last
+                    else None,
+                    finished=last,
+                )
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.active.discard(rid)
+
+    async def _maybe_fail(self, index: int) -> None:
+        if self.die_after is not None and index == self.die_after:
+            await self.kill()
+            await asyncio.sleep(30)
+        if self.hang_after is not None and index == self.hang_after:
+            self.heartbeating = False
+            await asyncio.sleep(30)
+
+    async def Abort(self, request: Any, context: Any) -> Any:
+        event = self._abort_events.get(request.request_id)
+        found = event is not None and request.request_id in self.active
+        if event is not None:
+            event.set()
+            self.aborted.append(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request: Any, context: Any) -> Any:
+        return worker_pb2.LoadStats(num_running=len(self.active))
+
+    async def Embed(self, request: Any, context: Any) -> Any:
+        self.started.append(request.request_id)
+        if self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is broken")
+        vectors = [common_pb2.Embedding(values=[float(len(text)), 1.0]) for text in request.inputs]
+        return common_pb2.EmbedResponse(embeddings=vectors, prompt_tokens=len(request.inputs))
+
+
+def _finish(rid: str, reason: int, prompt: int, produced: int) -> common_pb2.GenerateResponse:
+    return common_pb2.GenerateResponse(
+        request_id=rid,
+        deltas=[common_pb2.SequenceDelta(index=0, finish_reason=reason)],
+        usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=produced),
+        finished=True,
+    )
+
+
+@dataclasses.dataclass
+class RunningScheduler:
+    core: Scheduler
+    server: GrpcServer
+    address: str
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.server.server.stop(0)
+        await self.core.stop()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("condition not reached")
+            await asyncio.sleep(0.02)
+
+    async def generate(self, prompt: list[int], **fields: Any) -> list[common_pb2.GenerateResponse]:
+        request = common_pb2.GenerateRequest(
+            model=fields.pop("model", "m"), prompt_token_ids=prompt, **fields
+        )
+        return [r async for r in self.stub.Generate(request, timeout=20)]
+
+
+SchedulerFactory = Callable[..., Awaitable[RunningScheduler]]
+WorkerFactory = Callable[..., Awaitable[FakeWorker]]
+
+
+@pytest.fixture
+async def start_scheduler() -> AsyncIterator[SchedulerFactory]:
+    """Starts real scheduler servers on 127.0.0.1:0 (stopped after the test)."""
+    started: list[RunningScheduler] = []
+
+    async def factory(**overrides: Any) -> RunningScheduler:
+        config = SchedulerConfig(port=0, **{**FAST, **overrides})
+        core = Scheduler(config)
+        server = GrpcServer("scheduler-test", config)
+        server.add_service(
+            "meshserve.v1.Scheduler",
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+            SchedulerServicer(core),
+        )
+        await core.start()
+        port = await server.start()
+        await server.set_serving(True)
+        address = f"127.0.0.1:{port}"
+        channel = grpc.aio.insecure_channel(address)
+        running = RunningScheduler(core, server, address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+        started.append(running)
+        return running
+
+    yield factory
+    for running in started:
+        await running.stop()
+
+
+@pytest.fixture
+async def start_worker() -> AsyncIterator[WorkerFactory]:
+    """Starts fake workers (registered with `scheduler` when given)."""
+    started: list[FakeWorker] = []
+
+    async def factory(worker_id: str, scheduler: RunningScheduler | None = None, **kwargs: Any) -> FakeWorker:
+        worker = FakeWorker(worker_id, **kwargs)
+        started.append(worker)
+        return await worker.start(scheduler.address if scheduler else None)
+
+    yield factory
+    for worker in started:
+        await worker.close()

@@ -1,0 +1,120 @@
+"""Routing policies: round-robin order, least-load choice, prefix affinity, load cap."""
+
+from __future__ import annotations
+
+from scheduler_svc.policies import (
+    LeastLoadPolicy,
+    PrefixAwarePolicy,
+    PrefixWeights,
+    RoundRobinPolicy,
+    RoutingRequest,
+    make_policy,
+)
+from scheduler_svc.prefix_index import PrefixIndex
+from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
+from services.kv_hash import block_hashes
+
+BS = 4
+
+
+def worker(worker_id: str, running: int = 0, kv: float = 0.0, capacity: int = 10) -> WorkerState:
+    state = WorkerState(WorkerSpec(worker_id, "addr", "decoder", "m", 512, BS, 100, capacity))
+    state.capacity = capacity
+    state.load = LoadSnapshot(num_running=running, kv_usage=kv)
+    return state
+
+
+def request(tokens: list[int], salt: tuple[str, ...] = ()) -> RoutingRequest:
+    return RoutingRequest("r", "m", tokens, salt)
+
+
+def test_round_robin_cycles_in_id_order_and_survives_membership_changes() -> None:
+    policy = RoundRobinPolicy()
+    ws = [worker("b"), worker("a"), worker("c")]
+    picks = [policy.choose(request([]), ws).worker.worker_id for _ in range(4)]
+    assert picks == ["a", "b", "c", "a"]
+    # "b" leaves: the rotation continues after "a" with the next id.
+    assert policy.choose(request([]), [worker("a"), worker("c")]).worker.worker_id == "c"
+
+
+def test_least_load_prefers_fewest_requests_then_kv_usage() -> None:
+    policy = LeastLoadPolicy()
+    ws = [worker("a", running=3), worker("b", running=1, kv=0.9), worker("c", running=1, kv=0.2)]
+    assert policy.choose(request([]), ws).worker.worker_id == "c"
+    # Our own in-flight requests count even before a heartbeat reports them.
+    ws[2].inflight = 5
+    ws[2].inflight_since_heartbeat = 5
+    assert policy.choose(request([]), ws).worker.worker_id == "b"
+    # Capacity matters: 4 of 40 is less loaded than 1 of 2.
+    big, small = worker("big", running=4, capacity=40), worker("small", running=1, capacity=2)
+    assert policy.choose(request([]), [small, big]).worker.worker_id == "big"
+
+
+def test_least_load_ties_rotate() -> None:
+    policy = LeastLoadPolicy()
+    ws = [worker("a"), worker("b")]
+    picks = {policy.choose(request([]), ws).worker.worker_id for _ in range(2)}
+    assert picks == {"a", "b"}
+
+
+def test_prefix_scorer_prefers_worker_holding_the_prefix() -> None:
+    index = PrefixIndex()
+    tokens = list(range(32))
+    hashes = block_hashes(tokens, BS)
+    index.reset_worker("b", hashes[:6], "e", 1)
+    index.reset_worker("c", hashes[:2], "e", 1)
+    policy = PrefixAwarePolicy(index)
+    ws = [worker("a"), worker("b", running=1), worker("c")]
+    decision = policy.choose(request(tokens), ws)
+    assert decision.worker.worker_id == "b"
+    assert (decision.reason, decision.matched_blocks, decision.total_blocks) == ("prefix", 6, 8)
+
+
+def test_prefix_scorer_respects_extra_keys() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(16))
+    index.reset_worker("b", block_hashes(tokens, BS, ("salt:x",)), "e", 1)
+    policy = PrefixAwarePolicy(index)
+    ws = [worker("a"), worker("b")]
+    assert policy.choose(request(tokens, ("salt:x",)), ws).worker.worker_id == "b"
+    # Same tokens, other salt: no hit, so the least loaded (tie → any) with no prefix reason.
+    assert policy.choose(request(tokens, ("salt:y",)), ws).matched_blocks == 0
+
+
+def test_short_shared_prefix_loses_to_a_much_less_loaded_worker() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    index.reset_worker("hot", block_hashes(tokens, BS)[:2], "e", 1)  # 2 of 10 blocks
+    policy = PrefixAwarePolicy(index)
+    ws = [worker("hot", running=5), worker("idle")]
+    assert policy.choose(request(tokens), ws).worker.worker_id == "idle"
+
+
+def test_load_cap_falls_back_to_least_load() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
+    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8))
+    below = [worker("hot", running=7), worker("cold", running=0)]
+    assert policy.choose(request(tokens), below).worker.worker_id == "hot"
+    over = [worker("hot", running=8), worker("cold", running=0)]
+    decision = policy.choose(request(tokens), over)
+    assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
+
+
+def test_routing_decisions_are_followed_by_the_next_request() -> None:
+    index = PrefixIndex(speculative_ttl_s=5.0)
+    policy = PrefixAwarePolicy(index)
+    tokens = list(range(64))
+    ws = [worker("a"), worker("b")]
+    first = policy.choose(request(tokens), ws).worker.worker_id
+    # Before any KV event, the same prompt follows the first one.
+    second = policy.choose(request([*tokens, 99, 98, 97, 96]), ws)
+    assert second.worker.worker_id == first and second.matched_blocks == 16
+
+
+def test_make_policy() -> None:
+    index = PrefixIndex()
+    assert make_policy("round_robin", index).name == "round_robin"
+    assert make_policy("least_load", index).name == "least_load"
+    assert make_policy("prefix", index).name == "prefix"
