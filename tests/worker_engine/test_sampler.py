@@ -1,0 +1,177 @@
+"""Sampler unit tests on synthetic logits (no model)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.engine.sampling import Sampler, SamplingParams
+
+V = 32
+EOS = 2
+
+
+@dataclass
+class Row:
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def seeded(params: SamplingParams) -> Row:
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator().manual_seed(params.seed)
+    return Row(params, generator=gen)
+
+
+def logits_batch(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_input_untouched() -> None:
+    logits = logits_batch(3)
+    before = logits.clone()
+    out = Sampler(V, [EOS]).sample(logits, [Row(SamplingParams(temperature=0))] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert torch.equal(logits, before)
+    assert out.logprobs == [None, None, None]
+
+
+def test_top_k_one_top_p_tiny_min_p_one_are_greedy() -> None:
+    logits = logits_batch(4, seed=1)
+    rows = [
+        Row(SamplingParams(top_k=1)),
+        Row(SamplingParams(top_p=1e-6)),
+        Row(SamplingParams(min_p=1.0)),
+        Row(SamplingParams(top_k=1, top_p=0.5, temperature=5.0)),
+    ]
+    sampler = Sampler(V, [EOS])
+    for _ in range(5):
+        assert sampler.sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_restricts_support() -> None:
+    logits = logits_batch(1, seed=2)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    rows = [Row(SamplingParams(top_k=3, temperature=10.0))] * 64
+    out = Sampler(V, [EOS]).sample(logits.expand(64, V), rows)
+    assert set(out.token_ids) <= allowed
+    assert len(set(out.token_ids)) > 1
+
+
+def test_top_p_keeps_smallest_nucleus() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05] + [0.0] * (V - 4)])
+    logits = torch.log(probs.clamp_min(1e-12))
+    rows = [Row(SamplingParams(top_p=0.75))] * 200
+    out = Sampler(V, [EOS]).sample(logits.expand(200, V), rows)
+    assert set(out.token_ids) == {0, 1}  # 0.5 < 0.75 <= 0.8
+
+
+def test_min_p_filters_relative_to_max() -> None:
+    probs = torch.tensor([[0.6, 0.3, 0.1] + [0.0] * (V - 3)])
+    logits = torch.log(probs.clamp_min(1e-12))
+    rows = [Row(SamplingParams(min_p=0.4))] * 200  # threshold 0.24: keeps tokens 0, 1
+    out = Sampler(V, [EOS]).sample(logits.expand(200, V), rows)
+    assert set(out.token_ids) == {0, 1}
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 2.0
+    logits[0, 6] = 1.9
+    logits[0, 7] = -1.0
+    sampler = Sampler(V, [EOS])
+    row = Row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_token_ids=[5])
+    assert sampler.sample(logits, [row]).token_ids == [6]  # 2.0 / 2 = 1.0 < 1.9
+    # Negative logits get multiplied: the seen token 7 becomes even less likely.
+    logits2 = torch.full((1, V), -5.0)
+    logits2[0, 7] = -1.0
+    logits2[0, 8] = -1.5
+    row2 = Row(SamplingParams(temperature=0, repetition_penalty=2.0), output_token_ids=[7])
+    assert sampler.sample(logits2, [row2]).token_ids == [8]
+
+
+def test_presence_and_frequency_penalty_use_output_only() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 1.0
+    logits[0, 6] = 0.5
+    sampler = Sampler(V, [EOS])
+    in_prompt = Row(SamplingParams(temperature=0, presence_penalty=1.0), prompt_token_ids=[5])
+    assert sampler.sample(logits, [in_prompt]).token_ids == [5]
+    in_output = Row(SamplingParams(temperature=0, presence_penalty=1.0), output_token_ids=[5])
+    assert sampler.sample(logits, [in_output]).token_ids == [6]
+    freq = Row(SamplingParams(temperature=0, frequency_penalty=0.3), output_token_ids=[5, 5])
+    assert sampler.sample(logits, [freq]).token_ids == [6]  # 1.0 - 2 * 0.3 = 0.4 < 0.5
+    freq1 = Row(SamplingParams(temperature=0, frequency_penalty=0.3), output_token_ids=[5])
+    assert sampler.sample(logits, [freq1]).token_ids == [5]  # 1.0 - 0.3 = 0.7 > 0.5
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, EOS] = 10.0
+    logits[0, 9] = 9.0
+    logits[0, 4] = 8.0
+    sampler = Sampler(V, [EOS])
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(9,))
+    assert sampler.sample(logits, [Row(p, output_token_ids=[1])]).token_ids == [4]
+    assert sampler.sample(logits, [Row(p, output_token_ids=[1, 1])]).token_ids == [EOS]
+    ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sampler.sample(logits, [Row(ignore)]).token_ids == [EOS]
+
+
+def test_seed_reproducible_regardless_of_batch() -> None:
+    sampler = Sampler(V, [EOS])
+    base = logits_batch(1, seed=3)
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(batch: int, pos: int, steps: int = 20) -> list[int]:
+        row = seeded(params)
+        others = [Row(SamplingParams(temperature=0.7)) for _ in range(batch - 1)]
+        rows = [*others[:pos], row, *others[pos:]]
+        logits = torch.cat([logits_batch(batch, seed=9)[:pos], base, logits_batch(batch, seed=9)[pos:]])[
+            :batch
+        ]
+        logits[pos] = base[0]
+        return [sampler.sample(logits, rows).token_ids[pos] for _ in range(steps)]
+
+    alone = draw(1, 0)
+    assert draw(5, 2) == alone
+    assert draw(8, 7) == alone
+    assert len(set(alone)) > 1  # it really samples
+    other_seed = seeded(SamplingParams(temperature=1.0, seed=99))
+    assert [sampler.sample(base, [other_seed]).token_ids[0] for _ in range(20)] != alone
+
+
+def test_sampling_matches_distribution() -> None:
+    probs = torch.tensor([0.7, 0.2, 0.1] + [0.0] * (V - 3))
+    logits = torch.log(probs.clamp_min(1e-12)).expand(4000, V)
+    gen_row = seeded(SamplingParams(seed=0))
+    rows = [gen_row] + [Row(SamplingParams()) for _ in range(3999)]
+    torch.manual_seed(0)
+    out = Sampler(V, [EOS]).sample(logits, rows).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=V).float() / len(out)
+    assert torch.allclose(freq[:3], probs[:3], atol=0.03)
+
+
+def test_logprobs_are_raw_model_logprobs() -> None:
+    logits = logits_batch(2, seed=4)
+    rows = [
+        Row(SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5), prompt_token_ids=[0]),
+        Row(SamplingParams(temperature=0)),
+    ]
+    out = Sampler(V, [EOS]).sample(logits, rows)
+    assert out.logprobs[1] is None
+    entry = out.logprobs[0]
+    assert entry is not None
+    tok, lp, top = entry
+    raw = torch.log_softmax(logits[0], -1)
+    assert tok == out.token_ids[0]
+    assert math.isclose(lp, raw[tok].item(), rel_tol=1e-5)
+    assert [t for t, _ in top] == raw.topk(3).indices.tolist()
+    assert all(math.isclose(v, raw[t].item(), rel_tol=1e-5) for t, v in top)
+    zero = Sampler(V, [EOS]).sample(logits[:1], [Row(SamplingParams(temperature=0, logprobs=0))])
+    assert zero.logprobs[0] is not None and zero.logprobs[0][2] == []

@@ -1,0 +1,31 @@
+"""meshserve decoder engine: continuous batching over a paged KV cache (no gRPC here).
+
+Layers, bottom up: ``services.kv_hash`` (block hash scheme) -> ``block_manager``
+(paged blocks + prefix cache + KV events) -> ``scheduler`` (token-budget, chunked
+prefill, preemption) -> ``model_runner`` + ``attention`` (transformers model with a
+paged attention function) -> ``sampling`` -> ``engine`` (sync step loop) ->
+``async_engine`` (asyncio front with a dedicated engine thread).
+"""
+
+from worker_svc.engine.async_engine import AsyncLLMEngine
+from worker_svc.engine.block_manager import BlockManager, KvEvent
+from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
+from worker_svc.engine.model_runner import ModelInfo
+from worker_svc.engine.request import Request, RequestStatus
+from worker_svc.engine.sampling import SamplingParams
+
+__all__ = [
+    "AsyncLLMEngine",
+    "BlockManager",
+    "EngineConfig",
+    "EngineStats",
+    "EngineStepError",
+    "KvEvent",
+    "LLMEngine",
+    "ModelInfo",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+]

@@ -1,0 +1,283 @@
+"""asyncio front for :class:`LLMEngine`.
+
+Threading model: the engine (all torch work) lives in ONE dedicated thread, so the
+event loop never blocks on a forward pass. The loop talks to it through a thread-safe
+command queue (add / abort / stop); the engine thread sleeps on that queue while it has
+no work and otherwise alternates "drain commands, step once". Outputs travel back with
+``loop.call_soon_threadsafe`` -- one callback per loop per step, which fans the outputs
+out into per-request ``asyncio.Queue``s.
+
+Failure model: a failing step aborts the requests of that batch inside the engine and
+raises in exactly those ``generate`` iterators; everything else keeps running. A
+consumer that stops iterating (break, ``aclose``, cancellation) aborts its request,
+which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker_svc.engine.block_manager import KvEvent
+from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
+from worker_svc.engine.model_runner import ModelInfo
+from worker_svc.engine.sampling import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineShutdownError"]
+
+log = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down (or its thread died) before the request finished."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    extra_keys: tuple[str, ...]
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    # Consumer went away: drop its stream so the abort notice is not delivered.
+    drop_stream: bool
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class AsyncLLMEngine:
+    """Thread-backed asyncio wrapper: ``async for out in engine.generate(...)``."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        on_kv_events: Callable[[list[KvEvent]], None] | None = None,
+        *,
+        engine: LLMEngine | None = None,
+    ) -> None:
+        if engine is None:
+            if config is None:
+                raise ValueError("config is required when no engine is given")
+            engine = LLMEngine(config, on_kv_events)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _closed + enqueueing, and _active
+        self._closed = False
+        self._active: set[str] = set()
+        self._streams: dict[str, _Stream] = {}  # engine-thread owned
+        self._stats: EngineStats = engine.stats()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """Static model facts (max_model_len, vocab_size, eos ids, ...)."""
+        return self.engine.model_info
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent; ``generate`` also starts it)."""
+        with self._lock:
+            if self._closed:
+                raise EngineShutdownError("engine is shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="meshserve-engine", daemon=True)
+                self._thread.start()
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    def _send(self, command: _Command) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineShutdownError("engine is shut down")
+            self._commands.put(command)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        extra_keys: tuple[str, ...] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield one output per step that produced tokens for it.
+
+        Invalid input raises ValueError before anything is scheduled. Leaving the loop
+        early (or cancellation) aborts the request.
+        """
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys)
+        self.start()
+        with self._lock:
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._active.add(request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        done = False
+        try:
+            self._send(_Add(request_id, list(prompt_token_ids), params, priority, extra_keys, stream))
+            while not done:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._active.discard(request_id)
+                if not done and not self._closed:
+                    self._commands.put(_Abort(request_id, drop_stream=True))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request (thread-safe, non-blocking); False if it is not in flight.
+
+        The engine thread frees its KV blocks before its next step, and the request's
+        ``generate`` ends with a ``finish_reason="abort"`` output.
+        """
+        with self._lock:
+            if self._closed or request_id not in self._active:
+                return False
+            self._commands.put(_Abort(request_id, drop_stream=False))
+        return True
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; unfinished requests fail with EngineShutdownError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(_Stop())
+            thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+
+    # ------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands(block=not self.engine.has_unfinished()):
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # a bug in the loop itself: never leave consumers hanging
+            log.exception("engine thread crashed")
+            with self._lock:
+                self._closed = True
+            self._fail_all(EngineShutdownError(f"engine thread crashed: {exc!r}"))
+            return
+        self._fail_all(EngineShutdownError("engine is shut down"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once stopped."""
+        commands: list[_Command] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._handle_add(command)
+            else:
+                self._handle_abort(command)
+        return True
+
+    def _handle_add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.extra_keys
+            )
+        except ValueError as exc:
+            self._post({cmd.stream.loop: [(cmd.stream, exc)]})
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _handle_abort(self, cmd: _Abort) -> None:
+        if cmd.drop_stream:
+            self._streams.pop(cmd.request_id, None)
+        self.engine.abort_request(cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except EngineStepError as exc:
+            log.error("engine step failed: %r", exc.cause)
+            self._fail(exc.request_ids, exc.cause)
+            return
+        except Exception as exc:
+            # Unknown engine state: abort everything rather than risk hanging requests.
+            log.exception("engine step crashed; aborting all requests")
+            ids = list(self.engine.requests)
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self._fail(ids, exc)
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        for out in outputs:
+            stream = (
+                self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            )
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, out))
+        self._post(batches)
+
+    def _fail(self, request_ids: list[str], cause: BaseException) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                err = EngineStepError([request_id], cause)
+                batches.setdefault(stream.loop, []).append((stream, err))
+        self._post(batches)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        for stream in self._streams.values():
+            batches.setdefault(stream.loop, []).append((stream, exc))
+        self._streams.clear()
+        self._post(batches)
+
+    @staticmethod
+    def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]]) -> None:
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # loop closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

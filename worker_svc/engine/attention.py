@@ -1,0 +1,271 @@
+"""Paged attention plugged into ``transformers`` models.
+
+The runner flattens all scheduled sequences of a step into one packed batch
+(``input_ids``/``position_ids`` of shape ``[1, T]``). Each sequence contributes
+``q_len`` new tokens (a prefill chunk, or 1 for decode) that attend causally to the
+sequence's whole context, read from the paged KV cache through its block table.
+
+KV cache, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(0 = keys, 1 = values); token at position ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+Integration with transformers 5.x (checked against 5.18):
+
+* ``AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)`` and
+  ``from_pretrained(..., attn_implementation=ATTN_IMPL_NAME)``.
+* The name is not in the *mask* interface, so ``masking_utils._preprocess_mask_arguments``
+  exits early and the model passes ``attention_mask=None``: no O(T^2) mask is built
+  for the packed batch; masking is done here, per sequence.
+* Metadata reaches this function through a ``ContextVar`` set by the runner
+  (:func:`attention_context`). Extra ``model(**kwargs)`` are also forwarded down to
+  attention by Llama-style models (kwarg ``meshserve_attn_metadata`` is honoured), but
+  not every architecture forwards them, so the context is the primary channel.
+* The function receives the attention ``module`` (``module.layer_idx`` selects the
+  layer's cache) and ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` after RoPE;
+  it returns ``[1, T, H, D]`` like transformers' SDPA integration.
+
+CPU path: one gather + one padded SDPA call for all decode rows (q_len == 1), and one
+SDPA per prefill chunk (``is_causal`` when the chunk starts at position 0, otherwise an
+explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ATTN_IMPL_NAME",
+    "METADATA_KWARG",
+    "AttentionMetadata",
+    "PrefillChunk",
+    "attention_context",
+    "build_attention_metadata",
+    "paged_attention_forward",
+    "register_paged_attention",
+    "store_kv",
+]
+
+ATTN_IMPL_NAME = "meshserve_paged"
+METADATA_KWARG = "meshserve_attn_metadata"
+
+
+@dataclass
+class PrefillChunk:
+    """A sequence with ``q_len > 1`` new tokens at packed rows ``[token_start, token_end)``."""
+
+    token_start: int
+    token_end: int
+    # None when the chunk starts at position 0: the fresh K/V *are* the whole context.
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [q_len, context_len] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need for one step (shared by all layers)."""
+
+    kv_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] slot of every new token
+    decode_token_idx: torch.Tensor | None = None  # [Bd] packed rows of decode sequences
+    decode_slots: torch.Tensor | None = None  # [Bd, Lmax] context slots (padding -> 0)
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax]
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 (triton)
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (triton)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    backend: str = "torch"
+
+
+_CURRENT: ContextVar[AttentionMetadata | None] = ContextVar("meshserve_attn_metadata", default=None)
+
+
+@contextlib.contextmanager
+def attention_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` visible to :func:`paged_attention_forward` during a forward pass."""
+    token = _CURRENT.set(meta)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def register_paged_attention() -> None:
+    """Register :data:`ATTN_IMPL_NAME` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
+
+
+def _slots_for(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Slots of positions ``[0, length)`` for each row of ``tables [B, max_blocks]``."""
+    offsets = torch.arange(block_size, device=tables.device)
+    slots = tables.unsqueeze(-1) * block_size + offsets
+    return slots.reshape(tables.shape[0], -1)[:, :length]
+
+
+def build_attention_metadata(
+    chunks: Sequence[tuple[int, int, Sequence[int]]],
+    block_size: int,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+    backend: str = "torch",
+) -> AttentionMetadata:
+    """Metadata for a packed batch of ``(start_position, q_len, block_table)`` chunks."""
+    slot_list: list[int] = []
+    dec_rows: list[int] = []
+    dec_tables: list[Sequence[int]] = []
+    dec_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    row = 0
+    for start, q_len, table in chunks:
+        end = start + q_len
+        slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if q_len == 1:
+            dec_rows.append(row)
+            dec_tables.append(table)
+            dec_lens.append(end)
+        else:
+            prefills.append(_prefill_chunk(row, start, q_len, table, block_size, device))
+        row += q_len
+    meta = AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=torch.tensor(slot_list, dtype=torch.long, device=device),
+        prefills=prefills,
+        backend=backend,
+    )
+    if dec_rows:
+        _fill_decode(meta, dec_rows, dec_tables, dec_lens, block_size, device)
+    return meta
+
+
+def _prefill_chunk(
+    row: int, start: int, q_len: int, table: Sequence[int], block_size: int, device: torch.device
+) -> PrefillChunk:
+    if start == 0:
+        return PrefillChunk(row, row + q_len, None, None)
+    ctx = start + q_len
+    nblocks = -(-ctx // block_size)
+    tables = torch.tensor([list(table[:nblocks])], dtype=torch.long, device=device)
+    slots = _slots_for(tables, block_size, ctx)[0]
+    # Query i sits at absolute position start + i and sees keys 0..start + i.
+    q_pos = torch.arange(start, ctx, device=device).unsqueeze(1)
+    mask = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+    return PrefillChunk(row, row + q_len, slots, mask)
+
+
+def _fill_decode(
+    meta: AttentionMetadata,
+    rows: list[int],
+    tables: list[Sequence[int]],
+    lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> None:
+    max_len = max(lens)
+    max_blocks = -(-max_len // block_size)
+    padded = [list(t[:max_blocks]) + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+    table_t = torch.tensor(padded, dtype=torch.long, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    meta.decode_token_idx = torch.tensor(rows, dtype=torch.long, device=device)
+    if meta.backend == "triton":
+        meta.decode_block_tables = table_t.to(torch.int32)
+        meta.decode_seq_lens = lens_t.to(torch.int32)
+        return
+    meta.decode_slots = _slots_for(table_t, block_size, max_len)
+    mask = torch.arange(max_len, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
+    meta.decode_mask = mask[:, None, None, :]
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key/value [T, Hkv, D]`` into ``cache [2, nb, bs, Hkv, D]`` at ``slot_mapping [T]``."""
+    _, nb, bs, hkv, d = cache.shape
+    flat = cache.view(2, nb * bs, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, key.to(cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(cache.dtype))
+
+
+def _decode_torch(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode rows ``q [Bd, H, D]`` -> ``[Bd, H, D]`` with one padded SDPA call."""
+    if meta.decode_slots is None or meta.decode_mask is None:
+        raise RuntimeError("decode metadata missing for the torch backend")
+    _, nb, bs, hkv, d = cache.shape
+    flat = cache.view(2, nb * bs, hkv, d)
+    k = flat[0][meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+    v = flat[1][meta.decode_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=q.shape[1] != hkv
+    )
+    return out.squeeze(2)
+
+
+def _prefill_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    """One chunk: ``q [q_len, H, D]`` (and its fresh ``k/v``) -> ``[q_len, H, D]``."""
+    gqa = q.shape[1] != k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    if chunk.context_slots is None:
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        _, nb, bs, hkv, d = cache.shape
+        flat = cache.view(2, nb * bs, hkv, d)
+        kh = flat[0][chunk.context_slots].transpose(0, 1).unsqueeze(0)
+        vh = flat[1][chunk.context_slots].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over the packed batch (see module docstring)."""
+    meta = kwargs.get(METADATA_KWARG) or _CURRENT.get()
+    if meta is None:
+        raise RuntimeError(f"{ATTN_IMPL_NAME} attention called outside the meshserve model runner")
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise RuntimeError(f"attention module {type(module).__name__} has no layer_idx")
+    cache = meta.kv_caches[layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    use_triton = meta.backend == "triton"
+    if use_triton:
+        from worker_svc.engine import triton_attention
+
+        triton_attention.store_kv(k, v, cache, meta.slot_mapping)
+    else:
+        store_kv(k, v, cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode_token_idx is not None:
+        qd = q.index_select(0, meta.decode_token_idx)
+        if use_triton:
+            if meta.decode_block_tables is None or meta.decode_seq_lens is None:
+                raise RuntimeError("decode metadata missing for the triton backend")
+            od = triton_attention.paged_decode_attention(
+                qd, cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        else:
+            od = _decode_torch(qd, cache, meta, scale)
+        out.index_copy_(0, meta.decode_token_idx, od.to(out.dtype))
+    for chunk in meta.prefills:
+        s, e = chunk.token_start, chunk.token_end
+        out[s:e] = _prefill_torch(q[s:e], k[s:e], v[s:e], cache, chunk, scale)
+    return out.unsqueeze(0), None

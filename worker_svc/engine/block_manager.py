@@ -1,0 +1,282 @@
+"""Paged KV block allocation with automatic prefix caching.
+
+Design (after vLLM v1's KVCacheManager):
+
+* Every block has a ``ref_count`` and, once it is full *and computed*, a
+  ``block_hash`` (chained, :mod:`services.kv_hash`). ``hash -> block`` finds reusable
+  prefixes.
+* Free blocks sit in one queue ordered for eviction. Freed blocks that carry a hash
+  go to the tail (least recently used first out; a request's blocks are appended in
+  reverse so its tail is evicted before its more shareable head). Freed blocks
+  without a hash hold nothing reusable and go to the head. Allocation pops the head;
+  a popped block that still had a hash is evicted from the cache ("removed" event).
+* A cache hit on a free block takes it out of the queue (ref 0 -> 1); a hit on a
+  block in use just bumps its ref count.
+* Blocks are registered (hashed, "stored" event) only after their KV was computed,
+  so a failed step can never publish garbage KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.kv_hash import hash_block
+from worker_svc.engine.request import Request
+
+__all__ = ["BlockManager", "KVBlock", "KvEvent", "KvEventKind"]
+
+KvEventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass
+class KvEvent:
+    """A change of the worker's prefix cache, for the global (cache-aware) scheduler.
+
+    ``stored``: ``block_hashes`` (a chained run) became reusable; ``parent_hash`` is the
+    hash of the block before the first one (None at the start of a sequence) and
+    ``token_ids`` the tokens of all the blocks. ``removed``: the hashes were evicted.
+    ``cleared``: the whole cache was dropped.
+    """
+
+    kind: KvEventKind
+    block_hashes: list[int] = field(default_factory=list)
+    parent_hash: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One physical KV block."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+class BlockManager:
+    """Owns the ``num_blocks`` KV blocks and the prefix cache over them."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_event: Callable[[list[KvEvent]], None] | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.on_event = on_event
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+        # request_id -> number of leading blocks already registered (or skipped) in the cache.
+        self._num_registered: dict[str, int] = {}
+        self._events: list[KvEvent] = []
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---------------------------------------------------------------- stats
+    @property
+    def num_total_blocks(self) -> int:
+        """All blocks of the cache."""
+        return len(self.blocks)
+
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0 (cached-but-unused blocks count as free)."""
+        return len(self._free)
+
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return len(self.blocks) - len(self._free)
+
+    def num_cached_blocks(self) -> int:
+        """Blocks currently findable by hash."""
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests (0..1)."""
+        return self.num_used_blocks() / len(self.blocks)
+
+    def prefix_hit_rate(self) -> float:
+        """Cached tokens / looked-up prompt tokens since start."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    # ------------------------------------------------------------- hashing
+    def ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Extend ``request.block_hashes`` to its first ``num_blocks`` full blocks."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, request.token_slice(i * bs, (i + 1) * bs), request.extra_keys))
+        return hashes
+
+    def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        # Requests wanting prompt logprobs need logits for every prompt position: no reuse.
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        # Never hit the last token: at least one token must run through the model so the
+        # request gets logits. With an exact multiple of block_size this recomputes the
+        # whole last block into a private block instead of writing into a shared one.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in self.ensure_hashes(request, max_blocks)[:max_blocks]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens ``allocate`` would reuse from the cache right now (no side effects)."""
+        return len(self._find_cached_prefix(request)) * self.block_size
+
+    # ----------------------------------------------------------- allocation
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``allocate(request, num_new_tokens)`` would succeed."""
+        hits = self._find_cached_prefix(request)
+        return self._blocks_needed(request, hits, num_new_tokens) <= len(self._free)
+
+    def _blocks_needed(self, request: Request, hits: list[KVBlock], num_new_tokens: int) -> int:
+        total = len(hits) * self.block_size + num_new_tokens
+        new_blocks = -(-total // self.block_size) - len(hits)
+        # Hits on free blocks take them out of the free queue too.
+        return new_blocks + sum(1 for b in hits if b.ref_count == 0)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Give a waiting request its blocks: the longest cached prefix plus room for
+        ``num_new_tokens`` tokens after it. Sets ``num_cached_tokens`` and
+        ``num_computed_tokens``. Returns False (nothing changed) if blocks are short."""
+        if request.block_table:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        hits = self._find_cached_prefix(request)
+        if num_new_tokens <= 0 or len(hits) * self.block_size + num_new_tokens > request.num_tokens:
+            raise ValueError(f"invalid num_new_tokens={num_new_tokens} for request {request.request_id}")
+        if self._blocks_needed(request, hits, num_new_tokens) > len(self._free):
+            return False
+        for block in hits:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+        num_cached = len(hits) * self.block_size
+        new_count = -(-(num_cached + num_new_tokens) // self.block_size) - len(hits)
+        request.block_table = [b.block_id for b in hits] + [self._pop_free() for _ in range(new_count)]
+        request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        self._num_registered[request.request_id] = len(hits)
+        self.prefix_queried_tokens += request.num_tokens
+        self.prefix_hit_tokens += num_cached
+        return True
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow a running request's table to hold ``num_new_tokens`` more tokens.
+
+        Registers blocks that became full and computed since the last call. Returns
+        False (nothing allocated) when there are not enough free blocks.
+        """
+        self.mark_computed(request)
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        missing = needed - len(request.block_table)
+        if missing > len(self._free):
+            return False
+        request.block_table.extend(self._pop_free() for _ in range(missing))
+        return True
+
+    def _pop_free(self) -> int:
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+                self._emit_removed(block.block_hash)
+            block.block_hash = None
+        block.ref_count = 1
+        return block.block_id
+
+    def mark_computed(self, request: Request) -> None:
+        """Register (hash + "stored" event) the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(request.num_computed_tokens, len(request.block_table) * bs) // bs
+        start = self._num_registered.get(request.request_id, 0)
+        if full <= start:
+            return
+        hashes = self.ensure_hashes(request, full)
+        run: list[int] = []
+        for i in range(start, full):
+            block = self.blocks[request.block_table[i]]
+            h = hashes[i]
+            # A block computed concurrently by another request may already own this hash;
+            # keep that one and leave this copy private (it is freed normally).
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                self._cached[h] = block
+                run.append(i)
+            elif run:
+                self._emit_stored(request, run)
+                run = []
+        if run:
+            self._emit_stored(request, run)
+        self._num_registered[request.request_id] = full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; hashed ones stay reusable until evicted."""
+        self.mark_computed(request)
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            if block.ref_count == 0:
+                self._free[block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only possible while no request holds blocks."""
+        if self.num_used_blocks():
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        self._events.append(KvEvent("cleared"))
+        return True
+
+    # --------------------------------------------------------------- events
+    def _emit_stored(self, request: Request, indices: list[int]) -> None:
+        first, last = indices[0], indices[-1]
+        self._events.append(
+            KvEvent(
+                "stored",
+                block_hashes=[request.block_hashes[i] for i in indices],
+                parent_hash=request.block_hashes[first - 1] if first else None,
+                token_ids=request.token_slice(first * self.block_size, (last + 1) * self.block_size),
+            )
+        )
+
+    def _emit_removed(self, block_hash: int) -> None:
+        # Evictions of one allocation burst are coalesced into one event.
+        if self._events and self._events[-1].kind == "removed":
+            self._events[-1].block_hashes.append(block_hash)
+        else:
+            self._events.append(KvEvent("removed", block_hashes=[block_hash]))
+
+    def take_events(self) -> list[KvEvent]:
+        """Return and clear the buffered events."""
+        events, self._events = self._events, []
+        return events
+
+    def flush_events(self) -> None:
+        """Deliver buffered events to ``on_event`` (once per engine step)."""
+        events = self.take_events()
+        if events and self.on_event is not None:
+            self.on_event(events)

@@ -1,0 +1,315 @@
+"""Synchronous engine: schedule -> run -> sample -> update, one call to ``step()`` at a time.
+
+Not thread-safe: use it from one thread (``AsyncLLMEngine`` owns one in a dedicated
+thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.engine.block_manager import BlockManager, KvEvent
+from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
+from worker_svc.engine.request import Request, RequestStatus
+from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
+from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
+
+__all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
+
+
+@dataclass
+class RequestOutput:
+    """Incremental result of one request for one step.
+
+    ``new_logprobs`` (when requested) has one ``(token_id, logprob, top)`` entry per
+    new token; logprobs are those of the raw model distribution. ``stop_token_id`` is
+    the EOS or stop token that finished the request (it is also the last entry of
+    ``new_token_ids``). ``prompt_logprobs`` comes with the first output only; entry 0
+    is None (the first prompt token has no context).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_token_id: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Point-in-time engine metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_finished: int
+    num_aborted: int
+    num_steps: int
+    num_generated_tokens: int
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; ``request_ids`` were in the failed batch and have been aborted."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class LLMEngine:
+    """Continuous-batching LLM engine over a transformers causal LM with a paged KV cache."""
+
+    def __init__(
+        self, config: EngineConfig, on_kv_events: Callable[[list[KvEvent]], None] | None = None
+    ) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_info: ModelInfo = self.runner.info
+        self.block_manager = BlockManager(
+            self.model_info.num_kv_blocks, config.block_size, config.enable_prefix_caching, on_kv_events
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.model_info.vocab_size, self.model_info.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
+        self._eos = frozenset(self.model_info.eos_token_ids)
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------ requests
+    def validate_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
+        """Stateless checks of a request (safe to call from any thread); ValueError names the field."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        sampling_params.validate()
+        _validate_prompt(prompt_token_ids, self.model_info.vocab_size)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if not isinstance(extra_keys, tuple) or not all(isinstance(k, str) for k in extra_keys):
+            raise ValueError("extra_keys must be a tuple of strings")
+        info = self.model_info
+        total = len(prompt_token_ids) + sampling_params.max_tokens
+        if total > info.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({sampling_params.max_tokens}) = {total} exceeds max_model_len={info.max_model_len}"
+            )
+        blocks = -(-total // info.block_size)
+        if blocks > info.num_kv_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks but the cache has only num_kv_blocks={info.num_kv_blocks}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
+        """Queue a request; raises ValueError (naming the field) if it is invalid."""
+        self.validate_request(request_id, prompt_token_ids, sampling_params, priority, extra_keys)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        generator = None
+        if sampling_params.seed is not None and not sampling_params.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(sampling_params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            priority=priority,
+            extra_keys=extra_keys,
+            generator=generator,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort an unfinished request and free its blocks now; False if unknown/finished.
+
+        An ``abort`` RequestOutput for it is returned by the next ``step()``.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.num_aborted += 1
+        self._pending.append(self._output(request, [], None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether ``step()`` has work (requests, or abort notices to deliver)."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (only while no request holds blocks)."""
+        ok = self.block_manager.reset_prefix_cache()
+        self.block_manager.flush_events()
+        return ok
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration and return the outputs it produced.
+
+        On a model/sampler failure the requests of the failed batch are aborted (blocks
+        freed) and :class:`EngineStepError` is raised; the engine stays usable.
+        """
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            self.num_steps += 1
+            try:
+                model_out = self.runner.execute(sched.scheduled)
+                sampled = self._sample(model_out)
+            except Exception as exc:
+                self._pending = outputs + self._pending
+                failed = self._fail(sched.scheduled)
+                self.block_manager.flush_events()
+                raise EngineStepError(failed, exc) from exc
+            for item in sched.scheduled:
+                item.request.num_computed_tokens = item.end
+                self.block_manager.mark_computed(item.request)
+            self._record_prompt_logprobs(model_out)
+            outputs.extend(self._apply_samples(model_out.sample_items, sampled))
+        self.block_manager.flush_events()
+        return outputs
+
+    def _sample(self, model_out: ModelOutput) -> SamplerOutput:
+        if not model_out.sample_items:
+            return SamplerOutput([], [])
+        rows = [item.request for item in model_out.sample_items]
+        return self.sampler.sample(model_out.sample_logits, rows)
+
+    def _fail(self, scheduled: list[ScheduledRequest]) -> list[str]:
+        failed = []
+        for item in scheduled:
+            request = item.request
+            self.scheduler.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.requests.pop(request.request_id, None)
+            self.num_aborted += 1
+            failed.append(request.request_id)
+        return failed
+
+    def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
+        for item, logits in model_out.prompt_logits:
+            request = item.request
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            # Row r holds the logits at position start + r, which predict token start + r + 1.
+            first = len(request.prompt_logprobs) - 1 - item.start
+            last = min(item.end, request.num_prompt_tokens - 1) - item.start
+            if first < 0 or last <= first:
+                continue  # already recorded (recompute after preemption)
+            lps = torch.log_softmax(logits[first:last].float(), dim=-1)
+            targets = request.prompt_token_ids[item.start + first + 1 : item.start + last + 1]
+            k = request.sampling_params.prompt_logprobs or 0
+            request.prompt_logprobs.extend(token_logprobs(lps, targets, [k] * len(targets)))
+
+    def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
+            request = item.request
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.num_generated_tokens += 1
+            self._check_stop(request, token)
+            outputs.append(self._output(request, [token], [logprob] if logprob is not None else None))
+            if request.is_finished:
+                self.scheduler.remove(request)
+                self.requests.pop(request.request_id, None)
+                self.num_finished += 1
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and (
+            (not params.ignore_eos and token in self._eos) or token in params.stop_token_ids
+        ):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_token_id = token
+        elif (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.model_info.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _output(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        prompt_lps = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent and tokens:
+            prompt_lps = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_token_id=request.stop_token_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=prompt_lps,
+        )
+
+    # --------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        """Current counters and KV cache usage."""
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage(),
+            num_free_blocks=bm.num_free_blocks(),
+            num_total_blocks=bm.num_total_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+
+def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
+        raise ValueError("prompt_token_ids must be a sequence of ints")
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    for tok in prompt_token_ids:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise ValueError(f"prompt_token_ids contains {tok!r}, outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,204 @@
+"""Loads a transformers causal LM with paged attention and runs packed forward passes."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker_svc.engine.attention import (
+    ATTN_IMPL_NAME,
+    attention_context,
+    build_attention_metadata,
+    register_paged_attention,
+)
+from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.scheduler import ScheduledRequest
+
+__all__ = ["ModelInfo", "ModelOutput", "ModelRunner"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about the loaded model and its KV cache."""
+
+    model_dir: str
+    max_model_len: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    attention_backend: str
+
+
+@dataclass
+class ModelOutput:
+    """Logits of one step.
+
+    ``sample_logits[i]`` belongs to ``sample_items[i]`` (chunks reaching the end of
+    their sequence). ``prompt_logits`` holds, for chunks of requests that asked for
+    prompt logprobs, the logits of every position in the chunk.
+    """
+
+    sample_items: list[ScheduledRequest]
+    sample_logits: torch.Tensor
+    prompt_logits: list[tuple[ScheduledRequest, torch.Tensor]] = field(default_factory=list)
+
+
+def _needs_prompt_logits(item: ScheduledRequest) -> bool:
+    req = item.request
+    return (
+        req.sampling_params.prompt_logprobs is not None
+        and not req.prompt_logprobs_sent
+        and item.start < req.num_prompt_tokens - 1
+    )
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; executes one packed batch per call."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        register_paged_attention()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            config.model_dir, attn_implementation=ATTN_IMPL_NAME, dtype=self.dtype
+        )
+        self.model: Any = model.to(self.device).eval()
+        text_cfg = self.model.config.get_text_config()
+        try:
+            gen_cfg: Any = GenerationConfig.from_pretrained(config.model_dir)
+        except OSError:  # no generation_config.json
+            gen_cfg = None
+        self.info = self._model_info(text_cfg, gen_cfg)
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                self.info.num_kv_blocks,
+                config.block_size,
+                self.info.num_kv_heads,
+                self.info.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(self.info.num_layers)
+        ]
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _model_info(self, cfg: Any, gen_cfg: Any) -> ModelInfo:
+        num_layers = int(cfg.num_hidden_layers)
+        num_heads = int(cfg.num_attention_heads)
+        num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        model_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            # This attention has no window; within the window full attention is identical.
+            model_len = min(model_len, int(window))
+        max_len = self.config.max_model_len or model_len
+        if max_len > model_len:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's limit {model_len}")
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks is None:
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            per_block = 2 * num_layers * self.config.block_size * num_kv_heads * head_dim * elem
+            num_blocks = self.config.kv_cache_memory_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes is smaller than one KV block ({per_block} bytes)")
+        return ModelInfo(
+            model_dir=self.config.model_dir,
+            max_model_len=max_len,
+            block_size=self.config.block_size,
+            vocab_size=int(cfg.vocab_size),
+            eos_token_ids=_eos_ids(gen_cfg, cfg),
+            num_kv_blocks=num_blocks,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            attention_backend=self._resolve_backend(),
+        )
+
+    def _resolve_backend(self) -> str:
+        from worker_svc.engine.triton_attention import backend_supported
+
+        ok = backend_supported(self.device, self.config.block_size)
+        backend = self.config.attention_backend
+        if backend == "triton" and not ok:
+            raise ValueError("attention_backend='triton' needs CUDA, triton and a power-of-two block_size")
+        if backend == "auto":
+            return "triton" if ok else "torch"
+        return backend
+
+    def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:
+        """Run one forward over all scheduled chunks; returns the logits that are needed."""
+        ids: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        sample_rows: list[int] = []
+        sample_items: list[ScheduledRequest] = []
+        prompt_spans: list[tuple[ScheduledRequest, int, int]] = []
+        for item in batch:
+            row0 = len(ids)
+            ids.extend(item.request.token_slice(item.start, item.end))
+            positions.extend(range(item.start, item.end))
+            if _needs_prompt_logits(item):
+                prompt_spans.append((item, len(keep), len(keep) + item.num_new_tokens))
+                keep.extend(range(row0, row0 + item.num_new_tokens))
+            if item.needs_sample:
+                # The last kept row is this chunk's last position when prompt logits were kept.
+                if not keep or keep[-1] != row0 + item.num_new_tokens - 1:
+                    keep.append(row0 + item.num_new_tokens - 1)
+                sample_rows.append(len(keep) - 1)
+                sample_items.append(item)
+        logits = self._forward(batch, ids, positions, keep)
+        return ModelOutput(
+            sample_items=sample_items,
+            sample_logits=logits[sample_rows],
+            prompt_logits=[(item, logits[a:b]) for item, a, b in prompt_spans],
+        )
+
+    def _forward(
+        self, batch: Sequence[ScheduledRequest], ids: list[int], positions: list[int], keep: list[int]
+    ) -> torch.Tensor:
+        meta = build_attention_metadata(
+            [(item.start, item.num_new_tokens, item.request.block_table) for item in batch],
+            self.config.block_size,
+            self.kv_caches,
+            self.device,
+            self.info.attention_backend,
+        )
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = keep_t
+        with torch.inference_mode(), attention_context(meta):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        logits: torch.Tensor = out.logits[0]
+        if not self._supports_logits_to_keep:
+            logits = logits[keep_t]
+        return logits.float()
+
+
+def _eos_ids(gen_cfg: Any, cfg: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (gen_cfg, cfg):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            value = [value]
+        for tok in value or []:
+            if isinstance(tok, int) and tok not in ids:
+                ids.append(tok)
+    return tuple(ids)

@@ -1,0 +1,112 @@
+"""Engine-side request state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.engine.sampling import SamplingParams, TokenLogprob
+
+__all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
+
+# Arrival order tie-breaker: monotonic even when two requests share a clock tick.
+_ARRIVAL_SEQ = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request inside the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three terminal states."""
+        return self in FINISH_REASONS
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (it lags
+    ``num_tokens`` by the last sampled token during decode and by the rest of the
+    prompt during chunked prefill). ``block_table`` lists the KV blocks, in order.
+    ``block_hashes`` caches the chained hashes of the request's full token blocks;
+    the block manager extends it lazily.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    extra_keys: tuple[str, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_ARRIVAL_SEQ))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    # Prompt logprobs accumulate over prefill chunks; None at position 0 (no context).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal status."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, or None while running."""
+        return FINISH_REASONS.get(self.status)
+
+    def token_id(self, position: int) -> int:
+        """Token at ``position`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output without materializing the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,268 @@
+"""Sampling parameters and the batched sampler.
+
+Processing order for one step (all rows at once where possible):
+
+1. raw log-probs (``log_softmax`` of the model's logits) for rows that asked for
+   logprobs. Like vLLM's default (``logprobs_mode="raw_logprobs"``) the reported
+   logprobs describe the *model's* distribution, before penalties/temperature/top-k.
+2. penalties: repetition (HF semantics, over prompt + output: positive logits are
+   divided by the penalty, negative ones multiplied), presence and frequency (OpenAI
+   semantics, over output tokens only: ``logit -= freq * count + presence * (count > 0)``).
+3. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked.
+4. temperature 0 -> greedy argmax of the penalized logits; otherwise divide by
+   temperature, apply top-k, top-p, min-p, and draw with the exponential race
+   ``argmax(probs / E)``, ``E ~ Exp(1)`` per vocab entry. A seeded request draws its
+   ``E`` from its own ``torch.Generator``, so its tokens do not depend on which other
+   requests share the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "SamplingState",
+    "TokenLogprob",
+    "token_logprobs",
+]
+
+MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy (same threshold as vLLM).
+_GREEDY_EPS = 1e-5
+
+# (chosen token id, its logprob, [(top token id, logprob), ...] best first)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI/vLLM names and semantics).
+
+    ``top_k`` of -1 or 0 disables top-k. ``max_tokens`` counts generated tokens;
+    ``min_tokens`` suppresses EOS/stop tokens until that many were generated.
+    ``logprobs``/``prompt_logprobs`` ask for the N most likely alternatives per
+    position (0 = only the chosen/prompt token).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature ~ 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first offending field."""
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError("stop_token_ids must be a tuple of ints")
+        for tok in self.stop_token_ids:
+            _check_int("stop_token_ids", tok, lo=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0, hi=MAX_LOGPROBS)
+
+
+def _check_float(name: str, value: object, *, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if v < lo or (lo_open and v == lo) or v > hi:
+        bracket = "(" if lo_open else "["
+        upper = "inf)" if hi == math.inf else f"{hi}]"
+        raise ValueError(f"{name} must be in {bracket}{lo}, {upper}, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {value!r}")
+
+
+class SamplingState(Protocol):
+    """What the sampler needs from a request (``Request`` satisfies it)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, plus logprobs for rows that asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Samples the next token for every row of a ``[num_rows, vocab]`` logits batch."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SamplerOutput:
+        """Sample one token per row; ``logits`` is not modified."""
+        if logits.ndim != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        # Copy: the penalties below work in place and logits may be a view of model output.
+        logits = logits.to(torch.float32, copy=True)
+        lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        self._apply_penalties(logits, rows)
+        self._apply_min_tokens(logits, rows)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.sampling_params.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.sampling_params.greedy]
+        if rand:
+            tokens[rand] = self._sample_random(logits[rand], [rows[i] for i in rand])
+        token_list: list[int] = tokens.tolist()
+        out_logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            chosen = [token_list[i] for i in lp_rows]
+            nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
+            for i, entry in zip(lp_rows, token_logprobs(raw_logprobs, chosen, nums), strict=True):
+                out_logprobs[i] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
+        vocab = logits.shape[1]
+        for i, row in enumerate(rows):
+            p = row.sampling_params
+            if p.repetition_penalty != 1.0:
+                seen = _token_tensor([*row.prompt_token_ids, *row.output_token_ids], vocab, logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.output_token_ids:
+                out = _token_tensor(row.output_token_ids, vocab, logits.device)
+                counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
+        for i, row in enumerate(rows):
+            p = row.sampling_params
+            if len(row.output_token_ids) >= p.min_tokens:
+                continue
+            banned = [t for t in p.stop_token_ids if t < self.vocab_size]
+            if not p.ignore_eos:
+                banned.extend(self.eos_token_ids)
+            if banned:
+                logits[i, banned] = -math.inf
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+        params = [r.sampling_params for r in rows]
+        vocab = logits.shape[1]
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+        logits = logits / temps.unsqueeze(1)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(mp > 0.0 for mp in min_p):
+            thresh = (
+                probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+            )
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        race = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            race[unseeded] = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=dev).exponential_()
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                # Each seeded row consumes exactly `vocab` draws from its own generator per step,
+                # so its stream is independent of batch composition.
+                race[j].exponential_(generator=r.generator)
+        return (probs / race).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k and nucleus (smallest set with mass >= top_p)."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    remove = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+    if any(tp < 1.0 for tp in top_p):
+        probs = torch.softmax(sorted_logits.masked_fill(remove, -math.inf), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 get a threshold above any mass so float rounding never trims them.
+        limit = torch.tensor([tp if tp < 1.0 else 2.0 for tp in top_p], dtype=probs.dtype, device=dev)
+        remove |= mass_before >= limit.unsqueeze(1)
+    mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
+    return logits.masked_fill(mask, -math.inf)
+
+
+def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(list(ids), dtype=torch.long, device=device)
+    return t[(t >= 0) & (t < vocab)]
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """Per row: (chosen id, its logprob, top-``num_top`` alternatives) from a ``[n, V]`` logprob matrix."""
+    if not chosen:
+        return []
+    idx = torch.tensor(list(chosen), dtype=torch.long, device=logprobs.device)
+    chosen_lp: list[float] = logprobs.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_top)
+    top_vals: list[list[float]] = [[] for _ in chosen]
+    top_ids: list[list[int]] = [[] for _ in chosen]
+    if k > 0:
+        vals, ids = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    return [
+        (tok, lp, list(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]], strict=True)))
+        for r, (tok, lp) in enumerate(zip(chosen, chosen_lp, strict=True))
+    ]

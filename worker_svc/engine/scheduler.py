@@ -1,0 +1,149 @@
+"""Token-budget scheduler: one loop per step, prefill and decode mixed (vLLM v1 style).
+
+Each step has a budget of ``max_num_batched_tokens``. Running requests are served
+first, in admission order: a decode needs 1 token, a request in chunked prefill needs
+the rest of its prompt (capped by the remaining budget). Then waiting requests are
+admitted by (priority desc, arrival) while budget, ``max_num_seqs`` and free blocks
+allow; their prefill is chunked to fit the remaining budget. Every scheduled request
+simply advances ``num_computed_tokens`` towards ``num_tokens`` -- there is no separate
+prefill/decode phase.
+
+When a running request cannot get a block, the lowest-priority, latest-arrived
+running request is preempted (blocks freed, status PREEMPTED, back to the waiting
+queue; its tokens are recomputed later, mostly from the prefix cache). A step that
+preempted admits no new requests, to avoid thrashing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from worker_svc.engine.block_manager import BlockManager
+from worker_svc.engine.request import Request, RequestStatus
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request`` starting at position ``start`` run this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        """Position after the last token computed this step."""
+        return self.start + self.num_new_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens in the step's batch."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _waiting_key(request: Request) -> tuple[int, int]:
+    return (-request.priority, request.arrival_seq)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by _waiting_key
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a new (or preempted) request."""
+        bisect.insort(self.waiting, request, key=_waiting_key)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Iterate over a snapshot: preemption removes requests from self.running.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # defensive: nothing to compute (cannot happen in normal flow)
+                continue
+            while not self.block_manager.append_slots(request, num_new):
+                victim = min(self.running, key=lambda r: (r.priority, -r.arrival_seq))
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+        return budget
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt ``victim``; returns budget given back if it was already scheduled this step."""
+        refund = 0
+        for k, sched in enumerate(out.scheduled):
+            if sched.request is victim:
+                refund = sched.num_new_tokens
+                del out.scheduled[k]
+                break
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self.add(victim)
+        return refund
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = bm.num_cached_prefix_tokens(request)
+            num_new = min(request.num_tokens - cached, budget)
+            # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
+            if not bm.allocate(request, num_new):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new

@@ -1,0 +1,185 @@
+"""Triton kernels for the GPU path: KV store and paged decode attention.
+
+Import-safe without triton (``HAS_TRITON`` is then False and the wrappers raise).
+Layouts match :mod:`worker_svc.engine.attention`: cache ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]`` (contiguous), slot = ``block * block_size + offset``.
+
+``paged_decode_attention`` runs one program per (sequence, KV head), covering the
+``H // Hkv`` query heads of that GQA group. It walks the sequence's block table one KV
+block at a time with an online (streaming) softmax in fp32, so no padded context is
+materialized. Prefill chunks stay on torch SDPA (the runner gathers their
+context), which on GPU dispatches to flash/efficient kernels anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["HAS_TRITON", "backend_supported", "paged_decode_attention", "store_kv"]
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def backend_supported(device: torch.device, block_size: int) -> bool:
+    """Whether the triton path can serve this device / block size (power-of-two blocks)."""
+    return HAS_TRITON and device.type == "cuda" and block_size & (block_size - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+if HAS_TRITON:
+
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def _store_kv_kernel(  # type: ignore[no-untyped-def]
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        row_stride,
+        ROW: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = (offs < ROW) & (slot >= 0)  # negative slots are padding
+        k = tl.load(key_ptr + tok * row_stride + offs, mask=mask)
+        v = tl.load(value_ptr + tok * row_stride + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def _paged_decode_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        out_ptr,
+        scale,
+        q_stride_b,
+        q_stride_h,
+        bt_stride,
+        o_stride_b,
+        o_stride_h,
+        GROUP: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (sequence, kv head): the GROUP query heads sharing that kv head
+        # are processed together so each K/V block is loaded once.
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        g = tl.arange(0, BLOCK_G)
+        g_mask = g < GROUP
+        heads = kv_head * GROUP + g
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q_offs = seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
+        tok = tl.arange(0, BLOCK_SIZE)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+        for blk in range(0, num_blocks):
+            phys = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
+            t_mask = (blk * BLOCK_SIZE + tok) < seq_len
+            # [BLOCK_SIZE, BLOCK_D] offsets of this block's K/V rows for kv_head.
+            offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
+            scores = tl.where(t_mask[None, :], scores, -float("inf"))
+            # Online softmax: every visited block has >= 1 valid token, so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_offs = seq * o_stride_b + heads[:, None] * o_stride_h + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use attention_backend='torch'")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton twin of :func:`attention.store_kv` (``key/value [T, Hkv, D]``)."""
+    _require_triton()
+    num_tokens, hkv, d = key.shape
+    if num_tokens == 0:
+        return
+    row = hkv * d
+    k2 = key.reshape(num_tokens, row).to(cache.dtype).contiguous()
+    v2 = value.reshape(num_tokens, row).to(cache.dtype).contiguous()
+    launch: Any = _store_kv_kernel[(num_tokens,)]
+    launch(k2, v2, cache[0], cache[1], slot_mapping, k2.stride(0), ROW=row, BLOCK=_next_pow2(row))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: ``q [B, H, D]`` over each row's paged context -> ``[B, H, D]``.
+
+    ``block_tables [B, max_blocks]`` int32 and ``seq_lens [B]`` int32 (context length
+    including the token being decoded, whose KV must already be stored).
+    """
+    _require_triton()
+    batch, heads, head_dim = q.shape
+    _, _, block_size, hkv, _ = cache.shape
+    if not cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    launch: Any = _paged_decode_kernel[(batch, hkv)]
+    launch(
+        q,
+        cache[0],
+        cache[1],
+        block_tables,
+        seq_lens,
+        out,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // hkv,
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(_next_pow2(heads // hkv), 2),
+        BLOCK_D=_next_pow2(head_dim),
+    )
+    return out
