@@ -1,0 +1,331 @@
+"""`create_app(config)`: the FastAPI application of the gateway.
+
+Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models[/{model}],
+/tokenize, /detokenize (vLLM shapes), /health, /metrics. Middleware (drain, auth, rate
+limit, body limit, metrics) is in gateway.middleware; every error is an OpenAI error
+object (gateway.errors). The gRPC channels are opened in the lifespan (start-up).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import chat, completions
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    unhandled_error_handler,
+    validation_error_handler,
+)
+from gateway.middleware import GatewayMiddleware, GatewayState
+from gateway.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from gateway.serving import new_id
+from gateway.upstream import SCHEDULER, TOKENIZER, Upstream
+from meshserve.v1 import common_pb2, tokenizer_pb2
+from services import tracing
+
+VERSION = "0.1.0"
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        400: "Invalid request (the `param` field names the offending field)",
+        401: "Missing or invalid API key",
+        404: "Unknown model",
+        413: "Request body too large",
+        429: "Rate limited (per API key) or the scheduler is overloaded; see Retry-After",
+        500: "Internal error",
+        503: "An upstream service is unavailable, or the gateway is draining",
+        504: "Upstream deadline exceeded",
+    }
+    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
+
+
+_COMMON = (401, 429, 500, 503)
+_GENERATION_ERRORS = _errors(400, 404, 413, *_COMMON, 504)
+_SSE = {
+    "description": "JSON object, or with `stream: true` server-sent events: `data: <chunk JSON>` "
+    "events, then `data: [DONE]`. A failure after the stream started is sent as a final "
+    '`data: {"error": {...}}` event before `[DONE]`.',
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """Builds the gateway app; gRPC channels open when the app starts (lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tracing.setup_tracing("gateway", config.tracing, config.otlp_endpoint)
+        upstream = Upstream(config)
+        app.state.upstream = upstream
+        try:
+            yield
+        finally:
+            await upstream.close()
+
+    app = FastAPI(
+        title="meshserve gateway",
+        version=VERSION,
+        description="OpenAI-compatible API of the meshserve LLM mesh.",
+        lifespan=lifespan,
+    )
+    state = GatewayState()
+    app.state.config = config
+    app.state.gateway = state
+    app.state.started = int(time.time())
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unhandled_error_handler)
+    app.add_middleware(GatewayMiddleware, config=config, state=state)
+    _add_generation_routes(app)
+    _add_model_routes(app)
+    _add_tokenizer_routes(app)
+    _add_ops_routes(app)
+    return app
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    app.add_api_route(
+        "/v1/chat/completions",
+        chat.create_chat_completion,
+        methods=["POST"],
+        response_model=ChatCompletionResponse,
+        responses={200: _SSE, **_GENERATION_ERRORS},
+        summary="Create a chat completion",
+    )
+    app.add_api_route(
+        "/v1/completions",
+        completions.create_completion,
+        methods=["POST"],
+        response_model=CompletionResponse,
+        responses={200: _SSE, **_GENERATION_ERRORS},
+        summary="Create a completion",
+    )
+    app.add_api_route(
+        "/v1/embeddings",
+        create_embeddings,
+        methods=["POST"],
+        response_model=EmbeddingResponse,
+        responses=_GENERATION_ERRORS,
+        summary="Create embeddings",
+    )
+
+
+def _add_model_routes(app: FastAPI) -> None:
+    app.add_api_route(
+        "/v1/models", list_models, methods=["GET"], response_model=ModelList, responses=_errors(*_COMMON)
+    )
+    app.add_api_route(
+        "/v1/models/{model:path}",
+        retrieve_model,
+        methods=["GET"],
+        response_model=ModelCard,
+        responses=_errors(404, *_COMMON),
+    )
+
+
+def _add_tokenizer_routes(app: FastAPI) -> None:
+    errors = _errors(400, 404, 413, *_COMMON)
+    app.add_api_route(
+        "/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse, responses=errors
+    )
+    app.add_api_route(
+        "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse, responses=errors
+    )
+
+
+def _add_ops_routes(app: FastAPI) -> None:
+    app.add_api_route(
+        "/health",
+        health,
+        methods=["GET"],
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "A component is down, or draining"}},
+        summary="Readiness of the gateway and the mesh behind it",
+    )
+    app.add_api_route(
+        "/metrics",
+        prometheus_metrics,
+        methods=["GET"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+        summary="Prometheus metrics of the gateway process",
+    )
+
+
+def _upstream(request: Request) -> Upstream:
+    upstream: Upstream = request.app.state.upstream
+    return upstream
+
+
+async def _model_cards(request: Request) -> list[ModelCard]:
+    reply = await _upstream(request).list_workers()
+    lengths: dict[str, int] = {}
+    for status in reply.workers:
+        worker = status.worker
+        lengths[worker.model] = max(lengths.get(worker.model, 0), worker.max_model_len)
+    created = int(request.app.state.started)
+    return [
+        ModelCard(id=model, created=created, root=model, max_model_len=lengths.get(model) or None)
+        for model in reply.models
+    ]
+
+
+async def list_models(request: Request) -> ModelList:
+    """Models served by the mesh (the scheduler's ListWorkers, cached ~1 s)."""
+    return ModelList(data=await _model_cards(request))
+
+
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    """One served model, or 404."""
+    for card in await _model_cards(request):
+        if card.id == model:
+            return card
+    raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _encode_embedding(values: list[float], encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+    return values
+
+
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+    """Embeddings of text inputs via the scheduler's Embed."""
+    upstream = _upstream(request)
+    texts = body.texts()
+    model = await upstream.resolve_model(body.model)
+    embed = common_pb2.EmbedRequest(
+        request_id=new_id("embd"),
+        model=model,
+        inputs=texts,
+        normalize=body.normalize,
+        truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
+    )
+    with tracing.span("gateway.embeddings", model=model):
+        reply = await upstream.call(SCHEDULER, upstream.scheduler.Embed(embed, timeout=upstream.timeout))
+    data = [
+        EmbeddingData(index=i, embedding=_encode_embedding(list(e.values), body.encoding_format))
+        for i, e in enumerate(reply.embeddings)
+    ]
+    usage = EmbeddingUsage(prompt_tokens=reply.prompt_tokens, total_tokens=reply.prompt_tokens)
+    return EmbeddingResponse(data=data, model=model, usage=usage)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    """vLLM /tokenize: a prompt (Tokenize) or chat messages (RenderChat)."""
+    body.check()
+    upstream = _upstream(request)
+    model = await upstream.resolve_model(body.model)
+    info = await upstream.tokenizer_info(model)
+    if body.messages is not None:
+        ids = await _render_for_tokenize(upstream, body, model)
+        strs = None
+        if body.return_token_strs:
+            table = await upstream.token_strings(model, set(ids))
+            strs = [table[i] for i in ids]
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
+    add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    reply = await upstream.call(
+        TOKENIZER,
+        upstream.tokenizer.Tokenize(
+            tokenizer_pb2.TokenizeRequest(
+                model=model,
+                text=body.prompt or "",
+                add_special_tokens=add_special,
+                return_token_strs=body.return_token_strs,
+            ),
+            timeout=upstream.timeout,
+        ),
+    )
+    ids = list(reply.token_ids)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=reply.max_model_len or info.max_model_len,
+        tokens=ids,
+        token_strs=list(reply.token_strs) if body.return_token_strs else None,
+    )
+
+
+async def _render_for_tokenize(upstream: Upstream, body: TokenizeRequest, model: str) -> list[int]:
+    messages = [m.model_dump(exclude_unset=True) for m in body.messages or []]
+    render = tokenizer_pb2.RenderChatRequest(
+        model=model,
+        messages_json=json.dumps(messages, ensure_ascii=False),
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=bool(body.add_special_tokens),
+    )
+    if body.tools:
+        render.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+    if body.chat_template is not None:
+        render.chat_template = body.chat_template
+    if body.chat_template_kwargs:
+        render.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    reply = await upstream.call(TOKENIZER, upstream.tokenizer.RenderChat(render, timeout=upstream.timeout))
+    return list(reply.prompt_token_ids)
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """vLLM /detokenize: token ids → text."""
+    upstream = _upstream(request)
+    model = await upstream.resolve_model(body.model)
+    reply = await upstream.call(
+        TOKENIZER,
+        upstream.tokenizer.Detokenize(
+            tokenizer_pb2.DetokenizeRequest(model=model, token_ids=body.tokens), timeout=upstream.timeout
+        ),
+    )
+    return DetokenizeResponse(prompt=reply.text)
+
+
+async def health(request: Request) -> JSONResponse:
+    """200 only when the tokenizer and scheduler are SERVING and a decoder worker is healthy."""
+    report = await _upstream(request).health()
+    draining = bool(request.app.state.gateway.draining)
+    components: dict[str, str | int] = {
+        "gateway": "draining" if draining else "ok",
+        "tokenizer": "ok" if report.tokenizer else "down",
+        "scheduler": "ok" if report.scheduler else "down",
+        "decoder_workers": report.decoder_workers,
+    }
+    ok = report.ok and not draining
+    detail = "; ".join(filter(None, ["gateway is draining" if draining else "", report.detail]))
+    body = HealthResponse(status="ok" if ok else "unavailable", components=components, message=detail or None)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+
+async def prometheus_metrics() -> Response:
+    """Prometheus text exposition of this process's metrics."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,327 @@
+"""`POST /v1/chat/completions`: RenderChat → context check → Generate + DetokenizeStream
+→ OpenAI chat completion (JSON) or chunks (SSE).
+
+Tools: with `tools` (and tool_choice other than "none") the output is parsed for
+Hermes `<tool_call>` blocks (see gateway.tools); finish_reason becomes "tool_calls"
+when a call was parsed and the model stopped normally. tool_choice "required" or a
+named function is passed to the chat template but not enforced (no guided decoding).
+
+response_format json_object: there is no guided decoding in the mesh, so the gateway
+only checks the result: a choice whose final text does not parse as JSON is still
+returned unchanged (200, finish_reason as generated) but logged as a warning and
+counted in `meshserve_gateway_json_mode_violations_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request, Response
+
+from gateway import metrics
+from gateway.errors import APIError
+from gateway.generation import ChoiceEvent, GenerationRun
+from gateway.logprobs import chat_logprobs, resolve_strings
+from gateway.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+)
+from gateway.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    MultiRun,
+    RequestContext,
+    SSEResponse,
+    cancel_on_disconnect,
+    generation_spec,
+    new_id,
+    request_context,
+    resolve_max_tokens,
+    sampling_params,
+    sse_event,
+    usage_info,
+)
+from gateway.tools import ToolCallStreamParser, parse_tool_calls
+from gateway.upstream import TOKENIZER
+from meshserve.v1 import common_pb2, tokenizer_pb2
+from services import tracing
+
+log = logging.getLogger(__name__)
+ROUTE = "/v1/chat/completions"
+
+
+def render_request(body: ChatCompletionRequest, model: str) -> tokenizer_pb2.RenderChatRequest:
+    """The tokenizer's RenderChat request for `body`."""
+    messages = [m.model_dump(exclude_unset=True) for m in body.messages]
+    request = tokenizer_pb2.RenderChatRequest(
+        model=model,
+        messages_json=json.dumps(messages, ensure_ascii=False),
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens,
+    )
+    if "add_generation_prompt" in body.model_fields_set:
+        request.add_generation_prompt = body.add_generation_prompt
+    else:
+        request.add_generation_prompt = not body.continue_final_message
+    if body.tools:
+        request.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+    if body.tool_choice is not None:
+        choice = body.tool_choice
+        value = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+        request.tool_choice_json = json.dumps(value)
+    if body.chat_template is not None:
+        request.chat_template = body.chat_template
+    if body.chat_template_kwargs:
+        request.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    return request
+
+
+async def start_chat(
+    ctx: RequestContext, body: ChatCompletionRequest, model: str, request_id: str
+) -> MultiRun:
+    """Renders the prompt, checks the context length and starts generation."""
+    upstream = ctx.upstream
+    rendered, info = await asyncio.gather(
+        upstream.call(
+            TOKENIZER, upstream.tokenizer.RenderChat(render_request(body, model), timeout=upstream.timeout)
+        ),
+        upstream.tokenizer_info(model),
+    )
+    prompt_ids = list(rendered.prompt_token_ids)
+    if not prompt_ids:
+        raise APIError(400, "the rendered prompt is empty", param="messages")
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(
+        len(prompt_ids),
+        body.requested_max_tokens(),
+        info.max_model_len,
+        ctx.config.default_max_tokens,
+        "messages",
+        max_param,
+    )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = sampling_params(body, max_tokens, logprobs)
+    spec = generation_spec(ctx, body, request_id, model, prompt_ids, list(rendered.mm_items), sampling)
+    multi = MultiRun([GenerationRun(upstream, spec)], body.n)
+    multi.start()
+    return multi
+
+
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> ChatCompletionResponse | Response:
+    """Route handler (see module docstring)."""
+    ctx = request_context(request)
+    body.check(ctx.config.max_n)
+    model = await ctx.upstream.resolve_model(body.model)
+    request_id = new_id("chatcmpl")
+    with tracing.span("gateway.chat_completions", model=model, request_id=request_id):
+        multi = await start_chat(ctx, body, model, request_id)
+        handed_off = False
+        try:
+            if body.stream:
+                await cancel_on_disconnect(request, multi.peek())
+                streamer = ChatStreamer(ctx, body, request_id, model, multi)
+                handed_off = True
+                return SSEResponse(streamer.stream(), on_close=multi.close)
+            collector = ChatCollector(ctx, body, request_id, model, multi)
+            return await cancel_on_disconnect(request, collector.collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                multi.close()
+
+
+def check_json_output(text: str, request_id: str, index: int) -> None:
+    """json_object mode: warn (and count) when a choice's text is not valid JSON."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        metrics.JSON_MODE_VIOLATIONS.inc()
+        log.warning(
+            "%s choice %d: response_format json_object but output is not JSON (%s)", request_id, index, exc
+        )
+
+
+@dataclass
+class _Accumulated:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCollector:
+    """Builds the non-streamed response."""
+
+    def __init__(
+        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+    ) -> None:
+        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.choices = [_Accumulated() for _ in range(body.n)]
+
+    async def collect(self) -> ChatCompletionResponse:
+        """Consumes every event and assembles the response."""
+        async for event in self.multi.events():
+            self.timer.on_output(len(event.token_ids))
+            acc = self.choices[event.index]
+            acc.text.append(event.text)
+            acc.logprobs.extend(event.logprobs)
+            if event.finish_reason is not None:
+                acc.finish_reason, acc.stop_reason = event.finish_reason, event.stop_reason
+        usage = self.multi.usage()
+        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+        top_k = self.body.top_logprobs or 0
+        raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs else []
+        strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
+        return ChatCompletionResponse(
+            id=self.request_id,
+            created=self.ctx.created,
+            model=self.model,
+            choices=[self._choice(i, acc, strings) for i, acc in enumerate(self.choices)],
+            usage=usage_info(usage),
+        )
+
+    def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> ChatChoice:
+        text = "".join(acc.text)
+        if self.body.response_format is not None and self.body.response_format.type == "json_object":
+            check_json_output(text, self.request_id, index)
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if self.body.tools_enabled():
+            content, calls = parse_tool_calls(text)
+        finish = acc.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        logprobs = None
+        if self.body.logprobs:
+            logprobs = ChatLogprobs(content=chat_logprobs(acc.logprobs, strings, self.body.top_logprobs or 0))
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=content, tool_calls=calls or None),
+            logprobs=logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+            stop_reason=acc.stop_reason,
+        )
+
+
+class ChatStreamer:
+    """Turns events into chat completion chunks (SSE)."""
+
+    def __init__(
+        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+    ) -> None:
+        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        tools = body.tools_enabled()
+        self.parsers = [ToolCallStreamParser() if tools else None for _ in range(body.n)]
+        self.json_mode = body.response_format is not None and body.response_format.type == "json_object"
+        self.texts: list[list[str]] = [[] for _ in range(body.n)]
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.continuous_usage = options is not None and options.continuous_usage_stats
+
+    def chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        """A chunk with the request's id/model (and running usage when asked)."""
+        chunk = ChatCompletionChunk(
+            id=self.request_id, created=self.ctx.created, model=self.model, choices=choices
+        )
+        if self.continuous_usage:
+            usage = self.multi.usage()
+            usage.completion_tokens = self.multi.completion_tokens_so_far()
+            chunk.usage = usage_info(usage)
+        return chunk
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The SSE body: role chunks, content chunks, optional usage chunk, [DONE]."""
+        try:
+            for index in range(self.body.n):
+                delta = DeltaMessage(role="assistant", content="")
+                yield sse_event(
+                    self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)])
+                )
+            async for event in self.multi.events():
+                chunk = await self.on_event(event)
+                if chunk is not None:
+                    yield sse_event(chunk)
+            usage = self.multi.usage()
+            self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+            if self.include_usage:
+                yield sse_event(
+                    ChatCompletionChunk(
+                        id=self.request_id,
+                        created=self.ctx.created,
+                        model=self.model,
+                        choices=[],
+                        usage=usage_info(usage),
+                    )
+                )
+        except APIError as exc:
+            yield sse_event(exc.body())
+        except Exception as exc:
+            log.exception("%s: stream failed", self.request_id)
+            yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
+        yield SSE_DONE
+
+    async def on_event(self, event: ChoiceEvent) -> ChatCompletionChunk | None:
+        """The chunk for one event (None when it carries nothing to send)."""
+        self.timer.on_output(len(event.token_ids))
+        parser = self.parsers[event.index]
+        content, calls = parser.feed(event.text) if parser is not None else (event.text, [])
+        if event.finish_reason is not None and parser is not None:
+            content += parser.flush()
+        if self.json_mode:
+            self.texts[event.index].append(event.text)
+        logprobs = None
+        if self.body.logprobs and event.logprobs:
+            top_k = self.body.top_logprobs or 0
+            strings = await resolve_strings(self.ctx.upstream, self.model, event.logprobs, top_k)
+            logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs, strings, top_k))
+        if not (content or calls or logprobs or event.finish_reason):
+            return None
+        delta = DeltaMessage()
+        if content or not calls:
+            delta.content = content
+        if calls:
+            first = (parser.calls_emitted if parser is not None else 0) - len(calls)
+            delta.tool_calls = [_delta_call(first + i, call) for i, call in enumerate(calls)]
+        choice = ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=None)
+        if event.finish_reason is not None:
+            self._finish(choice, event, parser)
+        return self.chunk([choice])
+
+    def _finish(
+        self, choice: ChatChunkChoice, event: ChoiceEvent, parser: ToolCallStreamParser | None
+    ) -> None:
+        reason = event.finish_reason
+        if parser is not None and parser.calls_emitted and reason == "stop":
+            reason = "tool_calls"
+        choice.finish_reason = reason  # type: ignore[assignment]
+        choice.stop_reason = event.stop_reason
+        if self.json_mode:
+            check_json_output("".join(self.texts[event.index]), self.request_id, event.index)
+
+
+def _delta_call(index: int, call: ToolCall) -> DeltaToolCall:
+    return DeltaToolCall(
+        index=index,
+        id=call.id,
+        type="function",
+        function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+    )

@@ -1,0 +1,271 @@
+"""`POST /v1/completions`: RenderCompletion per prompt → context check → Generate +
+DetokenizeStream → OpenAI text completion (JSON) or chunks (SSE).
+
+Several prompts (a list of strings or of token-id lists) run concurrently as one
+request; choice `index` is prompt index × n + choice index, as in OpenAI/vLLM.
+`echo` prefixes each choice with its prompt text (not combinable with logprobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request, Response
+
+from gateway import metrics
+from gateway.errors import APIError
+from gateway.generation import ChoiceEvent, GenerationRun
+from gateway.logprobs import completion_logprobs, resolve_strings
+from gateway.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from gateway.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    MultiRun,
+    RequestContext,
+    SSEResponse,
+    cancel_on_disconnect,
+    generation_spec,
+    new_id,
+    request_context,
+    resolve_max_tokens,
+    sampling_params,
+    sse_event,
+    usage_info,
+)
+from gateway.upstream import TOKENIZER
+from meshserve.v1 import common_pb2, tokenizer_pb2
+from services import tracing
+
+log = logging.getLogger(__name__)
+ROUTE = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    text: str
+    mm_items: list[common_pb2.MultiModalItem]
+
+
+async def _render(
+    ctx: RequestContext, body: CompletionRequest, model: str, prompt: str | list[int]
+) -> _Prompt:
+    """RenderCompletion of one prompt (plus its text when echo needs it)."""
+    upstream = ctx.upstream
+    request = tokenizer_pb2.RenderCompletionRequest(model=model, add_special_tokens=body.add_special_tokens)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    rendered = await upstream.call(
+        TOKENIZER, upstream.tokenizer.RenderCompletion(request, timeout=upstream.timeout)
+    )
+    ids = list(rendered.prompt_token_ids)
+    text = rendered.prompt_text or (prompt if isinstance(prompt, str) else "")
+    if body.echo and not text and ids:
+        detok = tokenizer_pb2.DetokenizeRequest(model=model, token_ids=ids, skip_special_tokens=False)
+        text = (
+            await upstream.call(TOKENIZER, upstream.tokenizer.Detokenize(detok, timeout=upstream.timeout))
+        ).text
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return _Prompt(ids, text, list(rendered.mm_items))
+
+
+async def start_completion(
+    ctx: RequestContext, body: CompletionRequest, model: str, request_id: str
+) -> tuple[MultiRun, list[_Prompt]]:
+    """Renders every prompt, checks context lengths and starts generation."""
+    upstream = ctx.upstream
+    info = await upstream.tokenizer_info(model)
+    prompts = await asyncio.gather(*(_render(ctx, body, model, p) for p in body.prompts()))
+    runs = []
+    for i, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            len(prompt.ids), body.max_tokens, info.max_model_len, ctx.config.default_max_tokens, "prompt"
+        )
+        sampling = sampling_params(body, max_tokens, body.logprobs)
+        run_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        spec = generation_spec(ctx, body, run_id, model, prompt.ids, prompt.mm_items, sampling)
+        runs.append(GenerationRun(upstream, spec))
+    multi = MultiRun(runs, body.n)
+    multi.start()
+    return multi, prompts
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+    """Route handler (see module docstring)."""
+    ctx = request_context(request)
+    body.check(ctx.config.max_n)
+    model = await ctx.upstream.resolve_model(body.model)
+    request_id = new_id("cmpl")
+    with tracing.span("gateway.completions", model=model, request_id=request_id):
+        multi, prompts = await start_completion(ctx, body, model, request_id)
+        echoes = [p.text if body.echo else "" for p in prompts for _ in range(body.n)]
+        handed_off = False
+        try:
+            if body.stream:
+                await cancel_on_disconnect(request, multi.peek())
+                streamer = CompletionStreamer(ctx, body, request_id, model, multi, echoes)
+                handed_off = True
+                return SSEResponse(streamer.stream(), on_close=multi.close)
+            collector = CompletionCollector(ctx, body, request_id, model, multi, echoes)
+            return await cancel_on_disconnect(request, collector.collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                multi.close()
+
+
+@dataclass
+class _Accumulated:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionCollector:
+    """Builds the non-streamed response."""
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        body: CompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        echoes: list[str],
+    ) -> None:
+        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+        self.echoes = echoes
+        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.choices = [_Accumulated() for _ in echoes]
+
+    async def collect(self) -> CompletionResponse:
+        """Consumes every event and assembles the response."""
+        async for event in self.multi.events():
+            self.timer.on_output(len(event.token_ids))
+            acc = self.choices[event.index]
+            acc.text.append(event.text)
+            acc.logprobs.extend(event.logprobs)
+            if event.finish_reason is not None:
+                acc.finish_reason, acc.stop_reason = event.finish_reason, event.stop_reason
+        usage = self.multi.usage()
+        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+        top_k = self.body.logprobs or 0
+        raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs is not None else []
+        strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
+        choices = []
+        for index, acc in enumerate(self.choices):
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = completion_logprobs(acc.logprobs, strings, top_k, len(self.echoes[index]))
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=self.echoes[index] + "".join(acc.text),
+                    logprobs=logprobs,
+                    finish_reason=acc.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=acc.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.ctx.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_info(usage),
+        )
+
+
+class CompletionStreamer:
+    """Turns events into completion chunks (SSE)."""
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        body: CompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        echoes: list[str],
+    ) -> None:
+        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+        self.echoes = echoes
+        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.offsets = [0] * len(echoes)
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.continuous_usage = options is not None and options.continuous_usage_stats
+
+    def chunk(self, choice: CompletionChoice | None) -> CompletionChunk:
+        """A chunk with the request's id/model (and running usage when asked)."""
+        chunk = CompletionChunk(
+            id=self.request_id, created=self.ctx.created, model=self.model, choices=[choice] if choice else []
+        )
+        if self.continuous_usage:
+            usage = self.multi.usage()
+            usage.completion_tokens = self.multi.completion_tokens_so_far()
+            chunk.usage = usage_info(usage)
+        return chunk
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The SSE body: echo chunks, text chunks, optional usage chunk, [DONE]."""
+        try:
+            for index, echo in enumerate(self.echoes):
+                if echo:
+                    self.offsets[index] = len(echo)
+                    yield sse_event(
+                        self.chunk(
+                            CompletionChoice(index=index, text=echo, logprobs=None, finish_reason=None)
+                        )
+                    )
+            async for event in self.multi.events():
+                choice = await self.on_event(event)
+                if choice is not None:
+                    yield sse_event(self.chunk(choice))
+            usage = self.multi.usage()
+            self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+            if self.include_usage:
+                final = CompletionChunk(
+                    id=self.request_id,
+                    created=self.ctx.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage_info(usage),
+                )
+                yield sse_event(final)
+        except APIError as exc:
+            yield sse_event(exc.body())
+        except Exception as exc:
+            log.exception("%s: stream failed", self.request_id)
+            yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
+        yield SSE_DONE
+
+    async def on_event(self, event: ChoiceEvent) -> CompletionChoice | None:
+        """The choice delta of one event (None when it carries nothing to send)."""
+        self.timer.on_output(len(event.token_ids))
+        logprobs: CompletionLogprobs | None = None
+        if self.body.logprobs is not None and event.logprobs:
+            top_k = self.body.logprobs
+            strings = await resolve_strings(self.ctx.upstream, self.model, event.logprobs, top_k)
+            logprobs = completion_logprobs(event.logprobs, strings, top_k, self.offsets[event.index])
+        self.offsets[event.index] += len(event.text)
+        if not (event.text or logprobs or event.finish_reason):
+            return None
+        choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs, finish_reason=None)
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason  # type: ignore[assignment]
+            choice.stop_reason = event.stop_reason
+        return choice

@@ -1,0 +1,61 @@
+"""Gateway configuration: a frozen dataclass loaded by `services.config.load_config`.
+
+Every field becomes a `--flag-name` option with a `MESHSERVE_FLAG_NAME` env default,
+e.g. `--tokenizer-address` / `MESHSERVE_TOKENIZER_ADDRESS`, `--api-keys k1,k2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    """OpenAI-compatible HTTP gateway in front of the tokenizer and scheduler services."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer_address: str = "127.0.0.1:50051"
+    scheduler_address: str = "127.0.0.1:50052"
+    # Accepted `Authorization: Bearer <key>` values; empty = no authentication.
+    api_keys: tuple[str, ...] = ()
+    max_request_bytes: int = 16 * 1024 * 1024
+    # Deadline of every upstream call, the whole generation stream included.
+    request_timeout_s: float = 600.0
+    log_level: str = "INFO"
+    tracing: str = "none"
+    otlp_endpoint: str = ""
+    # max_tokens when the client omits it (capped by the model's remaining context).
+    default_max_tokens: int = 256
+    max_n: int = 16
+    # Requests per second allowed per API key (token bucket); 0 = no rate limit.
+    rate_limit_rps_per_key: float = 0.0
+    # Bucket size; 0 = max(1, rate_limit_rps_per_key).
+    rate_limit_burst: int = 0
+    # On SIGTERM: answer new requests 503 and let requests in flight finish this long.
+    drain_timeout_s: float = 30.0
+    # How long /v1/models (and the model check of every request) reuses ListWorkers.
+    models_cache_s: float = 1.0
+    max_grpc_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        """Rejects values that cannot work, naming the offending option."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_request_bytes <= 0:
+            raise ValueError("max_request_bytes must be > 0")
+        if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
+            raise ValueError("request_timeout_s must be a positive number")
+        if self.tracing not in ("none", "console", "otlp", "memory"):
+            raise ValueError("tracing must be one of none, console, otlp, memory")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
+        if self.rate_limit_rps_per_key < 0 or self.rate_limit_burst < 0:
+            raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
+        if self.drain_timeout_s < 0 or self.models_cache_s < 0:
+            raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty keys")

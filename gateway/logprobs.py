@@ -1,0 +1,95 @@
+"""Upstream `TokenLogprob`s → OpenAI logprobs objects (chat and legacy completions).
+
+Token strings come from `Upstream.token_strings` (single-id Detokenize, cached).
+`-inf` is not valid JSON, so logprobs are clamped to -9999.0 like vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gateway.protocol import ChatLogprob, CompletionLogprobs, TopLogprob
+from gateway.upstream import Upstream
+from meshserve.v1 import common_pb2
+
+MIN_LOGPROB = -9999.0
+
+
+def _clamp(value: float) -> float:
+    if math.isnan(value) or value < MIN_LOGPROB:
+        return MIN_LOGPROB
+    return float(value)
+
+
+def token_ids_of(logprobs: Sequence[common_pb2.TokenLogprob], top_k: int) -> set[int]:
+    """Every token id whose text the logprobs objects need."""
+    ids: set[int] = set()
+    for entry in logprobs:
+        ids.add(entry.token_id)
+        ids.update(top.token_id for top in entry.top[:top_k])
+    return ids
+
+
+async def resolve_strings(
+    upstream: Upstream, model: str, logprobs: Sequence[common_pb2.TokenLogprob], top_k: int
+) -> dict[int, str]:
+    """Token strings for `logprobs` (empty when there is nothing to render)."""
+    if not logprobs:
+        return {}
+    return await upstream.token_strings(model, token_ids_of(logprobs, top_k))
+
+
+def chat_logprobs(
+    logprobs: Sequence[common_pb2.TokenLogprob], strings: dict[int, str], top_k: int
+) -> list[ChatLogprob]:
+    """Chat `logprobs.content` entries."""
+    out = []
+    for entry in logprobs:
+        token = strings.get(entry.token_id, "")
+        tops = [
+            TopLogprob(
+                token=strings.get(t.token_id, ""),
+                logprob=_clamp(t.logprob),
+                bytes=list(strings.get(t.token_id, "").encode()),
+            )
+            for t in entry.top[:top_k]
+        ]
+        out.append(
+            ChatLogprob(
+                token=token, logprob=_clamp(entry.logprob), bytes=list(token.encode()), top_logprobs=tops
+            )
+        )
+    return out
+
+
+def completion_logprobs(
+    logprobs: Sequence[common_pb2.TokenLogprob],
+    strings: dict[int, str],
+    top_k: int,
+    text_offset: int,
+) -> CompletionLogprobs:
+    """Legacy completion logprobs; `text_offset` is where the first token starts."""
+    result = CompletionLogprobs()
+    offset = text_offset
+    for entry in logprobs:
+        token = strings.get(entry.token_id, "")
+        result.tokens.append(token)
+        result.token_logprobs.append(_clamp(entry.logprob))
+        tops = {strings.get(t.token_id, ""): _clamp(t.logprob) for t in entry.top[:top_k]}
+        tops.setdefault(token, _clamp(entry.logprob))
+        result.top_logprobs.append(tops)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
+    """Concatenates per-event completion logprobs of one choice."""
+    merged = CompletionLogprobs()
+    for part in parts:
+        merged.tokens.extend(part.tokens)
+        merged.token_logprobs.extend(part.token_logprobs)
+        merged.top_logprobs.extend(part.top_logprobs)
+        merged.text_offset.extend(part.text_offset)
+    return merged

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the gateway process, exposed on its own `GET /metrics`.
+
+Latency histograms follow vLLM's definitions: TTFT is request arrival → first
+generated text; TPOT is (e2e − TTFT) / (completion tokens − 1) per request; the
+inter-token latency is the gap between consecutive output events divided by the
+tokens they carried.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+REQUESTS = Counter(
+    "meshserve_gateway_requests_total",
+    "HTTP requests answered, by route and status code",
+    ["route", "status"],
+)
+IN_FLIGHT = Gauge(
+    "meshserve_gateway_requests_in_flight",
+    "HTTP requests being served (streams included until their last byte)",
+    ["route"],
+)
+E2E_LATENCY = Histogram(
+    "meshserve_gateway_request_duration_seconds",
+    "End-to-end HTTP request latency (whole stream for streamed responses)",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
+TTFT = Histogram(
+    "meshserve_gateway_time_to_first_token_seconds",
+    "Request arrival to first generated output",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
+TPOT = Histogram(
+    "meshserve_gateway_time_per_output_token_seconds",
+    "Mean time per output token after the first, per request",
+    ["route"],
+    buckets=_TOKEN_BUCKETS,
+)
+ITL = Histogram(
+    "meshserve_gateway_inter_token_latency_seconds",
+    "Gap between consecutive output events divided by their tokens",
+    ["route"],
+    buckets=_TOKEN_BUCKETS,
+)
+PROMPT_TOKENS = Counter(
+    "meshserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests", ["route"]
+)
+COMPLETION_TOKENS = Counter(
+    "meshserve_gateway_completion_tokens_total", "Completion tokens of finished requests", ["route"]
+)
+JSON_MODE_VIOLATIONS = Counter(
+    "meshserve_gateway_json_mode_violations_total",
+    "Choices of response_format=json_object requests whose text is not valid JSON",
+)
+
+
+class GenerationTimer:
+    """Records TTFT, inter-token latency, TPOT and token counts of one request."""
+
+    def __init__(self, route: str, start: float) -> None:
+        self.route = route
+        self.start = start
+        self.first: float | None = None
+        self.last = start
+
+    def on_output(self, num_tokens: int) -> None:
+        """Called for every output event carrying `num_tokens` new tokens."""
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            TTFT.labels(self.route).observe(now - self.start)
+        else:
+            ITL.labels(self.route).observe((now - self.last) / num_tokens)
+        self.last = now
+
+    def finish(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Called once when the request completed successfully."""
+        PROMPT_TOKENS.labels(self.route).inc(prompt_tokens)
+        COMPLETION_TOKENS.labels(self.route).inc(completion_tokens)
+        if self.first is not None and completion_tokens > 1:
+            TPOT.labels(self.route).observe((self.last - self.first) / (completion_tokens - 1))

@@ -1,0 +1,570 @@
+"""Pydantic v2 models of the OpenAI (and vLLM-extension) request and response objects.
+
+Requests ignore unknown fields like OpenAI does. Per-field ranges are declared here
+(FastAPI turns violations into 400s naming the field); rules that span several fields
+or depend on the gateway configuration live in each request's `check()` method, which
+raises `APIError` with the offending `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import APIError
+
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Field(min_length=1)]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown fields are ignored, NaN/inf are rejected."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    """Base of response bodies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    """`stream_options`: usage reporting of a streamed response."""
+
+    include_usage: bool = False
+    # vLLM extension: a usage object on every chunk.
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by chat completions and completions (OpenAI + vLLM extras)."""
+
+    model: str | None = Field(None, description="Model to use; defaults to the only/first served model.")
+    n: int = Field(1, ge=1, description="Number of choices; at most the gateway's --max-n.")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    stop: StopString | list[StopString] | None = Field(None, description="Up to 4 stop strings.")
+    stop_token_ids: list[NonNegativeInt] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+    best_of: int | None = Field(None, ge=1, description="Only best_of == n is supported.")
+    priority: int = Field(
+        0,
+        ge=-INT32_MAX,
+        le=INT32_MAX,
+        description="vLLM semantics: lower values are scheduled earlier (default 0).",
+    )
+    cache_salt: str | None = Field(
+        None, description="Requests with different salts never share prefix cache."
+    )
+
+    def stop_list(self) -> list[str]:
+        """`stop` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_sampling(self, max_n: int) -> None:
+        """Cross-field rules shared by both completion kinds."""
+        if self.n > max_n:
+            raise APIError(400, f"n must be at most {max_n}, got {self.n}", param="n", code="invalid_value")
+        if len(self.stop_list()) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is enabled", param="stream_options"
+            )
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise APIError(400, "min_tokens must be <= max_tokens", param="min_tokens")
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ChatMessage(BaseModel):
+    """One chat message; extra keys are passed through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    """A callable function offered to the model."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    """An entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """`{"name": ...}` of a named tool choice."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(_Request):
+    """`response_format`; only "text" and "json_object" are supported."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, else the legacy `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check(self, max_n: int) -> None:
+        """Cross-field validation; raises APIError naming the field."""
+        self.check_sampling(max_n)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            raise APIError(
+                400,
+                "response_format json_schema is not supported (no guided decoding); use json_object",
+                param="response_format",
+            )
+        if (
+            self.add_generation_prompt
+            and self.continue_final_message
+            and "add_generation_prompt" in (self.model_fields_set)
+        ):
+            raise APIError(
+                400,
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        if self.tool_choice is None or self.tool_choice == "none":
+            return
+        if not self.tools:
+            raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools}
+            if self.tool_choice.function.name not in names:
+                raise APIError(
+                    400,
+                    f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
+
+    def tools_enabled(self) -> bool:
+        """Whether the output is parsed for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class ToolCallFunction(_Response):
+    """Function name and JSON-encoded arguments of a tool call."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """A tool call of the assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class TopLogprob(_Response):
+    """One alternative token with its logprob."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(_Response):
+    """Logprob of one generated token with its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    """`choices[].logprobs` of chat completions."""
+
+    content: list[ChatLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    """The assistant message of a choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class PromptTokensDetails(_Response):
+    """Breakdown of prompt tokens."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    """Token accounting of a request (prompt tokens counted once, not per choice)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatChoice(_Response):
+    """A non-streamed chat choice."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    # vLLM extension: the stop string or stop token id that ended the choice.
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    """`POST /v1/chat/completions` response (stream=false)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaFunctionCall(_Response):
+    """Function part of a streamed tool call."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A streamed tool call (the gateway sends each call whole, in one delta)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_Response):
+    """`choices[].delta` of a chat chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(_Response):
+    """A choice of a chat completion chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One `data:` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------- completions
+
+TokenIds = list[NonNegativeInt]
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions` body."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one entry per prompt (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [[int(p) for p in prompt if isinstance(p, int)]]
+        return [p for p in prompt if isinstance(p, str | list)]
+
+    def check(self, max_n: int) -> None:
+        """Cross-field validation; raises APIError naming the field."""
+        self.check_sampling(max_n)
+        prompts = self.prompts()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported", param="echo")
+
+
+class CompletionLogprobs(_Response):
+    """`choices[].logprobs` of completions (legacy format)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    """A completion choice (also the choice of a streamed chunk)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    """`POST /v1/completions` response (stream=false)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(_Response):
+    """One `data:` event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(_Request):
+    """`POST /v1/embeddings` body (text inputs only)."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    # vLLM extensions.
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    normalize: bool = True
+
+    def texts(self) -> list[str]:
+        """The inputs as a list of strings; token-id inputs raise APIError."""
+        value = self.input
+        if isinstance(value, str):
+            texts = [value]
+        elif all(isinstance(v, str) for v in value):
+            texts = [v for v in value if isinstance(v, str)]
+        else:
+            raise APIError(400, "token id inputs are not supported for embeddings; send text", param="input")
+        if not texts or any(not t for t in texts):
+            raise APIError(400, "input must not be empty", param="input")
+        if self.dimensions is not None:
+            raise APIError(400, "dimensions is not supported by this server", param="dimensions")
+        return texts
+
+
+class EmbeddingData(_Response):
+    """One embedding: floats, or base64 of little-endian float32 when asked."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Response):
+    """Token accounting of an embedding request."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    """`POST /v1/embeddings` response."""
+
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -------------------------------------------------------------------------- models
+
+
+class ModelCard(_Response):
+    """An entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "meshserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    """`GET /v1/models` response."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -------------------------------------------------------------- tokenize/detokenize
+
+
+class TokenizeRequest(_Request):
+    """`POST /tokenize` (vLLM): either `prompt` (completion style) or `messages` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="Default true for prompt, false for messages.")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        """Exactly one of prompt and messages."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "exactly one of prompt and messages is required", param="prompt")
+
+
+class TokenizeResponse(_Response):
+    """`POST /tokenize` response."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize` body."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(_Response):
+    """`POST /detokenize` response."""
+
+    prompt: str
+
+
+# ------------------------------------------------------------------ errors, health
+
+
+class ErrorDetail(_Response):
+    """The `error` object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """Body of every error response."""
+
+    error: ErrorDetail
+
+
+class HealthResponse(_Response):
+    """`GET /health`: "ok" only when every upstream component is ready."""
+
+    status: Literal["ok", "unavailable"]
+    components: dict[str, str | int]
+    message: str | None = None

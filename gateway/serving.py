@@ -1,0 +1,294 @@
+"""Pieces shared by the chat and completion routes: request context, context-length
+check, sampling parameters, running several generations as one, disconnect handling
+and the SSE response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.generation import ChoiceEvent, GenerationRun, GenerationSpec, Usage
+from gateway.middleware import ANONYMOUS
+from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from gateway.upstream import Upstream
+from meshserve.v1 import common_pb2
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Sampling fields forwarded only when the client set them.
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+)
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Per-request facts the handlers need."""
+
+    config: GatewayConfig
+    upstream: Upstream
+    tenant: str
+    start_time: float
+    created: int
+
+
+def request_context(request: Request) -> RequestContext:
+    """Config, upstream clients, tenant and arrival time of `request`."""
+    state = request.state
+    return RequestContext(
+        config=request.app.state.config,
+        upstream=request.app.state.upstream,
+        tenant=getattr(state, "tenant", ANONYMOUS),
+        start_time=getattr(state, "start_time", time.perf_counter()),
+        created=int(time.time()),
+    )
+
+
+def new_id(prefix: str) -> str:
+    """A request id such as `chatcmpl-<hex>`; also the scheduler's request_id."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(
+    prompt_len: int,
+    requested: int | None,
+    max_model_len: int,
+    default: int,
+    prompt_param: str,
+    max_param: str = "max_tokens",
+) -> int:
+    """max_tokens to ask for, or a 400 naming the model's context length."""
+    if max_model_len <= 0:  # unknown limit: let the worker enforce it
+        return requested if requested is not None else default
+    if prompt_len >= max_model_len or (requested is not None and prompt_len + requested > max_model_len):
+        asked = requested if requested is not None else 1
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; your request has "
+            f"{prompt_len} prompt tokens and asks for {asked} completion tokens "
+            f"({prompt_len + asked} in total). Please reduce the length of the {prompt_param}"
+            + (f" or {max_param}." if requested is not None else "."),
+            param=prompt_param if prompt_len >= max_model_len else max_param,
+            code="context_length_exceeded",
+        )
+    if requested is not None:
+        return requested
+    return min(default, max_model_len - prompt_len)
+
+
+def sampling_params(
+    body: SamplingRequest, max_tokens: int, logprobs: int | None
+) -> common_pb2.SamplingParams:
+    """SamplingParams with only the fields the client set (plus max_tokens and n)."""
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, n=body.n, ignore_eos=body.ignore_eos)
+    for name in _OPTIONAL_SAMPLING:
+        value = getattr(body, name)
+        if name in body.model_fields_set and value is not None:
+            setattr(params, name, value)
+    if body.stop_token_ids:
+        params.stop_token_ids.extend(body.stop_token_ids)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params
+
+
+def generation_spec(
+    ctx: RequestContext,
+    body: SamplingRequest,
+    request_id: str,
+    model: str,
+    prompt_ids: list[int],
+    mm_items: list[common_pb2.MultiModalItem],
+    sampling: common_pb2.SamplingParams,
+) -> GenerationSpec:
+    """The GenerationSpec of one prompt. vLLM priority (lower first) is negated for the
+    mesh, whose proto runs higher priorities first."""
+    return GenerationSpec(
+        request_id=request_id,
+        model=model,
+        prompt_ids=prompt_ids,
+        mm_items=mm_items,
+        sampling=sampling,
+        n=body.n,
+        stop=body.stop_list(),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        priority=-body.priority,
+        tenant=ctx.tenant,
+        cache_salt=body.cache_salt or "",
+    )
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    """OpenAI usage object."""
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+class MultiRun:
+    """Several GenerationRuns (one per prompt) seen as one: global choice index =
+    prompt index × n + choice index. The first events are peeked before the HTTP
+    response starts so that early upstream errors keep their HTTP status."""
+
+    def __init__(self, runs: list[GenerationRun], n: int) -> None:
+        self.runs = runs
+        self.n = n
+        self._buffer: list[ChoiceEvent] = []
+        self._iter: AsyncIterator[ChoiceEvent] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Starts every run."""
+        for run in self.runs:
+            run.start()
+        self._iter = self._merged()
+
+    async def _merged(self) -> AsyncIterator[ChoiceEvent]:
+        if len(self.runs) == 1:
+            async for event in self.runs[0].events():
+                yield event
+            return
+        queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._drain(i, run, queue)) for i, run in enumerate(self.runs)]
+        remaining = len(self.runs)
+        while remaining:
+            offset, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                item.index += offset * self.n
+                yield item
+
+    @staticmethod
+    async def _drain(
+        offset: int, run: GenerationRun, queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]]
+    ) -> None:
+        try:
+            async for event in run.events():
+                queue.put_nowait((offset, event))
+        except APIError as exc:
+            queue.put_nowait((offset, exc))
+        except Exception as exc:
+            log.exception("generation %s failed", run.spec.request_id)
+            queue.put_nowait((offset, APIError(500, f"internal error: {type(exc).__name__}")))
+        queue.put_nowait((offset, None))
+
+    async def peek(self) -> None:
+        """Waits for the first event with output (raising APIError on early failures)."""
+        if self._iter is None:
+            return
+        async for event in self._iter:
+            self._buffer.append(event)
+            if event.token_ids or event.finish_reason or event.text:
+                return
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Buffered events, then the rest."""
+        while self._buffer:
+            yield self._buffer.pop(0)
+        if self._iter is not None:
+            async for event in self._iter:
+                yield event
+
+    def usage(self) -> Usage:
+        """Usage summed over the prompts."""
+        parts = [run.usage() for run in self.runs]
+        return Usage(
+            sum(u.prompt_tokens for u in parts),
+            sum(u.completion_tokens for u in parts),
+            sum(u.cached_tokens for u in parts),
+        )
+
+    def completion_tokens_so_far(self) -> int:
+        """Tokens generated so far over every prompt and choice."""
+        return sum(run.completion_tokens_so_far() for run in self.runs)
+
+    def close(self) -> None:
+        """Cancels every run (synchronous, idempotent)."""
+        for task in self._tasks:
+            task.cancel()
+        for run in self.runs:
+            run.close()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (ClientDisconnected) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
+    """One `data: <json>` event; models are dumped without their unset optional fields."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude_unset=True)
+    else:
+        text = json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class SSEResponse(StreamingResponse):
+    """`text/event-stream` response that always runs `on_close` when it ends, however
+    it ends (completed, client disconnect, cancellation)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Streams, then closes the upstream calls."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
