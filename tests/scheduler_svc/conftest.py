@@ -134,9 +134,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await self._channel.close()
         await asyncio.to_thread(self.publisher.close)
 
-    def prompt_hashes(self, request: common_pb2.GenerateRequest) -> list[int]:
-        keys = request_extra_keys(request.cache_salt, [m.identifier for m in request.mm_items])
-        return block_hashes(list(request.prompt_token_ids), self.block_size, keys)
+    def prompt_hashes(
+        self, token_ids: list[int], cache_salt: str = "", mm_ids: tuple[str, ...] = ()
+    ) -> list[int]:
+        """The block hashes this worker publishes for a prompt (same keys as the engine)."""
+        return block_hashes(token_ids, self.block_size, request_extra_keys(cache_salt, mm_ids))
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         rid = request.request_id
@@ -145,7 +147,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is broken")
         self.active.add(rid)
         abort = self._abort_events.setdefault(rid, asyncio.Event())
-        self.publisher.publish([KvEvent("stored", self.prompt_hashes(request))])
+        mm_ids = tuple(m.identifier for m in request.mm_items)
+        hashes = self.prompt_hashes(list(request.prompt_token_ids), request.cache_salt, mm_ids)
+        self.publisher.publish([KvEvent("stored", hashes)])
         limit = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else self.tokens
         base = sum(request.prompt_token_ids)
         try:
