@@ -1,0 +1,166 @@
+"""Incremental, UTF-8 safe detokenization of one generated sequence, with stop strings.
+
+Decoding uses the prefix/read-offset technique of vLLM: each new token is decoded
+together with a few preceding tokens (`ids[prefix_offset:]`) and only the text beyond
+the decoding of `ids[prefix_offset:read_offset]` is new. When that text ends with
+U+FFFD the last tokens hold an incomplete multi-byte character, so nothing is emitted
+and the offsets stay until a later token completes it (or `finish` flushes it).
+
+Stop strings: the text is searched for every stop string after each token; the stop that
+completes first wins (as if checked character by character). Emitted text
+never reaches past a stop; the longest tail of the text that is a proper prefix of some
+stop string is held back until it is known not to start a stop. The concatenation of
+everything returned equals `tokenizer.decode(all_output_ids)` cut at the first stop
+(after the stop string when `include_stop_str_in_output`).
+
+Domain code: no grpc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.errors import InvalidArgument
+
+# Prompt tokens decoded in front of the first generated token (as vLLM does), so that
+# decoders that depend on context (leading spaces) produce the same text as a full decode.
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class DetokenizeStep:
+    """Text released by one `push`; `stopped` once a stop string matched."""
+
+    text: str
+    stopped: bool = False
+    matched_stop: str = ""
+    # Output tokens consumed so far, including the one that completed a stop string.
+    num_tokens: int = 0
+
+
+class IncrementalDetokenizer:
+    """Turns streamed token ids into text deltas, UTF-8 safe, honouring stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids_tail: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        for i, stop_str in enumerate(stop):
+            if not isinstance(stop_str, str) or not stop_str:
+                raise InvalidArgument(f"stop[{i}] must be a non-empty string", param="stop")
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stops = list(dict.fromkeys(stop))
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._include_stop = include_stop_str_in_output
+        self._ids: list[int] = list(prompt_token_ids_tail)[-PROMPT_CONTEXT_TOKENS:]
+        self._prefix_text = self._decode(self._ids)
+        if self._prefix_text.endswith(_REPLACEMENT):
+            # The context ends inside a character; decoding after it would misalign.
+            self._ids, self._prefix_text = [], ""
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._text = ""  # all decoded output text
+        self._emitted = 0  # characters of _text returned so far
+        self.num_tokens = 0
+        self.stopped = False
+        self.matched_stop = ""
+        self.finished = False
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return str(
+            self._tokenizer.decode(
+                ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def _decode_next(self, token_id: int) -> str:
+        """Appends one token; returns the newly completed text (maybe empty)."""
+        self._ids.append(token_id)
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        # Slide the window: the tokens just read become the next prefix.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        """The stop string that completes first (earliest end; on a tie the longest), as if
+        the text were checked character by character."""
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            index = self._text.find(stop, max(0, search_from))
+            if index >= 0:
+                candidate = (index + len(stop), index, stop)
+                best = candidate if best is None else min(best, candidate)
+        return None if best is None else (best[1], best[2])
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = min(self._max_stop_len - 1, len(self._text) - self._emitted)
+        for size in range(longest, 0, -1):
+            tail = self._text[-size:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return size
+        return 0
+
+    def _take(self, end: int) -> str:
+        text = self._text[self._emitted : end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        return text
+
+    def _append(self, delta: str) -> bool:
+        """Adds decoded text; True when it completed a stop string."""
+        if not delta:
+            return False
+        search_from = len(self._text) - self._max_stop_len + 1
+        self._text += delta
+        match = self._find_stop(search_from) if self._stops else None
+        if match is None:
+            return False
+        index, stop = match
+        self.stopped, self.matched_stop = True, stop
+        end = index + len(stop) if self._include_stop else index
+        self._text = self._text[:end]
+        return True
+
+    def _step(self, text: str) -> DetokenizeStep:
+        return DetokenizeStep(text, self.stopped, self.matched_stop, self.num_tokens)
+
+    def push(self, token_ids: Sequence[int]) -> DetokenizeStep:
+        """Consumes generated token ids; returns the text that is now safe to emit.
+
+        Stops consuming at the token that completes a stop string (`stopped=True`); later
+        calls return empty steps.
+        """
+        if self.stopped or self.finished:
+            return self._step("")
+        for token_id in token_ids:
+            self.num_tokens += 1
+            if self._append(self._decode_next(int(token_id))):
+                return self._step(self._take(len(self._text)))
+        return self._step(self._take(len(self._text) - self._held_back()))
+
+    def finish(self) -> str:
+        """The sequence ended: flushes held-back text (incomplete characters decode to U+FFFD,
+        as in a full decode). Later calls return ''."""
+        if self.stopped or self.finished:
+            self.finished = True
+            return ""
+        self.finished = True
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(self._prefix_text):
+            self._append(full[len(self._prefix_text) :])
+        return self._take(len(self._text))

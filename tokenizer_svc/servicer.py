@@ -1,0 +1,218 @@
+"""Tokenizer gRPC servicer: a thin proto ↔ domain layer over `Renderer`.
+
+CPU-heavy work (chat templates, image decoding, long tokenize/decode) runs in worker
+threads via `asyncio.to_thread` so the event loop stays responsive. Incremental
+detokenization is a few microseconds per token and runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from meshserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.errors import InvalidArgument, NotFound, Unavailable
+from services.rpc import rpc_handler
+from tokenizer_svc.detokenizer import DetokenizeStep, IncrementalDetokenizer
+from tokenizer_svc.messages import parse_json
+from tokenizer_svc.multimodal import MultiModalItem
+from tokenizer_svc.renderer import Renderer, RenderResult
+
+log = logging.getLogger(__name__)
+
+SERVICE = "meshserve.v1.Tokenizer"
+
+
+def _mm_item_pb(item: MultiModalItem) -> common_pb2.MultiModalItem:
+    return common_pb2.MultiModalItem(
+        identifier=item.identifier,
+        modality=item.modality,
+        offset=item.offset,
+        length=item.length,
+        data=item.data,
+        dtype=item.dtype,
+        shape=list(item.shape),
+    )
+
+
+def _render_pb(result: RenderResult) -> tokenizer_pb2.RenderResponse:
+    return tokenizer_pb2.RenderResponse(
+        prompt_token_ids=result.prompt_token_ids,
+        prompt_text=result.prompt_text,
+        mm_items=[_mm_item_pb(item) for item in result.mm_items],
+    )
+
+
+def _stream_pb(step: DetokenizeStep) -> tokenizer_pb2.DetokenizeStreamResponse:
+    return tokenizer_pb2.DetokenizeStreamResponse(
+        text=step.text, stopped=step.stopped, matched_stop=step.matched_stop, num_tokens=step.num_tokens
+    )
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    """Serves one model's tokenizer. Calls fail with UNAVAILABLE until `set_renderer`."""
+
+    def __init__(self, model_name: str, renderer: Renderer | None = None) -> None:
+        self.model_name = model_name
+        self._renderer = renderer
+
+    def set_renderer(self, renderer: Renderer) -> None:
+        self._renderer = renderer
+
+    def _ready(self, model: str) -> Renderer:
+        if model and model != self.model_name:
+            raise NotFound(f"model {model!r} does not exist (serving {self.model_name!r})", param="model")
+        if self._renderer is None:
+            raise Unavailable("tokenizer is still loading")
+        return self._renderer
+
+    @rpc_handler
+    async def RenderChat(
+        self, request: tokenizer_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.RenderResponse:
+        """Renders OpenAI chat messages (JSON) through the chat template into prompt ids,
+        with image items expanded to placeholder runs in `mm_items`."""
+        renderer = self._ready(request.model)
+        result = await asyncio.to_thread(self._render_chat, renderer, request)
+        return _render_pb(result)
+
+    @staticmethod
+    def _render_chat(renderer: Renderer, request: tokenizer_pb2.RenderChatRequest) -> RenderResult:
+        return renderer.render_chat(
+            messages=parse_json(request.messages_json, "messages", None),
+            tools=parse_json(request.tools_json, "tools", None),
+            tool_choice=parse_json(request.tool_choice_json, "tool_choice", None),
+            chat_template=request.chat_template if request.HasField("chat_template") else None,
+            chat_template_kwargs=parse_json(request.chat_template_kwargs_json, "chat_template_kwargs", None),
+            add_generation_prompt=(
+                request.add_generation_prompt if request.HasField("add_generation_prompt") else None
+            ),
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=request.add_special_tokens,
+        )
+
+    @rpc_handler
+    async def RenderCompletion(
+        self, request: tokenizer_pb2.RenderCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.RenderResponse:
+        """Renders a completion prompt: text is tokenized, token ids are validated."""
+        renderer = self._ready(request.model)
+        kind = request.WhichOneof("prompt")
+        text = request.text if kind == "text" else None
+        ids = list(request.token_ids.ids) if kind == "token_ids" else None
+        result = await asyncio.to_thread(renderer.render_completion, text, ids, request.add_special_tokens)
+        return _render_pb(result)
+
+    @rpc_handler
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        """Token ids (and token strings on request) of `text`, plus max_model_len."""
+        renderer = self._ready(request.model)
+        ids, strs = await asyncio.to_thread(
+            renderer.tokenize, request.text, request.add_special_tokens, request.return_token_strs
+        )
+        return tokenizer_pb2.TokenizeResponse(
+            token_ids=ids, token_strs=strs, max_model_len=renderer.max_model_len
+        )
+
+    @rpc_handler
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        """The text of `token_ids` (INVALID_ARGUMENT naming token_ids for unknown ids)."""
+        renderer = self._ready(request.model)
+        text = await asyncio.to_thread(
+            renderer.detokenize, list(request.token_ids), request.skip_special_tokens
+        )
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    @rpc_handler
+    async def GetTokenizerInfo(
+        self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerInfo:
+        """Vocabulary size, EOS ids, context length and whether a chat template exists."""
+        renderer = self._ready(request.model)
+        return tokenizer_pb2.TokenizerInfo(
+            model=self.model_name,
+            vocab_size=renderer.vocab_size,
+            eos_token_ids=renderer.eos_token_ids,
+            max_model_len=renderer.max_model_len,
+            has_chat_template=renderer.has_chat_template,
+        )
+
+    @rpc_handler
+    async def DetokenizeStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        """Incremental detokenization of one sequence.
+
+        Protocol: the first message carries `start` (no reply unless it also has
+        `finish`); each `tokens` message gets exactly one reply with the text now safe to
+        emit. A message with `finish=true` (alone or with tokens) flushes held-back text in
+        its reply. The server ends the stream (status OK) after the reply that has
+        `stopped=true` or that answered `finish`; a client half-close without `finish`
+        also gets a final flushing reply.
+        """
+        detokenizer: IncrementalDetokenizer | None = None
+        vocab_size = 0
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if detokenizer is None:
+                detokenizer, vocab_size = self._start_stream(message, kind)
+            elif kind == "start":
+                raise InvalidArgument("start may only be sent in the first message", param="start")
+            step = self._push(detokenizer, vocab_size, message, kind)
+            if step is not None:
+                yield _stream_pb(step)
+                if step.stopped or detokenizer.finished:
+                    return
+        if detokenizer is not None and not detokenizer.finished:
+            yield _stream_pb(self._flush(detokenizer, ""))
+
+    def _start_stream(
+        self, message: tokenizer_pb2.DetokenizeStreamRequest, kind: str | None
+    ) -> tuple[IncrementalDetokenizer, int]:
+        if kind != "start":
+            raise InvalidArgument("the first DetokenizeStream message must carry start", param="start")
+        start = message.start
+        renderer = self._ready(start.model)
+        detokenizer = renderer.new_detokenizer(
+            prompt_token_ids_tail=list(start.prompt_token_ids),
+            skip_special_tokens=start.skip_special_tokens,
+            stop=list(start.stop),
+            include_stop_str_in_output=start.include_stop_str_in_output,
+        )
+        return detokenizer, renderer.vocab_size
+
+    def _push(
+        self,
+        detokenizer: IncrementalDetokenizer,
+        vocab_size: int,
+        message: tokenizer_pb2.DetokenizeStreamRequest,
+        kind: str | None,
+    ) -> DetokenizeStep | None:
+        text = ""
+        step: DetokenizeStep | None = None
+        if kind == "tokens":
+            ids = list(message.tokens.ids)
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(
+                    f"tokens.ids: {bad} is outside the vocabulary [0, {vocab_size})", param="tokens.ids"
+                )
+            step = detokenizer.push(ids)
+            text = step.text
+        if message.finish and not detokenizer.stopped:
+            return self._flush(detokenizer, text)
+        return step
+
+    @staticmethod
+    def _flush(detokenizer: IncrementalDetokenizer, text: str) -> DetokenizeStep:
+        text += detokenizer.finish()
+        return DetokenizeStep(text, detokenizer.stopped, detokenizer.matched_stop, detokenizer.num_tokens)
