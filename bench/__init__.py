@@ -1,0 +1,1 @@
+"""Benchmarks for meshserve: engine micro-benchmarks and the `bench.serve` HTTP load generator."""
