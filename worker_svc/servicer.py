@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 
@@ -115,7 +116,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
                         continue
                     if isinstance(item, BaseException):
                         raise item
-                    index, out = item  # type: ignore[misc]
+                    index, out = cast(tuple[int, RequestOutput], item)
                     response.deltas.append(convert.sequence_delta(index, out))
                     usage.completion_tokens += len(out.new_token_ids)
                     if index == 0 and out.prompt_logprobs:
