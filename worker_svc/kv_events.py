@@ -100,6 +100,7 @@ class KvEventPublisher:
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
         max_pending: int = 10_000,
         retry_interval_s: float = 1.0,
+        autostart: bool = True,
     ) -> None:
         if not worker_id:
             raise ValueError("worker_id is required")
@@ -122,14 +123,17 @@ class KvEventPublisher:
         self.published = 0
         self.dropped = 0
         self.resyncs = 0
+        if autostart:
+            self.start()
 
     @property
     def enabled(self) -> bool:
         return bool(self._url)
 
     def start(self) -> None:
-        """Starts the writer thread; its first write clears this worker's set in Redis."""
-        if not self.enabled or self._thread is not None:
+        """Starts the writer thread (done by the constructor unless `autostart=False`); its
+        first write replaces whatever a previous run of this worker left in Redis."""
+        if not self.enabled or self._thread is not None or self._stopping:
             return
         self._client = redis.Redis.from_url(
             self._url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1)

@@ -1,0 +1,189 @@
+"""The scheduler in front of real decoder worker processes (tiny model, CPU) and a real
+redis-server: routing with KV events from the engine, failover after `kill -9`.
+
+Slow (model build + worker start-up): run with `make soak` / `pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from meshserve.v1 import common_pb2, scheduler_pb2_grpc
+from scheduler_svc.app import Scheduler
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.servicer import SchedulerServicer
+from services.redis_client import RedisServer
+from services.server import GrpcServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+WORKERS = ("rw0", "rw1")
+
+
+class Mesh:
+    """Redis + in-process scheduler + worker processes."""
+
+    def __init__(self, model_dir: Path, redis: RedisServer) -> None:
+        self.model_dir = model_dir
+        self.redis = redis
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+
+    async def start_scheduler(self) -> None:
+        config = SchedulerConfig(
+            port=0, redis_url=self.redis.url, heartbeat_interval_ms=200, worker_timeout_s=1.5
+        )
+        self.core = Scheduler(config)
+        self.server = GrpcServer("scheduler-real", config)
+        self.server.add_service(
+            "meshserve.v1.Scheduler",
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+            SchedulerServicer(self.core),
+        )
+        await self.core.start()
+        self.address = f"127.0.0.1:{await self.server.start()}"
+        await self.server.set_serving(True)
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    def spawn(self, worker_id: str, log_dir: Path) -> None:
+        log_path = log_dir / f"{worker_id}.log"
+        cmd = [
+            sys.executable, "-m", "worker_svc",
+            "--model-dir", str(self.model_dir), "--served-model-name", MODEL,
+            "--port", "0", "--worker-id", worker_id,
+            "--scheduler-address", self.address, "--redis-url", self.redis.url,
+            "--num-kv-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1",
+        ]  # fmt: skip
+        with log_path.open("wb") as out:
+            self.procs[worker_id] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        self.logs[worker_id] = log_path
+
+    async def wait_registered(self, worker_ids: tuple[str, ...], timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not all((w := self.core.registry.get(i)) is not None and w.healthy for i in worker_ids):
+            for worker_id, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{worker_id} exited: {self.logs[worker_id].read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {worker_ids} did not register")
+            await asyncio.sleep(0.1)
+
+    def stop_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    async def generate(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> list[Any]:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        request = common_pb2.GenerateRequest(
+            model=MODEL, prompt_token_ids=prompt, sampling=sampling, **fields
+        )
+        return [r async for r in self.stub.Generate(request, timeout=60)]
+
+
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def mesh(
+    tiny_model_dir: Path, module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Mesh]:
+    mesh = Mesh(tiny_model_dir, module_redis)
+    await mesh.start_scheduler()
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+    for worker_id in WORKERS:
+        mesh.spawn(worker_id, log_dir)
+    try:
+        await mesh.wait_registered(WORKERS)
+        yield mesh
+    finally:
+        await asyncio.to_thread(mesh.stop_workers)
+        await mesh.channel.close()
+        await mesh.server.server.stop(0)
+        await mesh.core.stop()
+
+
+def tokens(responses: list[Any]) -> list[int]:
+    return [t for r in responses for d in r.deltas for t in d.token_ids]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_generate_through_scheduler_and_prefix_affinity(mesh: Mesh) -> None:
+    system = [(7 * i) % 500 + 3 for i in range(64)]  # 4 blocks of 16
+    first = await mesh.generate([*system, 11, 12], max_tokens=6)
+    assert len(tokens(first)) == 6 and first[-1].finished
+    owner = first[0].worker_id
+    assert owner in WORKERS
+    # The engine's KV events reach the index through Redis.
+    deadline = time.monotonic() + 10
+    while mesh.core.index.num_blocks(owner) < 4:
+        assert time.monotonic() < deadline, "KV events did not reach the scheduler"
+        await asyncio.sleep(0.05)
+    # Let the routing-time speculation expire: affinity below comes from KV events only.
+    await asyncio.sleep(mesh.core.config.speculative_ttl_s)
+    # Follow-up turns share the prefix: same worker, served from its prefix cache.
+    for turn in range(3):
+        follow = await mesh.generate([*system, 11, 12, 40 + turn, 41, 42], max_tokens=3)
+        assert follow[0].worker_id == owner
+        assert follow[-1].usage.cached_tokens >= 64
+    # Greedy decoding of the same prompt gives the same tokens on either worker.
+    again = await mesh.generate([*system, 11, 12], max_tokens=6)
+    assert tokens(again) == tokens(first)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
+    request = common_pb2.GenerateRequest(
+        request_id="victim",
+        model=MODEL,
+        prompt_token_ids=list(range(5, 40)),
+        sampling=common_pb2.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
+    )
+    call = mesh.stub.Generate(request, timeout=60)
+    received = 0
+    victim = ""
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in call:
+            victim = victim or response.worker_id
+            received += sum(len(d.token_ids) for d in response.deltas)
+            if received >= 3 and mesh.procs[victim].poll() is None:
+                os.kill(mesh.procs[victim].pid, signal.SIGKILL)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"worker {victim} failed after" in (info.value.details() or "")
+    assert time.monotonic() - started < 30
+    survivor = next(w for w in WORKERS if w != victim)
+    # Right away (before the heartbeat timeout) new requests fail over to the survivor.
+    for i in range(4):
+        responses = await mesh.generate([100 + i] * 20, max_tokens=2)
+        assert responses[0].worker_id == survivor and responses[-1].finished
+    deadline = time.monotonic() + 10
+    while mesh.core.registry.get(victim).healthy:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "dead worker never marked down"
+        await asyncio.sleep(0.1)
+    assert mesh.core.index.num_blocks(victim) == 0
