@@ -52,9 +52,16 @@ _ENGINES: list[LLMEngine] = []
 
 @pytest.fixture(autouse=True)
 def _no_leaked_blocks() -> Iterator[None]:
-    """Every engine a test made must end with all KV blocks released."""
+    """Every engine a test made must end with all KV blocks released.
+
+    Also pins torch to one intra-op thread for the test: the tiny model gains nothing
+    from parallelism, and on a loaded 2-core box OpenMP barriers cost milliseconds/op.
+    """
     _ENGINES.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     engines = list(_ENGINES)
     _ENGINES.clear()
     for engine in engines:

@@ -29,8 +29,9 @@ class RequestOutput:
     ``new_logprobs`` (when requested) has one ``(token_id, logprob, top)`` entry per
     new token; logprobs are those of the raw model distribution. ``stop_token_id`` is
     the EOS or stop token that finished the request (it is also the last entry of
-    ``new_token_ids``). ``prompt_logprobs`` comes with the first output only; entry 0
-    is None (the first prompt token has no context).
+    ``new_token_ids``). ``prompt_logprobs`` comes with the first output only; entry
+    ``i`` scores prompt token ``i + 1`` (the first prompt token has no context, so there
+    are ``num_prompt_tokens - 1`` entries; OpenAI's format prepends a None).
     """
 
     request_id: str
@@ -42,7 +43,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,10 @@ class LLMEngine:
         for item, logits in model_out.prompt_logits:
             request = item.request
             if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None]
-            # Row r holds the logits at position start + r, which predict token start + r + 1.
-            first = len(request.prompt_logprobs) - 1 - item.start
+                request.prompt_logprobs = []
+            # Row r holds the logits at position start + r, which predict token start + r + 1;
+            # entry j of prompt_logprobs scores token j + 1, i.e. comes from position j.
+            first = len(request.prompt_logprobs) - item.start
             last = min(item.end, request.num_prompt_tokens - 1) - item.start
             if first < 0 or last <= first:
                 continue  # already recorded (recompute after preemption)

@@ -67,8 +67,8 @@ class Request:
     stop_token_id: int | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    # Prompt logprobs accumulate over prefill chunks; None at position 0 (no context).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Prompt logprobs accumulate over prefill chunks; entry i scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
 

@@ -1,0 +1,255 @@
+"""LLMEngine end to end on a tiny random Llama."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from tests.worker_engine.conftest import EOS, VOCAB, hf_greedy, prompts, run_all, tokens
+from worker_svc.engine import EngineStepError, KvEvent, LLMEngine, SamplingParams
+
+Factory = Callable[..., LLMEngine]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def test_greedy_matches_transformers_generate(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+    ps = prompts(3, 16, 29, 50, 77)
+    engine = make_engine()
+    outs = run_all(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert tokens(outs[f"r{i}"]) == hf_greedy(hf_model, p, GREEDY.max_tokens), f"prompt {i}"
+    last = outs["r0"][-1]
+    assert last.finished and last.finish_reason in ("stop", "length")
+    assert sum(len(o.new_token_ids) for o in outs["r0"]) == last.num_output_tokens
+
+
+def test_chunked_prefill_same_greedy_output(make_engine: Factory) -> None:
+    ps = prompts(9, 40, 70)
+    reqs = [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+    ref = run_all(make_engine(), reqs)
+    for budget in (5, 16):
+        engine = make_engine(max_num_batched_tokens=budget)
+        outs = run_all(engine, reqs)
+        assert {k: tokens(v) for k, v in outs.items()} == {k: tokens(v) for k, v in ref.items()}
+        assert engine.stats().num_steps > max(len(p) for p in ps) // budget
+
+
+def test_prefix_reuse(make_engine: Factory) -> None:
+    shared = prompts(40, seed=5)[0]
+    first = [*shared, 7, 8, 9]
+    second = [*shared, 10, 11]
+    no_cache = make_engine(enable_prefix_caching=False)
+    ref = run_all(no_cache, [("a", first, GREEDY), ("b", second, GREEDY)])
+    engine = make_engine()
+    out_a = run_all(engine, [("a", first, GREEDY)])["a"]
+    assert out_a[0].num_cached_tokens == 0
+    out_b = run_all(engine, [("b", second, GREEDY)])["b"]
+    assert out_b[0].num_cached_tokens == 32  # two full 16-token blocks of the shared prefix
+    out_a2 = run_all(engine, [("a2", first, GREEDY)])["a2"]
+    assert out_a2[0].num_cached_tokens == 32
+    assert tokens(out_a) == tokens(ref["a"]) == tokens(out_a2)
+    assert tokens(out_b) == tokens(ref["b"])
+    assert engine.stats().prefix_cache_hit_rate > 0
+
+
+def test_preemption_with_tiny_block_budget(make_engine: Factory) -> None:
+    ps = prompts(12, 20, 25, 30, 18, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = [(f"r{i}", p, params) for i, p in enumerate(ps)]
+    ref = run_all(make_engine(block_size=4), reqs)
+    for caching in (True, False):
+        # 5 requests need up to 15 blocks each; 20 blocks force preemption and recompute.
+        engine = make_engine(block_size=4, num_kv_blocks=20, enable_prefix_caching=caching)
+        outs = run_all(engine, reqs)
+        assert engine.stats().num_preemptions > 0
+        for rid, out in outs.items():
+            assert tokens(out) == tokens(ref[rid]), rid
+            assert len(tokens(out)) == 30 and out[-1].finish_reason == "length"
+
+
+def test_priority_preempts_low_priority_first(make_engine: Factory) -> None:
+    engine = make_engine(block_size=4, num_kv_blocks=12)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    low, high = prompts(16, 16, seed=8)
+    engine.add_request("low", low, params, priority=0)
+    engine.add_request("high", high, params, priority=5)
+    preempted: set[str] = set()
+    while engine.has_unfinished():
+        engine.step()
+        preempted |= {r.request_id for r in engine.scheduler.waiting if r.num_preemptions}
+    assert "low" in preempted and "high" not in preempted
+
+
+def test_abort_frees_blocks_immediately(make_engine: Factory) -> None:
+    engine = make_engine()
+    ps = prompts(30, 30, seed=9)
+    engine.add_request("a", ps[0], SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("b", ps[1], SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.step()
+    used = engine.block_manager.num_used_blocks()
+    assert engine.abort_request("a")
+    assert engine.block_manager.num_used_blocks() < used
+    assert not engine.abort_request("a") and not engine.abort_request("nope")
+    seen = []
+    while engine.has_unfinished():
+        seen.extend(engine.step())
+    notices = [(o.finished, o.finish_reason, o.new_token_ids) for o in seen if o.request_id == "a"]
+    assert notices == [(True, "abort", [])]
+    assert [o for o in seen if o.request_id == "b"][-1].finish_reason in ("stop", "length")
+    assert engine.stats().num_aborted == 1
+    # A request aborted while still waiting never holds blocks.
+    engine.add_request("w", ps[0], GREEDY)
+    assert engine.abort_request("w")
+    assert engine.block_manager.num_used_blocks() == 0
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("w", "abort")]
+    assert not engine.has_unfinished()
+
+
+def test_seeded_sampling_is_batch_independent(make_engine: Factory) -> None:
+    p = prompts(20, seed=11)[0]
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
+    alone = tokens(run_all(make_engine(), [("s", p, params)])["s"])
+    others = prompts(5, 33, 60, seed=12)
+    mix = [("s", p, params)] + [
+        (f"o{i}", q, SamplingParams(temperature=0.8, max_tokens=10 + i)) for i, q in enumerate(others)
+    ]
+    mixed = tokens(run_all(make_engine(max_num_batched_tokens=24), mix)["s"])
+    assert mixed == alone
+    again = tokens(run_all(make_engine(), [("s", p, params)])["s"])
+    assert again == alone
+    other = SamplingParams(temperature=1.0, seed=43, max_tokens=16, ignore_eos=True)
+    assert tokens(run_all(make_engine(), [("s", p, other)])["s"]) != alone
+
+
+def test_sampling_knobs_on_model(make_engine: Factory) -> None:
+    engine = make_engine()
+    p = prompts(12, seed=13)[0]
+    greedy = tokens(run_all(engine, [("g", p, SamplingParams(temperature=0, max_tokens=8))])["g"])
+    top1 = tokens(run_all(engine, [("k", p, SamplingParams(top_k=1, max_tokens=8, seed=1))])["k"])
+    assert top1 == greedy
+    rep = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=10.0, ignore_eos=True)
+    out = tokens(run_all(engine, [("r", p, rep)])["r"])
+    assert len(set(out)) == len(out)  # heavy repetition penalty: no token twice
+    stop_tok = greedy[3]
+    stopped = run_all(
+        engine, [("s", p, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_tok,)))]
+    )
+    assert tokens(stopped["s"]) == greedy[: greedy.index(stop_tok) + 1]
+    assert stopped["s"][-1].finish_reason == "stop" and stopped["s"][-1].stop_token_id == stop_tok
+
+
+def test_eos_stop_and_min_tokens(make_engine: Factory) -> None:
+    engine = make_engine()
+    q = prompts(6, seed=100)[0]
+    free_run = tokens(
+        run_all(engine, [("x", q, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])["x"]
+    )
+    # The random model rarely emits its real EOS; declare the 4th greedy token the EOS.
+    eos = free_run[3]
+    k = free_run.index(eos) + 1
+    engine._eos = frozenset({eos})
+    engine.sampler.eos_token_ids = (eos,)
+    natural = run_all(engine, [("e", q, SamplingParams(temperature=0, max_tokens=20))])["e"]
+    assert tokens(natural) == free_run[:k]
+    assert natural[-1].finish_reason == "stop" and natural[-1].stop_token_id == eos
+    delayed = run_all(engine, [("m", q, SamplingParams(temperature=0, max_tokens=20, min_tokens=k + 2))])["m"]
+    assert eos not in tokens(delayed)[: k + 2]
+    ignored = run_all(engine, [("i", q, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])["i"]
+    assert tokens(ignored) == free_run and ignored[-1].finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+    engine = make_engine(max_num_batched_tokens=7)  # prompt logprobs across chunks
+    p = prompts(20, seed=14)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)
+    outs = run_all(engine, [("l", p, params)])["l"]
+    plp = outs[0].prompt_logprobs
+    assert plp is not None and len(plp) == len(p) - 1
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1)
+    for j, (tok, lp, top) in enumerate(plp):
+        assert tok == p[j + 1]
+        assert math.isclose(lp, ref[j, tok].item(), abs_tol=1e-4)
+        assert len(top) == 2 and top[0][0] == ref[j].argmax().item()
+    for o in outs:
+        assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids) == 1
+        tok, lp, top = o.new_logprobs[0]
+        assert tok == o.new_token_ids[0] and len(top) == 3
+        assert top[0][0] == tok and math.isclose(top[0][1], lp)  # greedy: chosen is the argmax
+        assert lp <= 0
+
+
+def test_add_request_validation(make_engine: Factory) -> None:
+    engine = make_engine(max_model_len=64)
+    assert engine.model_info.max_model_len == 64
+    assert engine.model_info.vocab_size == VOCAB and EOS in engine.model_info.eos_token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("x", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("x", [VOCAB], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("x", [5], SamplingParams(temperature=math.nan))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("", [5], SamplingParams())
+    with pytest.raises(ValueError, match="extra_keys"):
+        engine.add_request("x", [5], SamplingParams(), extra_keys=["a"])  # type: ignore[arg-type]
+    engine.add_request("x", [5], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("x", [5], SamplingParams())
+    assert [o.finished for o in engine.step()] == [True]
+    small = make_engine(block_size=4, num_kv_blocks=3)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        small.add_request("big", [5] * 10, SamplingParams(max_tokens=5))
+
+
+def test_generation_capped_by_max_model_len(make_engine: Factory) -> None:
+    engine = make_engine(max_model_len=32)
+    out = run_all(engine, [("c", [5] * 20, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])[
+        "c"
+    ]
+    assert len(tokens(out)) == 12 and out[-1].finish_reason == "length"
+
+
+def test_kv_events_flow(make_engine: Factory, tiny_model_dir: str) -> None:
+    events: list[KvEvent] = []
+    from worker_svc.engine import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=6), on_kv_events=events.extend)
+    p = prompts(40, seed=15)[0]
+    run_all(engine, [("a", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+    stored = [h for e in events if e.kind == "stored" for h in e.block_hashes]
+    from services.kv_hash import block_hashes
+
+    assert stored[:2] == block_hashes(p, 16)[:2]
+    run_all(engine, [("b", prompts(80, seed=16)[0], SamplingParams(temperature=0, max_tokens=4))])
+    assert any(e.kind == "removed" for e in events)
+    assert engine.block_manager.num_used_blocks() == 0
+    assert engine.reset_prefix_cache() and events[-1].kind == "cleared"
+
+
+def test_step_failure_aborts_batch_and_engine_survives(make_engine: Factory) -> None:
+    engine = make_engine()
+    p = prompts(10, seed=17)[0]
+    engine.add_request("a", p, GREEDY)
+    engine.step()
+    original = engine.runner.execute
+
+    def boom(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("kernel exploded")
+
+    engine.runner.execute = boom  # type: ignore[method-assign]
+    with pytest.raises(EngineStepError) as info:
+        engine.step()
+    assert info.value.request_ids == ["a"]
+    assert engine.block_manager.num_used_blocks() == 0 and not engine.has_unfinished()
+    engine.runner.execute = original  # type: ignore[method-assign]
+    out = run_all(engine, [("b", p, GREEDY)])["b"]
+    assert out[-1].finished
