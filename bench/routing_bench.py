@@ -1,0 +1,362 @@
+"""Routing benchmark: prefix-aware vs round-robin (vs least-load) scheduling, side by side.
+
+    python -m bench.routing_bench [--model-dir DIR] [--workers 2] [--policies prefix,round_robin]
+        [--conversations 32 --turns 4 --system-prompts 4 --system-len 512 --user-len 64]
+        [--max-tokens 16 --concurrency 8] [--out bench/results/routing.json]
+
+For every policy a fresh cluster is started -- a redis-server, `python -m scheduler_svc
+--routing-policy P` and `--workers` decoder processes (`python -m worker_svc`) -- and the
+same seeded workload is sent as token ids straight to the scheduler's `Generate`:
+multi-turn conversations, each opening with one of a few shared system prompts, every
+turn appending a user message and the model's answer to the history.
+
+Reported per policy: prefix-cache hit rate (sum of `usage.cached_tokens` / prompt
+tokens, and the workers' own LoadStats), TTFT p50/p99, end-to-end latency, request and
+output-token throughput, and the scheduler's added latency per request (receive →
+worker call started, from the `x-meshserve-scheduler-overhead-us` trailer), p50/p99.
+Without `--model-dir` a tiny untrained model is built once (devtools.build_model --tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.redis_client import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
+TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
+OVERHEAD_KEY = "x-meshserve-scheduler-overhead-us"
+MODEL_NAME = "bench-model"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_dir: str
+    workers: int = 2
+    policies: tuple[str, ...] = ("prefix", "round_robin")
+    conversations: int = 32
+    turns: int = 4
+    system_prompts: int = 4
+    system_len: int = 512
+    user_len: int = 64
+    max_tokens: int = 16
+    concurrency: int = 8
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 16
+    block_size: int = 16
+    num_threads: int = 1
+    device: str = "cpu"
+    vocab: int = 900
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: tuple[int, ...]
+    turns: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class Record:
+    """One request's measurements."""
+
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    overhead_us: int
+    worker_id: str
+
+
+@dataclass
+class Cluster:
+    """redis-server + scheduler + worker processes for one policy."""
+
+    config: BenchConfig
+    policy: str
+    log_dir: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    redis: RedisServer | None = None
+    address: str = ""
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        with (self.log_dir / f"{self.policy}-{name}.log").open("wb") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+                )
+            )
+
+    def start(self) -> None:
+        self.redis = RedisServer().start()
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        self._spawn("scheduler", [
+            "scheduler_svc", "--port", str(port), "--redis-url", self.redis.url,
+            "--routing-policy", self.policy, "--block-size", str(self.config.block_size),
+            "--log-level", "WARNING",
+        ])  # fmt: skip
+        for i in range(self.config.workers):
+            self._spawn(f"worker{i}", [
+                "worker_svc", "--model-dir", self.config.model_dir, "--served-model-name", MODEL_NAME,
+                "--port", "0", "--worker-id", f"{self.policy}-w{i}", "--scheduler-address", self.address,
+                "--redis-url", self.redis.url, "--num-kv-blocks", str(self.config.num_kv_blocks),
+                "--max-num-seqs", str(self.config.max_num_seqs), "--block-size", str(self.config.block_size),
+                "--num-threads", str(self.config.num_threads), "--device", self.config.device,
+                "--log-level", "WARNING",
+            ])  # fmt: skip
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.redis is not None:
+            self.redis.cleanup()
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; logs in {self.log_dir}")
+
+
+def build_workload(config: BenchConfig) -> list[Conversation]:
+    """Seeded conversations: shared system prompts, random user turns (token ids)."""
+    rng = random.Random(config.seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, config.vocab) for _ in range(n))
+
+    systems = [tokens(config.system_len) for _ in range(config.system_prompts)]
+    return [
+        Conversation(rng.choice(systems), tuple(tokens(config.user_len) for _ in range(config.turns)))
+        for _ in range(config.conversations)
+    ]
+
+
+async def wait_ready(
+    stub: scheduler_pb2_grpc.SchedulerStub, cluster: Cluster, timeout: float = 300
+) -> list[str]:
+    """Addresses of the workers once all of them are registered and healthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cluster.check_alive()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=2)
+            healthy = [s.worker.address for s in reply.workers if s.healthy and s.worker.role == "decoder"]
+            if len(healthy) >= cluster.config.workers:
+                return healthy
+        await asyncio.sleep(0.5)
+    raise TimeoutError("workers did not register in time")
+
+
+def _request(prompt: Sequence[int], max_tokens: int, request_id: str) -> common_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return common_pb2.GenerateRequest(
+        request_id=request_id, model=MODEL_NAME, prompt_token_ids=list(prompt), sampling=sampling
+    )
+
+
+async def send(
+    stub: scheduler_pb2_grpc.SchedulerStub, prompt: Sequence[int], max_tokens: int, request_id: str
+) -> tuple[Record, list[int]]:
+    """One Generate through the scheduler; returns its record and the generated tokens."""
+    start = time.perf_counter()
+    call = stub.Generate(_request(prompt, max_tokens, request_id), timeout=600)
+    ttft = 0.0
+    output: list[int] = []
+    last: Any = None
+    worker = ""
+    async for response in call:
+        new = [t for delta in response.deltas if delta.index == 0 for t in delta.token_ids]
+        if new and not output:
+            ttft = time.perf_counter() - start
+        output.extend(new)
+        worker = worker or response.worker_id
+        last = response
+    latency = time.perf_counter() - start
+    trailer = dict(await call.trailing_metadata() or ())
+    usage = last.usage if last is not None else common_pb2.Usage()
+    record = Record(ttft, latency, usage.prompt_tokens, usage.cached_tokens, len(output),
+                    int(trailer.get(OVERHEAD_KEY, -1)), worker)  # fmt: skip
+    return record, output
+
+
+async def run_conversation(
+    stub: scheduler_pb2_grpc.SchedulerStub, conv: Conversation, index: int, config: BenchConfig,
+    gate: asyncio.Semaphore, records: list[Record],
+) -> None:  # fmt: skip
+    history = list(conv.system)
+    for turn, user in enumerate(conv.turns):
+        history.extend(user)
+        async with gate:
+            record, output = await send(stub, history, config.max_tokens, f"c{index}-t{turn}")
+        records.append(record)
+        history.extend(output)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[str, Any]:
+    ttft = [r.ttft_s * 1000 for r in records]
+    latency = [r.latency_s * 1000 for r in records]
+    overhead = [r.overhead_us / 1000 for r in records if r.overhead_us >= 0]
+    prompt = sum(r.prompt_tokens for r in records)
+    per_worker: dict[str, int] = {}
+    for r in records:
+        per_worker[r.worker_id] = per_worker.get(r.worker_id, 0) + 1
+    return {
+        "requests": len(records),
+        "prefix_hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+        "worker_prefix_hit_rate": {
+            s.worker.worker_id: round(s.load.prefix_cache_hit_rate, 4) for s in workers
+        },
+        "requests_per_worker": per_worker,
+        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "mean": statistics.fmean(ttft)},
+        "latency_ms": {"p50": percentile(latency, 50), "p99": percentile(latency, 99)},
+        "scheduler_overhead_ms": {"p50": percentile(overhead, 50), "p99": percentile(overhead, 99)},
+        "request_throughput": len(records) / wall_s,
+        "output_throughput": sum(r.output_tokens for r in records) / wall_s,
+        "prompt_tokens": prompt,
+        "wall_s": wall_s,
+    }
+
+
+async def warm_up(stub: scheduler_pb2_grpc.SchedulerStub, config: BenchConfig) -> None:
+    """A few unrelated requests so every worker has run its first (slow) steps."""
+    rng = random.Random(-1)
+    prompts = [[rng.randrange(3, config.vocab) for _ in range(48)] for _ in range(2 * config.workers)]
+    await asyncio.gather(*(send(stub, p, 4, f"warmup-{i}") for i, p in enumerate(prompts)))
+
+
+async def run_policy(
+    config: BenchConfig, policy: str, workload: list[Conversation], log_dir: Path
+) -> dict[str, Any]:
+    cluster = Cluster(config, policy, log_dir)
+    cluster.start()
+    try:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            await wait_ready(stub, cluster)
+            await warm_up(stub, config)
+            records: list[Record] = []
+            gate = asyncio.Semaphore(config.concurrency)
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(run_conversation(stub, conv, i, config, gate, records) for i, conv in enumerate(workload))
+            )
+            wall = time.perf_counter() - start
+            await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
+            listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+        return summarize(records, wall, list(listing.workers))
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def ensure_model(model_dir: str | None) -> str:
+    if model_dir:
+        return model_dir
+    if not (TINY_MODEL_DIR / "config.json").is_file():
+        print(f"building a tiny model in {TINY_MODEL_DIR}", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "devtools.build_model", "--tiny", "--out", str(TINY_MODEL_DIR)],
+            check=True,
+            cwd=ROOT,
+        )
+    return str(TINY_MODEL_DIR)
+
+
+def comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if "prefix" not in results or "round_robin" not in results:
+        return {}
+    p, rr = results["prefix"], results["round_robin"]
+    return {
+        "hit_rate_prefix_minus_round_robin": p["prefix_hit_rate"] - rr["prefix_hit_rate"],
+        "ttft_p50_ratio_prefix_over_round_robin": p["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"],
+        "ttft_p99_ratio_prefix_over_round_robin": p["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
+        "throughput_ratio_prefix_over_round_robin": p["output_throughput"] / rr["output_throughput"],
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
+    parser = argparse.ArgumentParser(prog="python -m bench.routing_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    defaults = BenchConfig(model_dir="")
+    for name, value in asdict(defaults).items():
+        if name == "model_dir":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, tuple):
+            parser.add_argument(flag, default=",".join(value))
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    args["policies"] = tuple(p.strip() for p in args["policies"].split(",") if p.strip())
+    args["model_dir"] = ensure_model(args["model_dir"])
+    return BenchConfig(**args), out
+
+
+async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    config, out = parse_args(argv)
+    workload = build_workload(config)
+    log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
+    results: dict[str, dict[str, Any]] = {}
+    for policy in config.policies:
+        print(f"[{policy}] starting {config.workers} workers ...", file=sys.stderr)
+        results[policy] = await run_policy(config, policy, workload, log_dir)
+        print(f"[{policy}] {json.dumps(results[policy])}", file=sys.stderr)
+    report = {
+        "config": asdict(config),
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "results": results,
+        "comparison": comparison(results),
+        "logs": str(log_dir),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
