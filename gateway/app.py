@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import struct
 import time
@@ -112,7 +113,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _add_model_routes(app)
     _add_tokenizer_routes(app)
     _add_ops_routes(app)
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 responses: validation errors are answered 400
+    with an ErrorResponse body (declared on every route that validates a body)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _add_generation_routes(app: FastAPI) -> None:

@@ -37,3 +37,9 @@ def http(gw: RunningGateway) -> Iterator[httpx.Client]:
     """Raw HTTP client for `gw`."""
     with httpx.Client(base_url=gw.url, timeout=20) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def gw_url(gw: RunningGateway) -> str:
+    """Base URL of `gw`."""
+    return gw.url

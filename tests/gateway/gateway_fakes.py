@@ -214,13 +214,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if "OVERLOAD" in prompt:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scheduler queue is full")
         event = self._abort_events.setdefault(request.request_id, asyncio.Event())
+        finished = False
         try:
             async for response in self._steps(request, prompt, event):
                 yield response
-            self.completed.add(request.request_id)
-        except asyncio.CancelledError:
-            self.cancelled.add(request.request_id)
-            raise
+            finished = True
+        finally:
+            # Cancellation shows as CancelledError or, when it hits while grpc writes a
+            # response, as GeneratorExit at the yield.
+            (self.completed if finished else self.cancelled).add(request.request_id)
 
     async def _steps(self, request: Any, prompt: str, aborted: asyncio.Event) -> AsyncIterator[Any]:
         sampling = request.sampling

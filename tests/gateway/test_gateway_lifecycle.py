@@ -1,0 +1,120 @@
+"""Client disconnects cancel the upstream call; draining answers 503; SIGTERM on
+`python -m gateway` lets streams finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from gateway_fakes import MODEL, Harness, free_port
+
+CHAT = "/v1/chat/completions"
+SLOW = [{"role": "user", "content": "SLOW"}]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Polls `predicate` until true or `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_stream_disconnect_cancels_upstream(http: httpx.Client, harness: Harness) -> None:
+    with http.stream("POST", CHAT, json={"model": MODEL, "messages": SLOW, "stream": True}) as reply:
+        lines = reply.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first.removeprefix("data: "))["id"]
+        next(lines)
+    # Closing the response dropped the connection: the Generate call must be cancelled.
+    assert wait_for(lambda: request_id in harness.scheduler.cancelled), "upstream call not cancelled"
+    assert request_id not in harness.scheduler.completed
+
+
+def test_non_stream_disconnect_cancels_upstream(gw_url: str, harness: Harness) -> None:
+    before = {r.request_id for r in harness.scheduler.requests}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw_url + CHAT, json={"model": MODEL, "messages": SLOW}, timeout=0.5)
+    new = [r.request_id for r in harness.scheduler.requests if r.request_id not in before]
+    assert len(new) == 1
+    assert wait_for(lambda: new[0] in harness.scheduler.cancelled), "upstream call not cancelled"
+
+
+def test_drain_refuses_new_requests(harness: Harness) -> None:
+    gw = harness.start_gateway(harness.config())
+    try:
+        with httpx.Client(base_url=gw.url, timeout=10) as http:
+            assert http.get("/v1/models").status_code == 200
+            gw.app.state.gateway.start_drain()
+            reply = http.post(CHAT, json={"model": MODEL, "messages": SLOW})
+            assert reply.status_code == 503
+            assert reply.json()["error"]["code"] == "draining"
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["components"]["gateway"] == "draining"
+    finally:
+        harness.stop_gateway(gw)
+
+
+def _read_stream(url: str, out: list[str]) -> None:
+    body = {"model": MODEL, "messages": SLOW, "stream": True, "max_tokens": 40}
+    with httpx.stream("POST", url + CHAT, json=body, timeout=20) as reply:
+        out.extend(line for line in reply.iter_lines() if line.startswith("data: "))
+
+
+def test_sigterm_drains_then_exits(harness: Harness) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        "--port",
+        str(port),
+        "--tokenizer-address",
+        harness.tok_server.address,
+        "--scheduler-address",
+        harness.sched_server.address,
+        "--drain-timeout-s",
+        "10",
+        "--log-level",
+        "WARNING",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", *args], env=env)
+    try:
+        assert wait_for(lambda: _healthy(url), timeout=20), "gateway did not start"
+        events: list[str] = []
+        reader = threading.Thread(target=_read_stream, args=(url, events))
+        reader.start()
+        assert wait_for(lambda: len(events) > 2)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: _status(url) == 503, timeout=3)  # still listening, refusing
+        reader.join(15)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.post(url + CHAT, json={"model": MODEL, "messages": SLOW}, timeout=5).status_code
+    except httpx.TransportError:
+        return -1
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
