@@ -54,8 +54,8 @@ def model_name(client: openai.OpenAI) -> str:
 
 def _chat_prompt_tokens(model_dir: Path) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+    encoded = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return len(encoded["input_ids"])
 
 
 def test_chat_completion_non_streaming(client: openai.OpenAI, model_name: str, model_dir: Path) -> None:
