@@ -67,8 +67,9 @@ class IncrementalDetokenizer:
             self._ids, self._prefix_text = [], ""
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._text = ""  # all decoded output text
-        self._emitted = 0  # characters of _text returned so far
+        # Decoded text not returned yet. A stop match always starts in it: everything
+        # that could begin a stop string is held back here.
+        self._pending = ""
         self.num_tokens = 0
         self.stopped = False
         self.matched_stop = ""
@@ -101,7 +102,7 @@ class IncrementalDetokenizer:
         the text were checked character by character."""
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            index = self._text.find(stop, max(0, search_from))
+            index = self._pending.find(stop, max(0, search_from))
             if index >= 0:
                 candidate = (index + len(stop), index, stop)
                 best = candidate if best is None else min(best, candidate)
@@ -109,31 +110,30 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = min(self._max_stop_len - 1, len(self._text) - self._emitted)
+        longest = min(self._max_stop_len - 1, len(self._pending))
         for size in range(longest, 0, -1):
-            tail = self._text[-size:]
+            tail = self._pending[-size:]
             if any(stop.startswith(tail) for stop in self._stops):
                 return size
         return 0
 
     def _take(self, end: int) -> str:
-        text = self._text[self._emitted : end] if end > self._emitted else ""
-        self._emitted = max(self._emitted, end)
+        text, self._pending = self._pending[:end], self._pending[end:]
         return text
 
     def _append(self, delta: str) -> bool:
         """Adds decoded text; True when it completed a stop string."""
         if not delta:
             return False
-        search_from = len(self._text) - self._max_stop_len + 1
-        self._text += delta
+        search_from = len(self._pending) - self._max_stop_len + 1
+        self._pending += delta
         match = self._find_stop(search_from) if self._stops else None
         if match is None:
             return False
         index, stop = match
         self.stopped, self.matched_stop = True, stop
         end = index + len(stop) if self._include_stop else index
-        self._text = self._text[:end]
+        self._pending = self._pending[:end]
         return True
 
     def _step(self, text: str) -> DetokenizeStep:
@@ -150,8 +150,8 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             self.num_tokens += 1
             if self._append(self._decode_next(int(token_id))):
-                return self._step(self._take(len(self._text)))
-        return self._step(self._take(len(self._text) - self._held_back()))
+                return self._step(self._take(len(self._pending)))
+        return self._step(self._take(len(self._pending) - self._held_back()))
 
     def finish(self) -> str:
         """The sequence ended: flushes held-back text (incomplete characters decode to U+FFFD,
@@ -163,4 +163,4 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(self._prefix_text):
             self._append(full[len(self._prefix_text) :])
-        return self._take(len(self._text))
+        return self._take(len(self._pending))

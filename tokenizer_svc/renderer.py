@@ -146,6 +146,9 @@ class Renderer:
         self.eos_token_ids = resolve_eos_token_ids(directory, tokenizer)
         self.image_spec = find_image_token_spec(tokenizer, directory)
         self._reserved_kwargs = _reserved_template_kwargs(tokenizer)
+        # The first encode may reset truncation/padding left in tokenizer.json (a mutation of
+        # the Rust tokenizer); do it now, before worker threads share the tokenizer.
+        self.encode("warm up", add_special_tokens=True)
 
     @classmethod
     def load(cls, model_dir: str | Path, options: RenderOptions | None = None) -> Renderer:

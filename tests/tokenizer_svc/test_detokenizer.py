@@ -155,5 +155,5 @@ def _random_case(rng: random.Random, renderer: Renderer) -> None:
 
 def test_random_sequences_match_full_decode(renderer: Renderer) -> None:
     rng = random.Random(1234)
-    for _ in range(400):
+    for _ in range(1000):
         _random_case(rng, renderer)

@@ -218,3 +218,18 @@ def test_process_entry_point(tiny_model_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_concurrent_calls(stub: Stub, renderer: Renderer) -> None:
+    ids = renderer.encode("Concurrent 你好 🎉 streams stop here please", False)
+    start = tokenizer_pb2.DetokenizeStart(stop=["here"])
+    chat = tokenizer_pb2.RenderChatRequest(messages_json=json.dumps(MESSAGES))
+    streams = [_detokenize_stream(stub, start, [[i] for i in ids]) for _ in range(20)]
+    renders = [stub.RenderChat(chat) for _ in range(20)]
+    tokenizes = [stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="x " * 500)) for _ in range(20)]
+    results = await asyncio.gather(*streams, *renders, *tokenizes)
+    expected = renderer.render_chat(MESSAGES).prompt_token_ids
+    for replies in results[:20]:
+        assert "".join(r.text for r in replies) == "Concurrent 你好 🎉 streams stop "
+    for reply in results[20:40]:
+        assert list(reply.prompt_token_ids) == expected
