@@ -66,7 +66,13 @@ class Scheduler:
             config.worker_timeout_s, config.worker_forget_s, config.max_inflight_per_worker, clock
         )
         self.index = PrefixIndex(config.speculative_ttl_s, clock=clock)
-        weights = PrefixWeights(config.prefix_weight, config.queue_weight, config.kv_weight, config.load_cap)
+        weights = PrefixWeights(
+            config.prefix_weight,
+            config.queue_weight,
+            config.kv_weight,
+            config.load_cap,
+            config.load_imbalance,
+        )
         self.policy = make_policy(config.routing_policy, self.index, weights)
         self.dispatcher = Dispatcher(
             self.registry, self.policy, config.max_queue_len, config.queue_timeout_s, self._on_dispatch

@@ -38,6 +38,9 @@ class SchedulerConfig(ServerConfig):
     # A worker whose load reaches this fraction of its capacity gets no prefix affinity:
     # the request falls back to least-load (one hot prefix cannot pile onto one worker).
     load_cap: float = 0.8
+    # ... and so does a worker carrying more than this fraction of its capacity above the
+    # least loaded candidate (affinity must not turn into a lasting imbalance).
+    load_imbalance: float = 0.25
     # Routing decisions count as cached prefixes for this long, until KV events confirm them.
     speculative_ttl_s: float = 2.0
     max_retries: int = 2
@@ -64,6 +67,8 @@ class SchedulerConfig(ServerConfig):
             raise ValueError("routing weights must be >= 0")
         if not 0 < self.load_cap <= 1:
             raise ValueError(f"load_cap must be in (0, 1], got {self.load_cap}")
+        if self.load_imbalance <= 0:
+            raise ValueError(f"load_imbalance must be > 0, got {self.load_imbalance}")
         if self.block_size <= 0 or self.kv_stream_maxlen <= 0:
             raise ValueError("block_size and kv_stream_maxlen must be > 0")
 

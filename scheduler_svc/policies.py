@@ -10,9 +10,11 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   is the fraction of the prompt's full blocks the worker already holds (longest prefix,
   from the `PrefixIndex`) and ``idle = (min_load + 1) / (load + 1)`` compares its queue
   depth (running + waiting) with the least loaded candidate's (1 = least loaded; a
-  one-request difference matters between idle workers, little between busy ones). A worker at or above ``load_cap`` of its capacity gets no
-  prefix affinity: the request falls back to least-load so a hot prefix cannot pile onto
-  one worker.
+  one-request difference matters between idle workers, little between busy ones).
+  The load cap: a worker at or above ``load_cap`` of its capacity, or carrying more than
+  ``load_imbalance`` of its capacity above the least loaded candidate, gets no prefix
+  affinity -- the request falls back to least-load, so a hot prefix cannot pile onto one
+  worker.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class PrefixWeights:
     queue: float = 2.0
     kv: float = 1.0
     load_cap: float = 0.8
+    load_imbalance: float = 0.25
 
 
 class PrefixAwarePolicy:
@@ -160,12 +163,20 @@ class PrefixAwarePolicy:
         if len(top) > 1:
             best = self._least_load.pick(top)
         reason = "prefix" if matches[best.worker_id][0] else "score"
-        if best.load_fraction() >= self._weights.load_cap:
+        if self._over_cap(best, candidates):
             best = self._least_load.pick(candidates)
             reason = "load_cap"
         matched, total = matches[best.worker_id]
         self._index.add_speculative(best.worker_id, request.hashes(best.spec.block_size))
         return Decision(best, reason, matched, total)
+
+    def _over_cap(self, worker: WorkerState, candidates: Sequence[WorkerState]) -> bool:
+        """At `load_cap` of its capacity, or `load_imbalance` of it above the least loaded."""
+        if worker.load_fraction() >= self._weights.load_cap:
+            return True
+        lightest = min(w.estimated_load() for w in candidates)
+        slack = max(self._weights.load_imbalance * worker.capacity, 1.0)
+        return worker.estimated_load() - lightest > slack
 
 
 def make_policy(name: str, index: PrefixIndex, weights: PrefixWeights | None = None) -> RoutingPolicy:

@@ -94,11 +94,25 @@ def test_load_cap_falls_back_to_least_load() -> None:
     index = PrefixIndex(speculative_ttl_s=0)
     tokens = list(range(40))
     index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
-    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8))
+    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8, load_imbalance=1.0))
     below = [worker("hot", running=7), worker("cold", running=0)]
     assert policy.choose(request(tokens), below).worker.worker_id == "hot"
     over = [worker("hot", running=8), worker("cold", running=0)]
     decision = policy.choose(request(tokens), over)
+    assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
+
+
+def test_imbalance_cap_moves_affinity_to_the_least_loaded() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
+    policy = PrefixAwarePolicy(index, PrefixWeights(load_cap=1.0, load_imbalance=0.25))
+    # Capacity 10: up to 2.5 requests above the lightest worker keep their affinity.
+    assert (
+        policy.choose(request(tokens), [worker("hot", running=3), worker("cold", running=1)]).reason
+        == "prefix"
+    )
+    decision = policy.choose(request(tokens), [worker("hot", running=4), worker("cold", running=1)])
     assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
 
 
