@@ -29,6 +29,9 @@ from services.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 _FETCH_CHUNK = 64 * 1024
+# Raster formats PIL may decode from requests (never e.g. EPS, which runs Ghostscript).
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+Image.init()  # registers every plugin, so `formats=` can name them all
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ def decode_image(raw: bytes, field: str, max_pixels: int) -> ImageData:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
+            image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
             width, height = image.size
             if width * height > max_pixels:
                 raise InvalidArgument(

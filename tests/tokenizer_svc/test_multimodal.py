@@ -143,3 +143,12 @@ def test_placeholder_count_must_match_images() -> None:
     assert [(i.offset, i.length) for i in items] == [(1, 3), (5, 3)]
     with _invalid("2 image placeholders"):
         expand_image_placeholders([1, 7, 2, 7], [image], spec)
+
+
+def test_only_common_raster_formats_are_decoded() -> None:
+    picture = Image.new("RGB", (2, 2), (5, 6, 7))
+    for fmt in ("JPEG", "GIF", "WEBP", "BMP", "TIFF"):
+        assert load_image(_data_url(_encoded(picture, fmt)), FIELD, POLICY).shape == (2, 2, 3)
+    for fmt in ("EPS", "PPM"):  # EPS would run Ghostscript
+        with _invalid("not a decodable image"):
+            load_image(_data_url(_encoded(picture, fmt)), FIELD, POLICY)
