@@ -155,9 +155,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         Protocol: the first message carries `start` (no reply unless it also has
         `finish`); each `tokens` message gets exactly one reply with the text now safe to
         emit. A message with `finish=true` (alone or with tokens) flushes held-back text in
-        its reply. The server ends the stream (status OK) after the reply that has
-        `stopped=true` or that answered `finish`; a client half-close without `finish`
-        also gets a final flushing reply.
+        its reply; a message with neither gets none. `num_tokens` counts the output tokens
+        consumed so far (up to and including the one that completed a stop string). The
+        server ends the stream (status OK) after the reply that has `stopped=true` or that
+        answered `finish`; a client half-close without `finish` also gets a final flushing
+        reply. Bad input (no `start` first, ids outside the vocabulary, empty stop strings)
+        ends the stream with INVALID_ARGUMENT.
         """
         detokenizer: IncrementalDetokenizer | None = None
         vocab_size = 0
