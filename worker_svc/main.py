@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from meshserve.v1 import scheduler_pb2, worker_pb2_grpc
 from services.config import load_config
 from services.log import setup_logging
 from services.server import GrpcServer
+from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
@@ -78,6 +79,13 @@ async def _start_decoder(
     return engine
 
 
+async def _refresh_metrics(load: Callable[[], object], period_s: float = 1.0) -> None:
+    """Keeps the /metrics gauges fresh even when no scheduler polls this worker."""
+    while True:
+        load()
+        await asyncio.sleep(period_s)
+
+
 async def main(argv: Sequence[str]) -> None:
     config = load_config(WorkerConfig, argv, prog="worker_svc")
     setup_logging(f"worker:{config.role}", config.log_level)
@@ -88,7 +96,7 @@ async def main(argv: Sequence[str]) -> None:
     engine: AsyncLLMEngine | None = None
     if config.role == "decoder":
         engine = await _start_decoder(config, identity, server)
-        load = lambda: load_stats(engine)  # noqa: E731
+        load = lambda: worker_metrics.record(load_stats(engine))  # noqa: E731
     elif config.role == "embedding":
         model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
         embed = EmbeddingServicer(model, identity)
@@ -106,6 +114,7 @@ async def main(argv: Sequence[str]) -> None:
     if link is not None:
         server.on_drain(link.drain)
         link.start()
+    refresher = asyncio.create_task(_refresh_metrics(load)) if config.metrics_port > 0 else None
     await server.set_serving(True)
     log.info(
         "worker %s (%s, pid %d) serving %s on port %d",
@@ -116,6 +125,8 @@ async def main(argv: Sequence[str]) -> None:
         port,
     )
     await server.run_until_signal()
+    if refresher is not None:
+        refresher.cancel()
     if link is not None:
         await link.close()
     if engine is not None:

@@ -1,0 +1,25 @@
+"""Prometheus gauges of a decoder worker, refreshed from engine stats."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge
+
+from meshserve.v1 import worker_pb2
+
+NUM_RUNNING = Gauge("meshserve_worker_num_running", "Requests in the running batch")
+NUM_WAITING = Gauge("meshserve_worker_num_waiting", "Requests waiting for admission to the batch")
+KV_USAGE = Gauge("meshserve_worker_kv_usage", "Fraction of KV cache blocks in use (0..1)")
+PREFIX_HIT_RATE = Gauge("meshserve_worker_prefix_cache_hit_rate", "Prefix cache hit rate over the worker lifetime")
+PREEMPTIONS = Gauge("meshserve_worker_num_preemptions", "Preemptions (recompute) since start")
+FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
+
+
+def record(load: worker_pb2.LoadStats) -> worker_pb2.LoadStats:
+    """Publishes `load` to the gauges and returns it (so it can wrap a load function)."""
+    NUM_RUNNING.set(load.num_running)
+    NUM_WAITING.set(load.num_waiting)
+    KV_USAGE.set(load.kv_usage)
+    PREFIX_HIT_RATE.set(load.prefix_cache_hit_rate)
+    PREEMPTIONS.set(load.num_preemptions)
+    FINISHED.set(load.num_finished)
+    return load
