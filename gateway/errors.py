@@ -88,7 +88,9 @@ def from_mesh_error(error: MeshError, component: str) -> APIError:
     message = error.message
     if error.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.INTERNAL):
         message = f"{component}: {message}"
-    return APIError(status, message, param=error.param, code=error.code.value.lower())
+    # Clients (the openai SDK included) retry 429/503; tell them when.
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return APIError(status, message, param=error.param, code=error.code.value.lower(), headers=headers)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, component: str) -> APIError:

@@ -83,14 +83,19 @@ def resolve_max_tokens(
     """max_tokens to ask for, or a 400 naming the model's context length."""
     if max_model_len <= 0:  # unknown limit: let the worker enforce it
         return requested if requested is not None else default
-    if prompt_len >= max_model_len or (requested is not None and prompt_len + requested > max_model_len):
-        asked = requested if requested is not None else 1
+    limit = f"This model's maximum context length is {max_model_len} tokens; your request has {prompt_len} prompt tokens"
+    if requested is None and prompt_len >= max_model_len:
         raise APIError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens; your request has "
-            f"{prompt_len} prompt tokens and asks for {asked} completion tokens "
-            f"({prompt_len + asked} in total). Please reduce the length of the {prompt_param}"
-            + (f" or {max_param}." if requested is not None else "."),
+            f"{limit}, which leaves no room for completion tokens. Please reduce the length of the {prompt_param}.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is not None and prompt_len + requested > max_model_len:
+        raise APIError(
+            400,
+            f"{limit} and asks for {requested} completion tokens ({prompt_len + requested} in total). "
+            f"Please reduce the length of the {prompt_param} or {max_param}.",
             param=prompt_param if prompt_len >= max_model_len else max_param,
             code="context_length_exceeded",
         )

@@ -93,9 +93,9 @@ class Upstream:
     async def resolve_model(self, model: str | None) -> str:
         """The served model a request names (or the first one when omitted); 404 if unknown."""
         models = list((await self.list_workers()).models)
+        if not models:
+            raise APIError(503, "no model is being served (no healthy worker yet)", code="unavailable")
         if model is None or model == "":
-            if not models:
-                raise APIError(503, "no model is being served", code="unavailable")
             return models[0]
         if model not in models:
             raise APIError(
