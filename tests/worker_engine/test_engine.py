@@ -253,3 +253,12 @@ def test_step_failure_aborts_batch_and_engine_survives(make_engine: Factory) -> 
     engine.runner.execute = original  # type: ignore[method-assign]
     out = run_all(engine, [("b", p, GREEDY)])["b"]
     assert out[-1].finished
+
+
+def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_dir: str) -> None:
+    from worker_svc.engine import EngineConfig, triton_attention
+
+    assert make_engine(attention_backend="auto").model_info.attention_backend == "torch"
+    assert not triton_attention.backend_supported(torch.device("cpu"), 16)
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton"))

@@ -1,0 +1,423 @@
+"""Engine benchmark: meshserve vs transformers, same model and workload, one run.
+
+    python -m bench.engine_bench --model-dir DIR [--num-requests 64 --prompt-len 128
+        --output-len 64 --concurrency 1,8,32] --out bench/results/engine.json
+
+Systems (all greedy, ``ignore_eos`` so every request yields exactly ``--output-len``
+tokens, random prompts so no prefix is shared):
+
+* ``meshserve``: :class:`AsyncLLMEngine` in-process; a closed-loop client keeps
+  ``concurrency`` requests in flight (TTFT/TPOT measured per request from submission).
+* ``hf_naive``: ``model.generate`` one request at a time (concurrency 1); TTFT/TPOT via
+  a streamer. Only ``--naive-requests`` requests are run (it is slow); tok/s is over those.
+* ``hf_cb``: transformers' continuous batching, ``model.generate_batch`` with
+  ``max_requests_per_batch=concurrency`` and the same token budget / page size. All
+  requests are submitted at once, so its TTFT *includes queueing* behind the batch;
+  throughput is measured from the first request's creation to the last token.
+
+Ratios are meshserve / hf_cb at the same concurrency (and hf_naive / hf_cb at 1).
+
+Mesh hook: :func:`run_generate_workload` takes any async generate callable
+(:data:`GenerateFn`); the gRPC path can wrap its client stream into one and call it
+with the same :class:`Workload` to get a comparable row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+
+# (request_id, prompt_token_ids, max_tokens) -> async stream of new-token chunks.
+GenerateFn = Callable[[str, list[int], int], AsyncIterator[list[int]]]
+
+DEFAULT_MODEL_DIR = ".cache/models/meshserve-tiny-llama"
+PAGE_SIZE = 16
+
+
+@dataclass
+class Workload:
+    """Prompts (token ids) and the fixed number of tokens to generate for each."""
+
+    prompts: list[list[int]]
+    output_len: int
+
+
+@dataclass
+class RequestTiming:
+    """Client-side timestamps of one request (perf_counter seconds)."""
+
+    submit: float
+    first: float
+    last: float
+    num_tokens: int
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    """One row of the report."""
+
+    system: str
+    concurrency: int
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    output_tok_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    ratio_vs_hf_cb: float | None = None
+    greedy_match_naive: float | None = None
+    notes: str = ""
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99 (nearest-rank) in milliseconds of values given in seconds."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def rank(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))] * 1000
+
+    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "mean": statistics.fmean(ordered) * 1000}
+
+
+def summarize(
+    system: str, concurrency: int, timings: list[RequestTiming], wall: float, notes: str = ""
+) -> RunResult:
+    """Aggregate per-request timings into a :class:`RunResult`."""
+    total = sum(t.num_tokens for t in timings)
+    tpots = [(t.last - t.first) / (t.num_tokens - 1) for t in timings if t.num_tokens > 1]
+    return RunResult(
+        system=system,
+        concurrency=concurrency,
+        num_requests=len(timings),
+        output_tokens=total,
+        wall_s=wall,
+        output_tok_per_s=total / wall if wall > 0 else 0.0,
+        ttft_ms=percentiles([t.first - t.submit for t in timings]),
+        tpot_ms=percentiles(tpots),
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------- async path
+async def run_generate_workload(
+    generate: GenerateFn, workload: Workload, concurrency: int, system: str, id_prefix: str = "req"
+) -> tuple[RunResult, list[RequestTiming]]:
+    """Closed-loop client: ``concurrency`` workers pull prompts and stream ``generate``.
+
+    This is the hook for the mesh (gRPC) benchmark: pass a callable that streams the
+    new token ids of one request.
+    """
+    pending = list(enumerate(workload.prompts))
+    pending.reverse()
+    timings: dict[int, RequestTiming] = {}
+
+    async def worker() -> None:
+        while pending:
+            index, prompt = pending.pop()
+            submit = time.perf_counter()
+            first = last = 0.0
+            toks: list[int] = []
+            async for chunk in generate(f"{id_prefix}-{index}", prompt, workload.output_len):
+                last = time.perf_counter()
+                if chunk and not toks:
+                    first = last
+                toks.extend(chunk)
+            timings[index] = RequestTiming(submit, first, last, len(toks), toks)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    ordered = [timings[i] for i in range(len(workload.prompts))]
+    return summarize(system, concurrency, ordered, wall), ordered
+
+
+def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
+    """Adapt :class:`AsyncLLMEngine` to :data:`GenerateFn` (greedy, ignore_eos).
+
+    ``salt`` goes into the block hashes so repeated runs over the same prompts do not
+    hit each other's prefix cache.
+    """
+    extra_keys = (f"salt:{salt}",) if salt else ()
+
+    async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async for out in engine.generate(request_id, prompt, params, extra_keys=extra_keys):
+            yield out.new_token_ids
+
+    return generate
+
+
+def bench_meshserve(
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int]
+) -> tuple[list[RunResult], list[RequestTiming]]:
+    """Run the meshserve engine at every concurrency; returns rows and the last run's timings."""
+    config = EngineConfig(
+        model_dir=args.model_dir,
+        max_num_seqs=max(concurrencies),
+        max_num_batched_tokens=args.max_batch_tokens,
+        block_size=PAGE_SIZE,
+    )
+    engine = AsyncLLMEngine(config)
+
+    async def main() -> tuple[list[RunResult], list[RequestTiming]]:
+        engine.start()
+        warm = Workload(workload.prompts[:4], 4)
+        await run_generate_workload(engine_generate_fn(engine, "warmup"), warm, 4, "warmup", "warm")
+        rows: list[RunResult] = []
+        timings: list[RequestTiming] = []
+        for c in concurrencies:
+            row, timings = await run_generate_workload(
+                engine_generate_fn(engine, f"c{c}"), workload, c, "meshserve"
+            )
+            rows.append(row)
+        await engine.shutdown()
+        return rows, timings
+
+    return asyncio.run(main())
+
+
+# ------------------------------------------------------------- transformers
+def load_hf_model(model_dir: str) -> Any:
+    """The model with transformers' default attention (sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+class _TimingStreamer:
+    """transformers streamer that timestamps every generated token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first put() is the prompt
+            self._prompt_seen = True
+            return
+        self.times.extend([time.perf_counter()] * value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def bench_hf_naive(
+    model: Any, workload: Workload, num_requests: int
+) -> tuple[RunResult, list[RequestTiming]]:
+    """``model.generate`` one request at a time."""
+    timings = []
+    start = time.perf_counter()
+    for prompt in workload.prompts[:num_requests]:
+        streamer = _TimingStreamer()
+        submit = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=workload.output_len,
+                min_new_tokens=workload.output_len,  # suppresses EOS: exactly output_len tokens
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=model.config.pad_token_id or 0,
+            )
+        toks = out[0, len(prompt) :].tolist()
+        timings.append(RequestTiming(submit, streamer.times[0], streamer.times[-1], len(toks), toks))
+    wall = time.perf_counter() - start
+    return summarize("hf_naive", 1, timings, wall, f"first {num_requests} requests only"), timings
+
+
+def _patch_cb_memory_probe() -> None:
+    """transformers' CB sizes its cache from psutil on CPU and sees 0 bytes without it."""
+    import transformers.generation.continuous_batching.cache as cb_cache
+
+    def probe() -> tuple[torch.device, int, int, int]:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = page * os.sysconf("SC_PHYS_PAGES")
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+        return torch.device("cpu"), total, rss, rss
+
+    if not torch.cuda.is_available():
+        cb_cache.get_device_and_memory_breakdown = probe
+
+
+def bench_hf_cb(
+    model: Any, workload: Workload, concurrency: int, max_batch_tokens: int
+) -> tuple[RunResult, list[RequestTiming]]:
+    """transformers continuous batching (``generate_batch``) with ``concurrency`` slots."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    _patch_cb_memory_probe()
+    per_request = -(-(max(map(len, workload.prompts)) + workload.output_len) // PAGE_SIZE)
+    gen_cfg = GenerationConfig(
+        max_new_tokens=workload.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )  # eos -1: disabled, like ignore_eos
+    cb_cfg = ContinuousBatchingConfig(
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=concurrency,
+        num_blocks=per_request * concurrency + 8,
+        page_size=PAGE_SIZE,
+    )
+    results = model.generate_batch(
+        workload.prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg, record_timestamps=True
+    )
+    timings = []
+    for res in results.values():
+        ts = res.timestamps or [res.lifespan[1]]
+        timings.append(
+            RequestTiming(res.created_time, ts[0], ts[-1], len(res.generated_tokens), res.generated_tokens)
+        )
+    wall = max(t.last for t in timings) - min(t.submit for t in timings)
+    return summarize(
+        "hf_cb", concurrency, timings, wall, "TTFT includes queueing (all submitted at t=0)"
+    ), timings
+
+
+# ------------------------------------------------------------------ driver
+def make_workload(model_dir: str, num_requests: int, prompt_len: int, output_len: int, seed: int) -> Workload:
+    """Random prompts avoiding the lowest/highest ids (special tokens live there)."""
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = min(16, vocab // 4), max(vocab - 16, vocab // 2)
+    prompts = [torch.randint(lo, hi, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
+    return Workload(prompts, output_len)
+
+
+def build_random_model(out: str) -> None:
+    """A random ~7M-parameter Llama (the default model's shape) for when none is built yet."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+
+
+def match_rate(candidate: list[RequestTiming], reference: list[RequestTiming]) -> float:
+    """Fraction of the reference requests whose greedy tokens the candidate reproduced."""
+    n = min(len(candidate), len(reference))
+    return sum(candidate[i].tokens == reference[i].tokens for i in range(n)) / n if n else 0.0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run all systems and return the report."""
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
+    rows: list[RunResult] = []
+    model = load_hf_model(args.model_dir)
+    naive_row, naive = bench_hf_naive(model, workload, min(args.naive_requests, args.num_requests))
+    cb_rows = {}
+    for c in concurrencies:
+        cb_rows[c], cb_timings = bench_hf_cb(model, workload, c, args.max_batch_tokens)
+        cb_rows[c].greedy_match_naive = match_rate(cb_timings, naive)
+    del model
+    ms_rows, ms_timings = bench_meshserve(args, workload, concurrencies)
+    for row in ms_rows:
+        row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
+    ms_rows[-1].greedy_match_naive = match_rate(ms_timings, naive)
+    if 1 in cb_rows:
+        naive_row.ratio_vs_hf_cb = naive_row.output_tok_per_s / cb_rows[1].output_tok_per_s
+    rows = [*ms_rows, naive_row, *(cb_rows[c] for c in concurrencies)]
+    return {
+        "model_dir": args.model_dir,
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "concurrency": concurrencies,
+            "max_batch_tokens": args.max_batch_tokens,
+            "page_size": PAGE_SIZE,
+        },
+        "env": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "cpu_count": os.cpu_count(),
+        },
+        "results": [asdict(r) for r in rows],
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Human-readable summary on stdout."""
+    header = f"{'system':<10} {'conc':>4} {'reqs':>4} {'tok/s':>9} {'x hf_cb':>7} {'TTFT p50/p90/p99 ms':>24}"
+    print(header + f" {'TPOT p50/p90/p99 ms':>22}")
+    for r in report["results"]:
+        ttft = "/".join(f"{r['ttft_ms'].get(p, 0):.0f}" for p in ("p50", "p90", "p99"))
+        tpot = "/".join(f"{r['tpot_ms'].get(p, 0):.1f}" for p in ("p50", "p90", "p99"))
+        ratio = f"{r['ratio_vs_hf_cb']:.2f}" if r["ratio_vs_hf_cb"] is not None else "-"
+        print(
+            f"{r['system']:<10} {r['concurrency']:>4} {r['num_requests']:>4} "
+            f"{r['output_tok_per_s']:>9.1f} {ratio:>7} {ttft:>24} {tpot:>22}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """CLI."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="per-step token budget (both engines)")
+    p.add_argument("--naive-requests", type=int, default=16, help="requests run through hf_naive")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-model-if-missing", action="store_true", help="build a random Llama if no model")
+    p.add_argument("--out", default="bench/results/engine.json")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not Path(args.model_dir, "config.json").is_file():
+        if not args.random_model_if_missing:
+            raise SystemExit(
+                f"no model at {args.model_dir} (run `make model` or pass --random-model-if-missing)"
+            )
+        args.model_dir = tempfile.mkdtemp(prefix="meshserve-bench-model-")
+        build_random_model(args.model_dir)
+    report = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
