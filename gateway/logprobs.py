@@ -69,27 +69,23 @@ def completion_logprobs(
     top_k: int,
     text_offset: int,
 ) -> CompletionLogprobs:
-    """Legacy completion logprobs; `text_offset` is where the first token starts."""
-    result = CompletionLogprobs()
+    """Legacy completion logprobs; `text_offset` is where the first token starts.
+
+    Built with every field passed explicitly, so `exclude_unset` dumps keep them."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
     for entry in logprobs:
         token = strings.get(entry.token_id, "")
-        result.tokens.append(token)
-        result.token_logprobs.append(_clamp(entry.logprob))
+        tokens.append(token)
+        token_logprobs.append(_clamp(entry.logprob))
         tops = {strings.get(t.token_id, ""): _clamp(t.logprob) for t in entry.top[:top_k]}
         tops.setdefault(token, _clamp(entry.logprob))
-        result.top_logprobs.append(tops)
-        result.text_offset.append(offset)
+        top_logprobs.append(tops)
+        offsets.append(offset)
         offset += len(token)
-    return result
-
-
-def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
-    """Concatenates per-event completion logprobs of one choice."""
-    merged = CompletionLogprobs()
-    for part in parts:
-        merged.tokens.extend(part.tokens)
-        merged.token_logprobs.extend(part.token_logprobs)
-        merged.top_logprobs.extend(part.top_logprobs)
-        merged.text_offset.extend(part.text_offset)
-    return merged
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
+    )

@@ -272,3 +272,17 @@ def test_embeddings(client: openai.OpenAI) -> None:
     raw = base64.b64decode(str(resp64.data[0].embedding))
     decoded = struct.unpack("<3f", raw)
     assert all(abs(a - b) < 1e-6 for a, b in zip(decoded, resp.data[0].embedding, strict=True))
+
+
+def test_completions_stream_logprobs(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logprobs=1, stream=True)
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.tokens:
+                tokens.extend(choice.logprobs.tokens)
+                offsets.extend(choice.logprobs.text_offset or [])
+                assert choice.logprobs.top_logprobs is not None
+    assert "".join(tokens) == HELLO0[:4]
+    assert offsets == [0, 1, 2, 3]
