@@ -1,7 +1,7 @@
 """Routing benchmark: prefix-aware vs round-robin (vs least-load) scheduling, side by side.
 
     python -m bench.routing_bench [--model-dir DIR] [--workers 2] [--policies prefix,round_robin]
-        [--conversations 32 --turns 4 --system-prompts 4 --system-len 512 --user-len 64]
+        [--conversations 32 --turns 5 --system-prompts 4 --system-len 256 --user-len 128]
         [--max-tokens 16 --concurrency 8] [--out bench/results/routing.json]
 
 For every policy a fresh cluster is started -- a redis-server, `python -m scheduler_svc
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.redis_client import RedisServer, free_port
@@ -55,10 +56,10 @@ class BenchConfig:
     workers: int = 2
     policies: tuple[str, ...] = ("prefix", "round_robin")
     conversations: int = 32
-    turns: int = 4
+    turns: int = 5
     system_prompts: int = 4
-    system_len: int = 512
-    user_len: int = 64
+    system_len: int = 256
+    user_len: int = 128
     max_tokens: int = 16
     concurrency: int = 8
     num_kv_blocks: int = 1024
@@ -68,6 +69,8 @@ class BenchConfig:
     device: str = "cpu"
     vocab: int = 900
     seed: int = 0
+    # Runs per policy, alternating the policy order (the host may be noisy).
+    repeats: int = 1
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class Cluster:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     redis: RedisServer | None = None
     address: str = ""
+    metrics_port: int = 0
 
     def _spawn(self, name: str, args: list[str]) -> None:
         with (self.log_dir / f"{self.policy}-{name}.log").open("wb") as out:
@@ -112,8 +116,10 @@ class Cluster:
         self.redis = RedisServer().start()
         port = free_port()
         self.address = f"127.0.0.1:{port}"
+        self.metrics_port = free_port()
         self._spawn("scheduler", [
             "scheduler_svc", "--port", str(port), "--redis-url", self.redis.url,
+            "--metrics-port", str(self.metrics_port),
             "--routing-policy", self.policy, "--block-size", str(self.config.block_size),
             "--log-level", "WARNING",
         ])  # fmt: skip
@@ -231,6 +237,29 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def routing_reasons(metrics_port: int) -> dict[str, float]:
+    """meshserve_scheduler_routed_total by reason, scraped from the scheduler's /metrics."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    reasons: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("meshserve_scheduler_routed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            reasons[reason] = reasons.get(reason, 0.0) + float(value)
+    return reasons
+
+
+def ttft_by_hit(records: list[Record]) -> dict[str, float]:
+    """TTFT p50 (ms) of requests mostly served from the prefix cache vs mostly not."""
+    hit = [r.ttft_s * 1000 for r in records if r.prompt_tokens and r.cached_tokens / r.prompt_tokens >= 0.5]
+    miss = [r.ttft_s * 1000 for r in records if r.prompt_tokens and r.cached_tokens / r.prompt_tokens < 0.5]
+    return {"hit_ge_50pct_p50": percentile(hit, 50), "hit_lt_50pct_p50": percentile(miss, 50),
+            "hit_ge_50pct_requests": len(hit), "hit_lt_50pct_requests": len(miss)}  # fmt: skip
+
+
 def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[str, Any]:
     ttft = [r.ttft_s * 1000 for r in records]
     latency = [r.latency_s * 1000 for r in records]
@@ -247,6 +276,7 @@ def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[
         },
         "requests_per_worker": per_worker,
         "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "mean": statistics.fmean(ttft)},
+        "ttft_by_cache_hit": ttft_by_hit(records),
         "latency_ms": {"p50": percentile(latency, 50), "p99": percentile(latency, 99)},
         "scheduler_overhead_ms": {"p50": percentile(overhead, 50), "p99": percentile(overhead, 99)},
         "request_throughput": len(records) / wall_s,
@@ -282,7 +312,9 @@ async def run_policy(
             wall = time.perf_counter() - start
             await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
             listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        return summarize(records, wall, list(listing.workers))
+        summary = summarize(records, wall, list(listing.workers))
+        summary["routing_reasons"] = await asyncio.to_thread(routing_reasons, cluster.metrics_port)
+        return summary
     finally:
         await asyncio.to_thread(cluster.stop)
 
@@ -300,14 +332,40 @@ def ensure_model(model_dir: str | None) -> str:
     return str(TINY_MODEL_DIR)
 
 
+MEDIAN_KEYS = (
+    ("prefix_hit_rate",),
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p99"),
+    ("latency_ms", "p50"),
+    ("scheduler_overhead_ms", "p50"),
+    ("scheduler_overhead_ms", "p99"),
+    ("request_throughput",),
+    ("output_throughput",),
+)
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over repeated runs of the headline metrics, keyed like "ttft_ms.p50"."""
+    result: dict[str, float] = {}
+    for path in MEDIAN_KEYS:
+        values = []
+        for run in runs:
+            value: Any = run
+            for key in path:
+                value = value[key]
+            values.append(float(value))
+        result[".".join(path)] = statistics.median(values)
+    return result
+
+
 def comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if "prefix" not in results or "round_robin" not in results:
         return {}
-    p, rr = results["prefix"], results["round_robin"]
+    p, rr = results["prefix"]["median"], results["round_robin"]["median"]
     return {
         "hit_rate_prefix_minus_round_robin": p["prefix_hit_rate"] - rr["prefix_hit_rate"],
-        "ttft_p50_ratio_prefix_over_round_robin": p["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"],
-        "ttft_p99_ratio_prefix_over_round_robin": p["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
+        "ttft_p50_ratio_prefix_over_round_robin": p["ttft_ms.p50"] / rr["ttft_ms.p50"],
+        "ttft_p99_ratio_prefix_over_round_robin": p["ttft_ms.p99"] / rr["ttft_ms.p99"],
         "throughput_ratio_prefix_over_round_robin": p["output_throughput"] / rr["output_throughput"],
     }
 
@@ -336,11 +394,16 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config, out = parse_args(argv)
     workload = build_workload(config)
     log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
-    results: dict[str, dict[str, Any]] = {}
-    for policy in config.policies:
-        print(f"[{policy}] starting {config.workers} workers ...", file=sys.stderr)
-        results[policy] = await run_policy(config, policy, workload, log_dir)
-        print(f"[{policy}] {json.dumps(results[policy])}", file=sys.stderr)
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in config.policies}
+    for repeat in range(config.repeats):
+        order = config.policies if repeat % 2 == 0 else tuple(reversed(config.policies))
+        for policy in order:
+            print(f"[{policy} #{repeat + 1}] starting {config.workers} workers ...", file=sys.stderr)
+            runs[policy].append(await run_policy(config, policy, workload, log_dir))
+            print(f"[{policy} #{repeat + 1}] {json.dumps(runs[policy][-1])}", file=sys.stderr)
+    results = {
+        policy: {"median": medians(policy_runs), "runs": policy_runs} for policy, policy_runs in runs.items()
+    }
     report = {
         "config": asdict(config),
         "host": {

@@ -40,7 +40,7 @@ class SchedulerConfig(ServerConfig):
     load_cap: float = 0.8
     # ... and so does a worker carrying more than this fraction of its capacity above the
     # least loaded candidate (affinity must not turn into a lasting imbalance).
-    load_imbalance: float = 0.25
+    load_imbalance: float = 0.125
     # Routing decisions count as cached prefixes for this long, until KV events confirm them.
     speculative_ttl_s: float = 2.0
     max_retries: int = 2

@@ -109,7 +109,7 @@ class PrefixWeights:
     queue: float = 2.0
     kv: float = 1.0
     load_cap: float = 0.8
-    load_imbalance: float = 0.25
+    load_imbalance: float = 0.125
 
 
 class PrefixAwarePolicy:

@@ -76,8 +76,8 @@ class WorkerState:
     suspect_until: float = 0.0
     # Requests this scheduler sent and that have not finished yet.
     inflight: int = 0
-    # Of those, the ones sent after the last heartbeat (not yet in `load`).
-    inflight_since_heartbeat: int = 0
+    # Requests on the worker that are not ours (other scheduler replicas), from its last report.
+    external_load: int = 0
     capacity: int = 1
 
     @property
@@ -101,9 +101,8 @@ class WorkerState:
         return self.inflight < self.capacity
 
     def estimated_load(self) -> int:
-        """Requests on the worker: its last report plus what we sent since, at least our own."""
-        reported = self.load.num_running + self.load.num_waiting + self.inflight_since_heartbeat
-        return max(reported, self.inflight)
+        """Requests on the worker now: ours (exact, heartbeats lag) plus other replicas' (reported)."""
+        return self.inflight + self.external_load
 
     def load_fraction(self) -> float:
         return self.estimated_load() / max(self.capacity, 1)
@@ -156,7 +155,7 @@ class WorkerRegistry:
         state.healthy = True
         state.draining = False
         state.suspect_until = 0.0
-        state.inflight_since_heartbeat = 0
+        state.external_load = 0
         self.version += 1
         return state, is_new
 
@@ -172,7 +171,7 @@ class WorkerRegistry:
         state.last_seen = self._clock()
         state.healthy = True
         state.draining = draining
-        state.inflight_since_heartbeat = 0
+        state.external_load = max(load.num_running + load.num_waiting - state.inflight, 0)
         return True, revived
 
     def observe_remote(self, spec: WorkerSpec, load: LoadSnapshot, draining: bool, age_s: float) -> bool:
@@ -188,6 +187,7 @@ class WorkerRegistry:
         if not state.healthy or state.draining != draining:
             self.version += 1
         state.load = load
+        state.external_load = max(load.num_running + load.num_waiting - state.inflight, 0)
         state.draining = draining
         state.healthy = True
         state.last_seen = seen
@@ -253,14 +253,11 @@ class WorkerRegistry:
     def acquire(self, state: WorkerState) -> Lease:
         """Counts one more request in flight on `state`."""
         state.inflight += 1
-        state.inflight_since_heartbeat += 1
         return Lease(worker=state, dispatched_at=self._clock())
 
     def release(self, lease: Lease) -> None:
         state = lease.worker
         state.inflight = max(state.inflight - 1, 0)
-        if lease.dispatched_at >= state.last_seen and state.inflight_since_heartbeat > 0:
-            state.inflight_since_heartbeat -= 1
 
     def counts(self) -> dict[tuple[str, Health], int]:
         """Number of workers per (role, health), every combination present."""

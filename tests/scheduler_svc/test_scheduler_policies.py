@@ -21,6 +21,7 @@ def worker(worker_id: str, running: int = 0, kv: float = 0.0, capacity: int = 10
     state = WorkerState(WorkerSpec(worker_id, "addr", "decoder", "m", 512, BS, 100, capacity))
     state.capacity = capacity
     state.load = LoadSnapshot(num_running=running, kv_usage=kv)
+    state.external_load = running
     return state
 
 
@@ -43,7 +44,6 @@ def test_least_load_prefers_fewest_requests_then_kv_usage() -> None:
     assert policy.choose(request([]), ws).worker.worker_id == "c"
     # Our own in-flight requests count even before a heartbeat reports them.
     ws[2].inflight = 5
-    ws[2].inflight_since_heartbeat = 5
     assert policy.choose(request([]), ws).worker.worker_id == "b"
     # Capacity matters: 4 of 40 is less loaded than 1 of 2.
     big, small = worker("big", running=4, capacity=40), worker("small", running=1, capacity=2)

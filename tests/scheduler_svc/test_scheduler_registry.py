@@ -113,11 +113,12 @@ def test_leases_capacity_and_load_estimate() -> None:
     assert state.estimated_load() == 2
     clock.t += 0.1
     reg.heartbeat("w1", LoadSnapshot(num_running=5, num_waiting=1), False)
-    # The report already includes our requests: no double counting.
-    assert state.estimated_load() == 6
+    # The report includes our 2 requests: 4 come from elsewhere (no double counting).
+    assert state.external_load == 4 and state.estimated_load() == 6
     reg.release(first)
+    # Our own count is exact between heartbeats.
     assert state.inflight == 1 and state.has_capacity()
-    assert state.estimated_load() == 6
+    assert state.estimated_load() == 5
 
 
 def test_observe_remote_entries() -> None:
