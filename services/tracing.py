@@ -25,7 +25,8 @@ MEMORY_EXPORTER: SpanExporter | None = None
 def setup_tracing(service: str, mode: str = "none", otlp_endpoint: str = "") -> None:
     """Installs a tracer provider for this process (no-op when mode is 'none')."""
     global _enabled, MEMORY_EXPORTER
-    if mode == "none":
+    if mode == "none" or _enabled:
+        # One provider per process: services sharing a process (tests) share it.
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     exporter: SpanExporter
@@ -90,40 +91,57 @@ def span(name: str, **attributes: Any) -> Iterator[None]:
         yield
 
 
-class _ClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the current trace context to the metadata of every outgoing call."""
+class PhaseSpan:
+    """A span opened and closed explicitly (e.g. prefill: submit → first token),
+    a child of the span current at creation. No-op when tracing is off."""
 
-    @staticmethod
-    def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        extra = inject_metadata()
-        if not extra:
-            return details
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *extra)
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
+    def __init__(self, name: str, **attributes: Any) -> None:
+        self._span = tracer().start_span(name, attributes=attributes) if _enabled else None
 
+    def end(self, **attributes: Any) -> None:
+        if self._span is not None:
+            if attributes:
+                self._span.set_attributes(attributes)
+            self._span.end()
+            self._span = None
+
+
+def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    extra = inject_metadata()
+    if not extra:
+        return details
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), *extra)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+# grpc.aio files an interceptor under the first of the four kinds it is an instance
+# of, so each kind needs its own class.
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], details: Any, request: Any
     ) -> Any:
-        return await continuation(self._with_context(details), request)
+        return await continuation(_with_context(details), request)
 
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], details: Any, request: Any
     ) -> Any:
-        return await continuation(self._with_context(details), request)
+        return await continuation(_with_context(details), request)
 
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, it: Any) -> Any:
-        return await continuation(self._with_context(details), it)
+        return await continuation(_with_context(details), it)
 
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, it: Any) -> Any:
-        return await continuation(self._with_context(details), it)
+        return await continuation(_with_context(details), it)
 
 
 def client_interceptors() -> list[Any]:
-    return [_ClientInterceptor()] if _enabled else []
+    """Interceptors that add the current trace context to every outgoing call's metadata."""
+    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()] if _enabled else []

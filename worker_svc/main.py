@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from meshserve.v1 import scheduler_pb2, worker_pb2_grpc
+from meshserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
 from services.log import setup_logging
 from services.server import GrpcServer
@@ -86,48 +86,74 @@ async def _refresh_metrics(load: Callable[[], object], period_s: float = 1.0) ->
         await asyncio.sleep(period_s)
 
 
+class WorkerProcess:
+    """One worker: its gRPC server, its model (engine or embedder) and its scheduler link."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.identity = _identity(config)
+        self.server = GrpcServer(f"worker-{self.identity.worker_id}", config)
+        self.engine: AsyncLLMEngine | None = None
+        self.link: SchedulerLink | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self._load: Callable[[], worker_pb2.LoadStats] | None = None
+
+    async def _load_model(self) -> Callable[[], worker_pb2.LoadStats]:
+        config, identity, server = self.config, self.identity, self.server
+        if config.role == "decoder":
+            engine = await _start_decoder(config, identity, server)
+            self.engine = engine
+            return lambda: worker_metrics.record(load_stats(engine))
+        if config.role == "embedding":
+            model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
+            embed = EmbeddingServicer(model, identity)
+            server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, embed)
+            return embed.load
+        raise SystemExit(f"role {config.role!r} is not implemented in this worker build")
+
+    async def start(self) -> int:
+        """Loads the model, serves, registers with the scheduler; returns the port."""
+        load = await self._load_model()
+        port = await self.server.start()
+        descriptor = _descriptor(self.config, self.identity, port)
+        if self.engine is not None:
+            descriptor.max_model_len = self.engine.model_info.max_model_len
+            descriptor.num_total_blocks = self.engine.stats().num_total_blocks
+        if self.config.scheduler_address:
+            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load)
+            self.server.on_drain(self.link.drain)
+            self.link.start()
+        if self.config.metrics_port > 0:
+            self._refresher = asyncio.create_task(_refresh_metrics(load))
+        await self.server.set_serving(True)
+        log.info(
+            "worker %s (%s, pid %d) serving %s on port %d",
+            self.identity.worker_id,
+            self.config.role,
+            os.getpid(),
+            self.identity.model,
+            port,
+        )
+        return port
+
+    async def close(self) -> None:
+        """Releases what `start` acquired (after the server has drained and stopped)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.link is not None:
+            await self.link.close()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+
 async def main(argv: Sequence[str]) -> None:
     config = load_config(WorkerConfig, argv, prog="worker_svc")
     setup_logging(f"worker:{config.role}", config.log_level)
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    identity = _identity(config)
-    server = GrpcServer(f"worker-{identity.worker_id}", config)
-    engine: AsyncLLMEngine | None = None
-    if config.role == "decoder":
-        engine = await _start_decoder(config, identity, server)
-        load = lambda: worker_metrics.record(load_stats(engine))  # noqa: E731
-    elif config.role == "embedding":
-        model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
-        embed = EmbeddingServicer(model, identity)
-        server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, embed)
-        load = embed.load
-    else:
-        raise SystemExit(f"role {config.role!r} is not implemented in this worker build")
-    port = await server.start()
-    descriptor = _descriptor(config, identity, port)
-    if engine is not None:
-        info = engine.model_info
-        descriptor.max_model_len = info.max_model_len
-        descriptor.num_total_blocks = engine.stats().num_total_blocks
-    link = SchedulerLink(config.scheduler_address, descriptor, load) if config.scheduler_address else None
-    if link is not None:
-        server.on_drain(link.drain)
-        link.start()
-    refresher = asyncio.create_task(_refresh_metrics(load)) if config.metrics_port > 0 else None
-    await server.set_serving(True)
-    log.info(
-        "worker %s (%s, pid %d) serving %s on port %d",
-        identity.worker_id,
-        config.role,
-        os.getpid(),
-        identity.model,
-        port,
-    )
-    await server.run_until_signal()
-    if refresher is not None:
-        refresher.cancel()
-    if link is not None:
-        await link.close()
-    if engine is not None:
-        await engine.shutdown()
+    worker = WorkerProcess(config)
+    await worker.start()
+    try:
+        await worker.server.run_until_signal()
+    finally:
+        await worker.close()

@@ -106,6 +106,8 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         tasks = [asyncio.create_task(_pump(i, g, queue)) for i, g in enumerate(gens)]
         usage = common_pb2.Usage(prompt_tokens=len(prompt))
         first, remaining = True, len(tasks)
+        # Prefill covers the wait in the engine queue plus the prompt's forward passes.
+        phase = tracing.PhaseSpan("worker.prefill", prompt_tokens=len(prompt))
         try:
             while remaining:
                 items = await _drain(queue)
@@ -124,6 +126,8 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
                     usage.cached_tokens = max(usage.cached_tokens, out.num_cached_tokens)
                 if first:
                     response.worker_id = self.identity.worker_id
+                    phase.end(cached_tokens=usage.cached_tokens)
+                    phase = tracing.PhaseSpan("worker.decode")
                 if not remaining:
                     response.finished = True
                     response.usage.CopyFrom(usage)
@@ -131,6 +135,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
                     first = False
                     yield response
         finally:
+            phase.end(completion_tokens=usage.completion_tokens)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
