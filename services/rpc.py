@@ -59,11 +59,17 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code.value)  # type: ignore[no-any-return]
 
 
+# Trailing-metadata key carrying the request field at fault (OpenAI error `param`).
+PARAM_METADATA_KEY = "meshserve-error-param"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = classify(exc)
     if code is Code.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
-    await context.abort(grpc_code(code), message)
+    param = getattr(exc, "param", None)
+    metadata = ((PARAM_METADATA_KEY, param),) if isinstance(param, str) and param else None
+    await context.abort(grpc_code(code), message, trailing_metadata=metadata or ())
 
 
 def _status_name(context: grpc.aio.ServicerContext) -> str:
@@ -163,6 +169,13 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> MeshError:
         code = Code.INTERNAL
     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and not exc.details():
         code = Code.UNAVAILABLE
-    error = MeshError(exc.details() or code.value)
+    error = MeshError(exc.details() or code.value, param=_error_param(exc))
     error.code = code
     return error
+
+
+def _error_param(exc: grpc.aio.AioRpcError) -> str | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == PARAM_METADATA_KEY and isinstance(value, str):
+            return value
+    return None

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.v1 import worker_pb2, worker_pb2_grpc
 from services.config import ServerConfig, env_for, load_config
-from services.errors import Code, Overloaded, classify
-from services.rpc import rpc_handler
+from services.errors import Code, InvalidArgument, Overloaded, classify
+from services.rpc import error_from_rpc, rpc_handler
 from services.server import GrpcServer
 
 
@@ -68,7 +68,7 @@ class SlowWorker(worker_pb2_grpc.WorkerServicer):
     async def GetModelInfo(
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ModelInfo:
-        raise ValueError("role is not valid here")
+        raise InvalidArgument("role is not valid here", param="role")
 
 
 async def _health(stub: health_pb2_grpc.HealthStub) -> int:
@@ -90,6 +90,7 @@ async def test_health_errors_and_drain() -> None:
             await worker.GetModelInfo(worker_pb2.GetModelInfoRequest())
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "role" in (bad.value.details() or "")
+        assert error_from_rpc(bad.value).param == "role"
         in_flight = asyncio.ensure_future(worker.GetLoad(worker_pb2.GetLoadRequest()))
         await servicer.started.wait()
         drained = asyncio.create_task(server.drain_and_stop())
