@@ -94,6 +94,12 @@ class EncoderCacheServicer(encoder_cache_pb2_grpc.EncoderCacheServicer):
                     raise InvalidArgument("the first chunk must carry meta", param="meta")
                 meta = chunk.meta
                 validate_entry(meta.identifier, meta.dtype, tuple(meta.shape), meta.num_bytes)
+                # Refuse before buffering: otherwise a client streams up to num_bytes into memory.
+                if meta.num_bytes > self.store.capacity_bytes:
+                    raise InvalidArgument(
+                        f"item of {meta.num_bytes} bytes exceeds the cache capacity {self.store.capacity_bytes}",
+                        param="meta.num_bytes",
+                    )
             size += len(chunk.data)
             if size > meta.num_bytes:
                 raise InvalidArgument(f"more data than meta.num_bytes={meta.num_bytes}", param="data")
