@@ -4,13 +4,19 @@ cancellation, Abort, overflow, draining, Embed (no Redis)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
-from meshserve.v1 import common_pb2, scheduler_pb2
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import OVERHEAD_METADATA_KEY
+from services.redis_client import free_port
+from services.rpc import check_health
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,3 +216,48 @@ async def test_embed_routing(start_scheduler: Any, start_worker: Any) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await sched.stub.Embed(common_pb2.EmbedRequest(model="nope", inputs=["x"]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_worker_gauges_follow_health(start_scheduler: Any, start_worker: Any) -> None:
+    def gauge(health: str) -> float:
+        value = REGISTRY.get_sample_value(
+            "meshserve_scheduler_workers", {"role": "decoder", "health": health}
+        )
+        return value or 0.0
+
+    sched = await start_scheduler()
+    worker = await start_worker("g1", sched)
+    await sched.wait_for(lambda: gauge("healthy") == 1)
+    worker.heartbeating = False
+    await sched.wait_for(lambda: gauge("unhealthy") == 1 and gauge("healthy") == 0)
+
+
+async def test_process_entry_point_serves_and_drains() -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "scheduler_svc", "--port", str(port), "--routing-policy", "least_load",
+        env={**os.environ, "MESHSERVE_DRAIN_TIMEOUT_S": "1"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await check_health(f"127.0.0.1:{port}", "meshserve.v1.Scheduler"):
+            assert proc.returncode is None, "scheduler exited"
+            assert asyncio.get_running_loop().time() < deadline, "scheduler did not become healthy"
+            await asyncio.sleep(0.1)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            descriptor = scheduler_pb2.WorkerDescriptor(
+                worker_id="p1", address="127.0.0.1:1", model="m", block_size=16, max_num_seqs=2
+            )
+            reply = await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=descriptor))
+            assert reply.heartbeat_interval_ms == 500
+            listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
+            assert [s.worker.worker_id for s in listing.workers] == ["p1"]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
