@@ -14,7 +14,8 @@ Reported per policy: prefix-cache hit rate (sum of `usage.cached_tokens` / promp
 tokens, and the workers' own LoadStats), TTFT p50/p99, end-to-end latency, request and
 output-token throughput, and the scheduler's added latency per request (receive →
 worker call started, from the `x-meshserve-scheduler-overhead-us` trailer), p50/p99.
-Without `--model-dir` a tiny untrained model is built once (devtools.build_model --tiny).
+Without `--model-dir` the `make model` model is used, else a tiny untrained one is built
+once (devtools.build_model --tiny).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from services.redis_client import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
+DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"  # `make model`
 TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
 OVERHEAD_KEY = "x-meshserve-scheduler-overhead-us"
 MODEL_NAME = "bench-model"
@@ -322,6 +324,8 @@ async def run_policy(
 def ensure_model(model_dir: str | None) -> str:
     if model_dir:
         return model_dir
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return str(DEFAULT_MODEL_DIR)
     if not (TINY_MODEL_DIR / "config.json").is_file():
         print(f"building a tiny model in {TINY_MODEL_DIR}", file=sys.stderr)
         subprocess.run(
