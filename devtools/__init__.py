@@ -1,0 +1,1 @@
+"""Developer tooling for meshserve (model building and other offline helpers)."""
