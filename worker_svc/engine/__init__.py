@@ -4,7 +4,8 @@ Layers, bottom up: ``services.kv_hash`` (block hash scheme) -> ``block_manager``
 (paged blocks + prefix cache + KV events) -> ``scheduler`` (token-budget, chunked
 prefill, preemption) -> ``model_runner`` + ``attention`` (transformers model with a
 paged attention function) -> ``sampling`` -> ``engine`` (sync step loop) ->
-``async_engine`` (asyncio front with a dedicated engine thread).
+``async_engine`` (asyncio front with a dedicated engine thread). ``multimodal``: the
+language-model-only load of vision-language checkpoints and image-embedding merging.
 """
 
 from worker_svc.engine.async_engine import AsyncLLMEngine
@@ -12,6 +13,7 @@ from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig
 from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
 from worker_svc.engine.model_runner import ModelInfo
+from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.engine.request import Request, RequestStatus
 from worker_svc.engine.sampling import SamplingParams
 
@@ -24,6 +26,7 @@ __all__ = [
     "KvEvent",
     "LLMEngine",
     "ModelInfo",
+    "MultiModalInput",
     "Request",
     "RequestOutput",
     "RequestStatus",

@@ -27,6 +27,7 @@ from worker_svc.engine.block_manager import KvEvent
 from worker_svc.engine.config import EngineConfig
 from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
 from worker_svc.engine.model_runner import ModelInfo
+from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.engine.sampling import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineShutdownError"]
@@ -54,6 +55,7 @@ class _Add:
     priority: int
     extra_keys: tuple[str, ...]
     stream: _Stream
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
 
 @dataclass
@@ -124,13 +126,14 @@ class AsyncLLMEngine:
         params: SamplingParams,
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield one output per step that produced tokens for it.
 
         Invalid input raises ValueError before anything is scheduled. Leaving the loop
         early (or cancellation) aborts the request.
         """
-        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys)
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs)
         self.start()
         with self._lock:
             if request_id in self._active:
@@ -139,7 +142,10 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         done = False
         try:
-            self._send(_Add(request_id, list(prompt_token_ids), params, priority, extra_keys, stream))
+            add = _Add(
+                request_id, list(prompt_token_ids), params, priority, extra_keys, stream, tuple(mm_inputs)
+            )
+            self._send(add)
             while not done:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -215,7 +221,7 @@ class AsyncLLMEngine:
     def _handle_add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.extra_keys
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.extra_keys, cmd.mm_inputs
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})

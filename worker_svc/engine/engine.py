@@ -15,6 +15,7 @@ import torch
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
+from worker_svc.engine.multimodal import MultiModalInput, mm_extra_keys, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
@@ -102,6 +103,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
     ) -> None:
         """Stateless checks of a request (safe to call from any thread); ValueError names the field."""
         if not isinstance(request_id, str) or not request_id:
@@ -115,6 +117,8 @@ class LLMEngine:
         if not isinstance(extra_keys, tuple) or not all(isinstance(k, str) for k in extra_keys):
             raise ValueError("extra_keys must be a tuple of strings")
         info = self.model_info
+        if mm_inputs:
+            validate_mm_inputs(mm_inputs, len(prompt_token_ids), info.hidden_size)
         total = len(prompt_token_ids) + sampling_params.max_tokens
         if total > info.max_model_len:
             raise ValueError(
@@ -134,9 +138,14 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
     ) -> None:
-        """Queue a request; raises ValueError (naming the field) if it is invalid."""
-        self.validate_request(request_id, prompt_token_ids, sampling_params, priority, extra_keys)
+        """Queue a request; raises ValueError (naming the field) if it is invalid.
+
+        ``mm_inputs`` are the prompt's images (embeddings for placeholder positions); their
+        identifiers are mixed into the block hashes (``mm:<identifier>`` extra keys).
+        """
+        self.validate_request(request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         generator = None
@@ -148,8 +157,9 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
             priority=priority,
-            extra_keys=extra_keys,
+            extra_keys=mm_extra_keys(extra_keys, mm_inputs) if mm_inputs else extra_keys,
             generator=generator,
+            mm_inputs=tuple(mm_inputs),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

@@ -16,6 +16,7 @@ from worker_svc.engine.attention import (
     register_paged_attention,
 )
 from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.multimodal import load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.scheduler import ScheduledRequest
 
 __all__ = ["ModelInfo", "ModelOutput", "ModelRunner"]
@@ -37,6 +38,7 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     attention_backend: str
+    hidden_size: int = 0
 
 
 @dataclass
@@ -66,15 +68,14 @@ class ModelRunner:
     """Owns the model and the KV cache; executes one packed batch per call."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
         register_paged_attention()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            config.model_dir, attn_implementation=ATTN_IMPL_NAME, dtype=self.dtype
-        )
+        # A vision-language checkpoint loads as its language model only (no vision tower).
+        model: Any = load_causal_lm(config.model_dir, ATTN_IMPL_NAME, self.dtype)
         self.model: Any = model.to(self.device).eval()
         text_cfg = self.model.config.get_text_config()
         try:
@@ -127,6 +128,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             attention_backend=self._resolve_backend(),
+            hidden_size=int(cfg.hidden_size),
         )
 
     def _resolve_backend(self) -> str:
@@ -148,8 +150,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_items: list[ScheduledRequest] = []
         prompt_spans: list[tuple[ScheduledRequest, int, int]] = []
+        row0s: list[int] = []
         for item in batch:
             row0 = len(ids)
+            row0s.append(row0)
             ids.extend(item.request.token_slice(item.start, item.end))
             positions.extend(range(item.start, item.end))
             if _needs_prompt_logits(item):
@@ -161,7 +165,7 @@ class ModelRunner:
                     keep.append(row0 + item.num_new_tokens - 1)
                 sample_rows.append(len(keep) - 1)
                 sample_items.append(item)
-        logits = self._forward(batch, ids, positions, keep)
+        logits = self._forward(batch, ids, positions, keep, _image_rows(batch, row0s))
         return ModelOutput(
             sample_items=sample_items,
             sample_logits=logits[sample_rows],
@@ -169,7 +173,12 @@ class ModelRunner:
         )
 
     def _forward(
-        self, batch: Sequence[ScheduledRequest], ids: list[int], positions: list[int], keep: list[int]
+        self,
+        batch: Sequence[ScheduledRequest],
+        ids: list[int],
+        positions: list[int],
+        keep: list[int],
+        image_rows: tuple[list[int], list[torch.Tensor]] = ([], []),
     ) -> torch.Tensor:
         meta = build_attention_metadata(
             [(item.start, item.num_new_tokens, item.request.block_table) for item in batch],
@@ -185,11 +194,23 @@ class ModelRunner:
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
         with torch.inference_mode(), attention_context(meta):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            if image_rows[0]:
+                # Image placeholders in this step: token embeddings with the image rows replaced.
+                embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
+                out = self.model(inputs_embeds=embeds, position_ids=position_ids, **kwargs)
+            else:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         logits: torch.Tensor = out.logits[0]
         if not self._supports_logits_to_keep:
             logits = logits[keep_t]
         return logits.float()
+
+
+def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Packed rows of this step that are image placeholders, with their embeddings."""
+    if not any(item.request.mm_inputs for item in batch):
+        return [], []
+    return mm_rows([(r, it.start, it.end, it.request.mm_inputs) for r, it in zip(row0s, batch, strict=True)])
 
 
 def _eos_ids(gen_cfg: Any, cfg: Any) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
 
 __all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
@@ -71,6 +72,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
+    # Images of the prompt: embeddings that replace their placeholder positions in prefill.
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
