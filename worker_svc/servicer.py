@@ -64,6 +64,14 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument("prompt_token_ids must not be empty", param="prompt")
         if request.request_id in self._children:
             raise InvalidArgument(f"request_id {request.request_id!r} is already running", param="request_id")
+        num_tokens = len(request.prompt_token_ids)
+        for i, item in enumerate(request.mm_items):
+            if item.offset < 0 or item.length < 0 or item.offset + item.length > num_tokens:
+                raise InvalidArgument(
+                    f"mm_items[{i}] (offset {item.offset}, length {item.length}) lies outside the "
+                    f"{num_tokens}-token prompt",
+                    param="mm_items",
+                )
 
     @rpc_handler
     async def Generate(
