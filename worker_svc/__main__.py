@@ -1,4 +1,4 @@
-"""`python -m worker_svc --model-dir DIR --role decoder|embedding --scheduler-address ...`"""
+"""`python -m worker_svc --model-dir DIR --role decoder|embedding|encoder --scheduler-address ...`"""
 
 from __future__ import annotations
 

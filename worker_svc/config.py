@@ -34,6 +34,11 @@ class WorkerConfig(ServerConfig):
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int = 0
+    # Encoder cache (host:port) where encoder workers put image embeddings and decoder
+    # workers fetch them by identifier; empty = this worker takes no images.
+    encoder_cache_address: str = ""
+    # Deadline of each encoder cache call (a cache that is down fails fast, never hangs).
+    encoder_cache_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +48,10 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.encoder_cache_timeout_s <= 0:
+            raise ValueError("encoder_cache_timeout_s must be > 0")
+        if self.role == "encoder" and not self.encoder_cache_address:
+            raise ValueError("the encoder role needs --encoder-cache-address (where it stores embeddings)")
 
     @property
     def model_name(self) -> str:

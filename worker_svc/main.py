@@ -14,13 +14,17 @@ import torch
 
 from meshserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
+from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
 from services.server import GrpcServer
 from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import EmbeddingModel
+from worker_svc.encoder import VisionEncoder
+from worker_svc.encoder_servicer import EncoderServicer
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.config import EngineConfig
+from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
 from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
 
@@ -73,10 +77,38 @@ async def _start_decoder(
         AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
     )
     engine.start()
-    server.add_service(
-        SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, DecoderServicer(engine, identity)
-    )
+    servicer = DecoderServicer(engine, identity, _embedding_fetcher(config, identity, engine))
+    server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     return engine
+
+
+def _cache_client(config: WorkerConfig) -> EncoderCacheClient:
+    return EncoderCacheClient(
+        config.encoder_cache_address,
+        config.encoder_cache_timeout_s,
+        max_message_bytes=config.max_message_bytes,
+    )
+
+
+def _embedding_fetcher(
+    config: WorkerConfig, identity: WorkerIdentity, engine: AsyncLLMEngine
+) -> EmbeddingFetcher | None:
+    """Image embeddings come from the encoder cache; without one the decoder takes text only."""
+    if not config.encoder_cache_address:
+        return None
+    runner = engine.engine.runner
+    hidden = engine.model_info.hidden_size
+    return EmbeddingFetcher(_cache_client(config), identity.model, hidden, runner.dtype, runner.device)
+
+
+async def _start_encoder(
+    config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer
+) -> EncoderServicer:
+    """Encoder role: vision tower + projector only; embeddings go to the encoder cache."""
+    encoder = await asyncio.to_thread(VisionEncoder, config.model_dir, config.device, config.dtype)
+    servicer = EncoderServicer(encoder, _cache_client(config), identity.model, identity.role)
+    server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+    return servicer
 
 
 async def _refresh_metrics(load: Callable[[], object], period_s: float = 1.0) -> None:
@@ -94,6 +126,7 @@ class WorkerProcess:
         self.identity = _identity(config)
         self.server = GrpcServer(f"worker-{self.identity.worker_id}", config)
         self.engine: AsyncLLMEngine | None = None
+        self.encoder: EncoderServicer | None = None
         self.link: SchedulerLink | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
@@ -109,6 +142,9 @@ class WorkerProcess:
             embed = EmbeddingServicer(model, identity)
             server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, embed)
             return embed.load
+        if config.role == "encoder":
+            self.encoder = await _start_encoder(config, identity, server)
+            return self.encoder.load
         raise SystemExit(f"role {config.role!r} is not implemented in this worker build")
 
     async def start(self) -> int:
@@ -144,6 +180,8 @@ class WorkerProcess:
             await self.link.close()
         if self.engine is not None:
             await self.engine.shutdown()
+        if self.encoder is not None:
+            await self.encoder.close()
 
 
 async def main(argv: Sequence[str]) -> None:

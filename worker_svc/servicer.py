@@ -13,12 +13,14 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound
+from services.errors import InvalidArgument, NotFound, Unavailable
 from services.rpc import rpc_handler
 from worker_svc import convert
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
+from worker_svc.engine.multimodal import MultiModalInput
+from worker_svc.mm_fetch import EmbeddingFetcher
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,13 @@ def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     """Runs generation requests on the worker's engine and streams every step."""
 
-    def __init__(self, engine: AsyncLLMEngine, identity: WorkerIdentity) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, identity: WorkerIdentity, fetcher: EmbeddingFetcher | None = None
+    ) -> None:
         self.engine = engine
         self.identity = identity
+        # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
+        self.fetcher = fetcher
         # request id → engine request ids (one per parallel sample).
         self._children: dict[str, list[str]] = {}
 
@@ -87,11 +93,12 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             convert.sampling_params(request.sampling, len(prompt), info.max_model_len, i) for i in range(n)
         ]
         extra_keys = _extra_keys(request)
+        mm_inputs = await self._mm_inputs(request)
         ids = [request.request_id if n == 1 else f"{request.request_id}#{i}" for i in range(n)]
         self._children[request.request_id] = ids
         try:
             with tracing.span("worker.generate", request_id=request.request_id, n=n):
-                async for response in self._run(request, prompt, params, ids, extra_keys):
+                async for response in self._run(request, prompt, params, ids, extra_keys, mm_inputs):
                     yield response
         finally:
             self._children.pop(request.request_id, None)
@@ -105,10 +112,13 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         params: list[convert.SamplingParams],
         ids: list[str],
         extra_keys: tuple[str, ...],
+        mm_inputs: list[MultiModalInput],
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
         queue: asyncio.Queue[object] = asyncio.Queue()
         gens = [
-            self.engine.generate(rid, prompt, p, priority=request.priority, extra_keys=extra_keys)
+            self.engine.generate(
+                rid, prompt, p, priority=request.priority, extra_keys=extra_keys, mm_inputs=mm_inputs
+            )
             for rid, p in zip(ids, params, strict=True)
         ]
         tasks = [asyncio.create_task(_pump(i, g, queue)) for i, g in enumerate(gens)]
@@ -147,6 +157,19 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _mm_inputs(self, request: common_pb2.GenerateRequest) -> list[MultiModalInput]:
+        """The prompt's image embeddings, fetched from the encoder cache (never encoded here)."""
+        if not request.mm_items:
+            return []
+        if self.fetcher is None:
+            raise Unavailable(
+                "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
+            )
+        with tracing.span(
+            "worker.fetch_embeddings", request_id=request.request_id, items=len(request.mm_items)
+        ):
+            return await self.fetcher.fetch(request.mm_items)
 
     @rpc_handler
     async def Abort(
