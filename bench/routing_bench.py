@@ -148,6 +148,19 @@ class Cluster:
         if self.redis is not None:
             self.redis.cleanup()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by each process (Linux /proc; {} elsewhere)."""
+        result: dict[str, float] = {}
+        for index, proc in enumerate(self.procs):
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # procs[0] is the scheduler, then the workers in order.
+            name = f"worker{index - 1}" if index else "scheduler"
+            result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return result
+
     def check_alive(self) -> None:
         for proc in self.procs:
             if proc.poll() is not None:
@@ -307,15 +320,18 @@ async def run_policy(
             await warm_up(stub, config)
             records: list[Record] = []
             gate = asyncio.Semaphore(config.concurrency)
+            cpu_before = cluster.cpu_seconds()
             start = time.perf_counter()
             await asyncio.gather(
                 *(run_conversation(stub, conv, i, config, gate, records) for i, conv in enumerate(workload))
             )
             wall = time.perf_counter() - start
+            cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
             await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
             listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
         summary = summarize(records, wall, list(listing.workers))
         summary["routing_reasons"] = await asyncio.to_thread(routing_reasons, cluster.metrics_port)
+        summary["cpu_seconds"] = cpu
         return summary
     finally:
         await asyncio.to_thread(cluster.stop)
