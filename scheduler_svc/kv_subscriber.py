@@ -85,8 +85,10 @@ class KvSubscriber:
             except (RedisError, OSError) as exc:
                 if self.connected:
                     log.warning("kv subscriber: Redis unreachable (%s); routing on local state", exc)
-                self._set_connected(False)
-                await asyncio.sleep(self._retry_interval_s)
+            except Exception:
+                log.exception("kv subscriber failed; rebuilding")
+            self._set_connected(False)
+            await asyncio.sleep(self._retry_interval_s)
 
     async def rebuild(self) -> None:
         """Reloads every tracked worker from Redis and positions the stream cursor."""
@@ -124,8 +126,13 @@ class KvSubscriber:
         pipe.smembers(INDEX_KEY_PREFIX + worker_id)
         pipe.get(SEQ_KEY_PREFIX + worker_id)
         members, raw_cursor = await pipe.execute()
-        epoch, seq = parse_cursor(raw_cursor)
-        self._index.reset_worker(worker_id, (int(m) for m in members), epoch, seq)
+        try:
+            epoch, seq = parse_cursor(raw_cursor)
+            hashes = [int(m) for m in members]
+        except ValueError as exc:
+            log.warning("kv subscriber: malformed block set of %s (%s); ignoring it", worker_id, exc)
+            epoch, seq, hashes = "", 0, []
+        self._index.reset_worker(worker_id, hashes, epoch, seq)
         metrics.KV_RESYNCS.inc()
 
     async def _handle(self, fields: dict[Any, Any]) -> None:
