@@ -46,6 +46,15 @@ class SchedulerConfig(ServerConfig):
     max_retries: int = 2
     block_size: int = 16
     kv_stream_maxlen: int = 100_000
+    # Encoder cache (host:port) checked before routing requests with images; empty = the
+    # scheduler refuses image inputs (UNAVAILABLE).
+    encoder_cache_address: str = ""
+    # Deadline of each encoder cache call: a cache that is down fails requests fast.
+    encoder_cache_timeout_s: float = 5.0
+    # Deadline of one Worker.Encode call (encoder queue + vision tower + cache Put).
+    encode_timeout_s: float = 60.0
+    # Skip the cache check and encode every image of every request (benchmarks).
+    bypass_encoder_cache: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +80,8 @@ class SchedulerConfig(ServerConfig):
             raise ValueError(f"load_imbalance must be > 0, got {self.load_imbalance}")
         if self.block_size <= 0 or self.kv_stream_maxlen <= 0:
             raise ValueError("block_size and kv_stream_maxlen must be > 0")
+        if self.encoder_cache_timeout_s <= 0 or self.encode_timeout_s <= 0:
+            raise ValueError("encoder_cache_timeout_s and encode_timeout_s must be > 0")
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -23,8 +23,9 @@ import grpc
 from meshserve.v1 import common_pb2
 from scheduler_svc import metrics
 from scheduler_svc.app import RunningRequest, Scheduler
+from scheduler_svc.multimodal import REENCODES, EncodeCoordinator
 from scheduler_svc.policies import RoutingRequest
-from services.errors import Aborted, InvalidArgument, Unavailable
+from services.errors import Aborted, Code, InvalidArgument, MeshError, Unavailable
 from services.rpc import error_from_rpc
 from worker_svc.kv_events import request_extra_keys
 
@@ -92,6 +93,7 @@ class Forwarder:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.max_retries = scheduler.config.max_retries
+        self.mm = EncodeCoordinator(scheduler)
 
     def routing_request(self, request: common_pb2.GenerateRequest) -> RoutingRequest:
         if not request.model:
@@ -144,6 +146,33 @@ class Forwarder:
                 exclude.add(run.worker_id)
             finally:
                 self._finish(run, handle)
+
+    async def generate_mm(
+        self, request: common_pb2.GenerateRequest, handle: CallHandle
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """A request with images: encode what the encoder cache lacks, then run it on a
+        decoder like any other (item payloads stripped). When the decoder finds an item's
+        embeddings evicted before it read them (FAILED_PRECONDITION), encode again and
+        retry once; a second eviction ends with UNAVAILABLE."""
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        for attempt in range(2):
+            worker_request = await self.mm.prepare(request, force=attempt > 0)
+            sent = 0
+            try:
+                async for response in self.generate(worker_request, handle, time.perf_counter()):
+                    sent += 1
+                    yield response
+                return
+            except MeshError as exc:
+                if exc.code is not Code.FAILED_PRECONDITION or sent:
+                    raise
+                if attempt:
+                    raise Unavailable(
+                        f"image embeddings were evicted from the encoder cache twice: {exc}"
+                    ) from exc
+                REENCODES.inc()
+                log.warning("request %s: %s; encoding again", request.request_id, exc)
 
     def _give_up(self, run: RunningRequest, failure: WorkerFailure, attempt: int) -> Unavailable:
         if run.messages_sent:

@@ -87,7 +87,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         handle = CallHandle()
         context.add_done_callback(lambda _ctx: handle.close())
         reported = False
-        async for response in self.forwarder.generate(request, handle, received_at):
+        if request.mm_items:  # images: encoder cache check / encode first (E/PD disaggregation)
+            stream = self.forwarder.generate_mm(request, handle)
+        else:
+            stream = self.forwarder.generate(request, handle, received_at)
+        async for response in stream:
             if not reported and handle.overhead_s is not None:
                 context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(handle.overhead_s * 1e6))),))
                 reported = True
