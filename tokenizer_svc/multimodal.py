@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from services.errors import InvalidArgument
+from services.image_preprocess import ImagePreprocessor
 
 log = logging.getLogger(__name__)
 
@@ -309,3 +311,20 @@ def expand_image_placeholders(
         start = position + 1
     out.extend(token_ids[start:])
     return out, items
+
+
+def with_pixel_values(
+    items: Sequence[MultiModalItem], images: Sequence[ImageData], preprocess: ImagePreprocessor | None
+) -> list[MultiModalItem]:
+    """Items whose payload is the model's pixel values (float32 ``(3, H, W)``, from its image
+    processor) instead of raw RGB, so encoders get exactly what the vision tower takes.
+    Without a preprocessor the raw uint8 ``(H, W, 3)`` pixels stay."""
+    if preprocess is None:
+        return list(items)
+    out = []
+    for item, image in zip(items, images, strict=True):
+        pixels = preprocess(image.rgb, image.width, image.height)
+        out.append(
+            dataclasses.replace(item, data=pixels.tobytes(), dtype=str(pixels.dtype), shape=pixels.shape)
+        )
+    return out

@@ -20,6 +20,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.errors import InvalidArgument
+from services.image_preprocess import ImagePreprocessor
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.messages import (
     ParsedMessages,
@@ -35,6 +36,7 @@ from tokenizer_svc.multimodal import (
     expand_image_placeholders,
     find_image_token_spec,
     load_image,
+    with_pixel_values,
 )
 from tokenizer_svc.templates import check_template
 
@@ -145,6 +147,8 @@ class Renderer:
         self.max_model_len = resolve_max_model_len(directory, tokenizer, options.max_model_len)
         self.eos_token_ids = resolve_eos_token_ids(directory, tokenizer)
         self.image_spec = find_image_token_spec(tokenizer, directory)
+        # The model's image processor: images leave as pixel values (None: raw RGB pixels).
+        self.image_preprocessor = ImagePreprocessor.from_model_dir(directory) if self.image_spec else None
         self._reserved_kwargs = _reserved_template_kwargs(tokenizer)
         # The first encode may reset truncation/padding left in tokenizer.json (a mutation of
         # the Rust tokenizer); do it now, before worker threads share the tokenizer.
@@ -197,7 +201,7 @@ class Renderer:
         if self.image_spec is None:  # checked in _load_images; keeps mypy informed
             raise InvalidArgument("model does not accept image inputs", param="messages")
         expanded, items = expand_image_placeholders(token_ids, images, self.image_spec)
-        return RenderResult(expanded, text, items)
+        return RenderResult(expanded, text, with_pixel_values(items, images, self.image_preprocessor))
 
     def _resolve_template(self, chat_template: str | None, tools: list[dict[str, Any]] | None) -> str:
         if chat_template:
