@@ -50,6 +50,7 @@ DEFAULT_PORTS = {
     "encoder-cache": 50070,
     "decoder": 50061,
     "embedding": 50081,
+    "encoder": 50091,
 }
 
 
@@ -66,7 +67,12 @@ class MeshConfig:
     encoder_cache_port: int = DEFAULT_PORTS["encoder-cache"]
     decoder_base_port: int = DEFAULT_PORTS["decoder"]
     embedding_port: int = DEFAULT_PORTS["embedding"]
+    encoder_base_port: int = DEFAULT_PORTS["encoder"]
     num_decoders: int = 1
+    # Encoder workers (vision tower + projector of a multimodal model): with one or more,
+    # the encoder cache starts too and the scheduler and workers are pointed at it.
+    num_encoders: int = 0
+    encoder_cache_capacity_mb: int = 1024
     redis_url: str = ""
     api_keys: str = ""
     routing_policy: str = "prefix"
@@ -75,12 +81,44 @@ class MeshConfig:
     max_num_seqs: int = 64
     served_model_name: str = ""
     extra_env: tuple[tuple[str, str], ...] = ()
+    # Prometheus /metrics port per service name (e.g. ("encoder-0", 9102)); none by default.
+    metrics_ports: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def encoder_cache_address(self) -> str:
+        """Where the scheduler and the workers reach the encoder cache ("" without encoders)."""
+        return f"127.0.0.1:{self.encoder_cache_port}" if self.num_encoders > 0 else ""
 
 
 def _common_env(config: MeshConfig, redis_url: str) -> dict[str, str]:
     env = {"MESHSERVE_HOST": config.host, "MESHSERVE_REDIS_URL": redis_url}
     env.update(dict(config.extra_env))
     return env
+
+
+def _encoder_cache_env(config: MeshConfig) -> dict[str, str]:
+    address = config.encoder_cache_address
+    return {"MESHSERVE_ENCODER_CACHE_ADDRESS": address} if address else {}
+
+
+def _encoder_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
+    """The encoder workers (multimodal models: images → embeddings in the encoder cache)."""
+    return [
+        ServiceSpec(
+            f"encoder-{i}",
+            "worker_svc",
+            config.encoder_base_port + i,
+            {
+                "MESHSERVE_ROLE": "encoder",
+                "MESHSERVE_MODEL_DIR": config.model_dir,
+                "MESHSERVE_SERVED_MODEL_NAME": config.served_model_name,
+                "MESHSERVE_WORKER_ID": f"encoder-{i}",
+                "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
+                **_encoder_cache_env(config),
+            },
+        )
+        for i in range(config.num_encoders)
+    ]
 
 
 def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
@@ -100,9 +138,11 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
                     "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
                     "MESHSERVE_KV_CACHE_MEMORY_MB": str(config.kv_cache_memory_mb),
                     "MESHSERVE_MAX_NUM_SEQS": str(config.max_num_seqs),
+                    **_encoder_cache_env(config),
                 },
             )
         )
+    specs.extend(_encoder_specs(config, scheduler))
     if config.embedding_model_dir:
         specs.append(
             ServiceSpec(
@@ -131,8 +171,10 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
             config.scheduler_port,
             {
                 "MESHSERVE_ROUTING_POLICY": config.routing_policy,
+                **_encoder_cache_env(config),
             },
         ),
+        *_encoder_cache_specs(config),
         ServiceSpec(
             "tokenizer",
             "tokenizer_svc",
@@ -155,7 +197,21 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
             grpc=False,
         ),
     ]
-    return [dataclasses.replace(s, env={**common, "MESHSERVE_PORT": str(s.port), **s.env}) for s in specs]
+    metrics = {name: {"MESHSERVE_METRICS_PORT": str(port)} for name, port in config.metrics_ports}
+    return [
+        dataclasses.replace(
+            s, env={**common, "MESHSERVE_PORT": str(s.port), **s.env, **metrics.get(s.name, {})}
+        )
+        for s in specs
+    ]
+
+
+def _encoder_cache_specs(config: MeshConfig) -> list[ServiceSpec]:
+    """The encoder cache, started when there are encoder workers."""
+    if config.num_encoders <= 0:
+        return []
+    env = {"MESHSERVE_CAPACITY_MB": str(config.encoder_cache_capacity_mb)}
+    return [ServiceSpec("encoder-cache", "encoder_cache_svc", config.encoder_cache_port, env)]
 
 
 class Mesh:
@@ -252,7 +308,7 @@ def _parse(argv: Sequence[str]) -> MeshConfig:
     parser.add_argument("command", choices=["up"])
     defaults = MeshConfig(model_dir="")
     for f in dataclasses.fields(MeshConfig):
-        if f.name == "extra_env":
+        if f.name in ("extra_env", "metrics_ports"):
             continue
         default = getattr(defaults, f.name)
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default)

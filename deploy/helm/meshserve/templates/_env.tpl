@@ -63,6 +63,10 @@ list; "meshserve.env" then applies the component's `config:` overrides and `extr
 {{ include "meshserve.env.common" . }}
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_ROUTING_POLICY" "key" "routing-policy") }}
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_BLOCK_SIZE" "key" "block-size") }}
+{{- if and .root.Values.encoder.enabled .root.Values.encoderCache.enabled }}
+- name: MESHSERVE_ENCODER_CACHE_ADDRESS
+  value: {{ include "meshserve.address" (dict "root" .root "name" "encoder-cache") | quote }}
+{{- end }}
 {{- end }}
 
 {{- define "meshserve.env.encoder-cache" -}}
