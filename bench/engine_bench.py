@@ -8,6 +8,9 @@ tokens, random prompts so no prefix is shared):
 
 * ``meshserve``: :class:`AsyncLLMEngine` in-process; a closed-loop client keeps
   ``concurrency`` requests in flight (TTFT/TPOT measured per request from submission).
+* ``mesh``: the same workload through the full mesh — gateway (`/v1/completions`,
+  token-id prompts, SSE) → scheduler → decoder worker, each its own process
+  (``services.launcher.Mesh``, real Redis). ``notes`` gives its overhead vs in-process.
 * ``hf_naive``: ``model.generate`` one request at a time (concurrency 1); TTFT/TPOT via
   a streamer. Only ``--naive-requests`` requests are run (it is slow); tok/s is over those.
 * ``hf_cb``: transformers' continuous batching, ``model.generate_batch`` with
@@ -192,6 +195,31 @@ def bench_meshserve(
     return asyncio.run(main())
 
 
+def bench_mesh(args: argparse.Namespace, workload: Workload, concurrencies: list[int]) -> list[RunResult]:
+    """The same workload through the full mesh (gateway → scheduler → worker processes)."""
+    import httpx
+
+    from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
+
+    async def main(base_url: str) -> list[RunResult]:
+        limits = httpx.Limits(max_connections=max(concurrencies) + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            name = model_name(args.model_dir)
+            warm = Workload(workload.prompts[:4], 4)
+            await run_generate_workload(
+                gateway_generate_fn(client, base_url, name, "warm"), warm, 4, "warmup"
+            )
+            rows = []
+            for c in concurrencies:
+                fn = gateway_generate_fn(client, base_url, name, f"mesh-c{c}")
+                row, _ = await run_generate_workload(fn, workload, c, "mesh")
+                rows.append(row)
+            return rows
+
+    with running_mesh(args.model_dir, max(concurrencies), args.max_batch_tokens) as mesh:
+        return asyncio.run(main(mesh.gateway_url))
+
+
 # ------------------------------------------------------------- transformers
 def load_hf_model(model_dir: str) -> Any:
     """The model with transformers' default attention (sdpa)."""
@@ -345,9 +373,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in ms_rows:
         row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
     ms_rows[-1].greedy_match_naive = match_rate(ms_timings, naive)
+    mesh_rows = [] if args.skip_mesh else bench_mesh(args, workload, concurrencies)
+    in_process = {r.concurrency: r for r in ms_rows}
+    for row in mesh_rows:
+        row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
+        overhead = 1 - row.output_tok_per_s / in_process[row.concurrency].output_tok_per_s
+        row.notes = f"mesh overhead vs in-process: {overhead:+.1%} tok/s"
     if 1 in cb_rows:
         naive_row.ratio_vs_hf_cb = naive_row.output_tok_per_s / cb_rows[1].output_tok_per_s
-    rows = [*ms_rows, naive_row, *(cb_rows[c] for c in concurrencies)]
+    rows = [*ms_rows, *mesh_rows, naive_row, *(cb_rows[c] for c in concurrencies)]
     return {
         "model_dir": args.model_dir,
         "workload": {
@@ -395,6 +429,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-model-if-missing", action="store_true", help="build a random Llama if no model")
+    p.add_argument("--skip-mesh", action="store_true", help="skip the full-mesh (gateway) rows")
     p.add_argument("--out", default="bench/results/engine.json")
     return p.parse_args(argv)
 

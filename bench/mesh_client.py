@@ -1,0 +1,77 @@
+"""Full-mesh path for the engine benchmark: the same workload sent through the
+gateway's OpenAI `/v1/completions` (token-id prompts, SSE streaming), with every
+service running as its own process (services.launcher.Mesh) and a real Redis."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import free_port
+
+
+@contextmanager
+def running_mesh(model_dir: str, max_num_seqs: int, max_batch_tokens: int) -> Iterator[Mesh]:
+    """Starts gateway, tokenizer, scheduler and one decoder worker on free ports."""
+    config = MeshConfig(
+        model_dir=model_dir,
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        max_num_seqs=max_num_seqs,
+        log_dir=tempfile.mkdtemp(prefix="meshserve-bench-logs-"),
+        extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)),),
+    )
+    mesh = Mesh(config).start(timeout=300)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def gateway_generate_fn(
+    client: httpx.AsyncClient, base_url: str, model: str, salt: str
+) -> Callable[[str, list[int], int], AsyncIterator[list[int]]]:
+    """A GenerateFn over HTTP: yields one placeholder token per streamed text chunk and
+    settles the exact count from the final usage (text chunks are not token ids)."""
+
+    async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cache_salt": salt,
+        }
+        seen = 0
+        async with client.stream("POST", base_url + "/v1/completions", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    rest = event["usage"]["completion_tokens"] - seen
+                    if rest > 0:
+                        yield [0] * rest
+                    continue
+                if any(choice.get("text") for choice in event.get("choices", [])):
+                    seen += 1
+                    yield [0]
+
+    return generate
+
+
+def model_name(model_dir: str) -> str:
+    return Path(model_dir).name
