@@ -18,7 +18,7 @@ async def main(argv: Sequence[str]) -> None:
     config = load_config(EncoderCacheConfig, argv, prog="encoder_cache_svc")
     setup_logging("encoder-cache", config.log_level)
     server = GrpcServer("encoder-cache", config)
-    store = EncoderCacheStore(config.capacity_mb * 1024 * 1024)
+    store = EncoderCacheStore(config.capacity)
     servicer = EncoderCacheServicer(
         store, RedisMetadata(config.redis_url, config.shard_id, ""), config.chunk_bytes
     )

@@ -13,6 +13,8 @@ class EncoderCacheConfig(ServerConfig):
 
     port: int = 50070
     capacity_mb: int = 1024
+    # Exact capacity in bytes, overriding capacity_mb when > 0 (small caches in tests and benchmarks).
+    capacity_bytes: int = 0
     chunk_bytes: int = 1024 * 1024
     redis_url: str = ""
     # Address other services reach this shard at (recorded in Redis metadata).
@@ -25,3 +27,10 @@ class EncoderCacheConfig(ServerConfig):
             raise ValueError("capacity_mb must be > 0")
         if self.chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
+        if self.capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+
+    @property
+    def capacity(self) -> int:
+        """The store's capacity in bytes."""
+        return self.capacity_bytes or self.capacity_mb * 1024 * 1024
