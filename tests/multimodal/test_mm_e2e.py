@@ -1,0 +1,138 @@
+"""End to end E/PD disaggregation: real processes (gateway, tokenizer, scheduler, encoder
+cache, one encoder worker, one decoder worker) and real Redis, the tiny LLaVA-style model,
+images sent as data URLs through the OpenAI API.
+
+Checks: greedy output equals the single-process transformers reference token for token;
+a repeated image is an encoder cache hit (no second vision-tower run); a small cache
+evicts and the evicted image is encoded again; a dead encoder cache gives a clear 503
+within seconds while text requests keep working."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import RedisServer, free_port
+from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes
+
+MAX_TOKENS = 8
+# Each image's embeddings take 16 x 64 float32 = 4096 bytes: the cache holds two.
+CACHE_BYTES = 10_000
+METRICS = ("scheduler", "encoder-cache", "encoder-0")
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    vlm_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    config = MeshConfig(
+        model_dir=str(vlm_dir),
+        embedding_model_dir="",
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        encoder_base_port=free_port(),
+        num_decoders=1,
+        num_encoders=1,
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("mm-mesh-logs")),
+        kv_cache_memory_mb=16,
+        extra_env=(("MESHSERVE_CAPACITY_BYTES", str(CACHE_BYTES)), ("MESHSERVE_NUM_THREADS", "1")),
+        metrics_ports=tuple((name, free_port()) for name in METRICS),
+    )
+    started = Mesh(config).start(timeout=120)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(mesh: Mesh, service: str, name: str, **labels: str) -> float:
+    """A sample of a service's /metrics (0 when absent)."""
+    port = dict(mesh.config.metrics_ports)[service]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def ask(client: openai.OpenAI, png: bytes) -> tuple[str, int, int]:
+    """(text, completion tokens, cached prompt tokens) of a greedy chat completion."""
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model,
+        messages=chat_messages(png),
+        max_tokens=MAX_TOKENS,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert reply.usage is not None
+    details = reply.usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return reply.choices[0].message.content or "", reply.usage.completion_tokens, cached
+
+
+def expected(refs: ReferenceBuilder, png: bytes) -> tuple[str, int]:
+    """(text, number of tokens) transformers generates greedily from the same inputs."""
+    tokens = refs.greedy(refs.reference(png), MAX_TOKENS)
+    return refs.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
+
+
+def test_repeated_image_is_an_encoder_cache_hit(
+    mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder
+) -> None:
+    image = png_bytes(11)
+    text, count = expected(refs, image)
+    first = ask(client, image)
+    assert first[:2] == (text, count)
+    assert metric(mesh, "encoder-0", "meshserve_encoder_items_total") == 1
+    second = ask(client, image)
+    assert second[:2] == first[:2]
+    assert second[2] > 0  # same image: its KV blocks are reused too
+    assert metric(mesh, "encoder-0", "meshserve_encoder_items_total") == 1  # no second encode
+    assert metric(mesh, "encoder-0", "meshserve_encoder_queue_seconds_count") == 1
+    assert metric(mesh, "scheduler", "meshserve_scheduler_encoder_cache_lookups_total", result="hit") == 1
+    assert metric(mesh, "scheduler", "meshserve_scheduler_encoder_cache_lookups_total", result="miss") == 1
+    assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_hits_total") == 2  # decoder reads
+
+
+def test_small_cache_evicts_and_reencodes(mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder) -> None:
+    first, second, third = png_bytes(11), png_bytes(12), png_bytes(13)
+    before = metric(mesh, "encoder-0", "meshserve_encoder_items_total")
+    for image in (second, third):  # the cache holds two images: the first one goes
+        reply = ask(client, image)
+        assert reply[:2] == expected(refs, image)
+        assert reply[2] == 0  # same prompt tokens as the first image, different image: no KV reuse
+    assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_evictions_total") >= 1
+    assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_bytes") <= CACHE_BYTES
+    again = ask(client, first)
+    assert again[:2] == expected(refs, first)
+    assert metric(mesh, "encoder-0", "meshserve_encoder_items_total") == before + 3
+
+
+def test_encoder_cache_down_is_a_fast_clear_error(mesh: Mesh, client: openai.OpenAI) -> None:
+    mesh.stop_service("encoder-cache")
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as failure:
+        ask(client, png_bytes(11))
+    assert time.monotonic() - start < 15
+    assert failure.value.status_code == 503
+    assert "encoder cache" in str(failure.value)
+    model = client.models.list().data[0].id
+    text = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
+    assert text.choices[0].finish_reason in ("stop", "length")
