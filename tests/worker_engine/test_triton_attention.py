@@ -1,4 +1,8 @@
-"""Triton kernels vs the torch path (GPU only)."""
+"""Triton kernels vs the torch path.
+
+On a GPU they run natively; without one, under TRITON_INTERPRET=1 they run on CPU
+tensors through Triton's interpreter (test_triton_interpret.py runs this module so).
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,20 @@ from tests.worker_engine.conftest import prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams, triton_attention
 from worker_svc.engine.attention import build_attention_metadata, paged_attention_forward, store_kv
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        DEVICE == "cpu" and not triton_attention.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
+    ),
     pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="needs triton"),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_store_kv_matches_torch(dtype: torch.dtype) -> None:
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     cache_a = torch.zeros(2, 10, 16, 2, 64, dtype=dtype, device=dev)
     cache_b = cache_a.clone()
     k = torch.randn(7, 2, 64, device=dev, dtype=dtype)
@@ -33,7 +41,7 @@ def test_store_kv_matches_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (8, 8, 64), (12, 4, 80)])
 def test_paged_decode_matches_torch(heads: int, kv_heads: int, head_dim: int) -> None:
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     torch.manual_seed(0)
     bs, nb = 16, 64
     cache = torch.randn(2, nb, bs, kv_heads, head_dim, device=dev)
@@ -80,8 +88,8 @@ def test_engine_greedy_same_with_triton_backend(make_engine: Callable[..., LLMEn
     ps = prompts(5, 30, 47, seed=31)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reqs = [(f"r{i}", p, params) for i, p in enumerate(ps)]
-    torch_out = run_all(make_engine(device="cuda", attention_backend="torch"), reqs)
-    engine = make_engine(device="cuda", attention_backend="triton")
+    torch_out = run_all(make_engine(device=DEVICE, attention_backend="torch"), reqs)
+    engine = make_engine(device=DEVICE, attention_backend="triton")
     assert engine.model_info.attention_backend == "triton"
     triton_out = run_all(engine, reqs)
     assert {k: tokens(v) for k, v in triton_out.items()} == {k: tokens(v) for k, v in torch_out.items()}

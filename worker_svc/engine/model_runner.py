@@ -139,7 +139,8 @@ class ModelRunner:
         if backend == "triton" and not ok:
             raise ValueError("attention_backend='triton' needs CUDA, triton and a power-of-two block_size")
         if backend == "auto":
-            return "triton" if ok else "torch"
+            # Interpreted kernels on CPU are for testing only, never picked automatically.
+            return "triton" if ok and self.device.type == "cuda" else "torch"
         return backend
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:

@@ -13,6 +13,7 @@ context), which on GPU dispatches to flash/efficient kernels anyway.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -30,9 +31,16 @@ except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
 
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's
+    interpreter (how the tests check them on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def backend_supported(device: torch.device, block_size: int) -> bool:
     """Whether the triton path can serve this device / block size (power-of-two blocks)."""
-    return HAS_TRITON and device.type == "cuda" and block_size & (block_size - 1) == 0
+    on_device = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    return HAS_TRITON and on_device and block_size & (block_size - 1) == 0
 
 
 def _next_pow2(n: int) -> int:

@@ -1,0 +1,43 @@
+"""Runs the Triton kernel tests on CPU through Triton's interpreter when no GPU is here.
+
+TRITON_INTERPRET must be set before triton compiles the kernels, so the kernel tests
+run in a child pytest with the variable set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_svc.engine import triton_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_match_torch_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/worker_engine/test_triton_attention.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
