@@ -123,8 +123,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.heartbeating = False
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        if self.server is not None:
-            await self.server.stop(0)
+        server, self.server = self.server, None
+        if server is not None:
+            # A second stop of a stopped aio server raises CancelledError: stop once.
+            await server.stop(0)
 
     async def close(self) -> None:
         await self.kill()
