@@ -4,6 +4,7 @@ tracking), client channels, health checks and status → exception mapping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -91,42 +92,36 @@ def rpc_handler(func: F) -> F:
         async def stream_wrapper(
             self: Any, request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            start = time.perf_counter()
-            INFLIGHT.enter()
-            try:
-                with tracing.server_span(method, context):
-                    async for item in func(self, request, context):
-                        yield item
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await _abort(context, exc, method)
-            finally:
-                INFLIGHT.exit()
-                metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
+            async with _served(method, context):
+                async for item in func(self, request, context):
+                    yield item
 
         return stream_wrapper  # type: ignore[return-value]
 
     @functools.wraps(func)
     async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        start = time.perf_counter()
-        INFLIGHT.enter()
-        try:
-            with tracing.server_span(method, context):
-                return await func(self, request, context)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, exc, method)
-        finally:
-            INFLIGHT.exit()
-            metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
+        async with _served(method, context):
+            return await func(self, request, context)
+        raise RuntimeError("unreachable: _served aborts the call on every error")
 
     return unary_wrapper  # type: ignore[return-value]
+
+
+@contextlib.asynccontextmanager
+async def _served(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """One RPC's scope: in-flight count, trace span, metrics, and error → status."""
+    start = time.perf_counter()
+    INFLIGHT.enter()
+    try:
+        with tracing.server_span(method, context):
+            yield
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        await _abort(context, exc, method)
+    finally:
+        INFLIGHT.exit()
+        metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from meshserve.v1 import common_pb2
 from worker_svc.engine.engine import RequestOutput
-from worker_svc.engine.sampling import SamplingParams
+from worker_svc.engine.sampling import SamplingParams, TokenLogprob
 
 _OPTIONAL_FIELDS = (
     "temperature",
@@ -61,16 +61,15 @@ def sampling_params(
     return params
 
 
-def _logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
-    if not out.new_logprobs:
-        return []
+def _logprobs(entries: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    """Engine (token, logprob, top) triples as proto messages."""
     return [
         common_pb2.TokenLogprob(
             token_id=token_id,
             logprob=logprob,
             top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
         )
-        for token_id, logprob, top in out.new_logprobs
+        for token_id, logprob, top in entries or ()
     ]
 
 
@@ -78,7 +77,7 @@ def sequence_delta(index: int, out: RequestOutput) -> common_pb2.SequenceDelta:
     delta = common_pb2.SequenceDelta(
         index=index,
         token_ids=out.new_token_ids,
-        logprobs=_logprobs(out),
+        logprobs=_logprobs(out.new_logprobs),
         finish_reason=FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR),
     )
     if out.stop_token_id is not None:
@@ -87,13 +86,4 @@ def sequence_delta(index: int, out: RequestOutput) -> common_pb2.SequenceDelta:
 
 
 def prompt_logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
-    if not out.prompt_logprobs:
-        return []
-    return [
-        common_pb2.TokenLogprob(
-            token_id=token_id,
-            logprob=logprob,
-            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
-        )
-        for token_id, logprob, top in out.prompt_logprobs
-    ]
+    return _logprobs(out.prompt_logprobs)
