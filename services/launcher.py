@@ -60,6 +60,8 @@ class MeshConfig:
 
     model_dir: str
     embedding_model_dir: str = ""
+    # all-MiniLM-L6-v2 ships in a folder named "model": serve it under its real name.
+    embedding_model_name: str = "all-MiniLM-L6-v2"
     host: str = "127.0.0.1"
     gateway_port: int = DEFAULT_PORTS["gateway"]
     tokenizer_port: int = DEFAULT_PORTS["tokenizer"]
@@ -152,6 +154,7 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
                 {
                     "MESHSERVE_ROLE": "embedding",
                     "MESHSERVE_MODEL_DIR": config.embedding_model_dir,
+                    "MESHSERVE_SERVED_MODEL_NAME": config.embedding_model_name,
                     "MESHSERVE_WORKER_ID": "embedding-0",
                     "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
                 },

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
+from worker_svc.embedding import default_embedding_model_dir
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -22,7 +23,9 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     config = MeshConfig(
         model_dir=str(model_dir),
         gateway_port=free_port(),
@@ -34,6 +37,8 @@ def mesh(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.Te
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
+        embedding_model_dir=default_embedding_model_dir(),
+        embedding_port=free_port(),
     )
     started = Mesh(config).start(timeout=180)
     yield started
@@ -46,15 +51,17 @@ def client(mesh: Mesh) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def model_name(client: openai.OpenAI) -> str:
-    models = client.models.list().data
-    assert len(models) == 1
-    return models[0].id
+def model_name(client: openai.OpenAI, model_dir: Path) -> str:
+    models = {m.id for m in client.models.list().data}
+    assert model_dir.name in models
+    return model_dir.name
 
 
 def _chat_prompt_tokens(model_dir: Path) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
+    encoded = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return len(encoded["input_ids"])
 
 
@@ -105,6 +112,65 @@ def test_completion_and_prefix_cache_reuse(client: openai.OpenAI, model_name: st
     assert first.choices[0].text == second.choices[0].text
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
+def test_parallel_samples_logprobs_and_stop(client: openai.OpenAI, model_name: str) -> None:
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage is not None
+    tokens = 0
+    for choice in reply.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        tokens += len(choice.logprobs.content)
+        assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+        assert all(entry.logprob <= 0 for entry in choice.logprobs.content)
+    assert reply.usage.completion_tokens == tokens
+    again = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=7, n=2
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    # A stop string cuts the text before it and finishes with "stop".
+    base = client.completions.create(model=model_name, prompt="The function", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    if len(text.strip()) > 2:
+        stop = text.strip()[1:3]
+        cut = client.completions.create(
+            model=model_name, prompt="The function", max_tokens=12, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_tokenize_detokenize_and_embeddings(mesh: Mesh, client: openai.OpenAI, model_name: str) -> None:
+    tokens = httpx.post(
+        mesh.gateway_url + "/tokenize", json={"model": model_name, "prompt": "héllo wörld"}, timeout=30
+    )
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    text = httpx.post(mesh.gateway_url + "/detokenize", json={"model": model_name, "tokens": ids}, timeout=30)
+    assert text.status_code == 200 and "héllo wörld" in text.json()["prompt"]
+    embedding_model = next(m.id for m in client.models.list().data if m.id != model_name)
+    vectors = client.embeddings.create(
+        model=embedding_model, input=["a cat sits", "a cat is sitting", "stock prices"]
+    )
+    values = [v.embedding for v in vectors.data]
+    assert len(values) == 3 and len(values[0]) == 384
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cosine(values[0], values[1]) > cosine(values[0], values[2])
+    metrics = httpx.get(mesh.gateway_url + "/metrics", timeout=30)
+    assert metrics.status_code == 200 and "meshserve_gateway" in metrics.text
 
 
 def test_bad_input_is_400_naming_the_field(mesh: Mesh, model_name: str) -> None:
