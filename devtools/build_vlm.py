@@ -3,6 +3,7 @@
 Usage::
 
     python -m devtools.build_vlm --out DIR [--seed S] [--image-size 32] [--patch-size 8]
+        [--vision-hidden 32 --vision-layers 2 --text-hidden 64 --text-layers 2]
 
 The model is a standard ``LlavaForConditionalGeneration`` (CLIP vision tower + two-layer MLP
 projector + Llama text model) with random weights, saved with ``save_pretrained`` together with
@@ -25,6 +26,7 @@ LLaVA directory. The directory is written atomically (``DIR.tmp`` renamed to ``D
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -64,6 +66,11 @@ class VlmSpec:
     # Standard deviation of the random weights: larger than HF's 0.02 default so that greedy
     # decoding has clear argmax margins (token-for-token comparisons stay stable).
     init_std: float
+    # Widths and depths (defaults: the tiny test model; larger for benchmarks).
+    vision_hidden: int = 32
+    vision_layers: int = 2
+    text_hidden: int = 64
+    text_layers: int = 2
 
     @property
     def image_seq_length(self) -> int:
@@ -79,10 +86,29 @@ def parse_args(argv: Sequence[str] | None = None) -> VlmSpec:
     parser.add_argument("--image-size", type=int, default=32, help="vision tower input size (default 32)")
     parser.add_argument("--patch-size", type=int, default=8, help="vision patch size (default 8)")
     parser.add_argument("--init-std", type=float, default=0.1, help="weight init std (default 0.1)")
+    for name, default in (
+        ("vision-hidden", 32),
+        ("vision-layers", 2),
+        ("text-hidden", 64),
+        ("text-layers", 2),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     args = parser.parse_args(argv)
     if args.image_size <= 0 or args.patch_size <= 0 or args.image_size % args.patch_size:
         parser.error("--image-size must be a positive multiple of --patch-size")
-    return VlmSpec(args.out, args.seed, args.image_size, args.patch_size, args.init_std)
+    if args.vision_hidden % 16 or args.text_hidden % 16:
+        parser.error("--vision-hidden and --text-hidden must be multiples of 16 (16-wide heads)")
+    return VlmSpec(
+        args.out,
+        args.seed,
+        args.image_size,
+        args.patch_size,
+        args.init_std,
+        args.vision_hidden,
+        args.vision_layers,
+        args.text_hidden,
+        args.text_layers,
+    )
 
 
 def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
@@ -94,24 +120,24 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
 
 
 def make_config(tokenizer: PreTrainedTokenizerFast, spec: VlmSpec) -> LlavaConfig:
-    """LLaVA config: a 2-layer CLIP vision tower and a 2-layer Llama text model."""
+    """LLaVA config: a CLIP vision tower and a Llama text model (16-wide attention heads)."""
     vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=spec.vision_hidden,
+        intermediate_size=2 * spec.vision_hidden,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_hidden // 16,
         image_size=spec.image_size,
         patch_size=spec.patch_size,
-        projection_dim=32,
+        projection_dim=spec.vision_hidden,
         initializer_range=spec.init_std,
     )
     text = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=spec.text_hidden,
+        intermediate_size=2 * spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_hidden // 16,
+        num_key_value_heads=max(spec.text_hidden // 32, 1),
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
@@ -188,7 +214,7 @@ def write_atomically(
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         for name, content in processor_files(spec).items():
             (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-        info = {"seed": spec.seed, "image_size": spec.image_size, "patch_size": spec.patch_size}
+        info = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(spec).items()}
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         replace_dir(tmp, out)
     except BaseException:
