@@ -123,6 +123,9 @@ class EncodeCoordinator:
         self, request: common_pb2.GenerateRequest, items: list[common_pb2.MultiModalItem]
     ) -> None:
         """Encodes `items`, sharing encodes already in flight for the same keys."""
+        if self.scheduler.config.bypass_encoder_cache:  # the no-cache baseline: every request encodes
+            await self._encode(request, items)
+            return
         own: list[common_pb2.MultiModalItem] = []
         shared: list[tuple[asyncio.Future[None], common_pb2.MultiModalItem]] = []
         for item in items:
