@@ -259,7 +259,7 @@ def bench_hf_naive(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=workload.output_len,
-                min_new_tokens=workload.output_len,  # suppresses EOS: exactly output_len tokens
+                eos_token_id=-1,  # never stops on EOS (like ignore_eos); EOS is not masked
                 do_sample=False,
                 streamer=streamer,
                 pad_token_id=model.config.pad_token_id or 0,
