@@ -1,0 +1,560 @@
+"""Shared helpers of the reliability, security and fuzz suites.
+
+One real mesh (Redis, scheduler, tokenizer, two decoder workers, gateway and an encoder
+cache, every one its own process on 127.0.0.1) is started once per pytest session and
+shared by tests/reliability, tests/security and tests/fuzz: starting a mesh costs
+20-90 s on a loaded 2-core machine. Tests that kill or stop a service restart it
+before they end, and `SharedMesh.ensure_running` restarts anything a failed test left
+dead, so one broken test does not cascade.
+
+The model is the tiny untrained test model plus an `<image>` token (llava-style config
+keys), so that image inputs go through the real decode path of the tokenizer.
+
+Import as `from tests.reliability.meshkit import ...` (never as a top-level module:
+the mesh registry lives in `config.stash`, but keep one module object anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.launcher import Mesh, MeshConfig, ServiceSpec
+from services.redis_client import free_port
+
+MODEL_NAME = "tiny"
+IMAGE_SEQ_LENGTH = 4
+# Gateway drain / gRPC drain budget of every service of the shared mesh (seconds).
+DRAIN_TIMEOUT_S = 20.0
+# Encoder cache capacity of the shared mesh (MiB): small, so oversize puts are cheap to test.
+ENCODER_CACHE_MB = 8
+API_KEYS = ("sk-reliability-alpha", "sk-reliability-beta")
+RATE_LIMIT_RPS = 5.0
+RATE_LIMIT_BURST = 10
+
+_MESH_KEY = pytest.StashKey["SharedMesh"]()
+
+
+def build_vlm_model(tiny_model_dir: Path, out: Path) -> Path:
+    """A full copy of the tiny model whose tokenizer also has an `<image>` token."""
+    from transformers import AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    shutil.copytree(tiny_model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config["image_token_index"] = tokenizer.convert_tokens_to_ids("<image>")
+    config["image_seq_length"] = IMAGE_SEQ_LENGTH
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def read_rss_kib(pid: int) -> int:
+    """Resident set size of a process in KiB (VmRSS of /proc/<pid>/status); 0 if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return 0
+
+
+@dataclass
+class SharedMesh:
+    """A running `Mesh` plus the helpers the suites use on it."""
+
+    mesh: Mesh
+    events: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def gateway_url(self) -> str:
+        """Base URL of the mesh's gateway (no authentication)."""
+        return self.mesh.gateway_url
+
+    def address(self, name: str) -> str:
+        """host:port of a service (`tokenizer`, `scheduler`, `decoder-0`, ...)."""
+        return self.mesh.specs[name].address
+
+    @property
+    def decoders(self) -> list[str]:
+        """Names of the decoder worker processes."""
+        return sorted(n for n in self.mesh.specs if n.startswith("decoder-"))
+
+    def pid(self, name: str) -> int:
+        """Process id of a service."""
+        return self.mesh.procs[name].pid
+
+    def alive(self, name: str) -> bool:
+        """True while the service's process runs."""
+        return self.mesh.procs[name].poll() is None
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_service(self, spec: ServiceSpec, timeout: float = 120.0) -> None:
+        """Starts an extra process (once) and waits until every service is healthy."""
+        if spec.name not in self.mesh.procs:
+            self.mesh.start_service(spec)
+        self.mesh.wait_healthy(timeout)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to a service process (SIGKILL by default: no cleanup at all)."""
+        self.events.append(f"{time.strftime('%X')} signal {sig} -> {name}")
+        self.mesh.procs[name].send_signal(sig)
+
+    def wait_exit(self, name: str, timeout: float) -> int | None:
+        """Waits for a service to exit; its return code, or None if still running."""
+        try:
+            return self.mesh.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def restart(self, name: str, timeout: float = 120.0) -> float:
+        """(Re)starts a stopped service and waits for health; returns seconds taken."""
+        start = time.monotonic()
+        proc = self.mesh.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        self.events.append(f"{time.strftime('%X')} restart {name}")
+        self.mesh.start_service(self.mesh.specs[name])
+        self.mesh.wait_healthy(timeout)
+        return time.monotonic() - start
+
+    def ensure_running(self, timeout: float = 120.0) -> None:
+        """Restarts whatever a previous test left dead (Redis included), then waits for
+        every service and the gateway's /health (a decoder registered) to be ready."""
+        redis = self.mesh.redis
+        if redis is not None and not redis.is_running():
+            redis.start()
+        for name, proc in list(self.mesh.procs.items()):
+            if proc.poll() is not None:
+                self.events.append(f"{time.strftime('%X')} revive {name}")
+                self.mesh.start_service(self.mesh.specs[name])
+        self.mesh.wait_healthy(timeout)
+        wait_gateway_healthy(self.gateway_url, timeout)
+
+    def stop(self) -> None:
+        """Stops every process and Redis."""
+        self.mesh.stop()
+
+    # ------------------------------------------------------------------ observation
+    def rss_kib(self) -> dict[str, int]:
+        """VmRSS (KiB) of every running service process."""
+        return {name: read_rss_kib(proc.pid) for name, proc in self.mesh.procs.items() if proc.poll() is None}
+
+    def worker_load(self, name: str, timeout: float = 5.0) -> worker_pb2.LoadStats:
+        """`Worker.GetLoad` of one decoder."""
+        return asyncio.run(_get_load(self.address(name), timeout))
+
+    def wait_kv_idle(
+        self, timeout: float = 20.0, names: list[str] | None = None
+    ) -> dict[str, worker_pb2.LoadStats]:
+        """Waits until every decoder (or those `names`) reports nothing running or waiting and every KV block
+        free (kv_usage 0, num_free_blocks == num_total_blocks; cached-but-unused blocks
+        count as free). Returns the last LoadStats per decoder; raises on timeout."""
+        deadline = time.monotonic() + timeout
+        loads: dict[str, worker_pb2.LoadStats] = {}
+        while True:
+            loads = {name: self.worker_load(name) for name in (names or self.decoders)}
+            if all(_idle(load) for load in loads.values()):
+                return loads
+            if time.monotonic() > deadline:
+                detail = {n: _load_text(load) for n, load in loads.items()}
+                raise AssertionError(f"KV blocks not released after {timeout:.0f}s: {detail}")
+            time.sleep(0.2)
+
+    def healthy_decoders(self) -> set[str]:
+        """Worker ids the scheduler lists as healthy and not draining (empty if it is down)."""
+        try:
+            reply = asyncio.run(_list_workers(self.address("scheduler")))
+        except grpc.aio.AioRpcError:
+            return set()
+        return {w.worker.worker_id for w in reply.workers if w.healthy and not w.draining}
+
+    def wait_registered(self, name: str, timeout: float = 60.0) -> float:
+        """Waits until the scheduler lists decoder `name` healthy; returns the seconds taken."""
+        start = time.monotonic()
+        while name not in self.healthy_decoders():
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"{name} not registered with the scheduler after {timeout:.0f}s")
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        """The last lines of a service's log (for assertion messages)."""
+        path = self.mesh.log_dir / f"{name}.log"
+        if not path.is_file():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _idle(load: worker_pb2.LoadStats) -> bool:
+    return (
+        load.num_running == 0
+        and load.num_waiting == 0
+        and load.kv_usage == 0.0
+        and load.num_free_blocks == load.num_total_blocks
+    )
+
+
+def _load_text(load: worker_pb2.LoadStats) -> str:
+    return (
+        f"running={load.num_running} waiting={load.num_waiting} kv_usage={load.kv_usage:.3f} "
+        f"free={load.num_free_blocks}/{load.num_total_blocks}"
+    )
+
+
+async def _get_load(address: str, timeout: float) -> worker_pb2.LoadStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        reply: worker_pb2.LoadStats = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+        return reply
+
+
+async def _list_workers(address: str) -> scheduler_pb2.ListWorkersResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        reply: scheduler_pb2.ListWorkersResponse = await stub.ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=2.0
+        )
+        return reply
+
+
+def wait_gateway_healthy(url: str, timeout: float = 60.0) -> float:
+    """Polls GET /health until 200; returns the seconds it took (raises on timeout)."""
+    start = time.monotonic()
+    last = ""
+    while time.monotonic() - start < timeout:
+        try:
+            reply = httpx.get(url + "/health", timeout=2.0)
+            if reply.status_code == 200:
+                return time.monotonic() - start
+            last = reply.text
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health not 200 after {timeout:.0f}s: {last}")
+
+
+def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
+    return MeshConfig(
+        model_dir=str(model_dir),
+        served_model_name=MODEL_NAME,
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        num_decoders=2,
+        log_dir=str(log_dir),
+        kv_cache_memory_mb=16,
+        max_num_seqs=64,
+        extra_env=(
+            ("MESHSERVE_DEFAULT_MAX_TOKENS", "16"),
+            ("MESHSERVE_DRAIN_TIMEOUT_S", str(DRAIN_TIMEOUT_S)),
+            ("MESHSERVE_NUM_THREADS", "1"),
+            ("MESHSERVE_LOG_LEVEL", "INFO"),
+        ),
+    )
+
+
+def _decoder_ports_free(config: MeshConfig) -> MeshConfig:
+    """decoder-i listens on decoder_base_port + i: make sure those ports are free too."""
+    base = config.decoder_base_port
+    while True:
+        try:
+            for i in range(config.num_decoders):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", base + i))
+            break
+        except OSError:
+            base = free_port()
+    return dataclasses.replace(config, decoder_base_port=base)
+
+
+def encoder_cache_spec(mesh: Mesh) -> ServiceSpec:
+    """The encoder cache (the launcher does not start one): its own process and port."""
+    assert mesh.redis is not None
+    port = free_port()
+    return ServiceSpec(
+        "encoder-cache",
+        "encoder_cache_svc",
+        port,
+        {
+            "MESHSERVE_HOST": "127.0.0.1",
+            "MESHSERVE_PORT": str(port),
+            "MESHSERVE_REDIS_URL": mesh.redis.url,
+            "MESHSERVE_CAPACITY_MB": str(ENCODER_CACHE_MB),
+            "MESHSERVE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+        },
+    )
+
+
+def shared_mesh(
+    config: pytest.Config, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SharedMesh:
+    """The session's shared mesh, started on first use and stopped when pytest exits."""
+    existing = config.stash.get(_MESH_KEY, None)
+    if existing is not None:
+        existing.ensure_running()
+        return existing
+    base = tmp_path_factory.mktemp("reliability")
+    model = build_vlm_model(tiny_model_dir, base / "tiny-vlm")
+    mesh = Mesh(_decoder_ports_free(_mesh_config(model, base / "logs")))
+    started = time.monotonic()
+    try:
+        mesh.start(timeout=240)
+        mesh.start_service(encoder_cache_spec(mesh))
+        mesh.wait_healthy(120)
+        wait_gateway_healthy(mesh.gateway_url, 120)
+    except BaseException:
+        mesh.stop()
+        raise
+    handle = SharedMesh(mesh)
+    handle.events.append(f"mesh started in {time.monotonic() - started:.1f}s (logs in {base / 'logs'})")
+    config.stash[_MESH_KEY] = handle
+    config.add_cleanup(handle.stop)
+    return handle
+
+
+SUITES = ("reliability", "security", "fuzz")
+_LAST_ITEM_KEY = pytest.StashKey[str]()
+
+
+def _in_suites(item: pytest.Item) -> bool:
+    return item.path.parent.name in SUITES and item.path.parent.parent.name == "tests"
+
+
+def release_after_last_test(item: pytest.Item) -> None:
+    """Stops the shared mesh after the session's last test of the three suites, so its
+    ~2 GB of processes do not idle through the rest of `make test`. (The suites' conftests
+    call this from `pytest_runtest_teardown`.)"""
+    config = item.config
+    if _LAST_ITEM_KEY not in config.stash:
+        ours = [i.nodeid for i in item.session.items if _in_suites(i)]
+        config.stash[_LAST_ITEM_KEY] = ours[-1] if ours else ""
+    if item.nodeid != config.stash[_LAST_ITEM_KEY]:
+        return
+    handle = config.stash.get(_MESH_KEY, None)
+    if handle is not None:
+        del config.stash[_MESH_KEY]
+        handle.stop()
+
+
+def gateway_spec(handle: SharedMesh, name: str, tokenizer: str = "tokenizer", **env: str) -> ServiceSpec:
+    """An extra gateway process on the shared mesh's scheduler (e.g. with API keys)."""
+    port = free_port()
+    base = {
+        "MESHSERVE_HOST": "127.0.0.1",
+        "MESHSERVE_PORT": str(port),
+        "MESHSERVE_TOKENIZER_ADDRESS": handle.address(tokenizer),
+        "MESHSERVE_SCHEDULER_ADDRESS": handle.address("scheduler"),
+        "MESHSERVE_DEFAULT_MAX_TOKENS": "16",
+        "MESHSERVE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+    }
+    return ServiceSpec(name, "gateway", port, {**base, **env}, grpc=False)
+
+
+def tokenizer_spec(handle: SharedMesh, name: str, **env: str) -> ServiceSpec:
+    """An extra tokenizer process serving the mesh's model (e.g. with other policies)."""
+    port = free_port()
+    base_env = handle.mesh.specs["tokenizer"].env
+    return ServiceSpec(name, "tokenizer_svc", port, {**base_env, "MESHSERVE_PORT": str(port), **env})
+
+
+def chat_body(content: str = "Hello there", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    """A small chat completion request for the shared mesh's model."""
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+@dataclass
+class StreamResult:
+    """What one streaming client saw."""
+
+    status: int = 0
+    chunks: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+    first_token_s: float | None = None
+    # From the final usage chunk (requests ask for `stream_options.include_usage`).
+    completion_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """HTTP 200, a finish reason, `[DONE]` and no error event."""
+        return self.status == 200 and self.done and self.finish_reason is not None and self.error is None
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str] | None = None,
+    stop_after_chunks: int | None = None,
+    on_first_chunk: asyncio.Event | None = None,
+) -> StreamResult:
+    """POSTs a streaming chat completion and reads its SSE events.
+
+    `stop_after_chunks` closes the connection after that many content chunks (a client
+    disconnect). Transport errors are recorded in `error`, never raised.
+    """
+    result = StreamResult()
+    start = time.monotonic()
+    try:
+        async with client.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            headers=headers,
+        ) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:500]
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    result.done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"].get("message"))
+                    continue
+                if event.get("usage"):
+                    result.completion_tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices", []):
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        result.text += piece
+                        result.chunks += 1
+                        if result.first_token_s is None:
+                            result.first_token_s = time.monotonic() - start
+                            if on_first_chunk is not None:
+                                on_first_chunk.set()
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                if stop_after_chunks is not None and result.chunks >= stop_after_chunks:
+                    break
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.seconds = time.monotonic() - start
+    return result
+
+
+@contextmanager
+def timed() -> Iterator[dict[str, float]]:
+    """`with timed() as t: ...` then `t["s"]` holds the elapsed seconds."""
+    box: dict[str, float] = {}
+    start = time.monotonic()
+    try:
+        yield box
+    finally:
+        box["s"] = time.monotonic() - start
+
+
+def fmt_rss(before: dict[str, int], after: dict[str, int]) -> str:
+    """One line per process: RSS before -> after (MiB) and the change."""
+    lines = []
+    for name in sorted(before):
+        b, a = before[name] / 1024, after.get(name, 0) / 1024
+        lines.append(f"{name}: {b:.1f} -> {a:.1f} MiB ({a - b:+.1f})")
+    return "; ".join(lines)
+
+
+def report(line: str) -> None:
+    """Appends a measured result to the file named by MESHSERVE_RELIABILITY_REPORT (if set)
+    and prints it (visible with -s), so docs/reliability.md can quote real numbers."""
+    print(f"[reliability] {line}", flush=True)
+    path = os.environ.get("MESHSERVE_RELIABILITY_REPORT")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
+@dataclass
+class LoadResult:
+    """Outcome of `run_load`: every request's result plus wall time."""
+
+    results: list[StreamResult]
+    seconds: float
+    started: int
+
+    @property
+    def errors(self) -> list[StreamResult]:
+        """Requests that did not end with a finish reason and [DONE]."""
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def lost(self) -> int:
+        """Requests started but never answered at all (no result came back)."""
+        return self.started - len(self.results)
+
+    def latency(self, q: float) -> float:
+        """Quantile `q` of the end-to-end seconds of the successful requests."""
+        times = sorted(r.seconds for r in self.results if r.ok)
+        return times[min(len(times) - 1, int(q * len(times)))] if times else math.nan
+
+
+async def run_load(
+    url: str,
+    concurrency: int,
+    duration_s: float,
+    max_tokens: int = 8,
+    request_timeout_s: float = 120.0,
+) -> LoadResult:
+    """`concurrency` clients each send streaming chat requests back to back until
+    `duration_s` has passed (each client sends at least one). Prompts vary per client so
+    both prefix-cache hits and misses occur."""
+    deadline = time.monotonic() + duration_s
+    results: list[StreamResult] = []
+    started = 0
+    limits = httpx.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
+
+    async def client_loop(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal started
+        turn = 0
+        while turn == 0 or time.monotonic() < deadline:
+            body = chat_body(
+                f"Client {index % 16} asks question {turn}: what is {index}?", max_tokens=max_tokens
+            )
+            started += 1
+            results.append(await stream_chat(client, url, body))
+            turn += 1
+
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client, i) for i in range(concurrency)))
+    return LoadResult(results, time.monotonic() - start, started)
