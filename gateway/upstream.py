@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc_error
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.rpc import insecure_channel
+from services.rpc import open_channel
 
 T = TypeVar("T")
 
@@ -50,8 +50,8 @@ class Upstream:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.timeout = config.request_timeout_s
-        self._tok_channel = insecure_channel(config.tokenizer_address, config.max_grpc_message_bytes)
-        self._sched_channel = insecure_channel(config.scheduler_address, config.max_grpc_message_bytes)
+        self._tok_channel = open_channel(config.tokenizer_address, config.max_grpc_message_bytes)
+        self._sched_channel = open_channel(config.scheduler_address, config.max_grpc_message_bytes)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
         self._tok_health = health_pb2_grpc.HealthStub(self._tok_channel)

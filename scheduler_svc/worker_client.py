@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from meshserve.v1 import worker_pb2_grpc
-from services.rpc import insecure_channel
+from services.rpc import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class WorkerChannels:
             return entry[2]
         if entry is not None:
             self._close_later(entry[1])
-        channel = insecure_channel(address, self._max_message_bytes)
+        channel = open_channel(address, self._max_message_bytes)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._entries[worker_id] = (address, channel, stub)
         return stub

@@ -129,6 +129,10 @@ class ServerConfig:
     log_level: str = "INFO"
     tracing: str = "none"
     otlp_endpoint: str = ""
+    # Optional TLS / mutual TLS between services (see services/tls.py).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

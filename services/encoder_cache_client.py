@@ -17,7 +17,7 @@ import grpc
 
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
 from services.errors import Code, MeshError, Unavailable
-from services.rpc import error_from_rpc, insecure_channel
+from services.rpc import error_from_rpc, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class EncoderCacheClient:
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
-        self._channel = insecure_channel(address, max_message_bytes)
+        self._channel = open_channel(address, max_message_bytes)
         self._stub = encoder_cache_pb2_grpc.EncoderCacheStub(self._channel)
 
     async def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import metrics, tracing
+from services import metrics, tls, tracing
 from services.errors import Code, MeshError, classify
 
 log = logging.getLogger(__name__)
@@ -136,18 +136,20 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
     ]
 
 
-def insecure_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
-    """An asyncio channel whose calls carry the current trace context in metadata."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=channel_options(max_message_bytes),
-        interceptors=tracing.client_interceptors(),
-    )
+def open_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+    """An asyncio channel to another service: TLS when MESHSERVE_TLS_CA is set (see
+    services.tls), plaintext otherwise; calls carry the current trace context."""
+    options = channel_options(max_message_bytes)
+    interceptors = tracing.client_interceptors()
+    credentials = tls.channel_credentials(tls.client_files())
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 async def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
     """True when `address` answers grpc.health.v1 Check with SERVING."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

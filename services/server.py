@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from services import metrics, tracing
 from services.config import ServerConfig
 from services.rpc import INFLIGHT, channel_options
+from services.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,13 @@ class GrpcServer:
         """Binds, starts serving (health NOT_SERVING) and returns the bound port."""
         tracing.setup_tracing(self.name, self.config.tracing, self.config.otlp_endpoint)
         reflection.enable_server_reflection(self._service_names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        files = TlsFiles(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
+        credentials = server_credentials(files)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         await self.server.start()
         await self.set_serving(False)
         if self.config.metrics_port > 0:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from services.rpc import insecure_channel
+from services.rpc import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class SchedulerLink:
     ) -> None:
         self.descriptor = descriptor
         self._load = load
-        self._channel = insecure_channel(scheduler_address)
+        self._channel = open_channel(scheduler_address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._interval_s = 0.5
         self._registered = False

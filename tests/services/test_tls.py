@@ -1,0 +1,126 @@
+"""Optional mutual TLS between services: certificates made with openssl for 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import tls
+from services.config import ServerConfig
+from services.rpc import check_health
+from services.server import GrpcServer
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _issue(name: str, d: Path) -> None:
+    """A key and a certificate for 127.0.0.1 signed by the test CA."""
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+        cwd=d,
+    )
+    (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-extfile",
+        f"{name}.ext",
+        cwd=d,
+    )
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tls")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=meshserve-test-ca",
+        cwd=d,
+    )
+    _issue("server", d)
+    _issue("client", d)
+    return d
+
+
+@pytest.fixture
+def client_env(certs: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("MESHSERVE_TLS_CA", str(certs / "ca.pem"))
+    monkeypatch.setenv("MESHSERVE_TLS_CERT", str(certs / "client.pem"))
+    monkeypatch.setenv("MESHSERVE_TLS_KEY", str(certs / "client.key"))
+    tls.client_files.cache_clear()
+    yield
+    tls.client_files.cache_clear()
+
+
+def test_half_configured_tls_is_refused(certs: Path) -> None:
+    with pytest.raises(ValueError, match="together"):
+        tls.TlsFiles(cert=str(certs / "server.pem"))
+    with pytest.raises(ValueError, match="not found"):
+        tls.TlsFiles(ca=str(certs / "missing.pem"))
+
+
+async def test_mutual_tls_between_services(certs: Path, client_env: None) -> None:
+    config = ServerConfig(
+        port=0,
+        tls_cert=str(certs / "server.pem"),
+        tls_key=str(certs / "server.key"),
+        tls_ca=str(certs / "ca.pem"),
+    )
+    server = GrpcServer("tls-demo", config)
+    port = await server.start()
+    await server.set_serving(True)
+    try:
+        # A client with the CA and its own certificate (services.rpc.open_channel) gets through ...
+        assert await check_health(f"127.0.0.1:{port}", timeout=5)
+        # ... plaintext is refused ...
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        # ... and so is TLS without a client certificate (mutual TLS).
+        anonymous = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", anonymous) as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+    finally:
+        await server.server.stop(0)
