@@ -251,7 +251,17 @@ class Renderer:
             raise InvalidArgument(
                 f"chat_template refused by the sandbox: {exc}", param="chat_template"
             ) from exc
-        except (TemplateError, TypeError) as exc:
+        except (
+            TemplateError,
+            TypeError,
+            ValueError,
+            ArithmeticError,
+            LookupError,
+            AttributeError,
+            RecursionError,
+        ) as exc:
+            # Whatever a (possibly request-supplied) template raises while rendering is
+            # a property of the request, not a server failure.
             raise InvalidArgument(
                 f"chat template could not render the messages: {exc}", param="messages"
             ) from exc
