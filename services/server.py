@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import metrics, tracing
 from services.config import ServerConfig
+from services.decode_guard import DecodeGuard
 from services.rpc import INFLIGHT, channel_options
 from services.tls import TlsFiles, server_credentials
 
@@ -39,7 +40,9 @@ class GrpcServer:
     def __init__(self, name: str, config: ServerConfig) -> None:
         self.name = name
         self.config = config
-        self.server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+        self.server = grpc.aio.server(
+            options=channel_options(config.max_message_bytes), interceptors=[DecodeGuard()]
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]

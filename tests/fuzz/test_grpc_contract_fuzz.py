@@ -516,11 +516,6 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
     assert mesh.alive("tokenizer")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grpc aio answers an undecodable request with UNKNOWN ('Unexpected DecodeError'); "
-    "services/server.py would need to wrap request deserializers to answer INVALID_ARGUMENT",
-)
 @pytest.mark.parametrize(
     ("service", "method", "payload"),
     [

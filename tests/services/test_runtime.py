@@ -91,6 +91,14 @@ async def test_health_errors_and_drain() -> None:
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "role" in (bad.value.details() or "")
         assert error_from_rpc(bad.value).param == "role"
+        # Bytes that do not parse as the request message: INVALID_ARGUMENT, not UNKNOWN.
+        raw = channel.unary_unary(
+            "/meshserve.v1.Worker/Abort", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as malformed:
+            await raw(b"\x0a\x02\x80\x80")  # field 1 (string) holding invalid UTF-8
+        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed request" in (malformed.value.details() or "")
         in_flight = asyncio.ensure_future(worker.GetLoad(worker_pb2.GetLoadRequest()))
         await servicer.started.wait()
         drained = asyncio.create_task(server.drain_and_stop())
