@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -22,6 +23,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+try:
+    import uvloop
+except ImportError:  # optional: plain asyncio works too
+    uvloop = None  # type: ignore[assignment]
 
 from services import metrics, tracing
 from services.config import ServerConfig
@@ -123,8 +129,13 @@ class GrpcServer:
 
 
 def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Runs a service's async main in a fresh event loop (process entry points)."""
+    """Runs a service's async main in a fresh event loop (process entry points):
+    uvloop when installed (less per-message overhead on the streaming hot path),
+    unless MESHSERVE_UVLOOP=0."""
     try:
-        asyncio.run(main())
+        if uvloop is not None and os.environ.get("MESHSERVE_UVLOOP", "1") != "0":
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
     except KeyboardInterrupt:
         pass
