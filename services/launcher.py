@@ -350,7 +350,10 @@ def main(argv: Sequence[str]) -> None:
         pass
     finally:
         print("stopping meshserve...", flush=True)
+        # A second Ctrl-C must not abandon the children half-stopped.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         mesh.stop()
+        print("meshserve stopped", flush=True)
 
 
 if __name__ == "__main__":
