@@ -37,18 +37,20 @@ WORKERS = ("rw0", "rw1")
 class Mesh:
     """Redis + in-process scheduler + worker processes."""
 
-    def __init__(self, model_dir: Path, redis: RedisServer) -> None:
+    def __init__(self, model_dir: Path, redis: RedisServer, policy: str = "prefix") -> None:
         self.model_dir = model_dir
         self.redis = redis
+        self.policy = policy
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
 
     async def start_scheduler(self) -> None:
         config = SchedulerConfig(
-            port=0, redis_url=self.redis.url, heartbeat_interval_ms=200, worker_timeout_s=1.5
-        )
+            port=0, redis_url=self.redis.url, heartbeat_interval_ms=200, worker_timeout_s=1.5,
+            routing_policy=self.policy,
+        )  # fmt: skip
         self.core = Scheduler(config)
-        self.server = GrpcServer("scheduler-real", config)
+        self.server = GrpcServer(f"scheduler-{self.policy}", config)
         self.server.add_service(
             "meshserve.v1.Scheduler",
             scheduler_pb2_grpc.add_SchedulerServicer_to_server,
@@ -187,3 +189,29 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
         assert time.monotonic() < deadline, "dead worker never marked down"
         await asyncio.sleep(0.1)
     assert mesh.core.index.num_blocks(victim) == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("policy", ["round_robin", "least_load"])
+async def test_policy_serves_and_spreads_over_real_workers(
+    policy: str, tiny_model_dir: Path, module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each non-default policy routes real requests to both real workers."""
+    mesh = Mesh(tiny_model_dir, module_redis, policy)
+    await mesh.start_scheduler()
+    ids = (f"{policy}-a", f"{policy}-b")
+    log_dir = tmp_path_factory.mktemp(f"{policy}-logs")
+    for worker_id in ids:
+        mesh.spawn(worker_id, log_dir)
+    try:
+        await mesh.wait_registered(ids)
+        prompts = [[(13 * i + j) % 500 + 3 for j in range(20)] for i in range(8)]
+        results = await asyncio.gather(*(mesh.generate(p, max_tokens=4) for p in prompts))
+        assert all(len(tokens(r)) == 4 and r[-1].finished for r in results)
+        used = {r[0].worker_id for r in results}
+        assert used == set(ids), f"{policy} used only {used}"
+    finally:
+        await asyncio.to_thread(mesh.stop_workers)
+        await mesh.channel.close()
+        await mesh.server.server.stop(0)
+        await mesh.core.stop()
