@@ -24,6 +24,7 @@ from worker_svc.encoder import VisionEncoder
 from worker_svc.encoder_servicer import EncoderServicer
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.config import EngineConfig
+from worker_svc.kv_events import KvEventPublisher
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
 from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
@@ -65,14 +66,14 @@ def _descriptor(config: WorkerConfig, identity: WorkerIdentity, port: int) -> sc
     )
 
 
-async def _start_decoder(
-    config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer
-) -> AsyncLLMEngine:
-    publisher = None
-    if config.redis_url:
-        from worker_svc.kv_events import KvEventPublisher
+def _kv_publisher(config: WorkerConfig, identity: WorkerIdentity) -> KvEventPublisher | None:
+    """KV events go to Redis for the scheduler's prefix index (none without Redis)."""
+    return KvEventPublisher(config.redis_url, identity.worker_id) if config.redis_url else None
 
-        publisher = KvEventPublisher(config.redis_url, identity.worker_id)
+
+async def _start_decoder(
+    config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer, publisher: KvEventPublisher | None
+) -> AsyncLLMEngine:
     engine = await asyncio.to_thread(
         AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
     )
@@ -128,13 +129,15 @@ class WorkerProcess:
         self.engine: AsyncLLMEngine | None = None
         self.encoder: EncoderServicer | None = None
         self.link: SchedulerLink | None = None
+        self.publisher: KvEventPublisher | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
 
     async def _load_model(self) -> Callable[[], worker_pb2.LoadStats]:
         config, identity, server = self.config, self.identity, self.server
         if config.role == "decoder":
-            engine = await _start_decoder(config, identity, server)
+            self.publisher = _kv_publisher(config, identity)
+            engine = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
             return lambda: worker_metrics.record(load_stats(engine))
         if config.role == "embedding":
@@ -180,6 +183,9 @@ class WorkerProcess:
             await self.link.close()
         if self.engine is not None:
             await self.engine.shutdown()
+        if self.publisher is not None:
+            # Flushes the events of the last steps, then stops the publisher thread.
+            await asyncio.to_thread(self.publisher.close)
         if self.encoder is not None:
             await self.encoder.close()
 
