@@ -145,6 +145,10 @@ class GatewayMiddleware:
     async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         error = self._admit(scope, path)
         if error is not None:
+            if scope.get("method") in _BODY_METHODS:
+                # Read the body we refuse: closing a socket with unread bytes sends a TCP
+                # reset that can destroy the error response before the client reads it.
+                await _discard_body(receive, self.config.max_request_bytes)
             await error.response()(scope, receive, send)
             return
         if scope.get("method") in _BODY_METHODS:
@@ -221,6 +225,18 @@ class GatewayMiddleware:
             await _too_large(limit)(scope, receive, send)
             return None
         return _replay(b"".join(chunks), receive)
+
+
+async def _discard_body(receive: Receive, limit: int) -> None:
+    """Reads and drops the request body, at most `limit` bytes (stops on disconnect)."""
+    size = 0
+    while size <= limit:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _too_large(limit: int) -> Any:

@@ -51,16 +51,21 @@ def test_non_stream_disconnect_cancels_upstream(gw_url: str, harness: Harness) -
 
 
 def test_drain_refuses_new_requests(harness: Harness) -> None:
+    """Repeated on fresh keep-alive connections: the 503 must reach the client every time
+    (an unread request body used to turn it into a connection reset now and then)."""
     gw = harness.start_gateway(harness.config())
+    state = gw.app.state.gateway
     try:
-        with httpx.Client(base_url=gw.url, timeout=10) as http:
-            assert http.get("/v1/models").status_code == 200
-            gw.app.state.gateway.start_drain()
-            reply = http.post(CHAT, json={"model": MODEL, "messages": SLOW})
-            assert reply.status_code == 503
-            assert reply.json()["error"]["code"] == "draining"
-            health = http.get("/health")
-            assert health.status_code == 503 and health.json()["components"]["gateway"] == "draining"
+        for _ in range(20):
+            state.draining = False
+            with httpx.Client(base_url=gw.url, timeout=10) as http:
+                assert http.get("/v1/models").status_code == 200
+                state.start_drain()
+                reply = http.post(CHAT, json={"model": MODEL, "messages": SLOW})
+                assert reply.status_code == 503
+                assert reply.json()["error"]["code"] == "draining"
+                health = http.get("/health")
+                assert health.status_code == 503 and health.json()["components"]["gateway"] == "draining"
     finally:
         harness.stop_gateway(gw)
 
