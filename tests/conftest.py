@@ -17,7 +17,9 @@ DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"
 
 
 def _build(out: Path, *extra: str) -> Path:
-    subprocess.run([sys.executable, "-m", "devtools.build_model", "--out", str(out), *extra], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "devtools.build_model", "--out", str(out), *extra], check=True, cwd=ROOT
+    )
     return out
 
 

@@ -9,7 +9,9 @@ from meshserve.v1 import worker_pb2
 NUM_RUNNING = Gauge("meshserve_worker_num_running", "Requests in the running batch")
 NUM_WAITING = Gauge("meshserve_worker_num_waiting", "Requests waiting for admission to the batch")
 KV_USAGE = Gauge("meshserve_worker_kv_usage", "Fraction of KV cache blocks in use (0..1)")
-PREFIX_HIT_RATE = Gauge("meshserve_worker_prefix_cache_hit_rate", "Prefix cache hit rate over the worker lifetime")
+PREFIX_HIT_RATE = Gauge(
+    "meshserve_worker_prefix_cache_hit_rate", "Prefix cache hit rate over the worker lifetime"
+)
 PREEMPTIONS = Gauge("meshserve_worker_num_preemptions", "Preemptions (recompute) since start")
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
 

@@ -164,6 +164,17 @@ class SharedMesh:
         """VmRSS (KiB) of every running service process."""
         return {name: read_rss_kib(proc.pid) for name, proc in self.mesh.procs.items() if proc.poll() is None}
 
+    def rpc_count(self, name: str, method: str, code: str) -> float:
+        """`meshserve_rpc_requests_total{method, code}` scraped from a service's /metrics
+        port (services started with MESHSERVE_METRICS_PORT); 0 when never observed."""
+        port = self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        labels = (f'method="{method}"', f'code="{code}"')
+        for line in text.splitlines():
+            if line.startswith("meshserve_rpc_requests_total{") and all(lb in line for lb in labels):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def worker_load(self, name: str, timeout: float = 5.0) -> worker_pb2.LoadStats:
         """`Worker.GetLoad` of one decoder."""
         return asyncio.run(_get_load(self.address(name), timeout))
@@ -308,6 +319,7 @@ def encoder_cache_spec(mesh: Mesh) -> ServiceSpec:
             "MESHSERVE_REDIS_URL": mesh.redis.url,
             "MESHSERVE_CAPACITY_MB": str(ENCODER_CACHE_MB),
             "MESHSERVE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+            "MESHSERVE_METRICS_PORT": str(free_port()),
         },
     )
 
