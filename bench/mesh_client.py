@@ -17,7 +17,9 @@ from services.redis_client import free_port
 
 
 @contextmanager
-def running_mesh(model_dir: str, max_num_seqs: int, max_batch_tokens: int) -> Iterator[Mesh]:
+def running_mesh(
+    model_dir: str, max_num_seqs: int, max_batch_tokens: int, extra_env: tuple[tuple[str, str], ...] = ()
+) -> Iterator[Mesh]:
     """Starts gateway, tokenizer, scheduler and one decoder worker on free ports."""
     config = MeshConfig(
         model_dir=model_dir,
@@ -28,7 +30,7 @@ def running_mesh(model_dir: str, max_num_seqs: int, max_batch_tokens: int) -> It
         decoder_base_port=free_port(),
         max_num_seqs=max_num_seqs,
         log_dir=tempfile.mkdtemp(prefix="meshserve-bench-logs-"),
-        extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)),),
+        extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)), *extra_env),
     )
     mesh = Mesh(config).start(timeout=300)
     try:

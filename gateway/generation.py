@@ -154,7 +154,19 @@ class _Decoder:
 
     async def _request_iter(self) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
         while (message := await self._requests.get()) is not None:
+            end = False
+            # Under load tokens arrive faster than the stream sends: merge what queued
+            # up, one message per write instead of one per worker step.
+            while not self._requests.empty() and not message.finish and not message.HasField("start"):
+                more = self._requests.get_nowait()
+                if more is None:
+                    end = True
+                    break
+                message.tokens.ids.extend(more.tokens.ids)
+                message.finish = more.finish
             yield message
+            if end:
+                return
 
     def feed(self, token_ids: list[int], finish: bool) -> None:
         """Queues new tokens; `finish` flushes held-back text and half-closes."""

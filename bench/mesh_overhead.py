@@ -1,0 +1,174 @@
+"""Mesh overhead: the same engine in-process vs behind the full mesh, paired runs.
+
+    python -m bench.mesh_overhead --model-dir DIR [--num-requests 128 --prompt-len 128
+        --output-len 64 --concurrency 8,32 --repeats 3] --out bench/results/mesh_overhead.json
+
+`engine_bench` runs every in-process row, then every mesh row, minutes apart; on a
+shared machine the drift between the two halves can be larger than the overhead being
+measured. Here both systems stay up for the whole run (the in-process
+:class:`AsyncLLMEngine` in this process, the mesh as its own processes with a real
+Redis) and the runs alternate — in-process, mesh, in-process, mesh, ... at each
+concurrency — so each mesh run has an in-process run next to it. Reported per
+concurrency: the median tok/s of each system, every paired overhead
+(1 - mesh/in-process of the same repeat) and their median, and TTFT / TPOT medians.
+
+Both systems get the same engine settings (`max_num_seqs`, token budget, page size)
+and the same torch thread count (the machine's default unless `--threads`, passed to
+the worker as MESHSERVE_NUM_THREADS). Each run uses its own cache salt, so no run
+reuses another's prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from bench.engine_bench import (
+    DEFAULT_MODEL_DIR,
+    PAGE_SIZE,
+    RunResult,
+    Workload,
+    engine_generate_fn,
+    make_workload,
+    run_generate_workload,
+)
+from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
+from worker_svc.engine import AsyncLLMEngine, EngineConfig
+
+
+async def _paired_runs(
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int], base_url: str
+) -> list[RunResult]:
+    """Alternates in-process and mesh runs; returns every row in run order."""
+    engine = AsyncLLMEngine(
+        EngineConfig(
+            model_dir=args.model_dir,
+            max_num_seqs=max(concurrencies),
+            max_num_batched_tokens=args.max_batch_tokens,
+            block_size=PAGE_SIZE,
+        )
+    )
+    engine.start()
+    limits = httpx.Limits(max_connections=max(concurrencies) + 8)
+    rows: list[RunResult] = []
+    try:
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            name = model_name(args.model_dir)
+            warm = Workload(workload.prompts[:4], 4)
+            await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
+            await run_generate_workload(
+                gateway_generate_fn(client, base_url, name, "warm"), warm, 4, "warmup"
+            )
+            for repeat in range(args.repeats):
+                for c in concurrencies:
+                    salt = f"r{repeat}-c{c}"
+                    local = engine_generate_fn(engine, "in-" + salt)
+                    row, _ = await run_generate_workload(local, workload, c, "in_process")
+                    rows.append(row)
+                    remote = gateway_generate_fn(client, base_url, name, "mesh-" + salt)
+                    row, _ = await run_generate_workload(remote, workload, c, "mesh")
+                    rows.append(row)
+                    print(
+                        f"repeat {repeat} c={c}: in-process {rows[-2].output_tok_per_s:.0f} "
+                        f"mesh {rows[-1].output_tok_per_s:.0f} tok/s",
+                        flush=True,
+                    )
+    finally:
+        await engine.shutdown()
+    return rows
+
+
+def summarize_pairs(rows: list[RunResult], concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Per concurrency: medians of each system and the paired overheads."""
+    summary = []
+    for c in concurrencies:
+        local = [r for r in rows if r.concurrency == c and r.system == "in_process"]
+        mesh = [r for r in rows if r.concurrency == c and r.system == "mesh"]
+        overheads = [1 - m.output_tok_per_s / i.output_tok_per_s for i, m in zip(local, mesh, strict=True)]
+        summary.append(
+            {
+                "concurrency": c,
+                "in_process_tok_per_s_median": statistics.median(r.output_tok_per_s for r in local),
+                "mesh_tok_per_s_median": statistics.median(r.output_tok_per_s for r in mesh),
+                "paired_overheads": [round(o, 4) for o in overheads],
+                "overhead_median": statistics.median(overheads),
+                "in_process_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in local),
+                "mesh_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in mesh),
+                "in_process_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in local),
+                "mesh_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in mesh),
+            }
+        )
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Starts the mesh, runs the paired repeats, returns the report."""
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
+    extra = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    with running_mesh(args.model_dir, max(concurrencies), args.max_batch_tokens, extra) as mesh:
+        rows = asyncio.run(_paired_runs(args, workload, concurrencies, mesh.gateway_url))
+    return {
+        "model_dir": args.model_dir,
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "concurrency": concurrencies,
+            "max_batch_tokens": args.max_batch_tokens,
+            "repeats": args.repeats,
+        },
+        "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
+        "summary": summarize_pairs(rows, concurrencies),
+        "runs": [asdict(r) for r in rows],
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """CLI."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="torch threads of both systems (0: default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/mesh_overhead.json")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    report = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for s in report["summary"]:
+        print(
+            f"c={s['concurrency']}: in-process {s['in_process_tok_per_s_median']:.0f} tok/s, "
+            f"mesh {s['mesh_tok_per_s_median']:.0f} tok/s, overhead median {s['overhead_median']:+.1%} "
+            f"(pairs {', '.join(f'{o:+.1%}' for o in s['paired_overheads'])})"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
