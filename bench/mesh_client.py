@@ -18,7 +18,11 @@ from services.redis_client import free_port
 
 @contextmanager
 def running_mesh(
-    model_dir: str, max_num_seqs: int, max_batch_tokens: int, extra_env: tuple[tuple[str, str], ...] = ()
+    model_dir: str,
+    max_num_seqs: int,
+    max_batch_tokens: int,
+    extra_env: tuple[tuple[str, str], ...] = (),
+    stream_interval: int = 1,
 ) -> Iterator[Mesh]:
     """Starts gateway, tokenizer, scheduler and one decoder worker on free ports."""
     config = MeshConfig(
@@ -29,6 +33,7 @@ def running_mesh(
         encoder_cache_port=free_port(),
         decoder_base_port=free_port(),
         max_num_seqs=max_num_seqs,
+        stream_interval=stream_interval,
         log_dir=tempfile.mkdtemp(prefix="meshserve-bench-logs-"),
         extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)), *extra_env),
     )

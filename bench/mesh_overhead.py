@@ -1,16 +1,20 @@
 """Mesh overhead: the same engine in-process vs behind the full mesh, paired runs.
 
     python -m bench.mesh_overhead --model-dir DIR [--num-requests 128 --prompt-len 128
-        --output-len 64 --concurrency 8,32 --repeats 3] --out bench/results/mesh_overhead.json
+        --output-len 64 --concurrency 8,32 --repeats 3 --stream-intervals 1,8]
+        --out bench/results/mesh_overhead.json
 
 `engine_bench` runs every in-process row, then every mesh row, minutes apart; on a
 shared machine the drift between the two halves can be larger than the overhead being
 measured. Here both systems stay up for the whole run (the in-process
 :class:`AsyncLLMEngine` in this process, the mesh as its own processes with a real
 Redis) and the runs alternate — in-process, mesh, in-process, mesh, ... at each
-concurrency — so each mesh run has an in-process run next to it. Reported per
-concurrency: the median tok/s of each system, every paired overhead
-(1 - mesh/in-process of the same repeat) and their median, and TTFT / TPOT medians.
+concurrency — so each mesh run has an in-process run next to it. One mesh runs per
+`--stream-intervals` value (the decoder worker's MESHSERVE_STREAM_INTERVAL: tokens per
+stream message after the first), all alternating with the same in-process runs.
+Reported per concurrency and mesh: the median tok/s of each system, every paired
+overhead (1 - mesh/in-process of the same repeat) and their median, and TTFT / TPOT
+medians.
 
 Both systems get the same engine settings (`max_num_seqs`, token budget, page size)
 and the same torch thread count (the machine's default unless `--threads`, passed to
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -43,13 +48,31 @@ from bench.engine_bench import (
     run_generate_workload,
 )
 from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
+from services.launcher import Mesh
 from worker_svc.engine import AsyncLLMEngine, EngineConfig
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_by_service(mesh: Mesh) -> dict[str, float]:
+    """CPU seconds so far of every mesh process and of this (client) process."""
+    pids = {name: proc.pid for name, proc in mesh.procs.items()} | {"client": os.getpid()}
+    return {name: _cpu_seconds(pid) for name, pid in pids.items()}
+
+
 async def _paired_runs(
-    args: argparse.Namespace, workload: Workload, concurrencies: list[int], base_url: str
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int], meshes: dict[str, Mesh]
 ) -> list[RunResult]:
-    """Alternates in-process and mesh runs; returns every row in run order."""
+    """Alternates the in-process run and each mesh's run; returns every row in run order.
+    `meshes` maps a system name (mesh_si1, ...) to its running mesh. Mesh rows carry, in
+    `notes`, the CPU milliseconds per output token each process spent during the run."""
     engine = AsyncLLMEngine(
         EngineConfig(
             model_dir=args.model_dir,
@@ -66,48 +89,58 @@ async def _paired_runs(
             name = model_name(args.model_dir)
             warm = Workload(workload.prompts[:4], 4)
             await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
-            await run_generate_workload(
-                gateway_generate_fn(client, base_url, name, "warm"), warm, 4, "warmup"
-            )
+            for mesh in meshes.values():
+                fn = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
+                await run_generate_workload(fn, warm, 4, "warmup")
             for repeat in range(args.repeats):
                 for c in concurrencies:
                     salt = f"r{repeat}-c{c}"
                     local = engine_generate_fn(engine, "in-" + salt)
                     row, _ = await run_generate_workload(local, workload, c, "in_process")
                     rows.append(row)
-                    remote = gateway_generate_fn(client, base_url, name, "mesh-" + salt)
-                    row, _ = await run_generate_workload(remote, workload, c, "mesh")
-                    rows.append(row)
-                    print(
-                        f"repeat {repeat} c={c}: in-process {rows[-2].output_tok_per_s:.0f} "
-                        f"mesh {rows[-1].output_tok_per_s:.0f} tok/s",
-                        flush=True,
-                    )
+                    line = f"repeat {repeat} c={c}: in_process {row.output_tok_per_s:.0f}"
+                    for system, mesh in meshes.items():
+                        remote = gateway_generate_fn(client, mesh.gateway_url, name, f"{system}-{salt}")
+                        before = _cpu_by_service(mesh)
+                        row, _ = await run_generate_workload(remote, workload, c, system)
+                        spent = {k: v - before.get(k, 0.0) for k, v in _cpu_by_service(mesh).items()}
+                        row.notes = "cpu ms/token: " + json.dumps(
+                            {k: round(1000 * v / max(row.output_tokens, 1), 3) for k, v in spent.items()}
+                        )
+                        rows.append(row)
+                        line += f" {system} {row.output_tok_per_s:.0f}"
+                    print(line + " tok/s", flush=True)
     finally:
         await engine.shutdown()
     return rows
 
 
 def summarize_pairs(rows: list[RunResult], concurrencies: list[int]) -> list[dict[str, Any]]:
-    """Per concurrency: medians of each system and the paired overheads."""
+    """Per concurrency and mesh system: medians of each system and the paired overheads
+    (the i-th run of a mesh is paired with the i-th in-process run at that concurrency)."""
+    systems = sorted({r.system for r in rows} - {"in_process"})
     summary = []
     for c in concurrencies:
         local = [r for r in rows if r.concurrency == c and r.system == "in_process"]
-        mesh = [r for r in rows if r.concurrency == c and r.system == "mesh"]
-        overheads = [1 - m.output_tok_per_s / i.output_tok_per_s for i, m in zip(local, mesh, strict=True)]
-        summary.append(
-            {
-                "concurrency": c,
-                "in_process_tok_per_s_median": statistics.median(r.output_tok_per_s for r in local),
-                "mesh_tok_per_s_median": statistics.median(r.output_tok_per_s for r in mesh),
-                "paired_overheads": [round(o, 4) for o in overheads],
-                "overhead_median": statistics.median(overheads),
-                "in_process_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in local),
-                "mesh_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in mesh),
-                "in_process_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in local),
-                "mesh_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in mesh),
-            }
-        )
+        for system in systems:
+            mesh = [r for r in rows if r.concurrency == c and r.system == system]
+            overheads = [
+                1 - m.output_tok_per_s / i.output_tok_per_s for i, m in zip(local, mesh, strict=True)
+            ]
+            summary.append(
+                {
+                    "concurrency": c,
+                    "system": system,
+                    "in_process_tok_per_s_median": statistics.median(r.output_tok_per_s for r in local),
+                    "mesh_tok_per_s_median": statistics.median(r.output_tok_per_s for r in mesh),
+                    "paired_overheads": [round(o, 4) for o in overheads],
+                    "overhead_median": statistics.median(overheads),
+                    "in_process_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in local),
+                    "mesh_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in mesh),
+                    "in_process_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in local),
+                    "mesh_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in mesh),
+                }
+            )
     return summary
 
 
@@ -115,9 +148,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Starts the mesh, runs the paired repeats, returns the report."""
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
-    extra = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
-    with running_mesh(args.model_dir, max(concurrencies), args.max_batch_tokens, extra) as mesh:
-        rows = asyncio.run(_paired_runs(args, workload, concurrencies, mesh.gateway_url))
+    threads = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    intervals = [int(k) for k in args.stream_intervals.split(",")]
+    with contextlib.ExitStack() as stack:
+        meshes = {}
+        for k in intervals:
+            mesh = stack.enter_context(
+                running_mesh(
+                    args.model_dir, max(concurrencies), args.max_batch_tokens, threads, stream_interval=k
+                )
+            )
+            meshes[f"mesh_si{k}"] = mesh
+        rows = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
     return {
         "model_dir": args.model_dir,
         "workload": {
@@ -127,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": concurrencies,
             "max_batch_tokens": args.max_batch_tokens,
             "repeats": args.repeats,
+            "stream_intervals": intervals,
         },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "summary": summarize_pairs(rows, concurrencies),
@@ -143,6 +186,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stream-intervals", default="1,8", help="one mesh per decoder stream interval")
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads of both systems (0: default)")
     p.add_argument("--seed", type=int, default=0)
@@ -163,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2) + "\n")
     for s in report["summary"]:
         print(
-            f"c={s['concurrency']}: in-process {s['in_process_tok_per_s_median']:.0f} tok/s, "
+            f"c={s['concurrency']} {s['system']}: in-process {s['in_process_tok_per_s_median']:.0f} tok/s, "
             f"mesh {s['mesh_tok_per_s_median']:.0f} tok/s, overhead median {s['overhead_median']:+.1%} "
             f"(pairs {', '.join(f'{o:+.1%}' for o in s['paired_overheads'])})"
         )

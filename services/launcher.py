@@ -81,7 +81,10 @@ class MeshConfig:
     log_dir: str = ".cache/logs"
     kv_cache_memory_mb: int = 256
     max_num_seqs: int = 64
+    # Decoder workers stream every N-th token after the first (worker --stream-interval).
+    stream_interval: int = 1
     served_model_name: str = ""
+    # Set on every service, over the launcher's own values (e.g. MESHSERVE_STREAM_INTERVAL).
     extra_env: tuple[tuple[str, str], ...] = ()
     # Prometheus /metrics port per service name (e.g. ("encoder-0", 9102)); none by default.
     metrics_ports: tuple[tuple[str, int], ...] = ()
@@ -140,6 +143,7 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
                     "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
                     "MESHSERVE_KV_CACHE_MEMORY_MB": str(config.kv_cache_memory_mb),
                     "MESHSERVE_MAX_NUM_SEQS": str(config.max_num_seqs),
+                    "MESHSERVE_STREAM_INTERVAL": str(config.stream_interval),
                     **_encoder_cache_env(config),
                 },
             )
@@ -203,7 +207,15 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
     metrics = {name: {"MESHSERVE_METRICS_PORT": str(port)} for name, port in config.metrics_ports}
     return [
         dataclasses.replace(
-            s, env={**common, "MESHSERVE_PORT": str(s.port), **s.env, **metrics.get(s.name, {})}
+            s,
+            # extra_env last but for the metrics port: it overrides what the launcher derives.
+            env={
+                **common,
+                "MESHSERVE_PORT": str(s.port),
+                **s.env,
+                **dict(config.extra_env),
+                **metrics.get(s.name, {}),
+            },
         )
         for s in specs
     ]

@@ -34,6 +34,10 @@ class WorkerConfig(ServerConfig):
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int = 0
+    # Stream every N-th token per sequence after the first (1 = every token). Larger
+    # values send fewer, bigger messages through the mesh: more throughput on a busy
+    # machine, burstier inter-token latency. The first token and the end always go at once.
+    stream_interval: int = 1
     # Encoder cache (host:port) where encoder workers put image embeddings and decoder
     # workers fetch them by identifier; empty = this worker takes no images.
     encoder_cache_address: str = ""
@@ -48,6 +52,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
         if self.encoder_cache_timeout_s <= 0:
             raise ValueError("encoder_cache_timeout_s must be > 0")
         if self.role == "encoder" and not self.encoder_cache_address:

@@ -78,7 +78,8 @@ async def _start_decoder(
         AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
     )
     engine.start()
-    servicer = DecoderServicer(engine, identity, _embedding_fetcher(config, identity, engine))
+    fetcher = _embedding_fetcher(config, identity, engine)
+    servicer = DecoderServicer(engine, identity, fetcher, stream_interval=config.stream_interval)
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     return engine
 

@@ -52,10 +52,17 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     """Runs generation requests on the worker's engine and streams every step."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, identity: WorkerIdentity, fetcher: EmbeddingFetcher | None = None
+        self,
+        engine: AsyncLLMEngine,
+        identity: WorkerIdentity,
+        fetcher: EmbeddingFetcher | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.identity = identity
+        # Tokens per sequence gathered into one stream message after the first (vLLM's
+        # --stream-interval): fewer messages through every hop of the mesh.
+        self.stream_interval = max(1, stream_interval)
         # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
         self.fetcher = fetcher
         # request id → engine request ids (one per parallel sample).
@@ -123,35 +130,34 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         ]
         tasks = [asyncio.create_task(_pump(i, g, queue)) for i, g in enumerate(gens)]
         usage = common_pb2.Usage(prompt_tokens=len(prompt))
+        outbox = _Outbox(request.request_id, self.stream_interval)
         first, remaining = True, len(tasks)
         # Prefill covers the wait in the engine queue plus the prompt's forward passes.
         phase = tracing.PhaseSpan("worker.prefill", prompt_tokens=len(prompt))
         try:
             while remaining:
-                items = await _drain(queue)
-                response = common_pb2.GenerateResponse(request_id=request.request_id)
-                for item in items:
+                for item in await _drain(queue):
                     if item is _DONE:
                         remaining -= 1
                         continue
                     if isinstance(item, BaseException):
                         raise item
                     index, out = cast(tuple[int, RequestOutput], item)
-                    response.deltas.append(convert.sequence_delta(index, out))
+                    outbox.add(convert.sequence_delta(index, out))
                     usage.completion_tokens += len(out.new_token_ids)
                     if index == 0 and out.prompt_logprobs:
-                        response.prompt_logprobs.extend(convert.prompt_logprobs(out))
+                        outbox.response.prompt_logprobs.extend(convert.prompt_logprobs(out))
                     usage.cached_tokens = max(usage.cached_tokens, out.num_cached_tokens)
-                if first:
-                    response.worker_id = self.identity.worker_id
+                if first and (outbox.response.deltas or not remaining):
+                    outbox.response.worker_id = self.identity.worker_id
                     phase.end(cached_tokens=usage.cached_tokens)
                     phase = tracing.PhaseSpan("worker.decode")
                 if not remaining:
-                    response.finished = True
-                    response.usage.CopyFrom(usage)
-                if response.deltas or response.finished:
+                    outbox.response.finished = True
+                    outbox.response.usage.CopyFrom(usage)
+                if outbox.due(first, finished=not remaining):
                     first = False
-                    yield response
+                    yield outbox.take()
         finally:
             phase.end(completion_tokens=usage.completion_tokens)
             for task in tasks:
@@ -226,6 +232,34 @@ async def _pump(index: int, gen: AsyncIterator[RequestOutput], queue: asyncio.Qu
         with contextlib.suppress(Exception):
             await gen.aclose()  # type: ignore[attr-defined]
     queue.put_nowait(_DONE)
+
+
+class _Outbox:
+    """The next message of one Generate stream: deltas gather here until it is due."""
+
+    def __init__(self, request_id: str, interval: int) -> None:
+        self.request_id = request_id
+        self.interval = interval
+        self.response = common_pb2.GenerateResponse(request_id=request_id)
+        self._pending: dict[int, int] = {}
+
+    def add(self, delta: common_pb2.SequenceDelta) -> None:
+        self.response.deltas.append(delta)
+        self._pending[delta.index] = self._pending.get(delta.index, 0) + len(delta.token_ids)
+
+    def due(self, first: bool, finished: bool) -> bool:
+        """Send now: the end, the first tokens (TTFT), or `interval` tokens of a sequence."""
+        if finished:
+            return True
+        if not self.response.deltas:
+            return False
+        return first or max(self._pending.values()) >= self.interval
+
+    def take(self) -> common_pb2.GenerateResponse:
+        response = self.response
+        self.response = common_pb2.GenerateResponse(request_id=self.request_id)
+        self._pending.clear()
+        return response
 
 
 async def _drain(queue: asyncio.Queue[object]) -> list[object]:

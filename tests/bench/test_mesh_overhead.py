@@ -15,11 +15,11 @@ def _row(system: str, c: int, tok_s: float, ttft: float = 10.0) -> RunResult:
 def test_overheads_are_paired_in_run_order() -> None:
     rows = [
         _row("in_process", 32, 500.0),
-        _row("mesh", 32, 450.0, ttft=20.0),
+        _row("mesh_si1", 32, 450.0, ttft=20.0),
         _row("in_process", 32, 400.0),  # a slow period: both systems slow together
-        _row("mesh", 32, 396.0),
+        _row("mesh_si1", 32, 396.0),
         _row("in_process", 32, 520.0),
-        _row("mesh", 32, 520.0),
+        _row("mesh_si1", 32, 520.0),
     ]
     [summary] = summarize_pairs(rows, [32])
     assert summary["paired_overheads"] == pytest.approx([0.10, 0.01, 0.0])
@@ -27,15 +27,27 @@ def test_overheads_are_paired_in_run_order() -> None:
     assert summary["in_process_tok_per_s_median"] == 500.0
     assert summary["mesh_tok_per_s_median"] == 450.0
     assert summary["mesh_ttft_p50_ms_median"] == 10.0
+    assert summary["system"] == "mesh_si1"
 
 
 def test_each_concurrency_is_summarized_apart() -> None:
     rows = [
         _row("in_process", 8, 300.0),
-        _row("mesh", 8, 150.0),
+        _row("mesh_si1", 8, 150.0),
         _row("in_process", 32, 600.0),
-        _row("mesh", 32, 540.0),
+        _row("mesh_si1", 32, 540.0),
     ]
     by_c = {s["concurrency"]: s for s in summarize_pairs(rows, [8, 32])}
     assert by_c[8]["overhead_median"] == pytest.approx(0.5)
     assert by_c[32]["overhead_median"] == pytest.approx(0.1)
+
+
+def test_each_mesh_is_paired_with_the_same_in_process_runs() -> None:
+    rows = [
+        _row("in_process", 32, 500.0),
+        _row("mesh_si1", 32, 250.0),
+        _row("mesh_si8", 32, 450.0),
+    ]
+    by_system = {s["system"]: s for s in summarize_pairs(rows, [32])}
+    assert by_system["mesh_si1"]["overhead_median"] == pytest.approx(0.5)
+    assert by_system["mesh_si8"]["overhead_median"] == pytest.approx(0.1)

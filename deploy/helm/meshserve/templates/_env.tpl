@@ -129,6 +129,8 @@ list; "meshserve.env" then applies the component's `config:` overrides and `extr
   value: {{ include "meshserve.scalar" (.v.kvCacheMemoryMb | default 256) | quote }}
 - name: MESHSERVE_MAX_NUM_SEQS
   value: {{ include "meshserve.scalar" (.v.maxNumSeqs | default 64) | quote }}
+- name: MESHSERVE_STREAM_INTERVAL
+  value: {{ include "meshserve.scalar" (.v.streamInterval | default 1) | quote }}
 {{- if and .root.Values.encoder.enabled .root.Values.encoderCache.enabled }}
 - name: MESHSERVE_ENCODER_CACHE_ADDRESS
   value: {{ include "meshserve.address" (dict "root" .root "name" "encoder-cache") | quote }}
