@@ -11,6 +11,8 @@ tokens, random prompts so no prefix is shared):
 * ``mesh``: the same workload through the full mesh — gateway (`/v1/completions`,
   token-id prompts, SSE) → scheduler → decoder worker, each its own process
   (``services.launcher.Mesh``, real Redis). ``notes`` gives its overhead vs in-process.
+  ``--stream-intervals 1,16`` adds ``mesh_si16`` rows: a mesh whose decoder sends 16
+  tokens per stream message after the first (fewer messages through every hop).
 * ``hf_naive``: ``model.generate`` one request at a time (concurrency 1); TTFT/TPOT via
   a streamer. Only ``--naive-requests`` requests are run (it is slow); tok/s is over those.
 * ``hf_cb``: transformers' continuous batching, ``model.generate_batch`` with
@@ -195,8 +197,11 @@ def bench_meshserve(
     return asyncio.run(main())
 
 
-def bench_mesh(args: argparse.Namespace, workload: Workload, concurrencies: list[int]) -> list[RunResult]:
-    """The same workload through the full mesh (gateway → scheduler → worker processes)."""
+def bench_mesh(
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int], stream_interval: int = 1
+) -> list[RunResult]:
+    """The same workload through the full mesh (gateway → scheduler → worker processes);
+    rows are named `mesh`, or `mesh_si{N}` for a decoder stream interval N > 1."""
     import httpx
 
     from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
@@ -210,13 +215,16 @@ def bench_mesh(args: argparse.Namespace, workload: Workload, concurrencies: list
                 gateway_generate_fn(client, base_url, name, "warm"), warm, 4, "warmup"
             )
             rows = []
+            system = "mesh" if stream_interval == 1 else f"mesh_si{stream_interval}"
             for c in concurrencies:
-                fn = gateway_generate_fn(client, base_url, name, f"mesh-c{c}")
-                row, _ = await run_generate_workload(fn, workload, c, "mesh")
+                fn = gateway_generate_fn(client, base_url, name, f"{system}-c{c}")
+                row, _ = await run_generate_workload(fn, workload, c, system)
                 rows.append(row)
             return rows
 
-    with running_mesh(args.model_dir, max(concurrencies), args.max_batch_tokens) as mesh:
+    with running_mesh(
+        args.model_dir, max(concurrencies), args.max_batch_tokens, stream_interval=stream_interval
+    ) as mesh:
         return asyncio.run(main(mesh.gateway_url))
 
 
@@ -373,7 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in ms_rows:
         row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
     ms_rows[-1].greedy_match_naive = match_rate(ms_timings, naive)
-    mesh_rows = [] if args.skip_mesh else bench_mesh(args, workload, concurrencies)
+    intervals = [] if args.skip_mesh else [int(k) for k in args.stream_intervals.split(",")]
+    mesh_rows = [row for k in intervals for row in bench_mesh(args, workload, concurrencies, k)]
     in_process = {r.concurrency: r for r in ms_rows}
     for row in mesh_rows:
         row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
@@ -391,6 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": concurrencies,
             "max_batch_tokens": args.max_batch_tokens,
             "page_size": PAGE_SIZE,
+            "stream_intervals": [] if args.skip_mesh else args.stream_intervals,
         },
         "env": {
             "torch": torch.__version__,
@@ -430,6 +440,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-model-if-missing", action="store_true", help="build a random Llama if no model")
     p.add_argument("--skip-mesh", action="store_true", help="skip the full-mesh (gateway) rows")
+    p.add_argument(
+        "--stream-intervals",
+        default="1",
+        help="full-mesh rows per decoder stream interval (1,16: two meshes)",
+    )
     p.add_argument("--out", default="bench/results/engine.json")
     return p.parse_args(argv)
 
