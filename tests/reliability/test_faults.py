@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
+from services.rpc import channel_options
 from tests.reliability.meshkit import (
     SharedMesh,
     StreamResult,
@@ -215,7 +216,11 @@ def test_redis_stop_and_restart(mesh: SharedMesh) -> None:
 
 
 async def _cache_call(address: str, put: bool) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+    # A local subchannel pool: grpc shares subchannels across channels of a process, so
+    # the refused connection of the "cache is down" call would otherwise still be in
+    # reconnect backoff when the restarted cache is called.
+    options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = encoder_cache_pb2_grpc.EncoderCacheStub(channel)
         if put:
 

@@ -194,10 +194,14 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
 @pytest.mark.asyncio(loop_scope="session")
 @pytest.mark.parametrize("policy", ["round_robin", "least_load"])
 async def test_policy_serves_and_spreads_over_real_workers(
-    policy: str, tiny_model_dir: Path, module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    policy: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Each non-default policy routes real requests to both real workers."""
-    mesh = Mesh(tiny_model_dir, module_redis, policy)
+    """Each non-default policy routes real requests to both real workers.
+
+    Its own Redis: the registry is shared through Redis, so with the module's Redis this
+    scheduler would also see (and rightly use) the module mesh's surviving worker."""
+    redis = RedisServer().start()
+    mesh = Mesh(tiny_model_dir, redis, policy)
     await mesh.start_scheduler()
     ids = (f"{policy}-a", f"{policy}-b")
     log_dir = tmp_path_factory.mktemp(f"{policy}-logs")
@@ -215,3 +219,4 @@ async def test_policy_serves_and_spreads_over_real_workers(
         await mesh.channel.close()
         await mesh.server.server.stop(0)
         await mesh.core.stop()
+        redis.cleanup()
