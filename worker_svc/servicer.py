@@ -62,7 +62,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self.identity = identity
         # Tokens per sequence gathered into one stream message after the first (vLLM's
         # --stream-interval): fewer messages through every hop of the mesh.
-        self.stream_interval = max(1, stream_interval)
+        self.stream_interval = stream_interval
         # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
         self.fetcher = fetcher
         # request id → engine request ids (one per parallel sample).
