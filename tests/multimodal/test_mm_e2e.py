@@ -13,14 +13,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
 from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes
+from tests.reliability.meshkit import metric_value
 
 MAX_TOKENS = 8
 # Each image's embeddings take 16 x 64 float32 = 4096 bytes: the cache holds two.
@@ -61,13 +60,7 @@ def client(mesh: Mesh) -> openai.OpenAI:
 
 def metric(mesh: Mesh, service: str, name: str, **labels: str) -> float:
     """A sample of a service's /metrics (0 when absent)."""
-    port = dict(mesh.config.metrics_ports)[service]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    return metric_value(dict(mesh.config.metrics_ports)[service], name, **labels)
 
 
 def ask(client: openai.OpenAI, png: bytes) -> tuple[str, int, int]:

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.launcher import Mesh, MeshConfig, ServiceSpec
@@ -68,6 +69,16 @@ def build_vlm_model(tiny_model_dir: Path, out: Path) -> Path:
     config["image_seq_length"] = IMAGE_SEQ_LENGTH
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def metric_value(port: int, name: str, **labels: str) -> float:
+    """One sample of the /metrics endpoint on 127.0.0.1:`port` (0 when absent)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 def read_rss_kib(pid: int) -> int:
@@ -165,15 +176,10 @@ class SharedMesh:
         return {name: read_rss_kib(proc.pid) for name, proc in self.mesh.procs.items() if proc.poll() is None}
 
     def rpc_count(self, name: str, method: str, code: str) -> float:
-        """`meshserve_rpc_requests_total{method, code}` scraped from a service's /metrics
-        port (services started with MESHSERVE_METRICS_PORT); 0 when never observed."""
-        port = self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"]
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        labels = (f'method="{method}"', f'code="{code}"')
-        for line in text.splitlines():
-            if line.startswith("meshserve_rpc_requests_total{") and all(lb in line for lb in labels):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        """`meshserve_rpc_requests_total{method, code}` of a service started with
+        MESHSERVE_METRICS_PORT; 0 when never observed."""
+        port = int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
+        return metric_value(port, "meshserve_rpc_requests_total", method=method, code=code)
 
     def worker_load(self, name: str, timeout: float = 5.0) -> worker_pb2.LoadStats:
         """`Worker.GetLoad` of one decoder."""
@@ -361,8 +367,8 @@ def _in_suites(item: pytest.Item) -> bool:
 
 def release_after_last_test(item: pytest.Item) -> None:
     """Stops the shared mesh after the session's last test of the three suites, so its
-    ~2 GB of processes do not idle through the rest of `make test`. (The suites' conftests
-    call this from `pytest_runtest_teardown`.)"""
+    ~2 GB of processes do not idle through the rest of `make test`. (Called from
+    `pytest_runtest_teardown` below.)"""
     config = item.config
     if _LAST_ITEM_KEY not in config.stash:
         ours = [i.nodeid for i in item.session.items if _in_suites(i)]
@@ -373,6 +379,27 @@ def release_after_last_test(item: pytest.Item) -> None:
     if handle is not None:
         del config.stash[_MESH_KEY]
         handle.stop()
+
+
+@pytest.fixture(scope="session")
+def shared(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SharedMesh:
+    """The real mesh shared by the reliability, security and fuzz suites (started once)."""
+    return shared_mesh(request.config, tiny_model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mesh(shared: SharedMesh) -> SharedMesh:
+    """The shared mesh with every service running and healthy at the start of a module."""
+    shared.ensure_running()
+    return shared
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stops the shared mesh once the last test of the three suites has run (a hook: the
+    suites' conftests re-export it with the fixtures above)."""
+    release_after_last_test(item)
 
 
 def gateway_spec(handle: SharedMesh, name: str, tokenizer: str = "tokenizer", **env: str) -> ServiceSpec:
