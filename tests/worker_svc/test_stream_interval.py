@@ -50,11 +50,15 @@ def test_interval_gathers_tokens_without_changing_them(tiny_model_dir: Path, n: 
     for index in range(n):
         assert _tokens(gathered, index) == _tokens(every, index)
         assert len(_tokens(gathered, index)) == MAX_TOKENS
-    assert len(every) == MAX_TOKENS  # one message per engine step
-    # The first token alone (TTFT), then 4 + 4 + 2: the end is sent at once.
-    assert len(gathered) == 4
-    assert [len(_tokens([r], 0)) for r in gathered] == [1, 4, 4, 2]
-    assert gathered[0].worker_id == "w4"
+    # Message sizes depend on timing: the servicer also merges engine steps that queued
+    # up before it woke (with interval 1 too). What the interval guarantees: the first
+    # tokens go alone at once, every later message but the last carries >= 4 tokens of
+    # each sequence, so at most 1 + ceil(10 / 4) = 4 messages; the end goes at once.
+    assert gathered[0].worker_id == "w4" and _tokens(gathered[:1], 0)
+    for middle in gathered[1:-1]:
+        for index in range(n):
+            assert len(_tokens([middle], index)) >= 4, middle
+    assert len(gathered) <= 4
     assert gathered[-1].finished and gathered[-1].usage.completion_tokens == n * MAX_TOKENS
     assert not any(r.finished for r in gathered[:-1])
 
