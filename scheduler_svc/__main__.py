@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler_svc.app import Scheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.config import load_config
 from services.log import setup_logging

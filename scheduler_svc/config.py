@@ -43,7 +43,13 @@ class SchedulerConfig(ServerConfig):
     load_imbalance: float = 0.125
     # Routing decisions count as cached prefixes for this long, until KV events confirm them.
     speculative_ttl_s: float = 2.0
+    # Embedding calls retried on another worker after a transport failure.
     max_retries: int = 2
+    # A Route lease nobody released (and no worker reports) ends after this long.
+    lease_ttl_s: float = 600.0
+    # A lease younger than this is kept even if its worker does not report it yet (its
+    # request may still be on the way to the worker).
+    lease_grace_s: float = 2.0
     block_size: int = 16
     kv_stream_maxlen: int = 100_000
     # Encoder cache (host:port) checked before routing requests with images; empty = the
@@ -74,6 +80,8 @@ class SchedulerConfig(ServerConfig):
             raise ValueError("queue_timeout_s must be > 0; suspect_penalty_s, speculative_ttl_s >= 0")
         if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
             raise ValueError("routing weights must be >= 0")
+        if self.lease_ttl_s <= 0 or self.lease_grace_s < 0:
+            raise ValueError("lease_ttl_s must be > 0 and lease_grace_s >= 0")
         if not 0 < self.load_cap <= 1:
             raise ValueError(f"load_cap must be in (0, 1], got {self.load_cap}")
         if self.load_imbalance <= 0:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from scheduler_svc import metrics
 from scheduler_svc.admission import AdmissionQueue
 from scheduler_svc.policies import Decision, RoutingPolicy, RoutingRequest
 from scheduler_svc.registry import Lease, WorkerRegistry
@@ -81,11 +83,14 @@ class Dispatcher:
         self.queue.push(waiter, request.priority, request.tenant, front=retry)
         self._waiting[request.request_id] = waiter
         self.pump()
+        queued_at = time.perf_counter()
         try:
             await self._wait(waiter)
         except BaseException:
             self._abandon(waiter, release=True)
             raise
+        finally:
+            metrics.QUEUE_WAIT.observe(time.perf_counter() - queued_at)
         self._abandon(waiter, release=False)
         return waiter.future.result()
 

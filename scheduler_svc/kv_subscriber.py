@@ -21,7 +21,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from scheduler_svc import metrics
 from scheduler_svc.prefix_index import ApplyResult, KvRecord, PrefixIndex
-from worker_svc.kv_events import INDEX_KEY_PREFIX, SEQ_KEY_PREFIX, STREAM_KEY
+from services.kv_contract import INDEX_KEY_PREFIX, SEQ_KEY_PREFIX, STREAM_KEY
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from meshserve.v1 import common_pb2, worker_pb2
-from scheduler_svc.app import Scheduler
 from scheduler_svc.policies import RoutingRequest
+from scheduler_svc.scheduler import Scheduler
 from services.encoder_cache_client import EncoderCacheClient, cache_key
 from services.errors import InvalidArgument, Unavailable
 from services.rpc import error_from_rpc

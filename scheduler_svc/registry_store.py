@@ -20,7 +20,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
-from worker_svc.kv_events import index_key, seq_key
+from services.kv_contract import index_key, seq_key
 
 log = logging.getLogger(__name__)
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-
 import grpc
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from scheduler_svc.app import Scheduler
-from scheduler_svc.forward import CallHandle, Forwarder
+from scheduler_svc import metrics
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
+from scheduler_svc.route import Router
+from scheduler_svc.scheduler import Scheduler
+from services.errors import MeshError
 from services.rpc import rpc_handler
-
-OVERHEAD_METADATA_KEY = "x-meshserve-scheduler-overhead-us"
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
@@ -76,40 +73,46 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.forwarder = Forwarder(scheduler)
+        self.router = Router(scheduler)
 
     @rpc_handler
-    async def Generate(
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Admit, route and run a request on a decoder worker, streaming its output."""
-        received_at = time.perf_counter()
-        handle = CallHandle()
-        context.add_done_callback(lambda _ctx: handle.close())
-        reported = False
-        if request.mm_items:  # images: encoder cache check / encode first (E/PD disaggregation)
-            stream = self.forwarder.generate_mm(request, handle)
-        else:
-            stream = self.forwarder.generate(request, handle, received_at)
-        async for response in stream:
-            if not reported and handle.overhead_s is not None:
-                context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(handle.overhead_s * 1e6))),))
-                reported = True
-            yield response
+    async def Route(
+        self, request: scheduler_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RouteResponse:
+        """Admission + routing: a lease on one decoder worker (see scheduler.proto).
+        Cancelling the call while it waits in the admission queue leaves the queue."""
+        try:
+            result = await self.router.route(
+                request.request, frozenset(request.exclude_worker_ids), request.force_encode
+            )
+        except MeshError as exc:
+            metrics.REJECTED.labels(code=exc.code.value).inc()
+            raise
+        spec = result.decision.worker.spec
+        return scheduler_pb2.RouteResponse(
+            request_id=result.request_id,
+            lease_id=result.lease.lease_id,
+            worker_id=spec.worker_id,
+            worker_address=spec.address,
+            mm_items=result.mm_items,
+            predicted_cached_tokens=result.predicted_cached_tokens,
+            lease_ttl_ms=int(self.scheduler.config.lease_ttl_s * 1000),
+            reason=result.decision.reason,
+        )
 
     @rpc_handler
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        """Aborts a queued or running request (forwarded to the worker running it)."""
-        return common_pb2.AbortResponse(found=await self.forwarder.abort(request.request_id))
+    async def Release(
+        self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReleaseResponse:
+        """Ends leases whose requests finished; their workers' slots are free again."""
+        return scheduler_pb2.ReleaseResponse(released=self.router.release(list(request.lease_ids)))
 
     @rpc_handler
     async def Embed(
         self, request: common_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EmbedResponse:
         """Routes an embedding request to a healthy embedding worker serving its model."""
-        return await self.forwarder.embed(request)
+        return await self.router.embed(request)
 
     @rpc_handler
     async def RegisterWorker(
@@ -128,7 +131,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         """Records a worker's load; known=false tells an unknown worker to register again."""
         if not request.worker_id:
             raise ValueError("worker_id is required")
-        known = self.scheduler.heartbeat(request.worker_id, load_from_proto(request.load), request.draining)
+        known = self.scheduler.heartbeat(
+            request.worker_id, load_from_proto(request.load), request.draining, request.active_lease_ids
+        )
         return scheduler_pb2.HeartbeatResponse(known=known)
 
     @rpc_handler

@@ -41,6 +41,24 @@ HTTP_STATUS: dict[Code, int] = {
 }
 
 
+# Numeric status codes (google.rpc.Code, the numbers gRPC uses) for messages that carry a
+# status inside a stream (worker RequestError), where no call status exists.
+STATUS_NUMBERS: dict[Code, int] = {
+    Code.CANCELLED: 1,
+    Code.INVALID_ARGUMENT: 3,
+    Code.DEADLINE_EXCEEDED: 4,
+    Code.NOT_FOUND: 5,
+    Code.PERMISSION_DENIED: 7,
+    Code.RESOURCE_EXHAUSTED: 8,
+    Code.FAILED_PRECONDITION: 9,
+    Code.ABORTED: 10,
+    Code.INTERNAL: 13,
+    Code.UNAVAILABLE: 14,
+    Code.UNAUTHENTICATED: 16,
+}
+_CODES_BY_NUMBER = {number: code for code, number in STATUS_NUMBERS.items()}
+
+
 class MeshError(Exception):
     """Base class: an error with a status code and a client-safe message."""
 
@@ -88,3 +106,11 @@ def classify(exc: BaseException) -> tuple[Code, str]:
     if isinstance(exc, MemoryError):
         return Code.RESOURCE_EXHAUSTED, "out of memory"
     return Code.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def error_from_status(number: int, message: str, param: str | None = None) -> MeshError:
+    """The MeshError of a numeric status code (INTERNAL for numbers we do not know)."""
+    code = _CODES_BY_NUMBER.get(number, Code.INTERNAL)
+    error = MeshError(message, param=param or None)
+    error.code = code
+    return error

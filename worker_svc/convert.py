@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshserve.v1 import common_pb2
+from services.errors import InvalidArgument
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
 
@@ -59,6 +60,23 @@ def sampling_params(
     params = SamplingParams(**kwargs)
     params.validate()
     return params
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    """Engine request ids of a request's parallel samples (the request id itself for n=1)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def validate_mm_items(request: common_pb2.GenerateRequest) -> None:
+    """Every image's placeholder run must lie inside the prompt."""
+    num_tokens = len(request.prompt_token_ids)
+    for i, item in enumerate(request.mm_items):
+        if item.offset < 0 or item.length < 0 or item.offset + item.length > num_tokens:
+            raise InvalidArgument(
+                f"mm_items[{i}] (offset {item.offset}, length {item.length}) lies outside the "
+                f"{num_tokens}-token prompt",
+                param="mm_items",
+            )
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:

@@ -35,11 +35,10 @@ from prometheus_client import Counter
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from services.kv_contract import STREAM_KEY, index_key, seq_key
+
 log = logging.getLogger(__name__)
 
-STREAM_KEY = "meshserve:kv-events"
-INDEX_KEY_PREFIX = "meshserve:kv-index:"
-SEQ_KEY_PREFIX = "meshserve:kv-seq:"
 DEFAULT_STREAM_MAXLEN = 100_000
 _SADD_CHUNK = 10_000
 
@@ -51,26 +50,6 @@ EVENTS_DROPPED = Counter(
     "KV events not written (Redis unreachable or backlog full); recovered by a resync",
 )
 RESYNCS = Counter("meshserve_worker_kv_resyncs_total", "Full block-set rewrites to Redis")
-
-
-def request_extra_keys(cache_salt: str = "", mm_identifiers: Sequence[str] = ()) -> tuple[str, ...]:
-    """The `extra_keys` of a request's block hashes (`services.kv_hash`).
-
-    Workers pass this to the engine and the scheduler hashes prompts with it, so both
-    sides agree: ``"salt:<cache_salt>"`` when a salt is set, then ``"mm:<identifier>"``
-    per multimodal item in prompt order.
-    """
-    keys = [f"salt:{cache_salt}"] if cache_salt else []
-    keys.extend(f"mm:{identifier}" for identifier in mm_identifiers)
-    return tuple(keys)
-
-
-def index_key(worker_id: str) -> str:
-    return INDEX_KEY_PREFIX + worker_id
-
-
-def seq_key(worker_id: str) -> str:
-    return SEQ_KEY_PREFIX + worker_id
 
 
 class KvEventLike(Protocol):

@@ -73,15 +73,22 @@ def _kv_publisher(config: WorkerConfig, identity: WorkerIdentity) -> KvEventPubl
 
 async def _start_decoder(
     config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer, publisher: KvEventPublisher | None
-) -> AsyncLLMEngine:
+) -> tuple[AsyncLLMEngine, DecoderServicer]:
     engine = await asyncio.to_thread(
         AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
     )
     engine.start()
     fetcher = _embedding_fetcher(config, identity, engine)
-    servicer = DecoderServicer(engine, identity, fetcher, stream_interval=config.stream_interval)
+    servicer = DecoderServicer(
+        engine, identity, fetcher, stream_interval=config.stream_interval, draining=lambda: server.draining
+    )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
-    return engine
+
+    async def end_streams() -> None:
+        servicer.on_drain()
+
+    server.on_drain(end_streams)
+    return engine, servicer
 
 
 def _cache_client(config: WorkerConfig) -> EncoderCacheClient:
@@ -133,13 +140,16 @@ class WorkerProcess:
         self.publisher: KvEventPublisher | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
+        # Leases of the requests running here, reported in heartbeats (decoders only).
+        self._leases: Callable[[], list[str]] = list
 
     async def _load_model(self) -> Callable[[], worker_pb2.LoadStats]:
         config, identity, server = self.config, self.identity, self.server
         if config.role == "decoder":
             self.publisher = _kv_publisher(config, identity)
-            engine = await _start_decoder(config, identity, server, self.publisher)
+            engine, decoder = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
+            self._leases = decoder.active_lease_ids
             return lambda: worker_metrics.record(load_stats(engine))
         if config.role == "embedding":
             model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
@@ -160,7 +170,7 @@ class WorkerProcess:
             descriptor.max_model_len = self.engine.model_info.max_model_len
             descriptor.num_total_blocks = self.engine.stats().num_total_blocks
         if self.config.scheduler_address:
-            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load)
+            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, self._leases)
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0:

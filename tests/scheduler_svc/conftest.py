@@ -13,12 +13,13 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.app import Scheduler
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.servicer import SchedulerServicer
+from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.server import GrpcServer
-from worker_svc.kv_events import KvEventPublisher, request_extra_keys
+from worker_svc.kv_events import KvEventPublisher
 
 FAST = {"heartbeat_interval_ms": 100, "worker_timeout_s": 0.5, "worker_forget_s": 5.0, "block_size": 4}
 
@@ -140,7 +141,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self, token_ids: list[int], cache_salt: str = "", mm_ids: tuple[str, ...] = ()
     ) -> list[int]:
         """The block hashes this worker publishes for a prompt (same keys as the engine)."""
-        return block_hashes(token_ids, self.block_size, request_extra_keys(cache_salt, mm_ids))
+        items = [common_pb2.MultiModalItem(identifier=i, offset=n) for n, i in enumerate(mm_ids)]
+        return block_hashes(token_ids, self.block_size, request_extra_keys(cache_salt, items))
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         rid = request.request_id

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import redis
 
+from meshserve.v1 import common_pb2
 from scheduler_svc.kv_subscriber import KvSubscriber
 from scheduler_svc.prefix_index import PrefixIndex
+from services.kv_contract import STREAM_KEY, index_key, request_extra_keys, seq_key
 from services.redis_client import RedisServer, connect
-from worker_svc.kv_events import STREAM_KEY, KvEventPublisher, index_key, request_extra_keys, seq_key
+from worker_svc.kv_events import KvEventPublisher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,8 +53,13 @@ async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
 
 
 def test_request_extra_keys_convention() -> None:
+    def item(identifier: str, offset: int) -> common_pb2.MultiModalItem:
+        return common_pb2.MultiModalItem(identifier=identifier, offset=offset)
+
     assert request_extra_keys() == ()
-    assert request_extra_keys("s", ["img1", "img2"]) == ("salt:s", "mm:img1", "mm:img2")
+    assert request_extra_keys("s", [item("img1", 3), item("img2", 9)]) == ("salt:s", "mm:img1", "mm:img2")
+    # prompt order, whatever the order of the items; one key per distinct image
+    assert request_extra_keys("", [item("b", 9), item("a", 3), item("b", 20)]) == ("mm:a", "mm:b")
 
 
 def test_publisher_writes_stream_set_and_cursor(private_redis: RedisServer) -> None:

@@ -4,8 +4,10 @@ Threading model: the engine (all torch work) lives in ONE dedicated thread, so t
 event loop never blocks on a forward pass. The loop talks to it through a thread-safe
 command queue (add / abort / stop); the engine thread sleeps on that queue while it has
 no work and otherwise alternates "drain commands, step once". Outputs travel back with
-``loop.call_soon_threadsafe`` -- one callback per loop per step, which fans the outputs
-out into per-request ``asyncio.Queue``s.
+``loop.call_soon_threadsafe`` -- one callback per loop per step, which hands every
+request's output to its sink in that one callback: ``generate`` puts them on a
+per-request ``asyncio.Queue``; ``submit`` callers (the worker's batched stream) get all
+outputs of a step before they next run, so they can send one message per step.
 
 Failure model: a failing step aborts the requests of that batch inside the engine and
 raises in exactly those ``generate`` iterators; everything else keeps running. A
@@ -35,6 +37,7 @@ __all__ = ["AsyncLLMEngine", "EngineShutdownError"]
 log = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
+Sink = Callable[[_Item], None]
 
 
 class EngineShutdownError(RuntimeError):
@@ -44,7 +47,8 @@ class EngineShutdownError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
+    # Called on the loop with each output (and the final one / an exception).
+    deliver: Sink
 
 
 @dataclass
@@ -119,6 +123,49 @@ class AsyncLLMEngine:
                 raise EngineShutdownError("engine is shut down")
             self._commands.put(command)
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink,
+        priority: int = 0,
+        extra_keys: tuple[str, ...] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
+    ) -> None:
+        """Submit a request whose outputs go to ``sink`` on the calling event loop.
+
+        ``sink`` gets one ``RequestOutput`` per step that produced tokens for it, the
+        last one ``finished``, or an exception; the outputs of one engine step for every
+        request of this loop arrive in one loop callback. Invalid input raises ValueError
+        before anything is scheduled. ``abort`` ends it early (a final "abort" output),
+        ``abort(..., drop_output=True)`` silently.
+        """
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs)
+        self.start()
+        with self._lock:
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._active.add(request_id)
+
+        def deliver(item: _Item) -> None:
+            if isinstance(item, BaseException) or item.finished:
+                with self._lock:
+                    self._active.discard(request_id)
+            sink(item)
+
+        stream = _Stream(asyncio.get_running_loop(), deliver)
+        try:
+            self._send(
+                _Add(
+                    request_id, list(prompt_token_ids), params, priority, extra_keys, stream, tuple(mm_inputs)
+                )
+            )
+        except BaseException:
+            with self._lock:
+                self._active.discard(request_id)
+            raise
+
     async def generate(
         self,
         request_id: str,
@@ -133,42 +180,34 @@ class AsyncLLMEngine:
         Invalid input raises ValueError before anything is scheduled. Leaving the loop
         early (or cancellation) aborts the request.
         """
-        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs)
-        self.start()
-        with self._lock:
-            if request_id in self._active:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._active.add(request_id)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, priority, extra_keys, mm_inputs)
         done = False
         try:
-            add = _Add(
-                request_id, list(prompt_token_ids), params, priority, extra_keys, stream, tuple(mm_inputs)
-            )
-            self._send(add)
             while not done:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
                 done = item.finished
                 yield item
         finally:
-            with self._lock:
-                self._active.discard(request_id)
-                if not done and not self._closed:
-                    self._commands.put(_Abort(request_id, drop_stream=True))
+            if not done:
+                self.abort(request_id, drop_output=True)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, drop_output: bool = False) -> bool:
         """Abort an in-flight request (thread-safe, non-blocking); False if it is not in flight.
 
         The engine thread frees its KV blocks before its next step, and the request's
-        ``generate`` ends with a ``finish_reason="abort"`` output.
+        sink gets a final ``finish_reason="abort"`` output -- none with ``drop_output``
+        (its consumer went away).
         """
         with self._lock:
             if self._closed or request_id not in self._active:
                 return False
-            self._commands.put(_Abort(request_id, drop_stream=False))
+            if drop_output:
+                self._active.discard(request_id)
+            self._commands.put(_Abort(request_id, drop_stream=drop_output))
         return True
 
     async def shutdown(self) -> None:
@@ -286,4 +325,7 @@ class AsyncLLMEngine:
 
 def _deliver(items: list[tuple[_Stream, Any]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        try:
+            stream.deliver(item)
+        except Exception:  # one consumer's bug must not starve the others of this step
+            log.exception("output sink failed")

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kv_contract import with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
-from worker_svc.engine.multimodal import MultiModalInput, mm_extra_keys, validate_mm_inputs
+from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
@@ -157,7 +158,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
             priority=priority,
-            extra_keys=mm_extra_keys(extra_keys, mm_inputs) if mm_inputs else extra_keys,
+            extra_keys=with_mm_keys(extra_keys, mm_inputs),
             generator=generator,
             mm_inputs=tuple(mm_inputs),
         )

@@ -31,7 +31,6 @@ __all__ = [
     "is_multimodal_checkpoint",
     "load_causal_lm",
     "merge_mm_rows",
-    "mm_extra_keys",
     "mm_rows",
     "validate_mm_inputs",
 ]
@@ -120,17 +119,6 @@ def validate_mm_inputs(inputs: Sequence[MultiModalInput], num_prompt_tokens: int
                 f"{name}: embeddings have shape {list(item.embeddings.shape)}, expected [{item.length}, {hidden_size}]"
             )
         last_end = item.end
-
-
-def mm_extra_keys(extra_keys: tuple[str, ...], inputs: Sequence[MultiModalInput]) -> tuple[str, ...]:
-    """``extra_keys`` plus ``mm:<identifier>`` for every input not already keyed (prompt
-    order), so that prompts with different images never share KV blocks."""
-    keys = list(extra_keys)
-    for item in sorted(inputs, key=lambda m: m.offset):
-        key = "mm:" + item.identifier
-        if key not in keys:
-            keys.append(key)
-    return tuple(keys)
 
 
 def mm_rows(

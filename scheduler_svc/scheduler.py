@@ -1,10 +1,11 @@
 """The scheduler's state and background work, independent of the gRPC servicer.
 
 `Scheduler` wires the registry, prefix index, routing policy and admission queue
-together, owns the worker channels and the optional Redis links (registry mirror and
-KV event subscriber), and runs a housekeeping loop: mark silent workers down (dropping
-their index entries and failing their in-flight calls), sync the registry with Redis,
-refresh gauges and admit queued requests when capacity appears.
+together, owns the worker channels, the leases handed out by Route (`LeaseTable`) and
+the optional Redis links (registry mirror and KV event subscriber), and runs a
+housekeeping loop: mark silent workers down (dropping their index entries and leases),
+expire leases, sync the registry with Redis, refresh gauges and admit queued requests
+when capacity appears.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -25,36 +25,15 @@ from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.kv_subscriber import KvSubscriber
+from scheduler_svc.leases import ActiveLease, LeaseTable
 from scheduler_svc.policies import Decision, PrefixWeights, RoutingRequest, make_policy
 from scheduler_svc.prefix_index import PrefixIndex
-from scheduler_svc.registry import Lease, LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
+from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
 from scheduler_svc.registry_store import RegistryMirror
 from scheduler_svc.worker_client import WorkerChannels
 from services.redis_client import connect
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class RunningRequest:
-    """A request whose worker call is in progress (for Abort and worker-down handling)."""
-
-    request_id: str
-    lease: Lease
-    cancel_call: Callable[[], None] = lambda: None
-    worker_lost: bool = False
-    aborted: bool = False
-    tokens_sent: int = 0
-    messages_sent: int = 0
-
-    @property
-    def worker_id(self) -> str:
-        return self.lease.worker.worker_id
-
-    def lose_worker(self) -> None:
-        """The worker was marked down: fail the call instead of waiting on it."""
-        self.worker_lost = True
-        self.cancel_call()
 
 
 class Scheduler:
@@ -78,7 +57,7 @@ class Scheduler:
             self.registry, self.policy, config.max_queue_len, config.queue_timeout_s, self._on_dispatch
         )
         self.channels = WorkerChannels(config.max_message_bytes)
-        self.running: dict[str, RunningRequest] = {}
+        self.leases = LeaseTable(config.lease_ttl_s, config.lease_grace_s, clock)
         self.redis: aioredis.Redis | None = None
         self.subscriber: KvSubscriber | None = None
         self.mirror: RegistryMirror | None = None
@@ -137,8 +116,11 @@ class Scheduler:
         self._dirty.add(spec.worker_id)
         self._registry_changed()
 
-    def heartbeat(self, worker_id: str, load: LoadSnapshot, draining: bool) -> bool:
-        """Heartbeat: records load; False when the worker must register again."""
+    def heartbeat(
+        self, worker_id: str, load: LoadSnapshot, draining: bool, active_leases: Iterable[str] = ()
+    ) -> bool:
+        """Heartbeat: records load and ends the worker's leases it no longer runs;
+        False when the worker must register again."""
         state = self.registry.get(worker_id)
         was_draining = state is not None and state.draining
         known, revived = self.registry.heartbeat(worker_id, load, draining)
@@ -150,6 +132,7 @@ class Scheduler:
                 self.subscriber.request_resync(worker_id)
         if draining and not was_draining:
             log.info("worker %s is draining", worker_id)
+        self.end_leases(self.leases.reconcile(worker_id, active_leases))
         self._dirty.add(worker_id)
         self._registry_changed()
         return True
@@ -164,6 +147,11 @@ class Scheduler:
         metrics.ROUTED.labels(policy=self.policy.name, reason=decision.reason).inc()
         if decision.total_blocks:
             metrics.PREFIX_HIT.observe(decision.matched_blocks / decision.total_blocks)
+
+    def end_leases(self, ended: list[ActiveLease]) -> None:
+        """Hands the slots of ended leases back (admits queued requests)."""
+        for lease in ended:
+            self.dispatcher.release(lease.lease)
 
     def worker_failed(self, worker_id: str) -> None:
         """A call to the worker failed at the transport level: keep new requests away a while."""
@@ -189,6 +177,7 @@ class Scheduler:
     async def housekeep_once(self) -> None:
         """One round of sweep, Redis sync, index expiry and gauges."""
         self.sweep()
+        self.end_leases(self.leases.expire())
         if self.mirror is not None:
             await self._sync_mirror()
         self.index.expire()
@@ -211,12 +200,10 @@ class Scheduler:
         self._registry_changed()
 
     def worker_down(self, worker_id: str) -> None:
-        """Drops the worker's index entries and fails its in-flight calls (no hangs)."""
+        """Drops the worker's index entries and leases (its requests are lost with it)."""
         self.registry.mark_down(worker_id)
         self.index.remove_worker(worker_id)
-        for run in list(self.running.values()):
-            if run.worker_id == worker_id:
-                run.lose_worker()
+        self.end_leases(self.leases.of_worker(worker_id))
         self._registry_changed()
 
     async def _sync_mirror(self) -> None:

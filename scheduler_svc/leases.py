@@ -1,0 +1,86 @@
+"""Leases handed out by `Scheduler.Route`: which request holds a slot on which worker.
+
+The scheduler no longer sees a request's stream, so it learns that a request ended in
+one of three ways, whichever comes first:
+
+* the caller releases the lease (`Scheduler.Release`, sent by the gateway at the end);
+* the worker's heartbeat no longer lists the lease among the requests it runs (the
+  gateway died, or its Release was lost) -- only for leases older than a grace period,
+  since a fresh lease's request may not have reached the worker yet;
+* the lease's TTL passes (a worker that never reports leases, or a lost worker).
+
+Domain code: no grpc.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from scheduler_svc.registry import Lease
+
+
+@dataclass(eq=False)
+class ActiveLease:
+    """A lease with its id, request and deadline."""
+
+    lease_id: str
+    request_id: str
+    lease: Lease
+    issued_at: float
+    expires_at: float
+
+    @property
+    def worker_id(self) -> str:
+        return self.lease.worker.worker_id
+
+
+class LeaseTable:
+    """Leases of this scheduler replica by id; popping one hands its slot back."""
+
+    def __init__(
+        self, ttl_s: float, grace_s: float, clock: Callable[[], float], replica_id: str = ""
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.grace_s = grace_s
+        self._clock = clock
+        # Lease ids start with the replica's id so operators can tell who issued one.
+        self._prefix = (replica_id or uuid.uuid4().hex[:8]) + "-"
+        self._leases: dict[str, ActiveLease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def issue(self, lease: Lease, request_id: str) -> ActiveLease:
+        """Records a new lease and returns it."""
+        now = self._clock()
+        active = ActiveLease(self._prefix + uuid.uuid4().hex, request_id, lease, now, now + self.ttl_s)
+        self._leases[active.lease_id] = active
+        return active
+
+    def release(self, lease_ids: Iterable[str]) -> list[ActiveLease]:
+        """Ends the given leases; unknown (or already ended) ids are ignored."""
+        return [lease for lease_id in lease_ids if (lease := self._leases.pop(lease_id, None)) is not None]
+
+    def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[ActiveLease]:
+        """Ends the worker's leases older than the grace period that it no longer runs."""
+        running = set(active_ids)
+        cutoff = self._clock() - self.grace_s
+        ended = [
+            lease
+            for lease in self._leases.values()
+            if lease.worker_id == worker_id and lease.issued_at <= cutoff and lease.lease_id not in running
+        ]
+        return self.release(lease.lease_id for lease in ended)
+
+    def expire(self) -> list[ActiveLease]:
+        """Ends the leases past their TTL."""
+        now = self._clock()
+        return self.release([lease.lease_id for lease in self._leases.values() if lease.expires_at <= now])
+
+    def of_worker(self, worker_id: str) -> list[ActiveLease]:
+        """Ends every lease of a worker (it is gone)."""
+        return self.release(
+            [lease.lease_id for lease in self._leases.values() if lease.worker_id == worker_id]
+        )

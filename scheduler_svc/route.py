@@ -1,0 +1,139 @@
+"""Route (admission + routing → a lease) and Embed forwarding.
+
+The scheduler decides and stays out of the token stream: `route` admits the request
+(bounded priority queue, per-tenant fairness, overload → RESOURCE_EXHAUSTED), encodes
+the images the encoder cache lacks, lets the routing policy pick a decoder worker and
+returns a lease on it. The caller runs the request on that worker itself and releases
+the lease at the end (or the worker's heartbeats end it, see `leases`). Failover is the
+caller's: it routes again with the failed worker excluded.
+
+Embedding calls are short and unary, so they still go through the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from meshserve.v1 import common_pb2
+from scheduler_svc import metrics
+from scheduler_svc.leases import ActiveLease
+from scheduler_svc.multimodal import EncodeCoordinator
+from scheduler_svc.policies import Decision, RoutingRequest
+from scheduler_svc.scheduler import Scheduler
+from services.errors import InvalidArgument, Unavailable
+from services.kv_contract import request_extra_keys
+from services.rpc import error_from_rpc
+
+_TRANSPORT_HINTS = (
+    "socket closed",
+    "connection reset",
+    "connection refused",
+    "failed to connect",
+    "rst_stream",
+    "stream removed",
+    "broken pipe",
+    "goaway",
+    "end of tcp stream",
+)
+
+
+def is_worker_failure(exc: grpc.aio.AioRpcError) -> bool:
+    """True for transport-level failures worth retrying elsewhere."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return True
+    details = (exc.details() or "").lower()
+    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and (
+        not details or any(hint in details for hint in _TRANSPORT_HINTS)
+    )
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    """A lease on the chosen worker and the request's images as that worker takes them."""
+
+    request_id: str
+    lease: ActiveLease
+    decision: Decision
+    mm_items: list[common_pb2.MultiModalItem]
+    predicted_cached_tokens: int
+
+
+def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
+    """The policy's view of a request; its block hashes use the workers' extra keys."""
+    if not request.model:
+        raise InvalidArgument("model is required", param="model")
+    if not request.prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids must not be empty", param="prompt")
+    return RoutingRequest(
+        request_id=request.request_id,
+        model=request.model,
+        token_ids=request.prompt_token_ids,
+        extra_keys=request_extra_keys(request.cache_salt, request.mm_items),
+        priority=request.priority,
+        tenant=request.tenant,
+    )
+
+
+class Router:
+    """Route and Embed against the workers chosen by the scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.max_retries = scheduler.config.max_retries
+        self.mm = EncodeCoordinator(scheduler)
+
+    async def route(
+        self, request: common_pb2.GenerateRequest, exclude: frozenset[str], force_encode: bool = False
+    ) -> RouteResult:
+        """Admits and routes `request` (waiting in the queue while workers are full)."""
+        received_at = time.perf_counter()
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        routing = routing_request(request)
+        mm_items = list(request.mm_items)
+        if mm_items:  # images: encode what the encoder cache lacks (E/PD disaggregation)
+            mm_items = list((await self.mm.prepare(request, force=force_encode)).mm_items)
+        if exclude:
+            metrics.FAILOVERS.labels(outcome="rerouted").inc()
+        lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
+        active = self.scheduler.leases.issue(lease, request.request_id)
+        metrics.OVERHEAD.observe(time.perf_counter() - received_at)
+        block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
+        return RouteResult(
+            request.request_id, active, decision, mm_items, decision.matched_blocks * block_size
+        )
+
+    def release(self, lease_ids: list[str]) -> int:
+        """Ends leases (their requests finished); returns how many this replica knew."""
+        ended = self.scheduler.leases.release(lease_ids)
+        self.scheduler.end_leases(ended)
+        return len(ended)
+
+    async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:
+        """Routes an embedding request to an embedding worker for its model."""
+        if not request.model:
+            raise InvalidArgument("model is required", param="model")
+        routing = RoutingRequest(request.request_id or uuid.uuid4().hex, request.model, role="embedding")
+        exclude: set[str] = set()
+        dispatcher = self.scheduler.dispatcher
+        for attempt in range(self.max_retries + 1):
+            lease, _ = await dispatcher.acquire(routing, frozenset(exclude), retry=attempt > 0)
+            spec = lease.worker.spec
+            try:
+                reply: common_pb2.EmbedResponse = await self.scheduler.channels.stub(
+                    spec.worker_id, spec.address
+                ).Embed(request)
+                return reply
+            except grpc.aio.AioRpcError as exc:
+                if not is_worker_failure(exc) or attempt == self.max_retries:
+                    raise error_from_rpc(exc) from exc
+                self.scheduler.worker_failed(spec.worker_id)
+                exclude.add(spec.worker_id)
+            finally:
+                dispatcher.release(lease)
+        raise Unavailable(f"no embedding worker could serve model '{request.model}'")

@@ -1,0 +1,70 @@
+"""What a worker and the scheduler must agree on about KV-cache blocks, besides the
+hash scheme itself (`services.kv_hash`): the extra keys mixed into a request's block
+hashes, and the Redis keys KV events travel under.
+
+Workers hash the blocks they cache with `request_extra_keys`; the scheduler hashes
+incoming prompts with the same function, so a prefix cached on a worker is found by
+the scheduler's index bit for bit. One function, called by both (and by the engine for
+requests that carry images), so the two sides cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+__all__ = [
+    "INDEX_KEY_PREFIX",
+    "SEQ_KEY_PREFIX",
+    "STREAM_KEY",
+    "MultiModalKey",
+    "index_key",
+    "request_extra_keys",
+    "seq_key",
+    "with_mm_keys",
+]
+
+# Redis stream of KV events (stored / removed block hashes) from every worker.
+STREAM_KEY = "meshserve:kv-events"
+# Per worker: the set of block hashes it holds (snapshot rewritten on resync) ...
+INDEX_KEY_PREFIX = "meshserve:kv-index:"
+# ... and the stream id of the last event folded into that set.
+SEQ_KEY_PREFIX = "meshserve:kv-seq:"
+
+
+class MultiModalKey(Protocol):
+    """Anything with a content identifier and a prompt offset (proto item or engine input)."""
+
+    @property
+    def identifier(self) -> str: ...
+
+    @property
+    def offset(self) -> int: ...
+
+
+def with_mm_keys(extra_keys: Sequence[str], items: Iterable[MultiModalKey]) -> tuple[str, ...]:
+    """``extra_keys`` plus ``mm:<identifier>`` per item in prompt order (by offset), each
+    identifier once: prompts with different images never share KV blocks, and the same
+    image twice keys the blocks like once."""
+    keys = list(extra_keys)
+    for item in sorted(items, key=lambda m: m.offset):
+        key = "mm:" + item.identifier
+        if key not in keys:
+            keys.append(key)
+    return tuple(keys)
+
+
+def request_extra_keys(cache_salt: str = "", mm_items: Iterable[MultiModalKey] = ()) -> tuple[str, ...]:
+    """The ``extra_keys`` of a request's block hashes: ``salt:<cache_salt>`` when a salt
+    is set (tenant isolation), then the multimodal keys of `with_mm_keys`."""
+    return with_mm_keys([f"salt:{cache_salt}"] if cache_salt else [], mm_items)
+
+
+def index_key(worker_id: str) -> str:
+    """Redis set of the block hashes `worker_id` holds."""
+    return INDEX_KEY_PREFIX + worker_id
+
+
+def seq_key(worker_id: str) -> str:
+    """Redis key of the last KV event of `worker_id` folded into its index set."""
+    return SEQ_KEY_PREFIX + worker_id

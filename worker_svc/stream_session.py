@@ -1,0 +1,327 @@
+"""One client's long-lived GenerateStream: many requests multiplexed, one message per
+engine step (vLLM's engine → frontend batching). No grpc here.
+
+The client (a gateway process) adds and aborts requests; each request's parallel samples
+run as engine requests whose outputs arrive through `AsyncLLMEngine.submit` sinks. The
+engine hands every output of one step to this loop in one callback, so the sender wakes
+once per step and puts the new output of every request that is due into ONE
+`GenerateStreamResponse`. `stream_interval` applies per request as on the unary
+Generate path (`Outbox`): the first tokens go at once (TTFT), then one message per
+`interval` tokens of a sequence, the end at once.
+
+A request-level failure (bad input, engine error) goes out as a `RequestError`; the
+stream and its other requests go on. When the client goes away every request still
+running is aborted, so its KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from meshserve.v1 import common_pb2, worker_pb2
+from services import tracing
+from services.errors import (
+    STATUS_NUMBERS,
+    Aborted,
+    Code,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    Unavailable,
+    classify,
+)
+from services.kv_contract import request_extra_keys
+from worker_svc import convert
+from worker_svc.engine.async_engine import AsyncLLMEngine
+from worker_svc.engine.engine import RequestOutput
+from worker_svc.engine.multimodal import MultiModalInput
+
+log = logging.getLogger(__name__)
+
+FetchMm = Callable[[common_pb2.GenerateRequest], Awaitable[list[MultiModalInput]]]
+
+
+class Outbox:
+    """The next message of one request: deltas gather here until it is due."""
+
+    def __init__(self, request_id: str, interval: int) -> None:
+        self.request_id = request_id
+        self.interval = interval
+        self.response = common_pb2.GenerateResponse(request_id=request_id)
+        self._pending: dict[int, int] = {}
+
+    def add(self, delta: common_pb2.SequenceDelta) -> None:
+        self.response.deltas.append(delta)
+        self._pending[delta.index] = self._pending.get(delta.index, 0) + len(delta.token_ids)
+
+    def due(self, first: bool, finished: bool) -> bool:
+        """Send now: the end, the first tokens (TTFT), or `interval` tokens of a sequence."""
+        if finished:
+            return True
+        if not self.response.deltas:
+            return False
+        return first or max(self._pending.values()) >= self.interval
+
+    def take(self) -> common_pb2.GenerateResponse:
+        response = self.response
+        self.response = common_pb2.GenerateResponse(request_id=self.request_id)
+        self._pending.clear()
+        return response
+
+
+@dataclass(eq=False)
+class RequestRun:
+    """Output bookkeeping of one request (all its parallel samples)."""
+
+    request: common_pb2.GenerateRequest
+    child_ids: list[str]
+    outbox: Outbox
+    usage: common_pb2.Usage
+    worker_id: str
+    remaining: int = 0
+    first: bool = True
+    phase: tracing.PhaseSpan | None = None
+    failed: bool = False
+
+    def on_output(self, index: int, out: RequestOutput) -> None:
+        """One sample's output of one engine step."""
+        self.outbox.add(convert.sequence_delta(index, out))
+        self.usage.completion_tokens += len(out.new_token_ids)
+        if index == 0 and out.prompt_logprobs:
+            self.outbox.response.prompt_logprobs.extend(convert.prompt_logprobs(out))
+        self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
+        if out.finished:
+            self.remaining -= 1
+
+    @property
+    def finished(self) -> bool:
+        return self.remaining <= 0
+
+    def take_due(self) -> common_pb2.GenerateResponse | None:
+        """The request's next message if it is due (see `Outbox.due`)."""
+        if self.first and (self.outbox.response.deltas or self.finished):
+            self.outbox.response.worker_id = self.worker_id
+            self._next_phase()
+        if self.finished:
+            self.outbox.response.finished = True
+            self.outbox.response.usage.CopyFrom(self.usage)
+            if self.phase is not None:
+                self.phase.end(completion_tokens=self.usage.completion_tokens)
+        if not self.outbox.due(self.first, self.finished):
+            return None
+        self.first = False
+        return self.outbox.take()
+
+    def _next_phase(self) -> None:
+        if self.phase is not None:
+            self.phase.end(cached_tokens=self.usage.cached_tokens)
+            self.phase = tracing.PhaseSpan("worker.decode")
+
+
+def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestError:
+    """The RequestError for a request that failed with `exc` (logged when unexpected)."""
+    code, message = classify(exc)
+    if code is Code.INTERNAL:
+        log.error("request %s failed: %r", request_id, exc)
+    param = exc.param if isinstance(exc, MeshError) else None
+    return worker_pb2.RequestError(
+        request_id=request_id, code=STATUS_NUMBERS[code], message=message, param=param or ""
+    )
+
+
+class StreamSession:
+    """The requests of one GenerateStream call and the messages it sends."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        worker_id: str,
+        model: str,
+        stream_interval: int,
+        fetch_mm: FetchMm | None,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model = model
+        self.stream_interval = stream_interval
+        self._fetch_mm = fetch_mm
+        self._draining = draining
+        self.runs: dict[str, RequestRun] = {}
+        self._ready: dict[str, RequestRun] = {}
+        self._errors: list[worker_pb2.RequestError] = []
+        # Requests whose image embeddings are being fetched (not in the engine yet).
+        self._fetching: set[str] = set()
+        self._wake = asyncio.Event()
+        self._input_done = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- requests in --------------------------------------------------------------
+
+    def handle(self, message: worker_pb2.GenerateStreamRequest) -> None:
+        """Applies one client message (add or abort)."""
+        kind = message.WhichOneof("kind")
+        if kind == "add":
+            self.add(message.add)
+        elif kind == "abort":
+            self.abort(message.abort.request_id)
+
+    def input_done(self) -> None:
+        """The client half-closed: the stream ends once its requests have finished."""
+        self._input_done = True
+        self._wake.set()
+
+    def add(self, request: common_pb2.GenerateRequest) -> None:
+        """Starts a request, or queues a RequestError for it."""
+        try:
+            self._validate(request)
+            if self._draining():
+                raise Unavailable(f"worker {self.worker_id} is draining")
+            if request.mm_items:
+                self._spawn(self._add_mm(request))
+            else:
+                self._start(request, [])
+        except Exception as exc:
+            self._fail(request.request_id, exc)
+
+    async def _add_mm(self, request: common_pb2.GenerateRequest) -> None:
+        request_id = request.request_id
+        self._fetching.add(request_id)
+        try:
+            if self._fetch_mm is None:
+                raise Unavailable(
+                    "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
+                )
+            mm_inputs = await self._fetch_mm(request)
+            if request_id in self._fetching:  # not aborted meanwhile
+                self._fetching.discard(request_id)
+                self._start(request, mm_inputs)
+        except Exception as exc:
+            if request_id in self._fetching:
+                self._fetching.discard(request_id)
+                self._fail(request_id, exc)
+
+    def _validate(self, request: common_pb2.GenerateRequest) -> None:
+        if not request.request_id:
+            raise InvalidArgument("request_id is required", param="request_id")
+        if request.model and request.model != self.model:
+            raise NotFound(f"model {request.model!r} is not served by this worker", param="model")
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids must not be empty", param="prompt")
+        if request.request_id in self.runs or request.request_id in self._fetching:
+            raise InvalidArgument(f"request_id {request.request_id!r} is already running", param="request_id")
+        convert.validate_mm_items(request)
+
+    def _start(self, request: common_pb2.GenerateRequest, mm_inputs: list[MultiModalInput]) -> None:
+        n = convert.num_samples(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        max_len = self.engine.model_info.max_model_len
+        params = [convert.sampling_params(request.sampling, len(prompt), max_len, i) for i in range(n)]
+        ids = convert.child_ids(request.request_id, n)
+        run = RequestRun(
+            request,
+            ids,
+            Outbox(request.request_id, self.stream_interval),
+            common_pb2.Usage(prompt_tokens=len(prompt)),
+            self.worker_id,
+            remaining=n,
+        )
+        with tracing.span_from("worker.generate", request.trace_context, request_id=request.request_id, n=n):
+            run.phase = tracing.PhaseSpan("worker.prefill", prompt_tokens=len(prompt))
+        keys = request_extra_keys(request.cache_salt)
+        self.runs[request.request_id] = run
+        try:
+            for index, (child, p) in enumerate(zip(ids, params, strict=True)):
+                sink = self._sink(run, index)
+                self.engine.submit(child, prompt, p, sink, request.priority, keys, mm_inputs)
+        except Exception:
+            self._drop(run)
+            raise
+
+    def _sink(self, run: RequestRun, index: int) -> Callable[[RequestOutput | BaseException], None]:
+        def sink(item: RequestOutput | BaseException) -> None:
+            if isinstance(item, BaseException):
+                if not run.failed:  # one error per request, whichever sample failed first
+                    run.failed = True
+                    self._drop(run)
+                    self._fail(run.request.request_id, item)
+                return
+            if run.request.request_id not in self.runs:
+                return
+            run.on_output(index, item)
+            self._ready[run.request.request_id] = run
+            self._wake.set()
+
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request: its samples end with finish_reason ABORT, blocks freed."""
+        if request_id in self._fetching:
+            self._fetching.discard(request_id)
+            self._fail(request_id, Aborted("aborted while its image embeddings were being fetched"))
+            return
+        run = self.runs.get(request_id)
+        if run is None:
+            return
+        for child in run.child_ids:
+            self.engine.abort(child)
+
+    def _drop(self, run: RequestRun) -> None:
+        self.runs.pop(run.request.request_id, None)
+        self._ready.pop(run.request.request_id, None)
+        for child in run.child_ids:
+            self.engine.abort(child, drop_output=True)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        self._errors.append(request_error(request_id, exc))
+        self._wake.set()
+
+    # -- messages out -------------------------------------------------------------
+
+    async def responses(self) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+        """One message per wake-up (at most one per engine step) until the stream ends:
+        the client half-closed, or the worker drains, and no request is left."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            message = self._collect()
+            if message.outputs or message.errors:
+                yield message
+            if not self.runs and not self._fetching and (self._input_done or self._draining()):
+                return
+
+    def _collect(self) -> worker_pb2.GenerateStreamResponse:
+        message = worker_pb2.GenerateStreamResponse(errors=self._errors)
+        self._errors = []
+        ready, self._ready = self._ready, {}
+        for request_id, run in ready.items():
+            response = run.take_due()
+            if response is not None:
+                message.outputs.append(response)
+            if run.finished:
+                self.runs.pop(request_id, None)
+        return message
+
+    def wake(self) -> None:
+        """Re-checks the end condition (e.g. the worker started draining)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """The call ended: abort every request still running (blocks freed at once)."""
+        for run in list(self.runs.values()):
+            self._drop(run)
+        for task in self._tasks:
+            task.cancel()
+
+    def active_lease_ids(self) -> list[str]:
+        """Leases of the requests running on this stream (for heartbeats)."""
+        return [run.request.lease_id for run in self.runs.values() if run.request.lease_id]
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
