@@ -8,7 +8,7 @@ Lifecycle of a service process:
   2. `await run_until_signal()` waits for SIGTERM/SIGINT, then drains: health flips
      to NOT_SERVING, `on_drain` hooks run (e.g. a worker tells the scheduler), new
      calls are refused with UNAVAILABLE while calls in flight get up to
-     `drain_timeout_s` to finish, then the server stops.
+     `drain_timeout_s` to finish, then the server stops and queued spans are exported.
 """
 
 from __future__ import annotations
@@ -125,13 +125,17 @@ class GrpcServer:
         if not drained:
             log.warning("%s: drain timeout, cancelling %d calls", self.name, INFLIGHT.count)
         await stopping
+        # The last calls' spans wait in the batch processor: send them now, since the
+        # process may be killed after its drain (run_service's shutdown sends the rest).
+        if not await tracing.flush_tracing():
+            log.warning("%s: span export still running when the drain ended", self.name)
         log.info("%s stopped", self.name)
 
 
 def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs a service's async main in a fresh event loop (process entry points):
     uvloop when installed (less per-message overhead on the streaming hot path),
-    unless MESHSERVE_UVLOOP=0."""
+    unless MESHSERVE_UVLOOP=0. Queued spans are exported before it returns."""
     try:
         if uvloop is not None and os.environ.get("MESHSERVE_UVLOOP", "1") != "0":
             uvloop.run(main())
@@ -139,3 +143,5 @@ def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
             asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    finally:
+        tracing.shutdown_tracing()
