@@ -140,8 +140,7 @@ class WorkerProcess:
         self.publisher: KvEventPublisher | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
-        # Leases of the requests running here, reported in heartbeats (decoders only).
-        self._leases: Callable[[], list[str]] = list
+        self.decoder: DecoderServicer | None = None
 
     async def _load_model(self) -> Callable[[], worker_pb2.LoadStats]:
         config, identity, server = self.config, self.identity, self.server
@@ -149,7 +148,7 @@ class WorkerProcess:
             self.publisher = _kv_publisher(config, identity)
             engine, decoder = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
-            self._leases = decoder.active_lease_ids
+            self.decoder = decoder
             return lambda: worker_metrics.record(load_stats(engine))
         if config.role == "embedding":
             model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
@@ -170,7 +169,9 @@ class WorkerProcess:
             descriptor.max_model_len = self.engine.model_info.max_model_len
             descriptor.num_total_blocks = self.engine.stats().num_total_blocks
         if self.config.scheduler_address:
-            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, self._leases)
+            # Decoders report the leases of the requests they run in their heartbeats.
+            leases = self.decoder.active_lease_ids if self.decoder is not None else list
+            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, leases)
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0:
