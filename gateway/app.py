@@ -50,7 +50,7 @@ from gateway.protocol import (
     TokenizeResponse,
 )
 from gateway.serving import new_id
-from gateway.upstream import SCHEDULER, TOKENIZER, Upstream
+from gateway.upstream import TOKENIZER, Upstream
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
 
@@ -93,6 +93,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             yield
         finally:
             await upstream.close()
+            await tracing.flush_tracing()
 
     app = FastAPI(
         title="meshserve gateway",
@@ -250,7 +251,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
         truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
     )
     with tracing.span("gateway.embeddings", model=model):
-        reply = await upstream.call(SCHEDULER, upstream.scheduler.Embed(embed, timeout=upstream.timeout))
+        reply = await upstream.embed(embed)
     data = [
         EmbeddingData(index=i, embedding=_encode_embedding(list(e.values), body.encoding_format))
         for i, e in enumerate(reply.embeddings)

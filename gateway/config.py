@@ -17,6 +17,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer_address: str = "127.0.0.1:50051"
+    # One scheduler, or several replicas ("host:port,host:port"): Route goes to any
+    # live one, so a replica's death costs no request.
     scheduler_address: str = "127.0.0.1:50052"
     # Accepted `Authorization: Bearer <key>` values; empty = no authentication.
     api_keys: tuple[str, ...] = ()
@@ -38,6 +40,11 @@ class GatewayConfig:
     # How long /v1/models (and the model check of every request) reuses ListWorkers.
     models_cache_s: float = 1.0
     max_grpc_message_bytes: int = 64 * 1024 * 1024
+    # Routing again after a worker failed before the first token (excluding it).
+    max_retries: int = 2
+    # Where tokenizer files fetched from the tokenizer service are kept (empty = a
+    # directory under the system temp dir).
+    tokenizer_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         """Rejects values that cannot work, naming the offending option."""
@@ -57,5 +64,9 @@ class GatewayConfig:
             raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
         if self.drain_timeout_s < 0 or self.models_cache_s < 0:
             raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if not [a for a in self.scheduler_address.split(",") if a.strip()]:
+            raise ValueError("scheduler_address must name at least one scheduler")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")

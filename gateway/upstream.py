@@ -1,15 +1,22 @@
-"""Clients of the upstream services: one gRPC channel each, created at start-up.
+"""Clients of the upstream services, created at start-up: the tokenizer service, the
+scheduler replicas (Route / Release / ListWorkers / Embed, failing over between
+replicas), the gateway's streams to the workers (`WorkerStreams`) and the in-process
+tokenizers (files fetched once from the tokenizer service).
 
-Also the small caches every request uses: the model list (ListWorkers, ~1 s),
-tokenizer info per model (max_model_len) and token strings for logprobs.
+Also the small caches every request uses: the model list (ListWorkers, ~1 s) and
+tokenizer info per model (max_model_len).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -17,16 +24,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc_error
-from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from gateway.local_tokenizer import GatewayTokenizers
+from gateway.worker_streams import WorkerStreams
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.rpc import open_channel
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 TOKENIZER = "tokenizer"
 SCHEDULER = "scheduler"
 HEALTH_TIMEOUT_S = 1.0
-_TOKEN_STR_CACHE_MAX = 200_000
-_TOKEN_STR_CONCURRENCY = 64
+# Leases ended within this window go back to their scheduler in one Release call.
+RELEASE_BATCH_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -44,29 +54,115 @@ class HealthReport:
         return self.tokenizer and self.scheduler and self.decoder_workers > 0
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A scheduler's lease on a worker for one request (see `Scheduler.Route`)."""
+
+    lease_id: str
+    worker_id: str
+    worker_address: str
+    mm_items: list[common_pb2.MultiModalItem]
+    replica: int  # index of the scheduler replica that issued it (Release goes there)
+
+
+class _Replica:
+    """One scheduler replica: channel, stubs, and leases waiting to be released."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = open_channel(address, max_message_bytes)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.pending_release: list[str] = []
+
+
 class Upstream:
-    """gRPC stubs of the tokenizer and scheduler plus the caches built on them."""
+    """gRPC stubs of the tokenizer, the scheduler replicas and the workers, plus the
+    caches built on them."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.timeout = config.request_timeout_s
         self._tok_channel = open_channel(config.tokenizer_address, config.max_grpc_message_bytes)
-        self._sched_channel = open_channel(config.scheduler_address, config.max_grpc_message_bytes)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
         self._tok_health = health_pb2_grpc.HealthStub(self._tok_channel)
-        self._sched_health = health_pb2_grpc.HealthStub(self._sched_channel)
+        addresses = [a.strip() for a in config.scheduler_address.split(",") if a.strip()]
+        self._replicas = [_Replica(a, config.max_grpc_message_bytes) for a in addresses]
+        self._next_replica = itertools.cycle(range(len(self._replicas)))
+        self.workers = WorkerStreams(config.max_grpc_message_bytes)
+        cache_root = Path(config.tokenizer_cache_dir or Path(tempfile.gettempdir()) / "meshserve-tokenizers")
+        self.tokenizers = GatewayTokenizers(self.tokenizer, cache_root, self.timeout)
         self._workers: scheduler_pb2.ListWorkersResponse | None = None
         self._workers_at = 0.0
         self._workers_lock = asyncio.Lock()
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
-        self._token_strs: dict[tuple[str, int], str] = {}
-        self._token_sem = asyncio.Semaphore(_TOKEN_STR_CONCURRENCY)
+        self._release_handle: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
-        """Closes both channels (in-flight calls are cancelled)."""
+        """Releases pending leases, then closes every channel (in-flight calls are cancelled)."""
+        await self._flush_releases()
+        await self.workers.close()
         await self._tok_channel.close()
-        await self._sched_channel.close()
+        for replica in self._replicas:
+            await replica.channel.close()
+
+    # -- scheduler replicas -----------------------------------------------------------
+
+    async def on_scheduler(
+        self, call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[T]]
+    ) -> tuple[T, int]:
+        """Runs a unary scheduler call on the next replica, trying the others when one
+        is unreachable; returns the reply and the replica index. All unreachable → 503."""
+        first = next(self._next_replica)
+        error: grpc.aio.AioRpcError | None = None
+        for offset in range(len(self._replicas)):
+            index = (first + offset) % len(self._replicas)
+            try:
+                return await call(self._replicas[index].stub), index
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(exc, SCHEDULER) from exc
+                error = exc
+        if error is None:  # no replica configured (the config refuses this)
+            raise APIError(503, "scheduler: none configured", code="unavailable")
+        raise from_rpc_error(error, SCHEDULER) from error
+
+    async def route(
+        self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
+    ) -> Lease:
+        """A lease on the worker the scheduler picks for `request` (Scheduler.Route)."""
+        route_request = scheduler_pb2.RouteRequest(
+            request=request, exclude_worker_ids=exclude, force_encode=force_encode
+        )
+        reply, replica = await self.on_scheduler(lambda stub: stub.Route(route_request, timeout=self.timeout))
+        return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
+
+    def release(self, lease: Lease) -> None:
+        """Hands a lease back to the replica that issued it (batched, in the background)."""
+        self._replicas[lease.replica].pending_release.append(lease.lease_id)
+        if self._release_handle is None:
+            loop = asyncio.get_running_loop()
+            self._release_handle = loop.call_later(RELEASE_BATCH_S, self._schedule_flush)
+
+    def _schedule_flush(self) -> None:
+        self._release_handle = None
+        task = asyncio.get_running_loop().create_task(self._flush_releases())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _flush_releases(self) -> None:
+        for replica in self._replicas:
+            ids, replica.pending_release = replica.pending_release, []
+            if not ids:
+                continue
+            try:
+                await replica.stub.Release(
+                    scheduler_pb2.ReleaseRequest(lease_ids=ids), timeout=HEALTH_TIMEOUT_S * 5
+                )
+            except grpc.aio.AioRpcError as exc:
+                # The replica is gone or busy: its leases end with its workers' heartbeats.
+                log.debug("release of %d leases on %s failed: %s", len(ids), replica.address, exc.code())
 
     async def call(self, component: str, awaitable: Awaitable[T]) -> T:
         """Awaits a unary call, mapping a gRPC failure to an APIError."""
@@ -83,9 +179,10 @@ class Upstream:
         async with self._workers_lock:
             if self._workers is not None and time.monotonic() - self._workers_at < max_age:
                 return self._workers
-            reply = await self.call(
-                SCHEDULER,
-                self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S * 5),
+            reply, _ = await self.on_scheduler(
+                lambda stub: stub.ListWorkers(
+                    scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S * 5
+                )
             )
             self._workers, self._workers_at = reply, time.monotonic()
             return reply
@@ -121,29 +218,20 @@ class Upstream:
         return info
 
     async def token_strings(self, model: str, ids: set[int]) -> dict[int, str]:
-        """Text of single token ids (for logprobs), via batched Detokenize calls, cached."""
-        missing = [i for i in ids if (model, i) not in self._token_strs]
-        if missing:
-            if len(self._token_strs) + len(missing) > _TOKEN_STR_CACHE_MAX:
-                self._token_strs.clear()
-            texts = await asyncio.gather(*(self._detokenize_one(model, i) for i in missing))
-            for token_id, text in zip(missing, texts, strict=True):
-                self._token_strs[(model, token_id)] = text
-        return {i: self._token_strs[(model, i)] for i in ids}
+        """Text of single token ids (for logprobs), from the in-process tokenizer."""
+        tokenizer = await self.tokenizers.get(model)
+        return tokenizer.token_strings(ids)
 
-    async def _detokenize_one(self, model: str, token_id: int) -> str:
-        request = tokenizer_pb2.DetokenizeRequest(
-            model=model, token_ids=[token_id], skip_special_tokens=False
-        )
-        async with self._token_sem:
-            reply = await self.call(TOKENIZER, self.tokenizer.Detokenize(request, timeout=self.timeout))
-        return reply.text
+    async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:
+        """Scheduler.Embed on any live replica."""
+        reply, _ = await self.on_scheduler(lambda stub: stub.Embed(request, timeout=self.timeout))
+        return reply
 
     async def health(self) -> HealthReport:
         """grpc health of both services and the scheduler's healthy decoder workers."""
         tok, sched, workers = await asyncio.gather(
             self._serving(self._tok_health),
-            self._serving(self._sched_health),
+            self._any_scheduler_serving(),
             self._decoder_count(),
         )
         detail = []
@@ -163,12 +251,16 @@ class Upstream:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
+    async def _any_scheduler_serving(self) -> bool:
+        states = await asyncio.gather(*(self._serving(r.health) for r in self._replicas))
+        return any(states)
+
     async def _decoder_count(self) -> int:
-        """Healthy, non-draining decoder workers (-1 when the scheduler cannot answer)."""
+        """Healthy, non-draining decoder workers (-1 when no scheduler can answer)."""
         try:
-            reply = await self.scheduler.ListWorkers(
-                scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S
+            reply, _ = await self.on_scheduler(
+                lambda stub: stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S)
             )
-        except grpc.aio.AioRpcError:
+        except APIError:
             return -1
         return sum(1 for w in reply.workers if w.healthy and not w.draining and w.worker.role == "decoder")

@@ -173,6 +173,8 @@ async def _read_requests(
             session.handle(message)
     except grpc.aio.AioRpcError:  # the client went away: the call's end closes the session
         pass
+    except Exception:
+        log.exception("reading a GenerateStream failed; its requests end")
     finally:
         session.input_done()
 

@@ -84,6 +84,9 @@ class RequestRun:
     worker_id: str
     remaining: int = 0
     first: bool = True
+    # worker.generate (parent: the caller's span, from request.trace_context) and its
+    # current phase (worker.prefill: submit → first token, then worker.decode).
+    span: tracing.PhaseSpan | None = None
     phase: tracing.PhaseSpan | None = None
     failed: bool = False
 
@@ -109,17 +112,23 @@ class RequestRun:
         if self.finished:
             self.outbox.response.finished = True
             self.outbox.response.usage.CopyFrom(self.usage)
-            if self.phase is not None:
-                self.phase.end(completion_tokens=self.usage.completion_tokens)
+            self.end_spans()
         if not self.outbox.due(self.first, self.finished):
             return None
         self.first = False
         return self.outbox.take()
 
     def _next_phase(self) -> None:
-        if self.phase is not None:
+        if self.phase is not None and self.span is not None:
             self.phase.end(cached_tokens=self.usage.cached_tokens)
-            self.phase = tracing.PhaseSpan("worker.decode")
+            self.phase = self.span.child("worker.decode")
+
+    def end_spans(self) -> None:
+        """Ends the request's spans (idempotent)."""
+        if self.phase is not None:
+            self.phase.end(completion_tokens=self.usage.completion_tokens)
+        if self.span is not None:
+            self.span.end()
 
 
 def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestError:
@@ -230,8 +239,10 @@ class StreamSession:
             self.worker_id,
             remaining=n,
         )
-        with tracing.span_from("worker.generate", request.trace_context, request_id=request.request_id, n=n):
-            run.phase = tracing.PhaseSpan("worker.prefill", prompt_tokens=len(prompt))
+        run.span = tracing.PhaseSpan.from_carrier(
+            "worker.generate", request.trace_context, request_id=request.request_id, n=n
+        )
+        run.phase = run.span.child("worker.prefill", prompt_tokens=len(prompt))
         keys = request_extra_keys(request.cache_salt)
         self.runs[request.request_id] = run
         try:
@@ -271,6 +282,7 @@ class StreamSession:
             self.engine.abort(child)
 
     def _drop(self, run: RequestRun) -> None:
+        run.end_spans()
         self.runs.pop(run.request.request_id, None)
         self._ready.pop(run.request.request_id, None)
         for child in run.child_ids:
