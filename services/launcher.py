@@ -1,10 +1,15 @@
-"""Local launcher: Redis plus every service as its own process on one machine.
+"""Local launcher: Redis plus every service as its own process on one machine, supervised.
 
 `python -m services.launcher up --model-dir DIR` (what `make serve` runs) starts the
-mesh, waits for every service to report healthy, prints the URL and stops everything
-cleanly on Ctrl-C. Services get their configuration through the same MESHSERVE_*
-environment variables the Helm chart sets, so both run identical entrypoints.
-The tests use `Mesh` to start real processes the same way.
+mesh, waits for every service to report healthy, prints the URL, then supervises it the
+way a Kubernetes Deployment does: a service (or the launcher's own Redis) that exits is
+restarted with exponential backoff while the rest of the mesh keeps serving. Ctrl-C,
+SIGTERM or SIGHUP stops everything: each service gets SIGTERM (it drains) and SIGKILL
+after --stop-timeout-s; further signals while stopping are ignored.
+
+Services get their configuration through the same MESHSERVE_* environment variables the
+Helm chart sets, so both run identical entrypoints. The tests use `Mesh` to start real
+processes the same way, unsupervised: a test that kills a service restarts it itself.
 """
 
 from __future__ import annotations
@@ -12,19 +17,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Protocol
 
 import httpx
 
 from services.redis_client import RedisServer
 from services.rpc import check_health
+
+log = logging.getLogger("meshserve.launcher")
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,11 @@ class ServiceSpec:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def component(self) -> str:
+        """The service kind: `decoder` for `decoder-1`, `scheduler` for `scheduler-2`."""
+        return re.sub(r"-\d+$", "", self.name)
+
 
 # Default ports; the Helm chart uses the same ones (tests/deploy checks they agree).
 DEFAULT_PORTS = {
@@ -52,6 +69,35 @@ DEFAULT_PORTS = {
     "embedding": 50081,
     "encoder": 50091,
 }
+
+
+@dataclass(frozen=True)
+class BackoffPolicy:
+    """When to restart a child that exited: `initial_s` after its first exit, doubling with
+    every further exit in a row up to `max_s`. A child that ran `reset_after_s` before it
+    exited was healthy meanwhile, so its restart waits `initial_s` again (Kubernetes'
+    CrashLoopBackOff does the same): a crash loop costs little CPU, a rare crash little time.
+    """
+
+    initial_s: float = 0.5
+    max_s: float = 10.0
+    reset_after_s: float = 30.0
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s:
+            raise ValueError(f"need 0 < initial_s <= max_s, got {self.initial_s} and {self.max_s}")
+        if self.reset_after_s <= 0 or self.factor < 1:
+            raise ValueError("reset_after_s must be > 0 and factor >= 1")
+
+    def failures_after(self, failures: int, uptime_s: float) -> int:
+        """Exits in a row once a child with `failures` before exits after running `uptime_s`."""
+        return 1 if uptime_s >= self.reset_after_s else failures + 1
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait before restarting a child that exited `failures` (>= 1) times in a row."""
+        exponent = min(max(failures - 1, 0), 64)  # 2.0 ** 1100 would overflow
+        return min(self.max_s, self.initial_s * self.factor**exponent)
 
 
 @dataclass(frozen=True)
@@ -71,6 +117,9 @@ class MeshConfig:
     embedding_port: int = DEFAULT_PORTS["embedding"]
     encoder_base_port: int = DEFAULT_PORTS["encoder"]
     num_decoders: int = 1
+    # Scheduler replicas, on consecutive ports from scheduler_port, share their state
+    # through Redis; the gateway and every worker get the list of all of them.
+    num_schedulers: int = 1
     # Encoder workers (vision tower + projector of a multimodal model): with one or more,
     # the encoder cache starts too and the scheduler and workers are pointed at it.
     num_encoders: int = 0
@@ -84,15 +133,53 @@ class MeshConfig:
     # Decoder workers stream every N-th token after the first (worker --stream-interval).
     stream_interval: int = 1
     served_model_name: str = ""
+    # Start only these components, comma-separated (e.g. "scheduler,tokenizer"; "" = all):
+    # the others can then run by hand, e.g. under a debugger, on their usual ports.
+    only: str = ""
+    # Supervision (`up`): restart delays double from restart_backoff_s up to
+    # restart_backoff_max_s, and start over once a service ran restart_reset_s.
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 10.0
+    restart_reset_s: float = 30.0
+    # On stop, each service gets SIGTERM and this long to drain before SIGKILL (longer than
+    # the services' default drain timeout of 30 s, so that a drain is never cut short).
+    stop_timeout_s: float = 40.0
     # Set on every service, over the launcher's own values (e.g. MESHSERVE_STREAM_INTERVAL).
     extra_env: tuple[tuple[str, str], ...] = ()
     # Prometheus /metrics port per service name (e.g. ("encoder-0", 9102)); none by default.
     metrics_ports: tuple[tuple[str, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.num_schedulers < 1:
+            raise ValueError(f"num_schedulers must be >= 1, got {self.num_schedulers}")
+        if min(self.num_decoders, self.num_encoders) < 0:
+            raise ValueError("num_decoders and num_encoders must be >= 0")
+        unknown = sorted(set(self.only_components) - set(DEFAULT_PORTS))
+        if unknown:
+            raise ValueError(f"only: unknown component(s) {unknown}; known: {', '.join(DEFAULT_PORTS)}")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        _ = self.backoff  # validates the restart settings now rather than at the first crash
+
     @property
     def encoder_cache_address(self) -> str:
         """Where the scheduler and the workers reach the encoder cache ("" without encoders)."""
         return f"127.0.0.1:{self.encoder_cache_port}" if self.num_encoders > 0 else ""
+
+    @property
+    def scheduler_addresses(self) -> str:
+        """MESHSERVE_SCHEDULER_ADDRESS of the gateway and the workers: every replica."""
+        return ",".join(f"127.0.0.1:{self.scheduler_port + i}" for i in range(self.num_schedulers))
+
+    @property
+    def only_components(self) -> tuple[str, ...]:
+        """The components `only` names (empty: all of them)."""
+        return tuple(name.strip() for name in self.only.split(",") if name.strip())
+
+    @property
+    def backoff(self) -> BackoffPolicy:
+        """The restart policy of `up`'s supervisor."""
+        return BackoffPolicy(self.restart_backoff_s, self.restart_backoff_max_s, self.restart_reset_s)
 
 
 def _common_env(config: MeshConfig, redis_url: str) -> dict[str, str]:
@@ -104,6 +191,20 @@ def _common_env(config: MeshConfig, redis_url: str) -> dict[str, str]:
 def _encoder_cache_env(config: MeshConfig) -> dict[str, str]:
     address = config.encoder_cache_address
     return {"MESHSERVE_ENCODER_CACHE_ADDRESS": address} if address else {}
+
+
+def _scheduler_specs(config: MeshConfig) -> list[ServiceSpec]:
+    """The scheduler replicas: `scheduler`, then `scheduler-1`, `scheduler-2`, ... (the
+    first keeps its plain name, so single-scheduler callers and log names are unchanged)."""
+    return [
+        ServiceSpec(
+            "scheduler" if i == 0 else f"scheduler-{i}",
+            "scheduler_svc",
+            config.scheduler_port + i,
+            {"MESHSERVE_ROUTING_POLICY": config.routing_policy, **_encoder_cache_env(config)},
+        )
+        for i in range(config.num_schedulers)
+    ]
 
 
 def _encoder_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
@@ -168,19 +269,12 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
 
 
 def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
-    """Every process of the mesh in start order (dependencies first)."""
-    scheduler = f"127.0.0.1:{config.scheduler_port}"
+    """Every process of the mesh in start order (dependencies first), restricted to
+    `config.only`; ValueError when two of them would listen on the same port."""
+    scheduler = config.scheduler_addresses
     common = _common_env(config, redis_url)
     specs = [
-        ServiceSpec(
-            "scheduler",
-            "scheduler_svc",
-            config.scheduler_port,
-            {
-                "MESHSERVE_ROUTING_POLICY": config.routing_policy,
-                **_encoder_cache_env(config),
-            },
-        ),
+        *_scheduler_specs(config),
         *_encoder_cache_specs(config),
         ServiceSpec(
             "tokenizer",
@@ -204,6 +298,9 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
             grpc=False,
         ),
     ]
+    if config.only_components:
+        specs = [s for s in specs if s.component in config.only_components]
+    _check_ports(specs)
     metrics = {name: {"MESHSERVE_METRICS_PORT": str(port)} for name, port in config.metrics_ports}
     return [
         dataclasses.replace(
@@ -221,6 +318,16 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
     ]
 
 
+def _check_ports(specs: Sequence[ServiceSpec]) -> None:
+    """Replicas take consecutive ports (scheduler_port + i, decoder_base_port + i): too many
+    of them run into the next service's port, which must fail here, not as a bind error."""
+    owner: dict[int, str] = {}
+    for spec in specs:
+        if spec.port in owner:
+            raise ValueError(f"{spec.name} and {owner[spec.port]} would both listen on port {spec.port}")
+        owner[spec.port] = spec.name
+
+
 def _encoder_cache_specs(config: MeshConfig) -> list[ServiceSpec]:
     """The encoder cache, started when there are encoder workers."""
     if config.num_encoders <= 0:
@@ -229,45 +336,103 @@ def _encoder_cache_specs(config: MeshConfig) -> list[ServiceSpec]:
     return [ServiceSpec("encoder-cache", "encoder_cache_svc", config.encoder_cache_port, env)]
 
 
-class Mesh:
-    """Starts and stops the mesh's processes (and a redis-server unless given one)."""
+def _never() -> bool:
+    return False
 
-    def __init__(self, config: MeshConfig) -> None:
+
+class LauncherRedis(RedisServer):
+    """The mesh's redis-server, optionally in a session of its own (see `Mesh`), with its
+    exit status visible to the supervisor."""
+
+    def __init__(self, own_session: bool = False) -> None:
+        super().__init__()
+        self.own_session = own_session
+        self.started_at = 0.0  # time.monotonic() of the latest start
+
+    def start(self, timeout: float = 10.0) -> LauncherRedis:
+        self.started_at = time.monotonic()
+        if not self.own_session:
+            super().start(timeout)
+            return self
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server)")
+        # The same server RedisServer.start runs (no persistence: it holds soft state).
+        cmd = [binary, "--port", str(self.port), "--bind", self.host, "--dir", self._dir]
+        cmd += ["--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self._wait_ready(timeout)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def exit_status(self) -> int | None:
+        """The exit status once it exited on its own; None while it runs or after `stop`."""
+        return self._proc.poll() if self._proc is not None else None
+
+
+class Mesh:
+    """Starts and stops the mesh's processes (and a redis-server unless given one).
+
+    `own_sessions` puts every child in a session of its own, as `up` does: a terminal's
+    Ctrl-C then reaches only the launcher, which sends each child a single SIGTERM (the
+    gateway treats a second signal as "stop now, skip the drain"). The tests leave it off,
+    so that children share pytest's fate.
+    """
+
+    def __init__(self, config: MeshConfig, own_sessions: bool = False) -> None:
         self.config = config
-        self.redis: RedisServer | None = None
+        self.own_sessions = own_sessions
+        self.redis: LauncherRedis | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.specs: dict[str, ServiceSpec] = {}
+        # time.monotonic() of each service's latest start (the supervisor's uptimes).
+        self.started_at: dict[str, float] = {}
         self.log_dir = Path(config.log_dir)
 
     @property
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.config.gateway_port}"
 
-    def start(self, timeout: float = 180.0) -> Mesh:
+    def start(self, timeout: float = 180.0, should_stop: Callable[[], bool] = _never) -> Mesh:
+        """Starts Redis (unless `redis_url`) and every service, and waits until all are
+        healthy or `should_stop()`; RuntimeError if a service exits, TimeoutError."""
         redis_url = self.config.redis_url
         if not redis_url:
-            self.redis = RedisServer().start()
+            self.redis = LauncherRedis(self.own_sessions)  # assigned first: stop() cleans up a failed start
+            self.redis.start()
+            log.info("started redis (pid %s) at %s", self.redis.pid, self.redis.url)
             redis_url = self.redis.url
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for spec in service_specs(self.config, redis_url):
             self.start_service(spec)
-        self.wait_healthy(timeout)
+        self.wait_healthy(timeout, should_stop)
         return self
 
     def start_service(self, spec: ServiceSpec) -> None:
         """(Re)starts one service process; its output goes to LOG_DIR/NAME.log."""
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        log = open(self.log_dir / f"{spec.name}.log", "ab")
-        self.procs[spec.name] = subprocess.Popen(
-            [sys.executable, "-m", spec.module], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
+        with open(self.log_dir / f"{spec.name}.log", "ab") as log_file:
+            self.procs[spec.name] = subprocess.Popen(
+                [sys.executable, "-m", spec.module],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.own_sessions,
+            )
         self.specs[spec.name] = spec
+        self.started_at[spec.name] = time.monotonic()
+        log.info("started %s (pid %d) on %s", spec.name, self.procs[spec.name].pid, spec.address)
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
+        """Waits until every service is healthy (or `should_stop()` turns true)."""
         deadline = time.monotonic() + timeout
         pending = list(self.specs.values())
-        while pending:
+        while pending and not should_stop():
             self._check_alive()
             pending = [s for s in pending if not asyncio.run(_healthy(s))]
             if pending and time.monotonic() > deadline:
@@ -297,15 +462,28 @@ class Mesh:
                 proc.wait()
         return proc.returncode
 
-    def stop(self) -> None:
-        """Stops services in reverse start order (gateway first), then Redis."""
-        for name in reversed(list(self.procs)):
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM to every service at once (gateway first: they drain in parallel),
+        SIGKILL to those still running `timeout` seconds later, then Redis (last: the
+        services use it while they drain)."""
+        names = list(reversed(self.procs))
+        for name in names:
             if self.procs[name].poll() is None:
                 self.procs[name].terminate()
-        for name in reversed(list(self.procs)):
-            self.stop_service(name)
+        deadline = time.monotonic() + timeout
+        for name in names:
+            self._wait_or_kill(name, deadline)
         if self.redis is not None:
             self.redis.cleanup()
+
+    def _wait_or_kill(self, name: str, deadline: float) -> None:
+        proc = self.procs[name]
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) still running after the stop timeout: SIGKILL", name, proc.pid)
+            proc.kill()
+            proc.wait()
 
 
 async def _healthy(spec: ServiceSpec) -> bool:
@@ -316,6 +494,199 @@ async def _healthy(spec: ServiceSpec) -> bool:
             return (await client.get(f"http://{spec.address}/health")).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ------------------------------------------------------------------------- supervision
+
+
+class Child(Protocol):
+    """A process the supervisor keeps running."""
+
+    name: str
+
+    def started_at(self) -> float:
+        """time.monotonic() when it was last started."""
+
+    def exit_status(self) -> int | None:
+        """None while it runs; else its exit status (negative: killed by that signal)."""
+
+    def restart(self) -> int:
+        """Starts it again and returns the new pid (OSError/RuntimeError when that fails)."""
+
+    def healthy(self) -> bool:
+        """True once it serves (gRPC health SERVING, the gateway's /health 200)."""
+
+
+class ServiceChild:
+    """A service process of a `Mesh`."""
+
+    def __init__(self, mesh: Mesh, name: str) -> None:
+        self.mesh = mesh
+        self.name = name
+
+    def started_at(self) -> float:
+        return self.mesh.started_at[self.name]
+
+    def exit_status(self) -> int | None:
+        return self.mesh.procs[self.name].poll()
+
+    def restart(self) -> int:
+        self.mesh.start_service(self.mesh.specs[self.name])
+        return self.mesh.procs[self.name].pid
+
+    def healthy(self) -> bool:
+        return asyncio.run(_healthy(self.mesh.specs[self.name]))
+
+
+class RedisChild:
+    """The launcher's redis-server: it comes back on the same port, empty (the services
+    resync their shared state into it)."""
+
+    name = "redis"
+
+    def __init__(self, redis: LauncherRedis) -> None:
+        self.redis = redis
+
+    def started_at(self) -> float:
+        return self.redis.started_at
+
+    def exit_status(self) -> int | None:
+        return self.redis.exit_status()
+
+    def restart(self) -> int:
+        try:
+            self.redis.start()
+        except RuntimeError:
+            self.redis.stop()  # started but never answered PING: do not leave it behind
+            raise
+        return self.redis.pid or 0
+
+    def healthy(self) -> bool:
+        return self.redis.is_running()  # start() returned: it answered PING
+
+
+@dataclass
+class _Track:
+    """The supervisor's record of one child."""
+
+    started_at: float
+    failures: int = 0  # exits in a row (see BackoffPolicy)
+    restart_at: float | None = None  # set while a restart is pending
+    restarted_at: float | None = None  # set from a restart until the child is healthy
+
+
+def describe_exit(status: int) -> str:
+    """`exit code 1`, or `killed by SIGKILL` for Popen's negative statuses."""
+    if status >= 0:
+        return f"exit code {status}"
+    try:
+        return f"killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"killed by signal {-status}"
+
+
+class Supervisor:
+    """Keeps children running: one that exits is restarted after the policy's backoff,
+    every restart logged with how the child ended; the others are left alone."""
+
+    def __init__(
+        self,
+        children: Sequence[Child],
+        policy: BackoffPolicy,
+        should_stop: Callable[[], bool] = _never,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.children = list(children)
+        self.policy = policy
+        self.should_stop = should_stop
+        self.clock = clock
+        self.tracks = {child.name: _Track(started_at=child.started_at()) for child in self.children}
+        self.restarts: dict[str, int] = {child.name: 0 for child in self.children}
+
+    def run(self, tick_s: float = 0.25) -> None:
+        """Supervises until `should_stop()`."""
+        while not self.should_stop():
+            self.poll()
+            time.sleep(tick_s)
+
+    def poll(self) -> None:
+        """One pass: notices exits, performs the restarts that are due, reports recoveries."""
+        for child in self.children:
+            track = self.tracks[child.name]
+            if track.restart_at is None:
+                self._check_exit(child, track)
+            elif self.clock() >= track.restart_at and not self.should_stop():
+                self._restart(child, track)
+            if track.restart_at is None and track.restarted_at is not None:
+                self._check_recovered(child, track)
+
+    def _check_exit(self, child: Child, track: _Track) -> None:
+        status = child.exit_status()
+        if status is None:
+            return
+        now = self.clock()
+        uptime = now - track.started_at
+        track.failures = self.policy.failures_after(track.failures, uptime)
+        self._schedule(child, track, f"exited ({describe_exit(status)}) after {uptime:.1f} s")
+
+    def _schedule(self, child: Child, track: _Track, why: str) -> None:
+        delay = self.policy.delay(track.failures)
+        track.restart_at = self.clock() + delay
+        track.restarted_at = None
+        log.warning(
+            "%s %s; restarting it in %.1f s (%d exit(s) in a row)", child.name, why, delay, track.failures
+        )
+
+    def _restart(self, child: Child, track: _Track) -> None:
+        try:
+            pid = child.restart()
+        except (OSError, RuntimeError) as exc:
+            track.failures += 1
+            self._schedule(child, track, f"failed to restart ({exc})")
+            return
+        track.started_at = track.restarted_at = self.clock()
+        track.restart_at = None
+        self.restarts[child.name] += 1
+        log.warning("restarted %s (pid %d, restart #%d)", child.name, pid, self.restarts[child.name])
+
+    def _check_recovered(self, child: Child, track: _Track) -> None:
+        if track.restarted_at is not None and child.healthy():
+            took = self.clock() - track.restarted_at
+            log.info("%s is serving again, %.1f s after its restart", child.name, took)
+            track.restarted_at = None
+
+
+def supervised_children(mesh: Mesh) -> list[Child]:
+    """Redis (when the mesh started it) and every service of a started mesh."""
+    children: list[Child] = [RedisChild(mesh.redis)] if mesh.redis is not None else []
+    children.extend(ServiceChild(mesh, name) for name in mesh.procs)
+    return children
+
+
+class StopSignals:
+    """Turns SIGINT, SIGTERM and SIGHUP into a stop request that the launcher's loops poll:
+    no exception can then interrupt it half-way through starting or stopping a child, and
+    every signal after the first (a second Ctrl-C while stopping) changes nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+
+    def install(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        return self.received is not None
+
+
+# ------------------------------------------------------------------------- command line
 
 
 def _parse(argv: Sequence[str]) -> MeshConfig:
@@ -335,7 +706,12 @@ def _parse(argv: Sequence[str]) -> MeshConfig:
         args["embedding_model_dir"] = _default_embedding_dir()
     elif args["embedding_model_dir"] == "none":
         args["embedding_model_dir"] = ""
-    return MeshConfig(**args)
+    try:
+        config = MeshConfig(**args)
+        service_specs(config, "")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config
 
 
 def _default_embedding_dir() -> str:
@@ -347,26 +723,46 @@ def _default_embedding_dir() -> str:
     return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
 
-def main(argv: Sequence[str]) -> None:
-    config = _parse(argv)
-    mesh = Mesh(config)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+def _serve(mesh: Mesh, stop: StopSignals) -> int:
+    """Starts the mesh and supervises it until a stop signal; the exit code of `up`."""
     try:
-        mesh.start()
-        print(f"meshserve is up: {mesh.gateway_url}/v1  (logs in {config.log_dir}; Ctrl-C stops)", flush=True)
-        while not stop["now"]:
-            mesh._check_alive()
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
+        mesh.start(should_stop=stop.requested)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        # At start a service that exits is misconfigured (model dir, port in use):
+        # restarting it would only hide the cause, so fail with it instead.
+        log.error("meshserve did not start: %s", exc)
+        return 1
+    if stop.requested():
+        return 0
+    where = f"{mesh.gateway_url}/v1" if "gateway" in mesh.specs else ", ".join(mesh.specs)
+    log.info("meshserve is up: %s  (logs in %s; Ctrl-C stops)", where, mesh.config.log_dir)
+    Supervisor(supervised_children(mesh), mesh.config.backoff, stop.requested).run()
+    return 0
+
+
+def _log_to_stdout() -> None:
+    """The launcher's own lines (starts, exits, restarts) on stdout at INFO; other loggers
+    (httpx logs every health probe at INFO) keep Python's default: warnings on stderr."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s launcher: %(message)s", datefmt="%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def main(argv: Sequence[str]) -> int:
+    """`up`: start, supervise, stop on a signal. Returns the process exit code."""
+    config = _parse(argv)
+    _log_to_stdout()
+    stop = StopSignals().install()
+    mesh = Mesh(config, own_sessions=True)
+    try:
+        return _serve(mesh, stop)
     finally:
-        print("stopping meshserve...", flush=True)
-        # A second Ctrl-C must not abandon the children half-stopped.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        mesh.stop()
-        print("meshserve stopped", flush=True)
+        log.info("stopping meshserve%s...", f" ({stop.received})" if stop.received else "")
+        mesh.stop(config.stop_timeout_s)
+        log.info("meshserve stopped")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,11 @@
-"""The launcher's per-service environment: its own settings, then `extra_env` on top."""
+"""The launcher's services and their environment: its own settings, then `extra_env` on top;
+scheduler replicas, `--only`, and the command line's validation."""
 
 from __future__ import annotations
 
-from services.launcher import MeshConfig, service_specs
+import pytest
+
+from services.launcher import BackoffPolicy, MeshConfig, _parse, service_specs
 
 
 def _env(config: MeshConfig, name: str) -> dict[str, str]:
@@ -28,3 +31,62 @@ def test_extra_env_overrides_what_the_launcher_derives() -> None:
     assert decoder["MESHSERVE_LOG_LEVEL"] == "DEBUG"
     assert _env(config, "gateway")["MESHSERVE_LOG_LEVEL"] == "DEBUG"
     assert decoder["MESHSERVE_PORT"] == str(config.decoder_base_port)
+
+
+def test_scheduler_replicas_take_consecutive_ports_and_every_client_gets_all_of_them() -> None:
+    config = MeshConfig(model_dir="/m", embedding_model_dir="/e", num_decoders=2, num_schedulers=3)
+    specs = service_specs(config, "redis://127.0.0.1:6379/0")
+    schedulers = [s for s in specs if s.module == "scheduler_svc"]
+    assert [s.name for s in schedulers] == ["scheduler", "scheduler-1", "scheduler-2"]
+    assert [s.port for s in schedulers] == [50052, 50053, 50054]
+    assert all(s.env["MESHSERVE_REDIS_URL"] == "redis://127.0.0.1:6379/0" for s in schedulers)
+    expected = "127.0.0.1:50052,127.0.0.1:50053,127.0.0.1:50054"
+    clients = [s for s in specs if s.module in ("gateway", "worker_svc")]
+    assert {s.name for s in clients} == {"gateway", "decoder-0", "decoder-1", "embedding-0"}
+    assert all(s.env["MESHSERVE_SCHEDULER_ADDRESS"] == expected for s in clients)
+
+
+def test_one_scheduler_by_default() -> None:
+    specs = service_specs(MeshConfig(model_dir="/m", embedding_model_dir=""), "")
+    assert [s.name for s in specs if s.module == "scheduler_svc"] == ["scheduler"]
+    assert (
+        _env(MeshConfig(model_dir="/m", embedding_model_dir=""), "gateway")["MESHSERVE_SCHEDULER_ADDRESS"]
+        == "127.0.0.1:50052"
+    )
+
+
+def test_only_starts_the_named_components() -> None:
+    config = MeshConfig(
+        model_dir="/m", embedding_model_dir="/e", num_schedulers=2, only="scheduler, tokenizer"
+    )
+    assert [s.name for s in service_specs(config, "")] == ["scheduler", "scheduler-1", "tokenizer"]
+    with pytest.raises(ValueError, match="unknown component"):
+        MeshConfig(model_dir="/m", only="schedulr")
+
+
+def test_replicas_running_into_another_port_are_rejected() -> None:
+    # scheduler-9 would take 50061, decoder-0's port.
+    config = MeshConfig(model_dir="/m", embedding_model_dir="", num_schedulers=10)
+    with pytest.raises(ValueError, match="port 50061"):
+        service_specs(config, "")
+    with pytest.raises(ValueError, match="num_schedulers"):
+        MeshConfig(model_dir="/m", num_schedulers=0)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--num-schedulers", "0"], ["--num-schedulers", "10"], ["--only", "nope"], ["--restart-backoff-s", "0"]],
+)
+def test_bad_options_are_usage_errors(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["up", "--model-dir", "/m", "--embedding-model-dir", "none", *flags])
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_supervision_options_reach_the_policy() -> None:
+    base = ["up", "--model-dir", "/m", "--embedding-model-dir", "none", "--num-schedulers", "2"]
+    restarts = ["--restart-backoff-s", "0.25", "--restart-backoff-max-s", "4", "--restart-reset-s", "60"]
+    config = _parse([*base, *restarts])
+    assert config.num_schedulers == 2
+    assert config.backoff == BackoffPolicy(initial_s=0.25, max_s=4.0, reset_after_s=60.0)
