@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from services import launcher
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import COMPONENTS, config_fields, env_of, main_port, meshserve_deployments
 
@@ -24,7 +25,6 @@ def encoder_render(render: Callable[..., Rendered]) -> Rendered:
 
 @pytest.fixture(scope="module")
 def encoder_launcher_specs() -> dict[str, Any]:
-    launcher = pytest.importorskip("services.launcher")
     config = launcher.MeshConfig(model_dir="/models/vlm", embedding_model_dir="", num_encoders=2)
     specs: dict[str, Any] = {}
     for spec in launcher.service_specs(config, "redis://127.0.0.1:6379/0"):
@@ -33,7 +33,6 @@ def encoder_launcher_specs() -> dict[str, Any]:
 
 
 def test_launcher_starts_the_encoder_cache_and_encoders(encoder_launcher_specs: dict[str, Any]) -> None:
-    launcher = pytest.importorskip("services.launcher")
     assert encoder_launcher_specs["encoder-cache"].module == "encoder_cache_svc"
     assert encoder_launcher_specs["encoder"].port == launcher.DEFAULT_PORTS["encoder"] == 50091
     assert encoder_launcher_specs["encoder"].env["MESHSERVE_ROLE"] == "encoder"

@@ -6,6 +6,7 @@ and with the services' config dataclasses (every MESHSERVE_* name is a real fiel
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import re
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+import services.launcher
 from tests.deploy.conftest import CHART, GPU_VALUES, Manifest, Rendered
 
 # component → (python -m module, config module)
@@ -62,7 +64,8 @@ def main_port(deployment: Manifest) -> int:
 
 @pytest.fixture(scope="session")
 def launcher() -> Any:
-    return pytest.importorskip("services.launcher", reason="services.launcher not importable")
+    # A plain import: an ImportError in the launcher must fail these tests, not skip them.
+    return services.launcher
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +80,7 @@ def launcher_specs(launcher: Any) -> dict[str, Any]:
 
 def config_fields(module_name: str) -> set[str]:
     """MESHSERVE_* names of every dataclass field defined in a service's config module."""
-    module = pytest.importorskip(module_name, reason=f"{module_name} has not landed yet")
+    module = importlib.import_module(module_name)
     names: set[str] = set()
     for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):
         if inspect.isclass(cls) and cls.__module__ == module.__name__:
@@ -284,6 +287,52 @@ def test_env_names_are_config_fields(
         names = {n for n in env_of(meshserve_deployments(r)[component]) if n.startswith("MESHSERVE_")}
         unknown = sorted(names - allowed)
         assert not unknown, f"{component}: {unknown} are not fields of {COMPONENTS[component][1]}"
+
+
+# ---------------------------------------------------------------------------- scheduler replicas
+
+
+def test_one_scheduler_replica_by_default(default_render: Rendered) -> None:
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["scheduler"]["replicas"] == 1
+    assert meshserve_deployments(default_render)["scheduler"]["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize(
+    "redis",
+    [
+        {},
+        {"enabled": False, "url": "redis://cache.infra:6379/0"},
+        {"enabled": False, "existingSecret": {"name": "r"}},
+    ],
+    ids=["bundled", "url", "secret"],
+)
+def test_scheduler_replicas_share_redis_behind_one_service(
+    render: Callable[..., Rendered], redis: dict[str, Any]
+) -> None:
+    r = render({"scheduler": {"replicas": 3}, "redis": redis})
+    deployments = meshserve_deployments(r)
+    assert deployments["scheduler"]["spec"]["replicas"] == 3
+    assert "MESHSERVE_REDIS_URL" in env_of(deployments["scheduler"])
+    # One ClusterIP Service in front of every replica: clients need no list of pods.
+    service = r.by_component("Service")["scheduler"]
+    assert service["spec"].get("clusterIP") != "None"
+    address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    for component in ("gateway", "decoder", "embedding"):
+        assert env_of(deployments[component])["MESHSERVE_SCHEDULER_ADDRESS"]["value"] == address, component
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [{"replicas": 2}, {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}],
+    ids=["replicas", "autoscaling"],
+)
+def test_several_schedulers_without_redis_do_not_render(
+    helm: Any, render: Callable[..., Rendered], scheduler: dict[str, Any]
+) -> None:
+    with pytest.raises(helm.errors.HelmRenderError, match="needs Redis"):
+        render({"scheduler": scheduler, "redis": {"enabled": False}})
+    alone = render({"redis": {"enabled": False}})  # one scheduler keeps local state: fine
+    assert meshserve_deployments(alone)["scheduler"]["spec"]["replicas"] == 1
 
 
 # ---------------------------------------------------------------------------- wiring

@@ -35,6 +35,11 @@ list; "meshserve.env" then applies the component's `config:` overrides and `extr
 {{- end }}
 {{- end }}
 
+{{- /*
+MESHSERVE_SCHEDULER_ADDRESS of the gateway and the workers is the scheduler Service, one
+address whatever scheduler.replicas is (the Service spreads connections over the ready
+replicas); the local launcher passes its replicas as a comma-separated list instead.
+*/}}
 {{- define "meshserve.env.gateway" -}}
 {{ include "meshserve.env.common" . }}
 - name: MESHSERVE_TOKENIZER_ADDRESS

@@ -151,6 +151,11 @@ float64: 1000000 would otherwise print as 1e+06), lists joined with commas.
 {{- end }}
 {{- end }}
 
+{{/* "true" when the services get a Redis (bundled, URL or Secret), "" otherwise */}}
+{{- define "meshserve.redisConfigured" -}}
+{{- if or .Values.redis.enabled .Values.redis.url .Values.redis.existingSecret.name }}true{{ end }}
+{{- end }}
+
 {{- define "meshserve.redisUrl" -}}
 {{- if .Values.redis.enabled }}
 {{- printf "redis://%s:6379/0" (include "meshserve.componentFullname" (dict "root" . "name" "redis")) }}
