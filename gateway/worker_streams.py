@@ -96,9 +96,10 @@ class WorkerStream:
 
     def _dispatch(self, message: worker_pb2.GenerateStreamResponse) -> None:
         for output in message.outputs:
-            sink = (
-                self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
-            )
+            # A forgotten request (its client went away) may still have output in flight.
+            sink = self._sinks.get(output.request_id)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
             if sink is not None:
                 sink.on_output(output)
         for error in message.errors:
