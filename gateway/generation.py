@@ -261,9 +261,13 @@ class GenerationRun:
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Per-choice events until every choice has ended; raises APIError on failure."""
         await self._submit()
-        while not self._choices or not all(c.ended for c in self._choices):
+        # Counted on this side: `on_output` marks a choice ended before its last event
+        # has been taken from the queue.
+        unfinished = self.spec.n
+        while unfinished:
             item = await self._queue.get()
             if isinstance(item, ChoiceEvent):
+                unfinished -= item.finish_reason is not None
                 yield item
             elif isinstance(item, _Failure):
                 await self._on_failure(item)
