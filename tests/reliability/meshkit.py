@@ -285,6 +285,9 @@ def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
         encoder_cache_port=free_port(),
         decoder_base_port=free_port(),
         num_decoders=2,
+        # Two replicas: the token path does not pass through the scheduler, so killing
+        # one (or both) must cost no stream in flight.
+        num_schedulers=2,
         log_dir=str(log_dir),
         kv_cache_memory_mb=16,
         max_num_seqs=64,
@@ -297,18 +300,26 @@ def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
     )
 
 
-def _decoder_ports_free(config: MeshConfig) -> MeshConfig:
-    """decoder-i listens on decoder_base_port + i: make sure those ports are free too."""
-    base = config.decoder_base_port
+def _free_run(base: int, count: int) -> int:
+    """A port from which `count` consecutive ports are free (`base` when it is)."""
     while True:
         try:
-            for i in range(config.num_decoders):
+            for i in range(count):
                 with socket.socket() as sock:
                     sock.bind(("127.0.0.1", base + i))
-            break
+            return base
         except OSError:
             base = free_port()
-    return dataclasses.replace(config, decoder_base_port=base)
+
+
+def _decoder_ports_free(config: MeshConfig) -> MeshConfig:
+    """decoder-i listens on decoder_base_port + i, scheduler replica i on scheduler_port
+    + i: make sure those ports are free too."""
+    return dataclasses.replace(
+        config,
+        decoder_base_port=_free_run(config.decoder_base_port, config.num_decoders),
+        scheduler_port=_free_run(config.scheduler_port, config.num_schedulers),
+    )
 
 
 def encoder_cache_spec(mesh: Mesh) -> ServiceSpec:
@@ -409,7 +420,7 @@ def gateway_spec(handle: SharedMesh, name: str, tokenizer: str = "tokenizer", **
         "MESHSERVE_HOST": "127.0.0.1",
         "MESHSERVE_PORT": str(port),
         "MESHSERVE_TOKENIZER_ADDRESS": handle.address(tokenizer),
-        "MESHSERVE_SCHEDULER_ADDRESS": handle.address("scheduler"),
+        "MESHSERVE_SCHEDULER_ADDRESS": handle.mesh.config.scheduler_addresses,
         "MESHSERVE_DEFAULT_MAX_TOKENS": "16",
         "MESHSERVE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
     }
