@@ -70,10 +70,11 @@ def _no_leaked_blocks() -> Iterator[None]:
 
 @pytest.fixture
 def make_engine(tiny_model_dir: str) -> Callable[..., LLMEngine]:
-    """Factory: ``make_engine(**EngineConfig overrides)``."""
+    """Factory: ``make_engine(**EngineConfig overrides)``; float32 (the reference's dtype)
+    unless overridden, whatever ``dtype="auto"`` would pick on this CPU."""
 
     def factory(**overrides: Any) -> LLMEngine:
-        kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128}
+        kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
         kwargs.update(overrides)
         engine = LLMEngine(EngineConfig(**kwargs))
         _ENGINES.append(engine)

@@ -16,9 +16,12 @@ Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-def test_greedy_matches_transformers_generate(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_greedy_matches_transformers_generate(
+    make_engine: Factory, hf_model: LlamaForCausalLM, backend: str
+) -> None:
     ps = prompts(3, 16, 29, 50, 77)
-    engine = make_engine()
+    engine = make_engine(attention_backend=backend)
     outs = run_all(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert tokens(outs[f"r{i}"]) == hf_greedy(hf_model, p, GREEDY.max_tokens), f"prompt {i}"
@@ -256,9 +259,14 @@ def test_step_failure_aborts_batch_and_engine_survives(make_engine: Factory) -> 
 
 
 def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_dir: str) -> None:
-    from worker_svc.engine import EngineConfig, triton_attention
+    from worker_svc.engine import EngineConfig, cpu_attention, triton_attention
 
-    assert make_engine(attention_backend="auto").model_info.attention_backend == "torch"
+    native = cpu_attention.load() is not None
+    assert make_engine(attention_backend="auto").model_info.attention_backend == ("cpu" if native else "torch")
+    # float16 has no native kernel: auto falls back to the torch path, an explicit "cpu" is refused.
+    assert make_engine(attention_backend="auto", dtype="float16").model_info.attention_backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        make_engine(attention_backend="cpu", dtype="float16")
     assert not triton_attention.backend_supported(torch.device("cpu"), 16)
     with pytest.raises(ValueError, match="attention_backend"):
         LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton"))

@@ -24,8 +24,10 @@ Integration with transformers 5.x (checked against 5.18):
   layer's cache) and ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` after RoPE;
   it returns ``[1, T, H, D]`` like transformers' SDPA integration.
 
-CPU path: one gather + one padded SDPA call for all decode rows (q_len == 1), and one
-SDPA per prefill chunk (``is_causal`` when the chunk starts at position 0, otherwise an
+Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
+:mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
+``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``triton``
+(CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
 explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
 """
 
@@ -39,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from worker_svc.engine import cpu_attention
 
 __all__ = [
     "ATTN_IMPL_NAME",
@@ -77,8 +81,8 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None  # [Bd] packed rows of decode sequences
     decode_blocks: torch.Tensor | None = None  # [Bd * max_blocks] block ids (padding -> block 0)
     decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] additive 0 / -inf
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 (triton)
-    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (triton)
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 (triton, cpu)
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (triton, cpu)
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend: str = "torch"
 
@@ -165,7 +169,7 @@ def _fill_decode(
     table_t = torch.tensor(padded, dtype=torch.long, device=device)
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     meta.decode_token_idx = torch.tensor(rows, dtype=torch.long, device=device)
-    if meta.backend == "triton":
+    if meta.backend in ("triton", "cpu"):
         meta.decode_block_tables = table_t.to(torch.int32)
         meta.decode_seq_lens = lens_t.to(torch.int32)
         return
@@ -235,6 +239,32 @@ def _prefill_torch(
     return out[0].transpose(0, 1)
 
 
+def _decode(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Attention of the decode rows of ``q [T, H, D]`` into the same rows of ``out``."""
+    rows = meta.decode_token_idx
+    if rows is None:
+        return
+    if meta.backend == "torch":
+        od = _decode_torch(q.index_select(0, rows), cache, meta, scale)
+        out.index_copy_(0, rows, od.to(out.dtype))
+        return
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if tables is None or lens is None:
+        raise RuntimeError(f"decode metadata missing for the {meta.backend} backend")
+    if meta.backend == "cpu":
+        kernel = cpu_attention.load()
+        if kernel is None:
+            raise RuntimeError("the cpu attention backend was chosen but its kernel did not load")
+        kernel(q, cache, tables, lens, rows, out, scale)
+        return
+    from worker_svc.engine import triton_attention
+
+    od = triton_attention.paged_decode_attention(q.index_select(0, rows), cache, tables, lens, scale)
+    out.index_copy_(0, rows, od.to(out.dtype))
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -246,37 +276,59 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function over the packed batch (see module docstring)."""
-    meta = kwargs.get(METADATA_KWARG) or _CURRENT.get()
-    if meta is None:
-        raise RuntimeError(f"{ATTN_IMPL_NAME} attention called outside the meshserve model runner")
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise RuntimeError(f"attention module {type(module).__name__} has no layer_idx")
-    cache = meta.kv_caches[layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        # Opaque to the compiler: the metadata (Python lists, ContextVar) is read at run time.
+        return torch.ops.meshserve.paged_attention(query, key, value, layer_idx, scale), None
+    meta = kwargs.get(METADATA_KWARG) or _CURRENT.get()
+    return _attend(meta, layer_idx, query, key, value, scale), None
+
+
+@torch.library.custom_op("meshserve::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """Compiled-graph entry: :func:`_attend` with the metadata of :func:`attention_context`."""
+    return _attend(_CURRENT.get(), layer_idx, query, key, value, scale)
+
+
+@_paged_attention_op.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    _, heads, tokens, head_dim = query.shape
+    return query.new_empty((1, tokens, heads, head_dim))
+
+
+def _attend(
+    meta: AttentionMetadata | None,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V in the paged cache and attend: ``query [1, H, T, D]`` -> ``[1, T, H, D]``."""
+    if meta is None:
+        raise RuntimeError(f"{ATTN_IMPL_NAME} attention called outside the meshserve model runner")
+    cache = meta.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    use_triton = meta.backend == "triton"
-    if use_triton:
+    if meta.backend == "triton":
         from worker_svc.engine import triton_attention
 
         triton_attention.store_kv(k, v, cache, meta.slot_mapping)
     else:
         store_kv(k, v, cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    # Contiguous [T, H, D] (not q's transposed strides): the caller's reshape is then a view.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.decode_token_idx is not None:
-        qd = q.index_select(0, meta.decode_token_idx)
-        if use_triton:
-            if meta.decode_block_tables is None or meta.decode_seq_lens is None:
-                raise RuntimeError("decode metadata missing for the triton backend")
-            od = triton_attention.paged_decode_attention(
-                qd, cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-            )
-        else:
-            od = _decode_torch(qd, cache, meta, scale)
-        out.index_copy_(0, meta.decode_token_idx, od.to(out.dtype))
+        _decode(q, cache, meta, scale, out)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_end
         out[s:e] = _prefill_torch(q[s:e], k[s:e], v[s:e], cache, chunk, scale)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig", "default_dtype", "parse_cpu_list"]
 
-DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("torch", "triton", "auto")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu", "auto")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,11 @@ class EngineConfig:
     ``num_kv_blocks=None`` sizes the paged KV cache from ``kv_cache_memory_bytes``;
     ``max_model_len=None`` takes the model's ``max_position_embeddings``.
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes and
-    (chunked) prefills.
+    (chunked) prefills. ``dtype="auto"`` is :func:`default_dtype` of the device.
+    ``compile_model`` runs text-only forward passes through ``torch.compile`` (dynamic
+    batch; the first steps of each new shape class pay the compile time).
+    ``cpu_affinity`` (e.g. ``"0"`` or ``"0-1,4"``; empty = no pinning) pins the thread
+    that runs ``step()`` to those CPUs.
     """
 
     model_dir: str
@@ -29,9 +33,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
+    compile_model: bool = False
+    cpu_affinity: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -54,6 +60,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.compile_model, bool):
+            raise ValueError("compile_model must be a bool")
+        parse_cpu_list(self.cpu_affinity)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
@@ -64,3 +73,29 @@ def _positive_int(name: str, value: object) -> None:
     # bool is an int subclass; True as a block size is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on CUDA and on CPUs with native bf16 dot products (avx512_bf16 or AMX),
+    float32 elsewhere (emulated bf16 matmuls are slower than float32 ones)."""
+    if device.split(":")[0] == "cuda":
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: no cheap way to know, stay exact
+        return "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-2,5"`` -> {0, 1, 2, 5}; empty -> empty set. ValueError names the bad part."""
+    if not isinstance(text, str):
+        raise ValueError(f"cpu_affinity must be a string like '0-1,3', got {text!r}")
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"cpu_affinity: bad CPU range {part!r} in {text!r}")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    return frozenset(cpus)

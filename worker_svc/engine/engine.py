@@ -6,6 +6,9 @@ thread).
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,7 +17,7 @@ import torch
 
 from services.kv_contract import with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
-from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.config import EngineConfig, parse_cpu_list
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
@@ -22,6 +25,8 @@ from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, T
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
 
 __all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +100,8 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self._cpus = parse_cpu_list(config.cpu_affinity)
+        self._pinned_thread: int | None = None
 
     # ------------------------------------------------------------ requests
     def validate_request(
@@ -196,6 +203,9 @@ class LLMEngine:
         On a model/sampler failure the requests of the failed batch are aborted (blocks
         freed) and :class:`EngineStepError` is raised; the engine stays usable.
         """
+        if self._cpus and self._pinned_thread != threading.get_ident():
+            self._pinned_thread = threading.get_ident()
+            _pin_current_thread(self._cpus)
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.scheduled:
@@ -316,6 +326,15 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
         )
+
+
+def _pin_current_thread(cpus: frozenset[int]) -> None:
+    """Pin the calling thread (pid 0 = this thread on Linux): the engine's compute thread
+    then keeps its caches and is not migrated onto the cores the servers use."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (AttributeError, OSError) as exc:  # not Linux, or CPUs outside this cgroup
+        log.warning("cpu_affinity %s not applied: %s", sorted(cpus), exc)
 
 
 def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:

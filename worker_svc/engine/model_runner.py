@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from worker_svc.engine import cpu_attention
 from worker_svc.engine.attention import (
     ATTN_IMPL_NAME,
     attention_context,
     build_attention_metadata,
     register_paged_attention,
 )
-from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.multimodal import load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.scheduler import ScheduledRequest
 
@@ -39,11 +41,12 @@ class ModelInfo:
     head_dim: int
     attention_backend: str
     hidden_size: int = 0
+    dtype: str = "float32"
 
 
 @dataclass
 class ModelOutput:
-    """Logits of one step.
+    """Logits of one step, in the model's dtype.
 
     ``sample_logits[i]`` belongs to ``sample_items[i]`` (chunks reaching the end of
     their sequence). ``prompt_logits`` holds, for chunks of requests that asked for
@@ -73,7 +76,8 @@ class ModelRunner:
         register_paged_attention()
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype_name = default_dtype(config.device) if config.dtype == "auto" else config.dtype
+        self.dtype = _DTYPES[self.dtype_name]
         # A vision-language checkpoint loads as its language model only (no vision tower).
         model: Any = load_causal_lm(config.model_dir, ATTN_IMPL_NAME, self.dtype)
         self.model: Any = model.to(self.device).eval()
@@ -96,6 +100,10 @@ class ModelRunner:
             for _ in range(self.info.num_layers)
         ]
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by
+        # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
+        self._compiled: Any = torch.compile(self.model, dynamic=True) if config.compile_model else None
+        self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
 
     def _model_info(self, cfg: Any, gen_cfg: Any) -> ModelInfo:
         num_layers = int(cfg.num_hidden_layers)
@@ -129,6 +137,7 @@ class ModelRunner:
             head_dim=head_dim,
             attention_backend=self._resolve_backend(),
             hidden_size=int(cfg.hidden_size),
+            dtype=self.dtype_name,
         )
 
     def _resolve_backend(self) -> str:
@@ -138,9 +147,16 @@ class ModelRunner:
         backend = self.config.attention_backend
         if backend == "triton" and not ok:
             raise ValueError("attention_backend='triton' needs CUDA, triton and a power-of-two block_size")
+        native = self.device.type == "cpu" and self.dtype in cpu_attention.DecodeKernel.dtypes
+        if backend == "cpu" and not (native and cpu_attention.load() is not None):
+            raise ValueError(
+                "attention_backend='cpu' needs device cpu, dtype float32/bfloat16 and a C compiler"
+            )
         if backend == "auto":
             # Interpreted kernels on CPU are for testing only, never picked automatically.
-            return "triton" if ok and self.device.type == "cuda" else "torch"
+            if ok and self.device.type == "cuda":
+                return "triton"
+            return "cpu" if native and cpu_attention.load() is not None else "torch"
         return backend
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:
@@ -167,9 +183,13 @@ class ModelRunner:
                 sample_rows.append(len(keep) - 1)
                 sample_items.append(item)
         logits = self._forward(batch, ids, positions, keep, _image_rows(batch, row0s))
+        if len(sample_rows) != len(keep):  # else every kept row is sampled, in order: no copy
+            logits_rows = logits[sample_rows]
+        else:
+            logits_rows = logits
         return ModelOutput(
             sample_items=sample_items,
-            sample_logits=logits[sample_rows],
+            sample_logits=logits_rows,
             prompt_logits=[(item, logits[a:b]) for item, a, b in prompt_spans],
         )
 
@@ -199,12 +219,25 @@ class ModelRunner:
                 # Image placeholders in this step: token embeddings with the image rows replaced.
                 embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
                 out = self.model(inputs_embeds=embeds, position_ids=position_ids, **kwargs)
+            elif self._compiled is not None:
+                out = self._compiled_forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
             else:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         logits: torch.Tensor = out.logits[0]
         if not self._supports_logits_to_keep:
             logits = logits[keep_t]
-        return logits.float()
+        # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
+        return logits
+
+    def _compiled_forward(self, **kwargs: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        frames = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        out = self._compiled(**kwargs)
+        if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
+            self.compile_seconds += time.perf_counter() - start
+        return out
 
 
 def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -11,9 +11,15 @@ Processing order for one step (all rows at once where possible):
 3. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked.
 4. temperature 0 -> greedy argmax of the penalized logits; otherwise divide by
    temperature, apply top-k, top-p, min-p, and draw with the exponential race
-   ``argmax(probs / E)``, ``E ~ Exp(1)`` per vocab entry. A seeded request draws its
+   ``argmax(probs / E)``, ``E ~ Exp(1)`` per candidate token. A seeded request draws its
    ``E`` from its own ``torch.Generator``, so its tokens do not depend on which other
    requests share the batch.
+
+Fast paths (same results, less work): a batch of plain greedy rows (no penalties,
+min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy);
+when every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
+from ``topk`` instead of a full-vocabulary sort, and the race runs over those ``k``
+candidates only (a seeded row then draws ``k`` values per step, not ``vocab``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ __all__ = [
 ]
 
 MAX_LOGPROBS = 20
+# Largest top-k served by ``topk`` + a race over k candidates instead of a vocab-wide sort.
+TOP_K_FAST_MAX = 1024
 # Below this temperature sampling is greedy (same threshold as vLLM).
 _GREEDY_EPS = 1e-5
 
@@ -149,6 +157,9 @@ class Sampler:
         """Sample one token per row; ``logits`` is not modified."""
         if logits.ndim != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if all(_plain_greedy(r) for r in rows):
+            # argmax is exact in any float dtype (first maximum wins, like the float32 path).
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
@@ -205,25 +216,65 @@ class Sampler:
         logits = logits / temps.unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
-        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+        candidates = None  # [rows, k] token ids when sampling among top-k candidates only
+        if max(top_k) <= TOP_K_FAST_MAX:
+            logits, candidates = _top_k_candidates(logits, top_k, top_p)
+        elif any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(mp > 0.0 for mp in min_p):
-            thresh = (
-                probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
-            )
-            probs = probs.masked_fill(probs < thresh, 0.0)
-        race = torch.empty_like(probs)
-        unseeded = [j for j, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            race[unseeded] = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=dev).exponential_()
-        for j, r in enumerate(rows):
-            if r.generator is not None:
-                # Each seeded row consumes exactly `vocab` draws from its own generator per step,
-                # so its stream is independent of batch composition.
-                race[j].exponential_(generator=r.generator)
-        return (probs / race).argmax(dim=-1)
+        chosen = _race(logits, rows)
+        if candidates is None:
+            return chosen
+        return candidates.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _race(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+    """Column drawn per row from softmax(logits) (min-p applied) by the exponential race."""
+    params = [r.sampling_params for r in rows]
+    width = logits.shape[1]
+    dev = logits.device
+    probs = torch.softmax(logits, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(mp > 0.0 for mp in min_p):
+        thresh = (
+            probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+        )
+        probs = probs.masked_fill(probs < thresh, 0.0)
+    race = torch.empty_like(probs)
+    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        race[unseeded] = torch.empty(len(unseeded), width, dtype=probs.dtype, device=dev).exponential_()
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            # Each seeded row consumes exactly `width` draws from its own generator per step,
+            # so its stream is independent of batch composition.
+            race[j].exponential_(generator=r.generator)
+    return (probs / race).argmax(dim=-1)
+
+
+def _plain_greedy(row: SamplingState) -> bool:
+    """Greedy with nothing that needs float32 logits: no penalties, min_tokens or logprobs."""
+    p = row.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and len(row.output_token_ids) >= p.min_tokens
+    )
+
+
+def _top_k_candidates(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``max(top_k)`` best logits per row (best first, beyond each row's k and nucleus
+    masked to -inf) and their token ids: top-k/top-p without sorting the vocabulary."""
+    vals, ids = logits.topk(max(top_k), dim=-1)
+    ranks = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)
+    remove = ranks >= torch.tensor(top_k, device=vals.device).unsqueeze(1)
+    if any(tp < 1.0 for tp in top_p):
+        remove |= _outside_nucleus(vals.masked_fill(remove, -math.inf), top_p)
+    return vals.masked_fill(remove, -math.inf), ids
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -234,13 +285,18 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     remove = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
     if any(tp < 1.0 for tp in top_p):
-        probs = torch.softmax(sorted_logits.masked_fill(remove, -math.inf), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p == 1 get a threshold above any mass so float rounding never trims them.
-        limit = torch.tensor([tp if tp < 1.0 else 2.0 for tp in top_p], dtype=probs.dtype, device=dev)
-        remove |= mass_before >= limit.unsqueeze(1)
+        remove |= _outside_nucleus(sorted_logits.masked_fill(remove, -math.inf), top_p)
     mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
     return logits.masked_fill(mask, -math.inf)
+
+
+def _outside_nucleus(sorted_logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Mask of sorted (best-first) entries past each row's nucleus: mass before them >= top_p."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 get a threshold above any mass so float rounding never trims them.
+    limit = torch.tensor([tp if tp < 1.0 else 2.0 for tp in top_p], dtype=probs.dtype, device=probs.device)
+    return mass_before >= limit.unsqueeze(1)
 
 
 def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,173 @@
+/* Paged decode attention for CPU: one query token per sequence, keys/values read in
+ * place from the paged KV cache through the block table (no gather copy, no padding to
+ * the longest sequence). Built and loaded by worker_svc/engine/cpu_attention.py with
+ * `cc -O3 -march=native -ffast-math -fopenmp-simd -shared`; single-threaded
+ * (the engine's compute thread calls it); called through ctypes with raw pointers.
+ *
+ * Layout: cache [2, num_blocks, block_size, Hkv, D] contiguous (0 = K, 1 = V); q and out
+ * [T, H, D] with d contiguous and the given token/head strides (elements). Query head h
+ * reads KV head h / (H / Hkv) (GQA). Math in float32 (online softmax per block), the
+ * output is rounded to the cache dtype: like SDPA's CPU kernels for bf16. Scores are
+ * finite (masking is by length, never by -inf), which -ffast-math assumes.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Converts n elements at p (dtype dt) to float32 in dst. */
+static inline void load_row(float *dst, const void *p, int64_t n, int dt) {
+    if (dt == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)p;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, p, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *p, const float *src, int64_t n, int dt) {
+    if (dt == DT_BF16) {
+        uint16_t *d = (uint16_t *)p;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(p, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+enum { CHUNK = 16 }; /* tokens per online-softmax update */
+
+/* One sequence, all heads: for every cached token the K (then V) row of all KV heads is
+ * read once, in memory order (a cache block is contiguous), which keeps hardware
+ * prefetching effective when the cache is cold. Always inlined into the instances below,
+ * so head size D and group size G are compile-time constants there (fully vectorized
+ * d loops, no remainder loops). */
+static inline __attribute__((always_inline)) void decode_seq(const char *q, int64_t q_sh, const char *kc,
+                                                             const char *vc, const int32_t *table,
+                                                             int32_t seq_len, char *out, int64_t o_sh,
+                                                             int64_t G, int64_t Hkv, int64_t D, int64_t bs,
+                                                             float scale, int dt, int64_t esz) {
+    const int64_t H = G * Hkv, row = Hkv * D; /* row: elements per token slot */
+    float qf[H][D], acc[H][D], m[H], l[H], s[H][CHUNK], kv[D];
+    for (int64_t h = 0; h < H; h++) {
+        load_row(qf[h], q + h * q_sh * esz, D, dt);
+        for (int64_t d = 0; d < D; d++) qf[h][d] *= scale;
+        for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f;
+        m[h] = -FLT_MAX; /* finite: built with -ffast-math (vector expf) */
+        l[h] = 0.f;
+    }
+    for (int64_t start = 0; start < seq_len; start += CHUNK) {
+        const int64_t n = seq_len - start < CHUNK ? seq_len - start : CHUNK;
+        int64_t slot[CHUNK];
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t p = start + t;
+            slot[t] = ((int64_t)table[p / bs] * bs + p % bs) * row;
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                load_row(kv, kc + (slot[t] + kvh * D) * esz, D, dt);
+                for (int64_t g = 0; g < G; g++) s[kvh * G + g][t] = dot(qf[kvh * G + g], kv, D);
+            }
+        for (int64_t h = 0; h < H; h++) {
+            float mx = m[h];
+            for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
+            const float corr = expf(m[h] - mx);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[h][t] = expf(s[h][t] - mx);
+                sum += s[h][t];
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+            for (int64_t d = 0; d < D; d++) acc[h][d] *= corr;
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                load_row(kv, vc + (slot[t] + kvh * D) * esz, D, dt);
+                for (int64_t g = 0; g < G; g++) {
+                    const float p = s[kvh * G + g][t];
+                    float *a = acc[kvh * G + g];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * kv[d];
+                }
+            }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < D; d++) acc[h][d] *= inv;
+        store_row(out + h * o_sh * esz, acc[h], D, dt);
+    }
+}
+
+/* Instances with compile-time head size N and group size GG (query heads per KV head). */
+#define DECODE_DG(N, GG)                                                                                   \
+    static void decode_d##N##_g##GG(const char *q, int64_t q_sh, const char *kc, const char *vc,          \
+                                    const int32_t *table, int32_t seq_len, char *out, int64_t o_sh,       \
+                                    int64_t Hkv, int64_t bs, float scale, int dt, int64_t esz) {          \
+        decode_seq(q, q_sh, kc, vc, table, seq_len, out, o_sh, GG, Hkv, N, bs, scale, dt, esz);          \
+    }
+#define DECODE_D(N) DECODE_DG(N, 1) DECODE_DG(N, 2) DECODE_DG(N, 4) DECODE_DG(N, 8)
+DECODE_D(32)
+DECODE_D(64)
+DECODE_D(128)
+
+typedef void (*decode_fn)(const char *, int64_t, const char *, const char *, const int32_t *, int32_t, char *,
+                          int64_t, int64_t, int64_t, float, int, int64_t);
+
+/* The specialized instance for (D, G), or NULL (then the generic decode_seq runs). */
+static decode_fn pick(int64_t D, int64_t G) {
+#define PICK_G(N)                                                                                          \
+    if (D == N) return G == 1 ? decode_d##N##_g1 : G == 2 ? decode_d##N##_g2 : G == 4 ? decode_d##N##_g4 \
+                     : G == 8 ? decode_d##N##_g8 : NULL;
+    PICK_G(32)
+    PICK_G(64)
+    PICK_G(128)
+#undef PICK_G
+    return NULL;
+}
+
+/* Entry point: decode rows[b] of q for b in [0, B) into the same rows of out. */
+void meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void *cache, int64_t num_blocks,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                            const int64_t *rows, void *out, int64_t o_st, int64_t o_sh, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t D, int64_t bs, float scale, int dt) {
+    const int64_t esz = dt == DT_BF16 ? 2 : 4;
+    const char *kc = (const char *)cache;
+    const char *vc = kc + num_blocks * bs * Hkv * D * esz;
+    const int64_t G = H / Hkv;
+    const decode_fn fn = pick(D, G);
+    for (int64_t b = 0; b < B; b++) {
+        const char *qb = (const char *)q + rows[b] * q_st * esz;
+        char *ob = (char *)out + rows[b] * o_st * esz;
+        const int32_t *table = block_tables + b * max_blocks;
+        if (fn)
+            fn(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, Hkv, bs, scale, dt, esz);
+        else
+            decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz);
+    }
+}
