@@ -1,7 +1,8 @@
-"""One trace per request across gateway → tokenizer → scheduler → worker.
+"""One trace per request across gateway → tokenizer → scheduler (Route) → worker.
 
 Every service runs in this process (real gRPC servers on loopback, real engine on a
-tiny model) with the in-memory span exporter, so all spans can be inspected.
+tiny model); spans are exported with OTLP over gRPC (BatchSpanProcessor) to a real OTLP
+receiver in the test, which checks that one chat completion's spans form one tree.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import uvicorn
@@ -18,12 +18,13 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler_svc.app import Scheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services import tracing
 from services.redis_client import free_port
 from services.server import GrpcServer
+from tests.tracing.otlp_receiver import SpanRecord, otlp_receiver, otlp_tracing
 from tokenizer_svc.config import TokenizerConfig
 from tokenizer_svc.server import start_server
 from worker_svc.config import WorkerConfig
@@ -89,48 +90,56 @@ async def _mesh(model_dir: Path) -> AsyncIterator[str]:
         await scheduler.stop()
 
 
-def _by_name(spans: list[Any], name: str) -> Any:
+def _by_name(spans: list[SpanRecord], name: str) -> SpanRecord:
     matches = [s for s in spans if s.name == name]
     assert matches, f"no span {name!r} among {sorted({s.name for s in spans})}"
     return matches[0]
 
 
-def _ancestors(span: Any, by_id: dict[int, Any]) -> list[str]:
+def _ancestors(span: SpanRecord, by_id: dict[str, SpanRecord]) -> list[str]:
     names = []
-    while span.parent is not None and span.parent.span_id in by_id:
-        span = by_id[span.parent.span_id]
+    while span.parent_span_id in by_id:
+        span = by_id[span.parent_span_id]
         names.append(span.name)
     return names
 
 
+WANTED = {"gateway.chat_completions", "SchedulerServicer.Route", "worker.generate", "worker.decode"}
+
+
 async def test_one_trace_links_every_service(tiny_model_dir: Path) -> None:
-    async with _mesh(tiny_model_dir) as url:
-        exporter = tracing.MEMORY_EXPORTER
-        assert exporter is not None
-        exporter.clear()  # type: ignore[attr-defined]
-        async with httpx.AsyncClient(timeout=60) as client:
-            reply = await client.post(
-                url + "/v1/chat/completions",
-                json={
-                    "model": tiny_model_dir.name,
-                    "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "hello"}],
-                },
-            )
-        assert reply.status_code == 200, reply.text
-        await asyncio.sleep(0.2)  # spans end as the streams close
-        spans = list(exporter.get_finished_spans())  # type: ignore[attr-defined]
-    root = _by_name(spans, "gateway.chat_completions")
-    trace_spans = [s for s in spans if s.context.trace_id == root.context.trace_id]
-    by_id = {s.context.span_id: s for s in trace_spans}
+    async with otlp_receiver() as rx, otlp_tracing(rx):
+        async with _mesh(tiny_model_dir) as url:
+            rx.clear()
+            async with httpx.AsyncClient(timeout=60) as client:
+                reply = await client.post(
+                    url + "/v1/chat/completions",
+                    json={
+                        "model": tiny_model_dir.name,
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "hello"}],
+                    },
+                )
+            assert reply.status_code == 200, reply.text
+            await tracing.flush_tracing()
+            spans = await rx.wait_for(lambda got: WANTED <= {r.name for r in got}, timeout_s=15)
+    gateway = _by_name(spans, "gateway.chat_completions")
+    trace_spans = [s for s in spans if s.trace_id == gateway.trace_id]
+    by_id = {s.span_id: s for s in trace_spans}
+    # One tree: a single root (the gateway's HTTP server span), every other span of the
+    # request's trace leads up to it.
+    roots = [s for s in trace_spans if s.parent_span_id not in by_id]
+    assert len(roots) == 1 and roots[0].name.startswith("POST "), roots
+    for span in trace_spans:
+        if span is not roots[0]:
+            assert _ancestors(span, by_id)[-1] == roots[0].name, span
     render = _by_name(trace_spans, "TokenizerServicer.RenderChat")
-    generate = _by_name(trace_spans, "SchedulerServicer.Generate")
-    worker = _by_name(trace_spans, "DecoderServicer.Generate")
-    for phase in ("worker.prefill", "worker.decode"):
-        assert "worker.generate" in _ancestors(_by_name(trace_spans, phase), by_id)
+    route = _by_name(trace_spans, "SchedulerServicer.Route")
+    worker = _by_name(trace_spans, "worker.generate")
     assert "gateway.chat_completions" in _ancestors(render, by_id)
-    assert "gateway.chat_completions" in _ancestors(generate, by_id)
-    assert "SchedulerServicer.Generate" in _ancestors(worker, by_id)
-    detok = _by_name(trace_spans, "TokenizerServicer.DetokenizeStream")
-    assert "gateway.chat_completions" in _ancestors(detok, by_id)
+    assert "gateway.chat_completions" in _ancestors(route, by_id)
+    # The worker's span is parented through the request's trace context (the stream is
+    # shared by every request, so per-call metadata cannot carry it).
     assert "gateway.chat_completions" in _ancestors(worker, by_id)
+    for phase in ("worker.prefill", "worker.decode"):
+        assert _ancestors(_by_name(trace_spans, phase), by_id)[0] == "worker.generate"
