@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
 from gateway.upstream import SCHEDULER, TOKENIZER, Lease, Upstream
 from gateway.worker_streams import WorkerStream
@@ -280,8 +281,10 @@ class GenerationRun:
         may_retry = not self._emitted and self._attempts <= self.upstream.config.max_retries
         if failure.retry == "reencode" and may_retry and not self._force_encode:
             self._force_encode = True
+            metrics.REROUTES.labels(reason="reencode").inc()
         elif failure.retry == "reroute" and may_retry:
             self._excluded.append(self._attempt_worker)
+            metrics.REROUTES.labels(reason="worker_failed").inc()
             log.warning("%s: %s; routing again", self.spec.request_id, failure.error.message)
         else:
             raise failure.error

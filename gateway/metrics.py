@@ -61,6 +61,14 @@ JSON_MODE_VIOLATIONS = Counter(
 )
 
 
+REROUTES = Counter(
+    "meshserve_gateway_reroutes_total",
+    "Requests routed again before their first token, by reason: worker_failed (stream lost or "
+    "UNAVAILABLE, the worker excluded) or reencode (image embeddings evicted)",
+    ["reason"],
+)
+
+
 class GenerationTimer:
     """Records TTFT, inter-token latency, TPOT and token counts of one request."""
 

@@ -19,7 +19,7 @@ WORKER_INFLIGHT = Gauge(
 QUEUE_DEPTH = Gauge("meshserve_scheduler_queue_depth", "Requests waiting in the admission queue")
 OVERHEAD = Histogram(
     "meshserve_scheduler_overhead_seconds",
-    "Time from receiving a request to starting the worker call (admission + routing + queueing)",
+    "Route: time from receiving the request to answering the lease (admission + encoding + routing + queueing)",
     buckets=(
         0.0001,
         0.00025,
@@ -66,8 +66,15 @@ REJECTED = Counter(
 )
 FAILOVERS = Counter(
     "meshserve_scheduler_failovers_total",
-    "Worker calls that failed, by outcome (retried before the first token, or failed mid-stream)",
+    "Routes asked again by a gateway after a worker failed before the first token (outcome=rerouted)",
     ["outcome"],
+)
+LEASES = Gauge("meshserve_scheduler_leases", "Leases this replica holds (requests routed and not ended yet)")
+LEASES_ENDED = Counter(
+    "meshserve_scheduler_leases_ended_total",
+    "Leases ended, by how: released (by the gateway), reconciled (the worker no longer runs "
+    "it), expired (TTL), worker_down",
+    ["how"],
 )
 KV_EVENTS = Counter(
     "meshserve_scheduler_kv_events_total",

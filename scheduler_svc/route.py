@@ -102,6 +102,7 @@ class Router:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
         active = self.scheduler.leases.issue(lease, request.request_id)
+        metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
         block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
         return RouteResult(
@@ -111,7 +112,7 @@ class Router:
     def release(self, lease_ids: list[str]) -> int:
         """Ends leases (their requests finished); returns how many this replica knew."""
         ended = self.scheduler.leases.release(lease_ids)
-        self.scheduler.end_leases(ended)
+        self.scheduler.end_leases(ended, "released")
         return len(ended)
 
     async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:

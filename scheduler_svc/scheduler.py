@@ -132,7 +132,7 @@ class Scheduler:
                 self.subscriber.request_resync(worker_id)
         if draining and not was_draining:
             log.info("worker %s is draining", worker_id)
-        self.end_leases(self.leases.reconcile(worker_id, active_leases))
+        self.end_leases(self.leases.reconcile(worker_id, active_leases), "reconciled")
         self._dirty.add(worker_id)
         self._registry_changed()
         return True
@@ -148,10 +148,13 @@ class Scheduler:
         if decision.total_blocks:
             metrics.PREFIX_HIT.observe(decision.matched_blocks / decision.total_blocks)
 
-    def end_leases(self, ended: list[ActiveLease]) -> None:
+    def end_leases(self, ended: list[ActiveLease], how: str) -> None:
         """Hands the slots of ended leases back (admits queued requests)."""
         for lease in ended:
             self.dispatcher.release(lease.lease)
+        if ended:
+            metrics.LEASES_ENDED.labels(how=how).inc(len(ended))
+        metrics.LEASES.set(len(self.leases))
 
     def worker_failed(self, worker_id: str) -> None:
         """A call to the worker failed at the transport level: keep new requests away a while."""
@@ -177,7 +180,7 @@ class Scheduler:
     async def housekeep_once(self) -> None:
         """One round of sweep, Redis sync, index expiry and gauges."""
         self.sweep()
-        self.end_leases(self.leases.expire())
+        self.end_leases(self.leases.expire(), "expired")
         if self.mirror is not None:
             await self._sync_mirror()
         self.index.expire()
@@ -203,7 +206,7 @@ class Scheduler:
         """Drops the worker's index entries and leases (its requests are lost with it)."""
         self.registry.mark_down(worker_id)
         self.index.remove_worker(worker_id)
-        self.end_leases(self.leases.of_worker(worker_id))
+        self.end_leases(self.leases.of_worker(worker_id), "worker_down")
         self._registry_changed()
 
     async def _sync_mirror(self) -> None:

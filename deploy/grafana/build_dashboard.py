@@ -251,8 +251,22 @@ def build() -> dict[str, Any]:
                 "expr": f"sum by (outcome) (rate(meshserve_scheduler_failovers_total{{{NS}}}[{RATE}]))",
                 "legendFormat": "failover {{outcome}}",
             },
+            {
+                "expr": f"sum by (reason) (rate(meshserve_gateway_reroutes_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "gateway reroute {{reason}}",
+            },
         ],
         unit="reqps",
+    )
+    g.panel(
+        "Leases (held, and how they end)",
+        [
+            {"expr": f"sum(meshserve_scheduler_leases{{{NS}}})", "legendFormat": "held"},
+            {
+                "expr": f"sum by (how) (rate(meshserve_scheduler_leases_ended_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "ended {{how}}",
+            },
+        ],
     )
     g.panel(
         "Prefix hit ratio at routing",
