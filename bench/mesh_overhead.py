@@ -29,7 +29,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -115,6 +117,18 @@ async def _paired_runs(
     return rows
 
 
+# Processes of the mesh that relay rather than compute: everything but the workers,
+# Redis and the benchmark client.
+_NOT_RELAYS = ("decoder", "encoder", "embedding", "redis", "client")
+
+
+def relay_cpu_ms(row: RunResult) -> float:
+    """CPU ms per output token of the relays (gateway, scheduler replicas, tokenizer)
+    during a mesh run, from the per-process figures in the row's notes."""
+    spent: dict[str, float] = json.loads(row.notes.removeprefix("cpu ms/token: "))
+    return sum(v for name, v in spent.items() if not name.startswith(_NOT_RELAYS))
+
+
 def summarize_pairs(rows: list[RunResult], concurrencies: list[int]) -> list[dict[str, Any]]:
     """Per concurrency and mesh system: medians of each system and the paired overheads
     (the i-th run of a mesh is paired with the i-th in-process run at that concurrency)."""
@@ -139,6 +153,11 @@ def summarize_pairs(rows: list[RunResult], concurrencies: list[int]) -> list[dic
                     "mesh_ttft_p50_ms_median": statistics.median(r.ttft_ms["p50"] for r in mesh),
                     "in_process_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in local),
                     "mesh_tpot_p50_ms_median": statistics.median(r.tpot_ms["p50"] for r in mesh),
+                    "mesh_throughput_ratio_median": statistics.median(1 - o for o in overheads),
+                    "ttft_p50_added_ms_median": statistics.median(
+                        m.ttft_ms["p50"] - i.ttft_ms["p50"] for i, m in zip(local, mesh, strict=True)
+                    ),
+                    "relay_cpu_ms_per_token_median": statistics.median(relay_cpu_ms(m) for m in mesh),
                 }
             )
     return summary
@@ -201,7 +220,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    report = run(args)
+    report = {
+        "command": "python -m bench.mesh_overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
+    }
+    report.update(run(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -209,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"c={s['concurrency']} {s['system']}: in-process {s['in_process_tok_per_s_median']:.0f} tok/s, "
             f"mesh {s['mesh_tok_per_s_median']:.0f} tok/s, overhead median {s['overhead_median']:+.1%} "
-            f"(pairs {', '.join(f'{o:+.1%}' for o in s['paired_overheads'])})"
+            f"(pairs {', '.join(f'{o:+.1%}' for o in s['paired_overheads'])}); relay CPU "
+            f"{s['relay_cpu_ms_per_token_median']:.3f} ms/token; TTFT p50 +{s['ttft_p50_added_ms_median']:.1f} ms"
         )
     print(f"wrote {out}")
 
