@@ -86,6 +86,7 @@ class WorkerStream:
             reason = "the gateway closed the stream"
         finally:
             self.closed = True
+            self._outgoing.put_nowait(None)  # ends the request generator too
             sinks, self._sinks = self._sinks, {}
             if sinks:
                 log.warning(
