@@ -126,7 +126,19 @@ def test_greedy_generate(model: Any, tokenizer: Any) -> None:
     second = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert prompt_len < first.shape[1] <= prompt_len + 8
     assert torch.equal(first, second)
-    assert isinstance(tokenizer.decode(first[0, prompt_len:]), str)
+    # Greedy means: each new token is the argmax of the model's logits at its position
+    # (generate stops early only on an EOS token).
+    new = first[0, prompt_len:].tolist()
+    with torch.no_grad():
+        logits = model(input_ids=first[:, :-1]).logits[0, prompt_len - 1 :]
+    assert logits.argmax(dim=-1).tolist() == new
+    eos = set(model.generation_config.eos_token_id)
+    assert len(new) == 8 or new[-1] in eos
+    # The completion decodes to real text that follows the rendered prompt exactly.
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    assert text.strip(), new
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(first[0]) == rendered + tokenizer.decode(new)
 
 
 def test_failed_write_keeps_previous_build(

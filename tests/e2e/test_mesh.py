@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types import Completion
 from transformers import AutoTokenizer
 
 from services.launcher import Mesh, MeshConfig
@@ -138,16 +139,31 @@ def test_parallel_samples_logprobs_and_stop(client: openai.OpenAI, model_name: s
         model=model_name, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=7, n=2
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
-    # A stop string cuts the text before it and finishes with "stop".
-    base = client.completions.create(model=model_name, prompt="The function", max_tokens=12, temperature=0)
-    text = base.choices[0].text
-    if len(text.strip()) > 2:
-        stop = text.strip()[1:3]
-        cut = client.completions.create(
-            model=model_name, prompt="The function", max_tokens=12, temperature=0, stop=[stop]
+
+    # A stop string cuts the text before it and finishes with "stop". The stop string is
+    # taken from a first greedy run's own text (EOS ignored, so it runs all 16 tokens):
+    # the identical greedy rerun is certain to generate it, in its first third.
+    def greedy(stop: list[str] | None = None) -> Completion:
+        return client.completions.create(
+            model=model_name,
+            prompt="The function",
+            max_tokens=16,
+            temperature=0,
+            stop=stop,
+            extra_body={"ignore_eos": True},
         )
-        assert cut.choices[0].finish_reason == "stop"
-        assert cut.choices[0].text == text[: text.index(stop)]
+
+    base = greedy()
+    text = base.choices[0].text
+    assert base.choices[0].finish_reason == "length" and base.usage is not None
+    assert base.usage.completion_tokens == 16
+    assert len(text) >= 8, repr(text)
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    cut = greedy([stop])
+    assert cut.choices[0].finish_reason == "stop", (text, stop, cut.choices[0].text)
+    assert cut.choices[0].text == text[: text.index(stop)], (text, stop)
+    # Generation stopped there (fewer tokens), not just the text trimmed afterwards.
+    assert cut.usage is not None and cut.usage.completion_tokens < 16
 
 
 def test_tokenize_detokenize_and_embeddings(mesh: Mesh, client: openai.OpenAI, model_name: str) -> None:

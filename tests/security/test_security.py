@@ -332,5 +332,9 @@ async def _health(address: str, credentials: grpc.ChannelCredentials | None = No
 
 def test_shared_mesh_is_plaintext_by_default(mesh: SharedMesh) -> None:
     """TLS is opt-in (MESHSERVE_TLS_*; mutual TLS is tested in tests/services/test_tls.py):
-    a mesh started without it answers plaintext health checks."""
-    assert asyncio.run(_health(mesh.address("scheduler"), None)) >= 0
+    every gRPC service of a mesh started without it answers SERVING to a plaintext health check."""
+    services = [spec for spec in mesh.mesh.specs.values() if spec.grpc]
+    assert {"scheduler", "tokenizer"} <= {spec.name for spec in services}
+    for spec in services:
+        status = asyncio.run(_health(spec.address, None))
+        assert status == health_pb2.HealthCheckResponse.SERVING, spec.name
