@@ -6,14 +6,19 @@
 
 For every policy a fresh cluster is started -- a redis-server, `python -m scheduler_svc
 --routing-policy P` and `--workers` decoder processes (`python -m worker_svc`) -- and the
-same seeded workload is sent as token ids straight to the scheduler's `Generate`:
-multi-turn conversations, each opening with one of a few shared system prompts, every
-turn appending a user message and the model's answer to the history.
+same seeded workload is sent as token ids the way the gateway sends it: `Scheduler.Route`
+(admission + routing, a lease on one worker), then the request on that worker
+(`Worker.Generate`), then `Scheduler.Release`. The workload: multi-turn conversations,
+each opening with one of a few shared system prompts, every turn appending a user
+message and the model's answer to the history.
 
 Reported per policy: prefix-cache hit rate (sum of `usage.cached_tokens` / prompt
-tokens, and the workers' own LoadStats), TTFT p50/p99, end-to-end latency, request and
-output-token throughput, and the scheduler's added latency per request (receive →
-worker call started, from the `x-meshserve-scheduler-overhead-us` trailer), p50/p99.
+tokens, and the workers' own LoadStats), TTFT p50/p99 (Route sent → first token),
+end-to-end latency, request and output-token throughput, the Route latency seen by the
+client (p50/p99/mean), and the scheduler's own time per Route (received → lease issued,
+admission queueing included) from its `meshserve_scheduler_overhead_seconds` histogram
+(scraped from /metrics before and after the run; p50/p99 interpolated in the buckets
+as Prometheus' histogram_quantile does, and the exact mean).
 Without `--model-dir` the `make model` model is used, else a tiny untrained one is built
 once (devtools.build_model --tiny).
 """
@@ -40,15 +45,16 @@ from typing import Any
 
 import grpc
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from services.redis_client import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"  # `make model`
 TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
-OVERHEAD_KEY = "x-meshserve-scheduler-overhead-us"
+OVERHEAD_METRIC = "meshserve_scheduler_overhead_seconds"
 MODEL_NAME = "bench-model"
 
 
@@ -90,7 +96,8 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    overhead_us: int
+    # Client-side latency of Scheduler.Route.
+    route_s: float
     worker_id: str
 
 
@@ -204,40 +211,61 @@ def _request(prompt: Sequence[int], max_tokens: int, request_id: str) -> common_
     )
 
 
+class Mesh:
+    """The client side: the scheduler's stub and one channel per worker (as a gateway keeps)."""
+
+    def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self.scheduler = scheduler
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
 async def send(
-    stub: scheduler_pb2_grpc.SchedulerStub, prompt: Sequence[int], max_tokens: int, request_id: str
+    mesh: Mesh, prompt: Sequence[int], max_tokens: int, request_id: str
 ) -> tuple[Record, list[int]]:
-    """One Generate through the scheduler; returns its record and the generated tokens."""
+    """Route, Worker.Generate on the routed worker, Release; the record and the tokens."""
+    request = _request(prompt, max_tokens, request_id)
     start = time.perf_counter()
-    call = stub.Generate(_request(prompt, max_tokens, request_id), timeout=600)
+    route = await mesh.scheduler.Route(scheduler_pb2.RouteRequest(request=request), timeout=600)
+    routed = time.perf_counter()
+    request.lease_id = route.lease_id
     ttft = 0.0
     output: list[int] = []
     last: Any = None
-    worker = ""
-    async for response in call:
-        new = [t for delta in response.deltas if delta.index == 0 for t in delta.token_ids]
-        if new and not output:
-            ttft = time.perf_counter() - start
-        output.extend(new)
-        worker = worker or response.worker_id
-        last = response
+    try:
+        async for response in mesh.worker(route.worker_address).Generate(request, timeout=600):
+            new = [t for delta in response.deltas if delta.index == 0 for t in delta.token_ids]
+            if new and not output:
+                ttft = time.perf_counter() - start
+            output.extend(new)
+            last = response
+    finally:
+        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]), timeout=30)
     latency = time.perf_counter() - start
-    trailer = dict(await call.trailing_metadata() or ())
     usage = last.usage if last is not None else common_pb2.Usage()
     record = Record(ttft, latency, usage.prompt_tokens, usage.cached_tokens, len(output),
-                    int(trailer.get(OVERHEAD_KEY, -1)), worker)  # fmt: skip
+                    routed - start, route.worker_id)  # fmt: skip
     return record, output
 
 
 async def run_conversation(
-    stub: scheduler_pb2_grpc.SchedulerStub, conv: Conversation, index: int, config: BenchConfig,
+    mesh: Mesh, conv: Conversation, index: int, config: BenchConfig,
     gate: asyncio.Semaphore, records: list[Record],
 ) -> None:  # fmt: skip
     history = list(conv.system)
     for turn, user in enumerate(conv.turns):
         history.extend(user)
         async with gate:
-            record, output = await send(stub, history, config.max_tokens, f"c{index}-t{turn}")
+            record, output = await send(mesh, history, config.max_tokens, f"c{index}-t{turn}")
         records.append(record)
         history.extend(output)
 
@@ -252,19 +280,80 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def routing_reasons(metrics_port: int) -> dict[str, float]:
-    """meshserve_scheduler_routed_total by reason, scraped from the scheduler's /metrics."""
+def scrape(metrics_port: int) -> str:
+    """The scheduler's /metrics text ("" when unreachable)."""
     try:
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        return httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return {}
+        return ""
+
+
+def routing_reasons(text: str) -> dict[str, float]:
+    """meshserve_scheduler_routed_total by reason."""
     reasons: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("meshserve_scheduler_routed_total{"):
-            labels, value = line.rsplit(" ", 1)
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-            reasons[reason] = reasons.get(reason, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "meshserve_scheduler_routed_total":
+                reason = sample.labels["reason"]
+                reasons[reason] = reasons.get(reason, 0.0) + sample.value
     return reasons
+
+
+@dataclass
+class HistogramSnapshot:
+    """Cumulative bucket counts (by upper bound), sum and count of one histogram."""
+
+    buckets: dict[float, float] = field(default_factory=dict)
+    sum: float = 0.0
+    count: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> HistogramSnapshot:
+        snapshot = cls()
+        for family in text_string_to_metric_families(text):
+            if family.name != name:
+                continue
+            for sample in family.samples:
+                if sample.name == name + "_bucket":
+                    snapshot.buckets[float(sample.labels["le"])] = sample.value
+                elif sample.name == name + "_sum":
+                    snapshot.sum = sample.value
+                elif sample.name == name + "_count":
+                    snapshot.count = sample.value
+        return snapshot
+
+    def minus(self, before: HistogramSnapshot) -> HistogramSnapshot:
+        """The observations made between `before` and this snapshot."""
+        return HistogramSnapshot(
+            {le: n - before.buckets.get(le, 0.0) for le, n in self.buckets.items()},
+            self.sum - before.sum,
+            self.count - before.count,
+        )
+
+    def quantile(self, q: float) -> float:
+        """Prometheus' histogram_quantile: linear interpolation inside the bucket."""
+        if self.count <= 0 or not self.buckets:
+            return float("nan")
+        rank = q * self.count
+        lower_bound, lower_count = 0.0, 0.0
+        for le, cumulative in sorted(self.buckets.items()):
+            if cumulative >= rank:
+                if le == float("inf"):
+                    return lower_bound  # above the highest finite bucket
+                inside = cumulative - lower_count
+                fraction = (rank - lower_count) / inside if inside > 0 else 1.0
+                return lower_bound + (le - lower_bound) * fraction
+            lower_bound, lower_count = le, cumulative
+        return lower_bound
+
+    def summary_ms(self) -> dict[str, float]:
+        mean = self.sum / self.count if self.count > 0 else float("nan")
+        return {
+            "p50": self.quantile(0.5) * 1000,
+            "p99": self.quantile(0.99) * 1000,
+            "mean": mean * 1000,
+            "count": self.count,
+        }
 
 
 def ttft_by_hit(records: list[Record]) -> dict[str, float]:
@@ -275,10 +364,12 @@ def ttft_by_hit(records: list[Record]) -> dict[str, float]:
             "hit_ge_50pct_requests": len(hit), "hit_lt_50pct_requests": len(miss)}  # fmt: skip
 
 
-def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[str, Any]:
+def summarize(
+    records: list[Record], wall_s: float, workers: list[Any], overhead: HistogramSnapshot
+) -> dict[str, Any]:
     ttft = [r.ttft_s * 1000 for r in records]
     latency = [r.latency_s * 1000 for r in records]
-    overhead = [r.overhead_us / 1000 for r in records if r.overhead_us >= 0]
+    route = [r.route_s * 1000 for r in records]
     prompt = sum(r.prompt_tokens for r in records)
     per_worker: dict[str, int] = {}
     for r in records:
@@ -293,7 +384,12 @@ def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[
         "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "mean": statistics.fmean(ttft)},
         "ttft_by_cache_hit": ttft_by_hit(records),
         "latency_ms": {"p50": percentile(latency, 50), "p99": percentile(latency, 99)},
-        "scheduler_overhead_ms": {"p50": percentile(overhead, 50), "p99": percentile(overhead, 99)},
+        "route_ms": {
+            "p50": percentile(route, 50),
+            "p99": percentile(route, 99),
+            "mean": statistics.fmean(route),
+        },
+        "scheduler_overhead_ms": overhead.summary_ms(),
         "request_throughput": len(records) / wall_s,
         "output_throughput": sum(r.output_tokens for r in records) / wall_s,
         "prompt_tokens": prompt,
@@ -301,11 +397,11 @@ def summarize(records: list[Record], wall_s: float, workers: list[Any]) -> dict[
     }
 
 
-async def warm_up(stub: scheduler_pb2_grpc.SchedulerStub, config: BenchConfig) -> None:
+async def warm_up(mesh: Mesh, config: BenchConfig) -> None:
     """A few unrelated requests so every worker has run its first (slow) steps."""
     rng = random.Random(-1)
     prompts = [[rng.randrange(3, config.vocab) for _ in range(48)] for _ in range(2 * config.workers)]
-    await asyncio.gather(*(send(stub, p, 4, f"warmup-{i}") for i, p in enumerate(prompts)))
+    await asyncio.gather(*(send(mesh, p, 4, f"warmup-{i}") for i, p in enumerate(prompts)))
 
 
 async def run_policy(
@@ -316,21 +412,37 @@ async def run_policy(
     try:
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            await wait_ready(stub, cluster)
-            await warm_up(stub, config)
-            records: list[Record] = []
-            gate = asyncio.Semaphore(config.concurrency)
-            cpu_before = cluster.cpu_seconds()
-            start = time.perf_counter()
-            await asyncio.gather(
-                *(run_conversation(stub, conv, i, config, gate, records) for i, conv in enumerate(workload))
-            )
-            wall = time.perf_counter() - start
-            cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
-            await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
-            listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        summary = summarize(records, wall, list(listing.workers))
-        summary["routing_reasons"] = await asyncio.to_thread(routing_reasons, cluster.metrics_port)
+            mesh = Mesh(stub)
+            try:
+                await wait_ready(stub, cluster)
+                await warm_up(mesh, config)
+                before = await asyncio.to_thread(scrape, cluster.metrics_port)
+                records: list[Record] = []
+                gate = asyncio.Semaphore(config.concurrency)
+                cpu_before = cluster.cpu_seconds()
+                start = time.perf_counter()
+                await asyncio.gather(
+                    *(
+                        run_conversation(mesh, conv, i, config, gate, records)
+                        for i, conv in enumerate(workload)
+                    )
+                )
+                wall = time.perf_counter() - start
+                cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
+                after = await asyncio.to_thread(scrape, cluster.metrics_port)
+                await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
+                listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+            finally:
+                await mesh.close()
+        overhead = HistogramSnapshot.parse(after, OVERHEAD_METRIC).minus(
+            HistogramSnapshot.parse(before, OVERHEAD_METRIC)
+        )
+        summary = summarize(records, wall, list(listing.workers), overhead)
+        reasons_before = routing_reasons(before)
+        summary["routing_reasons"] = {
+            reason: count - reasons_before.get(reason, 0.0)
+            for reason, count in routing_reasons(after).items()
+        }
         summary["cpu_seconds"] = cpu
         return summary
     finally:
@@ -357,8 +469,11 @@ MEDIAN_KEYS = (
     ("ttft_ms", "p50"),
     ("ttft_ms", "p99"),
     ("latency_ms", "p50"),
+    ("route_ms", "p50"),
+    ("route_ms", "p99"),
     ("scheduler_overhead_ms", "p50"),
     ("scheduler_overhead_ms", "p99"),
+    ("scheduler_overhead_ms", "mean"),
     ("request_throughput",),
     ("output_throughput",),
 )

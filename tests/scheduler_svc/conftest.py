@@ -1,20 +1,24 @@
-"""Real gRPC schedulers and small in-process fake workers (real gRPC servers, deterministic
-token streams, scripted failures) for the scheduler's integration tests."""
+"""Real gRPC schedulers and small in-process fake workers (real gRPC servers, scripted
+heartbeats and failures) for the scheduler's integration tests.
+
+The scheduler only routes: `RunningScheduler.route` returns the lease and worker a
+Route picks; `RunningScheduler.run` plays the gateway in miniature (Route, then the
+request on the chosen worker with `Worker.Generate`, then Release)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
@@ -31,12 +35,18 @@ class KvEvent:
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """A decoder (or embedding) worker that streams `tokens` deterministic tokens.
+    """A decoder (or embedding) worker on a real gRPC server, heartbeating every 100 ms.
 
-    Token i of a request is `(sum(prompt) + i) % 1000`. Scripted failures:
-    `fail_first` aborts UNAVAILABLE before any token; `die_after=N` kills the whole
-    server after N tokens; `hang_after=N` stops sending (and heartbeating) after N tokens.
-    With a Redis URL it publishes the prompt's full blocks as KV events, like the engine.
+    Heartbeats report the load, `draining`, and as active leases the ids in `lease_ids`
+    (set by the test) plus the leases of the requests its `Generate` is running.
+    `hang()` stops the heartbeats (the server keeps answering), `resume()` restarts them,
+    `kill()` stops everything at once (kill -9). `fail_first` makes Embed (and Generate)
+    fail UNAVAILABLE.
+
+    The scheduler never calls a decoder's Generate; the tests do, after a Route, as the
+    gateway would. It streams `tokens` deterministic tokens (token i of a request is
+    `(sum(prompt) + i) % 1000`) and, with a Redis URL, publishes the prompt's full
+    blocks as KV events like the engine.
     """
 
     def __init__(
@@ -58,19 +68,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.fail_first = False
-        self.die_after: int | None = None
-        self.hang_after: int | None = None
         self.draining = False
         self.heartbeating = True
+        # Lease ids the heartbeats report besides those of running requests.
+        self.lease_ids: set[str] = set()
+        # Heartbeats the scheduler answered.
+        self.beats = 0
         self.started: list[str] = []
-        self.cancelled: list[str] = []
-        self.aborted: list[str] = []
-        self.active: set[str] = set()
+        self.active: dict[str, str] = {}  # request_id -> lease_id of running requests
         self.publisher = KvEventPublisher(redis_url, worker_id)
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        self._channel: grpc.aio.Channel | None = None
         self._heartbeat: asyncio.Task[None] | None = None
-        self._abort_events: dict[str, asyncio.Event] = {}
+        self._beaten = asyncio.Condition()
 
     async def start(self, scheduler_address: str | None = None) -> FakeWorker:
         self.server = grpc.aio.server()
@@ -102,22 +113,43 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         await self._stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=self.descriptor()))
         self._heartbeat = asyncio.create_task(self._beat())
 
+    def active_lease_ids(self) -> list[str]:
+        return sorted(self.lease_ids | {lease for lease in self.active.values() if lease})
+
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(0.1)
             if not self.heartbeating:
                 continue
             load = worker_pb2.LoadStats(num_running=len(self.active), num_total_blocks=1000)
+            request = scheduler_pb2.HeartbeatRequest(
+                worker_id=self.worker_id,
+                load=load,
+                draining=self.draining,
+                active_lease_ids=self.active_lease_ids(),
+            )
             with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await self._stub.Heartbeat(
-                    scheduler_pb2.HeartbeatRequest(
-                        worker_id=self.worker_id, load=load, draining=self.draining
-                    )
-                )
+                reply = await self._stub.Heartbeat(request)
+                async with self._beaten:
+                    self.beats += 1
+                    self._beaten.notify_all()
                 if not reply.known:
                     await self._stub.RegisterWorker(
                         scheduler_pb2.RegisterWorkerRequest(worker=self.descriptor())
                     )
+
+    async def wait_beats(self, count: int, timeout: float = 10.0) -> None:
+        """Waits until `count` more heartbeats have been answered."""
+        target = self.beats + count
+        async with asyncio.timeout(timeout), self._beaten:
+            await self._beaten.wait_for(lambda: self.beats >= target)
+
+    def hang(self) -> None:
+        """Stops heartbeating (a hung process: the server still accepts calls)."""
+        self.heartbeating = False
+
+    def resume(self) -> None:
+        self.heartbeating = True
 
     async def kill(self) -> None:
         """Stops serving and heartbeating at once (like kill -9)."""
@@ -134,6 +166,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self._heartbeat is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
+        if self._channel is not None:
             await self._channel.close()
         await asyncio.to_thread(self.publisher.close)
 
@@ -149,8 +182,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.started.append(rid)
         if self.fail_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is broken")
-        self.active.add(rid)
-        abort = self._abort_events.setdefault(rid, asyncio.Event())
+        self.active[rid] = request.lease_id
         mm_ids = tuple(m.identifier for m in request.mm_items)
         hashes = self.prompt_hashes(list(request.prompt_token_ids), request.cache_salt, mm_ids)
         self.publisher.publish([KvEvent("stored", hashes)])
@@ -158,12 +190,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         base = sum(request.prompt_token_ids)
         try:
             for i in range(limit):
-                await self._maybe_fail(i)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(abort.wait(), self.delay)
-                if abort.is_set():
-                    yield _finish(rid, common_pb2.FINISH_REASON_ABORT, len(request.prompt_token_ids), i)
-                    return
+                await asyncio.sleep(self.delay)
                 last = i == limit - 1
                 yield common_pb2.GenerateResponse(
                     request_id=rid,
@@ -180,28 +207,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     if last
                     else None,
                     finished=last,
+                    worker_id=self.worker_id if i == 0 else "",
                 )
-        except asyncio.CancelledError:
-            self.cancelled.append(rid)
-            raise
         finally:
-            self.active.discard(rid)
-
-    async def _maybe_fail(self, index: int) -> None:
-        if self.die_after is not None and index == self.die_after:
-            await self.kill()
-            await asyncio.sleep(30)
-        if self.hang_after is not None and index == self.hang_after:
-            self.heartbeating = False
-            await asyncio.sleep(30)
-
-    async def Abort(self, request: Any, context: Any) -> Any:
-        event = self._abort_events.get(request.request_id)
-        found = event is not None and request.request_id in self.active
-        if event is not None:
-            event.set()
-            self.aborted.append(request.request_id)
-        return common_pb2.AbortResponse(found=found)
+            self.active.pop(rid, None)
 
     async def GetLoad(self, request: Any, context: Any) -> Any:
         return worker_pb2.LoadStats(num_running=len(self.active))
@@ -214,13 +223,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return common_pb2.EmbedResponse(embeddings=vectors, prompt_tokens=len(request.inputs))
 
 
-def _finish(rid: str, reason: int, prompt: int, produced: int) -> common_pb2.GenerateResponse:
-    return common_pb2.GenerateResponse(
-        request_id=rid,
-        deltas=[common_pb2.SequenceDelta(index=0, finish_reason=reason)],
-        usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=produced),
-        finished=True,
-    )
+def generate_request(prompt: list[int], **fields: Any) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(model=fields.pop("model", "m"), prompt_token_ids=prompt, **fields)
 
 
 @dataclasses.dataclass
@@ -243,15 +247,76 @@ class RunningScheduler:
                 raise TimeoutError("condition not reached")
             await asyncio.sleep(0.02)
 
-    async def generate(self, prompt: list[int], **fields: Any) -> list[common_pb2.GenerateResponse]:
-        request = common_pb2.GenerateRequest(
-            model=fields.pop("model", "m"), prompt_token_ids=prompt, **fields
+    async def route(
+        self,
+        prompt: list[int],
+        exclude: Iterable[str] = (),
+        force_encode: bool = False,
+        timeout: float = 20,
+        **fields: Any,
+    ) -> scheduler_pb2.RouteResponse:
+        """Scheduler.Route for a GenerateRequest built from `prompt` and `fields` (model "m")."""
+        request = scheduler_pb2.RouteRequest(
+            request=generate_request(prompt, **fields),
+            exclude_worker_ids=list(exclude),
+            force_encode=force_encode,
         )
-        return [r async for r in self.stub.Generate(request, timeout=20)]
+        reply: scheduler_pb2.RouteResponse = await self.stub.Route(request, timeout=timeout)
+        return reply
+
+    async def release(self, *lease_ids: str) -> int:
+        """Scheduler.Release; the number of leases the scheduler knew and ended."""
+        reply = await self.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=list(lease_ids)))
+        return int(reply.released)
+
+    def inflight(self, worker_id: str) -> int:
+        state = self.core.registry.get(worker_id)
+        assert state is not None, f"unknown worker {worker_id}"
+        return state.inflight
+
+    def lease_ids(self) -> set[str]:
+        """Ids of the leases this replica holds now."""
+        return set(self.core.leases._leases)
+
+    async def run(
+        self, prompt: list[int], **fields: Any
+    ) -> tuple[scheduler_pb2.RouteResponse, list[common_pb2.GenerateResponse]]:
+        """The gateway in miniature: Route, the request on the chosen worker, Release."""
+        route = await self.route(prompt, **fields)
+        request = generate_request(prompt, **fields)
+        request.request_id = route.request_id
+        request.lease_id = route.lease_id
+        request.ClearField("mm_items")
+        request.mm_items.extend(route.mm_items)
+        try:
+            async with grpc.aio.insecure_channel(route.worker_address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                responses = [r async for r in stub.Generate(request, timeout=20)]
+        finally:
+            await self.release(route.lease_id)
+        return route, responses
 
 
 SchedulerFactory = Callable[..., Awaitable[RunningScheduler]]
 WorkerFactory = Callable[..., Awaitable[FakeWorker]]
+
+
+async def serve_scheduler(**overrides: Any) -> RunningScheduler:
+    """A real scheduler server on 127.0.0.1:0 with the FAST settings (stop it with `stop`)."""
+    config = SchedulerConfig(port=0, **{**FAST, **overrides})
+    core = Scheduler(config)
+    server = GrpcServer("scheduler-test", config)
+    server.add_service(
+        "meshserve.v1.Scheduler",
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+        SchedulerServicer(core),
+    )
+    await core.start()
+    port = await server.start()
+    await server.set_serving(True)
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    return RunningScheduler(core, server, address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
 
 
 @pytest.fixture
@@ -260,20 +325,7 @@ async def start_scheduler() -> AsyncIterator[SchedulerFactory]:
     started: list[RunningScheduler] = []
 
     async def factory(**overrides: Any) -> RunningScheduler:
-        config = SchedulerConfig(port=0, **{**FAST, **overrides})
-        core = Scheduler(config)
-        server = GrpcServer("scheduler-test", config)
-        server.add_service(
-            "meshserve.v1.Scheduler",
-            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-            SchedulerServicer(core),
-        )
-        await core.start()
-        port = await server.start()
-        await server.set_serving(True)
-        address = f"127.0.0.1:{port}"
-        channel = grpc.aio.insecure_channel(address)
-        running = RunningScheduler(core, server, address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+        running = await serve_scheduler(**overrides)
         started.append(running)
         return running
 

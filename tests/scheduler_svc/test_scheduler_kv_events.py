@@ -157,21 +157,33 @@ async def test_subscriber_rebuilds_follows_and_resyncs_on_gaps(private_redis: Re
 async def test_prefix_routing_follows_kv_events(
     start_scheduler: Any, start_worker: Any, private_redis: RedisServer
 ) -> None:
+    # No routing-time speculation: what the scheduler knows of the workers' caches comes
+    # from the KV events they publish when they run a request.
     sched = await start_scheduler(redis_url=private_redis.url, speculative_ttl_s=0)
     workers = [await start_worker(f"w{i}", sched, redis_url=private_redis.url) for i in range(3)]
     await sched.wait_for(lambda: sched.core.subscriber is not None and sched.core.subscriber.connected)
     prompt = list(range(1, 33))  # 8 blocks of 4
-    first = (await sched.generate(prompt))[0].worker_id
+    before = await sched.route(prompt)
+    assert before.reason == "score" and before.predicted_cached_tokens == 0
+    await sched.release(before.lease_id)
+    route, responses = await sched.run(prompt)  # routed, then run on the worker
+    first = route.worker_id
+    assert responses[0].worker_id == first and responses[-1].finished
     owner = next(w for w in workers if w.worker_id == first)
     hashes = owner.prompt_hashes(prompt)
     await sched.wait_for(lambda: sched.core.index.holds(first, hashes[-1]))
     for turn in range(4):
         follow_up = [*prompt, 100 + turn, 101, 102, 103]
-        assert (await sched.generate(follow_up))[0].worker_id == first
+        reply = await sched.route(follow_up)
+        assert reply.worker_id == first
+        assert reply.reason == "prefix" and reply.predicted_cached_tokens == 32
+        await sched.release(reply.lease_id)
     assert sched.core.index.match(hashes, [first]) == {first: 8}
     # The same tokens under another cache salt share nothing with it.
     salted = owner.prompt_hashes(prompt, cache_salt="tenant-b")
     assert sched.core.index.match(salted, [first]) == {first: 0}
+    reply = await sched.route(prompt, cache_salt="tenant-b")
+    assert reply.reason != "prefix" and reply.predicted_cached_tokens == 0
 
 
 async def test_redis_outage_serving_continues_then_index_rebuilt(
@@ -183,15 +195,17 @@ async def test_redis_outage_serving_continues_then_index_rebuilt(
     sub = sched.core.subscriber
     assert sub is not None
     await sched.wait_for(lambda: sub.connected)
-    await sched.generate(list(range(8)))
+    await sched.run(list(range(8)))
     before = worker.prompt_hashes(list(range(8)))
     await sched.wait_for(lambda: sched.core.index.holds("w1", before[-1]))
     private_redis.stop()
     await sched.wait_for(lambda: not sub.connected)
-    # Degraded mode: still serving on local state (heartbeats come over gRPC).
+    # Degraded mode: still routing on local state (heartbeats come over gRPC).
     for i in range(3):
-        assert (await sched.generate([50 + i] * 8))[-1].finished
+        route, responses = await sched.run([50 + i] * 8)
+        assert route.worker_id == "w1" and responses[-1].finished
     assert sched.core.registry.get("w1").healthy
+    assert sched.inflight("w1") == 0
     rebuilds = sub.rebuilds
     server = restart(private_redis)
     try:
@@ -209,12 +223,12 @@ async def test_worker_down_drops_index_entries_and_resyncs_on_return(
 ) -> None:
     sched = await start_scheduler(redis_url=private_redis.url, speculative_ttl_s=0)
     worker = await start_worker("w1", sched, redis_url=private_redis.url)
-    await sched.generate(list(range(8)))
+    await sched.run(list(range(8)))
     await sched.wait_for(lambda: sched.core.index.num_blocks("w1") == 2)
-    worker.heartbeating = False
+    worker.hang()
     await sched.wait_for(lambda: not sched.core.registry.get("w1").healthy)
     assert sched.core.index.num_blocks("w1") == 0
-    worker.heartbeating = True
+    worker.resume()
     await sched.wait_for(lambda: sched.core.index.num_blocks("w1") == 2)
 
 
@@ -223,8 +237,15 @@ async def test_registry_shared_by_scheduler_replicas(
 ) -> None:
     first = await start_scheduler(redis_url=private_redis.url)
     second = await start_scheduler(redis_url=private_redis.url)
-    await start_worker("w1", first)
+    worker = await start_worker("w1", first)
     await second.wait_for(lambda: second.core.registry.get("w1") is not None)
-    # The second replica routes to a worker that only ever talked to the first one.
-    responses = await second.generate([1, 2, 3])
-    assert responses[0].worker_id == "w1" and responses[-1].finished
+    # The second replica routes to a worker that only ever talked to the first one ...
+    reply = await second.route([1, 2, 3])
+    assert reply.worker_id == "w1" and reply.worker_address == worker.address
+    # ... and the lease is the second replica's: only it can release it.
+    assert second.inflight("w1") == 1 and first.inflight("w1") == 0
+    assert await first.release(reply.lease_id) == 0
+    assert await second.release(reply.lease_id) == 1
+    assert second.inflight("w1") == 0
+    route, responses = await second.run([4, 5, 6])
+    assert route.worker_id == "w1" and responses[0].worker_id == "w1" and responses[-1].finished

@@ -1,5 +1,8 @@
 """The scheduler in front of real decoder worker processes (tiny model, CPU) and a real
-redis-server: routing with KV events from the engine, failover after `kill -9`.
+redis-server: requests are routed by the scheduler (Route), then run on the chosen
+worker with Worker.Generate and released, as the gateway does. Prefix affinity from the
+engine's KV events; after `kill -9` of a worker the caller fails over (Route excluding
+it) and, once its heartbeats stop, the scheduler routes nothing there.
 
 Slow (model build + worker start-up): run with `make soak` / `pytest -m slow`.
 """
@@ -20,9 +23,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from meshserve.v1 import common_pb2, scheduler_pb2_grpc
-from scheduler_svc.app import Scheduler
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.redis_client import RedisServer
 from services.server import GrpcServer
@@ -43,6 +46,7 @@ class Mesh:
         self.policy = policy
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
+        self.worker_channels: dict[str, grpc.aio.Channel] = {}
 
     async def start_scheduler(self) -> None:
         config = SchedulerConfig(
@@ -96,12 +100,46 @@ class Mesh:
                 proc.kill()
                 proc.wait()
 
-    async def generate(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> list[Any]:
+    def request(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> common_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        request = common_pb2.GenerateRequest(
-            model=MODEL, prompt_token_ids=prompt, sampling=sampling, **fields
+        return common_pb2.GenerateRequest(model=MODEL, prompt_token_ids=prompt, sampling=sampling, **fields)
+
+    async def route(
+        self, request: common_pb2.GenerateRequest, exclude: tuple[str, ...] = ()
+    ) -> scheduler_pb2.RouteResponse:
+        """Scheduler.Route; the request takes the route's request and lease ids."""
+        reply: scheduler_pb2.RouteResponse = await self.stub.Route(
+            scheduler_pb2.RouteRequest(request=request, exclude_worker_ids=exclude), timeout=60
         )
-        return [r async for r in self.stub.Generate(request, timeout=60)]
+        request.request_id, request.lease_id = reply.request_id, reply.lease_id
+        return reply
+
+    def worker_stub(self, route: scheduler_pb2.RouteResponse) -> worker_pb2_grpc.WorkerStub:
+        channel = self.worker_channels.get(route.worker_address)
+        if channel is None:
+            channel = self.worker_channels[route.worker_address] = grpc.aio.insecure_channel(
+                route.worker_address
+            )
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def generate(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> list[Any]:
+        """Route, Worker.Generate on the routed worker, Release."""
+        request = self.request(prompt, max_tokens, **fields)
+        route = await self.route(request)
+        try:
+            responses = [r async for r in self.worker_stub(route).Generate(request, timeout=60)]
+        finally:
+            await self.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
+        assert responses[0].worker_id == route.worker_id
+        return responses
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.stop_workers)
+        for channel in self.worker_channels.values():
+            await channel.close()
+        await self.channel.close()
+        await self.server.server.stop(0)
+        await self.core.stop()
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +162,7 @@ async def mesh(
         await mesh.wait_registered(WORKERS)
         yield mesh
     finally:
-        await asyncio.to_thread(mesh.stop_workers)
-        await mesh.channel.close()
-        await mesh.server.server.stop(0)
-        await mesh.core.stop()
+        await mesh.close()
 
 
 def tokens(responses: list[Any]) -> list[int]:
@@ -135,7 +170,7 @@ def tokens(responses: list[Any]) -> list[int]:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_generate_through_scheduler_and_prefix_affinity(mesh: Mesh) -> None:
+async def test_routed_requests_and_prefix_affinity(mesh: Mesh) -> None:
     system = [(7 * i) % 500 + 3 for i in range(64)]  # 4 blocks of 16
     first = await mesh.generate([*system, 11, 12], max_tokens=6)
     assert len(tokens(first)) == 6 and first[-1].finished
@@ -160,35 +195,44 @@ async def test_generate_through_scheduler_and_prefix_affinity(mesh: Mesh) -> Non
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
-    request = common_pb2.GenerateRequest(
-        request_id="victim",
-        model=MODEL,
-        prompt_token_ids=list(range(5, 40)),
-        sampling=common_pb2.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
-    )
-    call = mesh.stub.Generate(request, timeout=60)
+    request = mesh.request(list(range(5, 40)), max_tokens=2000)
+    route = await mesh.route(request)
+    victim = route.worker_id
     received = 0
-    victim = ""
     started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for response in call:
-            victim = victim or response.worker_id
+        async for response in mesh.worker_stub(route).Generate(request, timeout=60):
             received += sum(len(d.token_ids) for d in response.deltas)
             if received >= 3 and mesh.procs[victim].poll() is None:
                 os.kill(mesh.procs[victim].pid, signal.SIGKILL)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"worker {victim} failed after" in (info.value.details() or "")
     assert time.monotonic() - started < 30
     survivor = next(w for w in WORKERS if w != victim)
-    # Right away (before the heartbeat timeout) new requests fail over to the survivor.
-    for i in range(4):
-        responses = await mesh.generate([100 + i] * 20, max_tokens=2)
-        assert responses[0].worker_id == survivor and responses[-1].finished
+    # The caller fails over at once (before the heartbeat timeout): Route again without
+    # the dead worker, run the request there.
+    retry = mesh.request(list(range(5, 40)), max_tokens=3)
+    failover = await mesh.route(retry, exclude=(victim,))
+    assert failover.worker_id == survivor
+    responses = [r async for r in mesh.worker_stub(failover).Generate(retry, timeout=60)]
+    assert responses[-1].finished and len(tokens(responses)) == 3
+    await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[failover.lease_id]))
+    # Its heartbeats stopped: the scheduler marks it down, ends its leases (the killed
+    # request's was never released) and drops its prefix index entries ...
     deadline = time.monotonic() + 10
     while mesh.core.registry.get(victim).healthy:  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "dead worker never marked down"
         await asyncio.sleep(0.1)
+    assert mesh.core.registry.get(victim).inflight == 0  # type: ignore[union-attr]
+    released = await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
+    assert released.released == 0
     assert mesh.core.index.num_blocks(victim) == 0
+    # ... and routes nothing there any more, even the prompt it had cached.
+    for prompt in ([100 + i] * 20 for i in range(4)):
+        responses = await mesh.generate(prompt, max_tokens=2)
+        assert responses[0].worker_id == survivor and responses[-1].finished
+    routed = await mesh.route(mesh.request(list(range(5, 40))))
+    assert routed.worker_id == survivor
+    await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[routed.lease_id]))
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -215,8 +259,5 @@ async def test_policy_serves_and_spreads_over_real_workers(
         used = {r[0].worker_id for r in results}
         assert used == set(ids), f"{policy} used only {used}"
     finally:
-        await asyncio.to_thread(mesh.stop_workers)
-        await mesh.channel.close()
-        await mesh.server.server.stop(0)
-        await mesh.core.stop()
+        await mesh.close()
         redis.cleanup()

@@ -1,5 +1,7 @@
-"""Scheduler over real gRPC with fake workers: registry RPCs, routing, failover,
-cancellation, Abort, overflow, draining, Embed (no Redis)."""
+"""Scheduler over real gRPC with fake workers (no Redis): registry RPCs, Route/Release and
+their leases (heartbeat reconciliation, TTL, worker down), admission (priority, overflow,
+timeout, cancellation while queued), exclusions for the gateway's failover, draining,
+Embed, metrics and the process entry point."""
 
 from __future__ import annotations
 
@@ -13,39 +15,63 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.servicer import OVERHEAD_METADATA_KEY
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.redis_client import free_port
 from services.rpc import check_health
+from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, generate_request
+from worker_svc.registration import SchedulerLink
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def read_rest(call: Any) -> list[common_pb2.GenerateResponse]:
-    """The remaining messages of a call consumed with read() (iteration cannot follow read)."""
-    rest = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        rest.append(message)
-    return rest
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def tokens(responses: list[common_pb2.GenerateResponse]) -> list[int]:
-    return [t for r in responses for d in r.deltas for t in d.token_ids]
+def rejected(code: str) -> float:
+    return metric("meshserve_scheduler_rejected_total", code=code)
 
 
-async def test_generate_streams_worker_tokens(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler()
-    await start_worker("w1", sched, tokens=3)
-    call = sched.stub.Generate(
-        common_pb2.GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3])
+async def route_status(sched: RunningScheduler, prompt: list[int], **fields: Any) -> grpc.StatusCode:
+    """The status code of a Route that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sched.route(prompt, **fields)
+    return info.value.code()
+
+
+def start_route(sched: RunningScheduler, prompt: list[int], **fields: Any) -> Any:
+    """A Route call left running (it may wait in the admission queue); await it or cancel it."""
+    exclude = fields.pop("exclude", ())
+    request = scheduler_pb2.RouteRequest(
+        request=generate_request(prompt, **fields), exclude_worker_ids=exclude
     )
-    responses = [r async for r in call]
-    assert tokens(responses) == [6, 7, 8]
-    assert responses[-1].finished and responses[-1].usage.completion_tokens == 3
-    assert all(r.worker_id == "w1" for r in responses)
-    trailing = dict(await call.trailing_metadata())
-    assert 0 <= int(trailing[OVERHEAD_METADATA_KEY]) < 1_000_000
-    assert sched.core.registry.get("w1").inflight == 0
+    return sched.stub.Route(request, timeout=20)
+
+
+async def test_route_leases_a_worker_and_release_frees_it(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(lease_ttl_s=30)
+    worker = await start_worker("w1", sched)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks of 4
+    first = await sched.route(prompt, request_id="r1", priority=3, tenant="t")
+    assert first.request_id == "r1"
+    assert first.worker_id == "w1" and first.worker_address == worker.address
+    assert first.lease_id and first.lease_ttl_ms == 30_000
+    assert first.reason == "score" and first.predicted_cached_tokens == 0
+    assert sched.inflight("w1") == 1 and sched.lease_ids() == {first.lease_id}
+    # The scheduler never calls the worker: the caller runs the request there.
+    assert worker.started == []
+    # A second Route of the same prompt expects the prefix its first routing cached there.
+    second = await sched.route(prompt)
+    assert second.request_id and second.request_id != "r1"
+    assert second.lease_id != first.lease_id
+    assert second.reason == "prefix" and second.predicted_cached_tokens == 8
+    assert sched.inflight("w1") == 2
+    assert await sched.release(first.lease_id, "unknown-lease") == 1
+    assert sched.inflight("w1") == 1
+    assert await sched.release(first.lease_id) == 0  # already ended: no double release
+    assert sched.inflight("w1") == 1
+    assert await sched.release(second.lease_id) == 1
+    assert sched.inflight("w1") == 0 and sched.lease_ids() == set()
 
 
 async def test_registry_rpcs(start_scheduler: Any, start_worker: Any) -> None:
@@ -65,171 +91,318 @@ async def test_registry_rpcs(start_scheduler: Any, start_worker: Any) -> None:
         await sched.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=bad))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # A silent worker is marked unhealthy and leaves the model list.
-    worker.heartbeating = False
+    worker.hang()
     await sched.wait_for(lambda: not sched.core.registry.get("w1").healthy)
     listing = await sched.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
     status = next(s for s in listing.workers if s.worker.worker_id == "w1")
     assert not status.healthy and status.last_heartbeat_age_s > 0.5
     assert list(listing.models) == ["emb"]
-    worker.heartbeating = True
+    worker.resume()
     await sched.wait_for(lambda: sched.core.registry.get("w1").healthy)
 
 
-async def test_unknown_model_and_no_workers(start_scheduler: Any, start_worker: Any) -> None:
+async def test_route_errors(start_scheduler: Any, start_worker: Any) -> None:
     sched = await start_scheduler()
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await sched.generate([1, 2])
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    unavailable, not_found = rejected("UNAVAILABLE"), rejected("NOT_FOUND")
+    assert await route_status(sched, [1, 2]) == grpc.StatusCode.UNAVAILABLE  # no workers at all
     await start_worker("w1", sched)
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await sched.generate([1, 2], model="other")
+        await sched.route([1, 2], model="other")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "model 'other'" in (info.value.details() or "")
+    assert await route_status(sched, []) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await route_status(sched, [1], model="") == grpc.StatusCode.INVALID_ARGUMENT
+    assert rejected("UNAVAILABLE") == unavailable + 1 and rejected("NOT_FOUND") == not_found + 1
+    assert sched.inflight("w1") == 0 and sched.lease_ids() == set()
 
 
-async def test_failover_before_first_token(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(routing_policy="round_robin")
-    broken = await start_worker("a", sched)
-    healthy = await start_worker("b", sched)
-    broken.fail_first = True
-    responses = await sched.generate([5, 5], request_id="r-fail")
-    assert tokens(responses) == [10, 11, 12, 13]
-    assert responses[0].worker_id == "b"
-    assert broken.started == ["r-fail"] and healthy.started == ["r-fail"]
-    # The failed worker is suspect: new requests avoid it while it lasts.
+async def test_exclude_worker_ids_for_failover(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(routing_policy="round_robin", max_inflight_per_worker=1)
+    await start_worker("a", sched)
+    await start_worker("b", sched)
+    rerouted = metric("meshserve_scheduler_failovers_total", outcome="rerouted")
     for _ in range(3):
-        assert (await sched.generate([1]))[0].worker_id == "b"
-
-
-async def test_failover_gives_up_after_max_retries(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(max_retries=1)
-    for name in ("a", "b", "c"):
-        (await start_worker(name, sched)).fail_first = True
+        reply = await sched.route([1, 2], exclude=["a"])
+        assert reply.worker_id == "b"
+        assert await sched.release(reply.lease_id) == 1
+    assert metric("meshserve_scheduler_failovers_total", outcome="rerouted") == rerouted + 3
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await sched.generate([1])
+        await sched.route([1, 2], exclude=["a", "b"])
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "gave up after 2 attempts" in (info.value.details() or "")
-
-
-async def test_worker_death_after_tokens_ends_stream_with_unavailable(
-    start_scheduler: Any, start_worker: Any
-) -> None:
-    sched = await start_scheduler()
-    worker = await start_worker("a", sched, tokens=10)
-    worker.die_after = 2
-    received: list[common_pb2.GenerateResponse] = []
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for response in sched.stub.Generate(
-            common_pb2.GenerateRequest(model="m", prompt_token_ids=[1])
-        ):
-            received.append(response)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "worker a failed after 2 tokens" in (info.value.details() or "")
-    assert len(tokens(received)) == 2
-
-
-async def test_hung_worker_is_detected_by_heartbeat_timeout(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler()
-    worker = await start_worker("a", sched, tokens=10)
-    worker.hang_after = 1
-    start = asyncio.get_running_loop().time()
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await sched.generate([1])
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "worker a failed after 1 tokens" in (info.value.details() or "")
-    assert asyncio.get_running_loop().time() - start < 5
-
-
-async def test_client_cancellation_cancels_worker_call(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler()
-    worker = await start_worker("a", sched, tokens=1000, delay=0.02)
-    call = sched.stub.Generate(common_pb2.GenerateRequest(request_id="c1", model="m", prompt_token_ids=[1]))
-    async for _ in call:
-        break
-    call.cancel()
-    await sched.wait_for(lambda: worker.cancelled == ["c1"])
-    await sched.wait_for(lambda: sched.core.registry.get("a").inflight == 0 and not sched.core.running)
-
-
-async def test_abort_is_forwarded_to_the_worker(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler()
-    worker = await start_worker("a", sched, tokens=1000, delay=0.02)
-    call = sched.stub.Generate(common_pb2.GenerateRequest(request_id="ab1", model="m", prompt_token_ids=[1]))
-    first = await call.read()
-    assert first.worker_id == "a"
-    reply = await sched.stub.Abort(common_pb2.AbortRequest(request_id="ab1"))
-    assert reply.found and worker.aborted == ["ab1"]
-    rest = await read_rest(call)
-    assert rest[-1].finished and rest[-1].deltas[0].finish_reason == common_pb2.FINISH_REASON_ABORT
-    assert not (await sched.stub.Abort(common_pb2.AbortRequest(request_id="nope"))).found
-
-
-async def test_queue_overflow_and_abort_while_queued(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(max_inflight_per_worker=1, max_queue_len=1)
-    await start_worker("a", sched, tokens=1000, delay=0.01)
-    running = sched.stub.Generate(
-        common_pb2.GenerateRequest(request_id="run", model="m", prompt_token_ids=[1])
-    )
-    await running.read()
-    queued = sched.stub.Generate(common_pb2.GenerateRequest(request_id="q", model="m", prompt_token_ids=[2]))
+    assert "other than a, b" in (info.value.details() or "")
+    # An excluded worker is not used even when it is the only one with a free slot:
+    # the request waits for the other one.
+    held = await sched.route([3], exclude=["a"])
+    assert held.worker_id == "b"
+    waiting = start_route(sched, [4], exclude=["a"])
     await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    assert sched.inflight("a") == 0
+    await sched.release(held.lease_id)
+    assert (await waiting).worker_id == "b"
+
+
+async def test_queue_overflow_is_resource_exhausted(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1, max_queue_len=1)
+    await start_worker("a", sched)
+    held = await sched.route([1])
+    queued = start_route(sched, [2])
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    before = rejected("RESOURCE_EXHAUSTED")
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await sched.generate([3])
+        await sched.route([3])
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "queue is full" in (info.value.details() or "")
-    assert (await sched.stub.Abort(common_pb2.AbortRequest(request_id="q"))).found
-    final = [r async for r in queued]
-    assert final[-1].finished and final[-1].deltas[0].finish_reason == common_pb2.FINISH_REASON_ABORT
-    running.cancel()
+    assert rejected("RESOURCE_EXHAUSTED") == before + 1
+    await sched.release(held.lease_id)
+    assert (await queued).worker_id == "a"
 
 
-async def test_queued_requests_run_when_capacity_frees(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(max_inflight_per_worker=1, max_queue_len=16)
-    worker = await start_worker("a", sched, tokens=3, delay=0.005)
-    results = await asyncio.gather(*(sched.generate([i]) for i in range(6)))
-    assert all(r[-1].finished for r in results)
-    assert len(worker.started) == 6
+async def test_queue_timeout_is_resource_exhausted(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1, queue_timeout_s=0.3)
+    await start_worker("a", sched)
+    await sched.route([1])
+    before = rejected("RESOURCE_EXHAUSTED")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sched.route([2])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waited 0.3s in the scheduler queue" in (info.value.details() or "")
+    assert rejected("RESOURCE_EXHAUSTED") == before + 1
+    assert len(sched.core.dispatcher.queue) == 0 and sched.inflight("a") == 1
 
 
-async def test_draining_worker_gets_no_new_requests(start_scheduler: Any, start_worker: Any) -> None:
+async def test_queued_route_gets_the_worker_when_a_lease_is_released(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1)
+    await start_worker("a", sched)
+    wait_count = metric("meshserve_scheduler_queue_wait_seconds_count")
+    wait_sum = metric("meshserve_scheduler_queue_wait_seconds_sum")
+    held = await sched.route([1])
+    assert metric("meshserve_scheduler_queue_wait_seconds_count") == wait_count  # did not wait
+    queued = start_route(sched, [2], request_id="queued")
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    await sched.wait_for(lambda: metric("meshserve_scheduler_queue_depth") == 1)
+    await asyncio.sleep(0.3)
+    assert not queued.done()
+    assert await sched.release(held.lease_id) == 1
+    reply = await queued
+    assert reply.request_id == "queued" and reply.worker_id == "a"
+    assert sched.lease_ids() == {reply.lease_id} and sched.inflight("a") == 1
+    assert len(sched.core.dispatcher.queue) == 0
+    # QUEUE_WAIT observed the request that waited, for about as long as it waited.
+    assert metric("meshserve_scheduler_queue_wait_seconds_count") == wait_count + 1
+    assert metric("meshserve_scheduler_queue_wait_seconds_sum") - wait_sum >= 0.3
+
+
+async def test_queued_routes_are_admitted_by_priority(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1)
+    await start_worker("a", sched)
+    held = await sched.route([1])
+    low = start_route(sched, [2], request_id="low", priority=0)
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    high = start_route(sched, [3], request_id="high", priority=5)
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 2)
+    await sched.release(held.lease_id)
+    first = await high
+    assert first.request_id == "high"
+    await asyncio.sleep(0.1)
+    assert not low.done()
+    await sched.release(first.lease_id)
+    assert (await low).request_id == "low"
+
+
+async def test_cancelled_queued_route_leaves_the_queue(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1)
+    await start_worker("a", sched)
+    held = await sched.route([1])
+    queued = start_route(sched, [2], request_id="gone")
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    queued.cancel()
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 0)
+    await sched.wait_for(lambda: metric("meshserve_scheduler_queue_depth") == 0)
+    # The slot is not leaked to the cancelled request: releasing the held lease frees the
+    # worker entirely and the next Route is placed at once.
+    assert await sched.release(held.lease_id) == 1
+    assert sched.inflight("a") == 0 and sched.lease_ids() == set()
+    reply = await sched.route([3], timeout=2)
+    assert reply.worker_id == "a" and sched.inflight("a") == 1
+
+
+async def test_heartbeats_end_leases_their_worker_no_longer_runs(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await start_scheduler(lease_grace_s=30)
+    worker = await start_worker("a", sched)
+    kept = await sched.route([1])
+    dropped = await sched.route([2])
+    # Inside the grace period a lease is kept although the worker does not report it
+    # (its request may still be on the way to the worker).
+    await worker.wait_beats(3)
+    assert sched.lease_ids() == {kept.lease_id, dropped.lease_id} and sched.inflight("a") == 2
+    # Past the grace, only the leases the worker reports survive its heartbeats.
+    worker.lease_ids = {kept.lease_id}
+    sched.core.leases.grace_s = 0.2
+    await sched.wait_for(lambda: sched.lease_ids() == {kept.lease_id})
+    assert sched.inflight("a") == 1
+    assert await sched.release(dropped.lease_id) == 0  # the worker's report ended it
+    await worker.wait_beats(3)
+    assert sched.lease_ids() == {kept.lease_id}
+
+
+async def test_lease_of_a_running_request_lasts_until_it_ends(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """No Release at all (the gateway died): the worker's reports keep the lease while
+    its request runs and end it once the request has finished."""
+    sched = await start_scheduler(lease_grace_s=1.0)
+    worker = await start_worker("a", sched, tokens=100, delay=0.02)
+    route = await sched.route([1, 2, 3])
+    request = generate_request([1, 2, 3], request_id=route.request_id, lease_id=route.lease_id)
+    async with grpc.aio.insecure_channel(route.worker_address) as channel:
+        stream = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=20)
+        first = await stream.read()
+        assert first.worker_id == "a" and worker.active_lease_ids() == [route.lease_id]
+        await asyncio.sleep(1.3)  # past the grace, several heartbeats
+        assert sched.lease_ids() == {route.lease_id} and sched.inflight("a") == 1
+        last = first
+        while (message := await stream.read()) is not grpc.aio.EOF:
+            last = message
+        assert last.finished
+    await sched.wait_for(lambda: sched.lease_ids() == set())
+    assert sched.inflight("a") == 0
+
+
+async def test_lease_ttl_frees_the_slot(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1, lease_ttl_s=0.5, lease_grace_s=60)
+    await start_worker("a", sched)
+    held = await sched.route([1])
+    assert held.lease_ttl_ms == 500
+    queued = start_route(sched, [2])
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    reply = await asyncio.wait_for(queued, 5)  # admitted once the first lease expired
+    assert reply.worker_id == "a" and held.lease_id not in sched.lease_ids()
+    assert await sched.release(held.lease_id) == 0
+
+
+async def test_worker_marked_down_loses_its_leases(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(routing_policy="round_robin", lease_grace_s=60)
+    worker = await start_worker("a", sched)
+    await start_worker("b", sched)
+    leases = [await sched.route([i]) for i in range(4)]
+    assert {r.worker_id for r in leases} == {"a", "b"}
+    on_a = {r.lease_id for r in leases if r.worker_id == "a"}
+    on_b = {r.lease_id for r in leases if r.worker_id == "b"}
+    worker.lease_ids = set(on_a)
+    worker.hang()  # a hung worker: its heartbeats stop
+    await sched.wait_for(lambda: not sched.core.registry.get("a").healthy)
+    assert sched.lease_ids() == on_b
+    assert sched.inflight("a") == 0 and sched.inflight("b") == 2
+    assert await sched.release(*on_a) == 0
+    for _ in range(3):
+        reply = await sched.route([9])
+        assert reply.worker_id == "b"
+        await sched.release(reply.lease_id)
+    # Back: routable again, with no stale slots taken.
+    worker.resume()
+    await sched.wait_for(lambda: sched.core.registry.get("a").healthy)
+    assert sched.inflight("a") == 0
+
+
+async def test_killed_worker_stops_getting_routes(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(routing_policy="round_robin")
+    victim = await start_worker("a", sched)
+    await start_worker("b", sched)
+    await victim.kill()
+    await sched.wait_for(lambda: not sched.core.registry.get("a").healthy)
+    for _ in range(4):
+        reply = await sched.route([1])
+        assert reply.worker_id == "b"
+        await sched.release(reply.lease_id)
+
+
+async def test_draining_worker_gets_no_new_routes(start_scheduler: Any, start_worker: Any) -> None:
     sched = await start_scheduler(routing_policy="round_robin")
     draining = await start_worker("a", sched)
-    await start_worker("b", sched)
+    other = await start_worker("b", sched)
     draining.draining = True
     await sched.wait_for(lambda: sched.core.registry.get("a").draining)
     for _ in range(4):
-        assert (await sched.generate([1]))[0].worker_id == "b"
-    assert draining.started == []
+        reply = await sched.route([1])
+        assert reply.worker_id == "b"
+        await sched.release(reply.lease_id)
+    other.draining = True
+    await sched.wait_for(lambda: sched.core.registry.get("b").draining)
+    assert await route_status(sched, [1]) == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_embed_routing(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler()
+async def test_worker_heartbeating_two_replicas(start_scheduler: Any, start_worker: Any) -> None:
+    """A worker given two scheduler addresses (no Redis) registers with both; each replica
+    reconciles its own leases against the worker's one list."""
+    first = await start_scheduler(lease_grace_s=0.3)
+    second = await start_scheduler(lease_grace_s=0.3)
+    worker: FakeWorker = await start_worker("w")  # serves, but heartbeats through the link
+    load = worker_pb2.LoadStats(num_total_blocks=1000)
+    link = SchedulerLink(
+        f"{first.address},{second.address}", worker.descriptor(), lambda: load, worker.active_lease_ids
+    )
+    link.start()
+    try:
+        for sched in (first, second):
+            await sched.wait_for(lambda s=sched: s.core.registry.get("w") is not None)
+        on_first = await first.route([1])
+        worker.lease_ids.add(on_first.lease_id)
+        on_second = await second.route([2])
+        worker.lease_ids.add(on_second.lease_id)
+        assert on_first.worker_id == on_second.worker_id == "w"
+        await asyncio.sleep(0.6)  # past the grace
+        assert first.lease_ids() == {on_first.lease_id} and second.lease_ids() == {on_second.lease_id}
+        worker.lease_ids = {on_first.lease_id}  # the second replica's request ended
+        await second.wait_for(lambda: second.lease_ids() == set())
+        assert second.inflight("w") == 0
+        await asyncio.sleep(0.3)
+        assert first.lease_ids() == {on_first.lease_id} and first.inflight("w") == 1
+    finally:
+        await link.close()
+
+
+async def test_embed_routing_and_failover(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(routing_policy="round_robin")
     await start_worker("d1", sched)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await sched.stub.Embed(common_pb2.EmbedRequest(model="m", inputs=["x"]))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # no embedding worker at all
     broken = await start_worker("e1", sched, model="emb", role="embedding")
-    await start_worker("e2", sched, model="emb", role="embedding")
+    healthy = await start_worker("e2", sched, model="emb", role="embedding")
     broken.fail_first = True
-    reply = await sched.stub.Embed(common_pb2.EmbedRequest(model="emb", inputs=["ab", "abc"]))
+    reply = await sched.stub.Embed(
+        common_pb2.EmbedRequest(request_id="x1", model="emb", inputs=["ab", "abc"])
+    )
     assert [list(e.values) for e in reply.embeddings] == [[2.0, 1.0], [3.0, 1.0]]
+    assert broken.started == ["x1"] and healthy.started == ["x1"]  # tried e1, failed over to e2
+    assert sched.inflight("e1") == 0 and sched.inflight("e2") == 0
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await sched.stub.Embed(common_pb2.EmbedRequest(model="nope", inputs=["x"]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_worker_gauges_follow_health(start_scheduler: Any, start_worker: Any) -> None:
+async def test_worker_gauges(start_scheduler: Any, start_worker: Any) -> None:
     def gauge(health: str) -> float:
-        value = REGISTRY.get_sample_value(
-            "meshserve_scheduler_workers", {"role": "decoder", "health": health}
-        )
-        return value or 0.0
+        return metric("meshserve_scheduler_workers", role="decoder", health=health)
+
+    def inflight() -> float:
+        return metric("meshserve_scheduler_worker_inflight", worker_id="g1")
 
     sched = await start_scheduler()
     worker = await start_worker("g1", sched)
     await sched.wait_for(lambda: gauge("healthy") == 1)
-    worker.heartbeating = False
-    await sched.wait_for(lambda: gauge("unhealthy") == 1 and gauge("healthy") == 0)
+    reply = await sched.route([1])
+    await sched.wait_for(lambda: inflight() == 1)
+    await sched.release(reply.lease_id)
+    await sched.wait_for(lambda: inflight() == 0)
+    worker.draining = True
+    await sched.wait_for(lambda: gauge("draining") == 1 and gauge("healthy") == 0)
+    worker.hang()
+    await sched.wait_for(lambda: gauge("unhealthy") == 1 and gauge("draining") == 0)
 
 
 async def test_process_entry_point_serves_and_drains() -> None:
@@ -255,6 +428,13 @@ async def test_process_entry_point_serves_and_drains() -> None:
             assert reply.heartbeat_interval_ms == 500
             listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
             assert [s.worker.worker_id for s in listing.workers] == ["p1"]
+            route = await stub.Route(
+                scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3])), timeout=5
+            )
+            assert route.worker_id == "p1" and route.worker_address == "127.0.0.1:1"
+            assert route.reason == "least_load" and route.lease_ttl_ms == 600_000
+            released = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
+            assert released.released == 1
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:
