@@ -21,7 +21,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.errors import InvalidArgument
 from services.image_preprocess import ImagePreprocessor
-from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.messages import (
     ParsedMessages,
     apply_tool_choice,
@@ -143,6 +142,8 @@ class Renderer:
         self.tokenizer = tokenizer
         self.options = options
         directory = Path(model_dir)
+        # Where the tokenizer files are (served to gateways by GetTokenizer).
+        self.model_dir = directory
         self.vocab_size = len(tokenizer)
         self.max_model_len = resolve_max_model_len(directory, tokenizer, options.max_model_len)
         self.eos_token_ids = resolve_eos_token_ids(directory, tokenizer)
@@ -326,16 +327,3 @@ class Renderer:
                 raise InvalidArgument(
                     f"{param}[{i}] = {token_id} is outside the vocabulary [0, {self.vocab_size})", param=param
                 )
-
-    def new_detokenizer(
-        self,
-        prompt_token_ids_tail: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-    ) -> IncrementalDetokenizer:
-        """An incremental detokenizer for one generated sequence."""
-        self.validate_token_ids(prompt_token_ids_tail, "prompt_token_ids")
-        return IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids_tail, skip_special_tokens, list(stop), include_stop_str_in_output
-        )

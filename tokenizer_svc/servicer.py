@@ -1,8 +1,7 @@
 """Tokenizer gRPC servicer: a thin proto ↔ domain layer over `Renderer`.
 
-CPU-heavy work (chat templates, image decoding, long tokenize/decode) runs in worker
-threads via `asyncio.to_thread` so the event loop stays responsive. Incremental
-detokenization is a few microseconds per token and runs on the loop.
+CPU-heavy work (chat templates, image decoding, long tokenize/decode) and file reads run
+in worker threads via `asyncio.to_thread` so the event loop stays responsive.
 """
 
 from __future__ import annotations
@@ -14,12 +13,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from meshserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from services.errors import InvalidArgument, NotFound, Unavailable
+from services.errors import NotFound, Unavailable
 from services.rpc import rpc_handler
-from tokenizer_svc.detokenizer import DetokenizeStep, IncrementalDetokenizer
 from tokenizer_svc.messages import parse_json
 from tokenizer_svc.multimodal import MultiModalItem
 from tokenizer_svc.renderer import Renderer, RenderResult
+from tokenizer_svc.tokenizer_files import FileChunk, read_chunks, tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,9 @@ def _render_pb(result: RenderResult) -> tokenizer_pb2.RenderResponse:
     )
 
 
-def _stream_pb(step: DetokenizeStep) -> tokenizer_pb2.DetokenizeStreamResponse:
-    return tokenizer_pb2.DetokenizeStreamResponse(
-        text=step.text, stopped=step.stopped, matched_stop=step.matched_stop, num_tokens=step.num_tokens
+def _chunk_pb(chunk: FileChunk) -> tokenizer_pb2.TokenizerFileChunk:
+    return tokenizer_pb2.TokenizerFileChunk(
+        name=chunk.name, data=chunk.data, sha256=chunk.sha256, size=chunk.size, last=chunk.last
     )
 
 
@@ -145,77 +144,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         )
 
     @rpc_handler
-    async def DetokenizeStream(
-        self,
-        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
-        """Incremental detokenization of one sequence.
-
-        Protocol: the first message carries `start` (no reply unless it also has
-        `finish`); each `tokens` message gets exactly one reply with the text now safe to
-        emit. A message with `finish=true` (alone or with tokens) flushes held-back text in
-        its reply; a message with neither gets none. `num_tokens` counts the output tokens
-        consumed so far (up to and including the one that completed a stop string). The
-        server ends the stream (status OK) after the reply that has `stopped=true` or that
-        answered `finish`; a client half-close without `finish` also gets a final flushing
-        reply. Bad input (no `start` first, ids outside the vocabulary, empty stop strings)
-        ends the stream with INVALID_ARGUMENT.
-        """
-        detokenizer: IncrementalDetokenizer | None = None
-        vocab_size = 0
-        async for message in request_iterator:
-            kind = message.WhichOneof("kind")
-            if detokenizer is None:
-                detokenizer, vocab_size = self._start_stream(message, kind)
-            elif kind == "start":
-                raise InvalidArgument("start may only be sent in the first message", param="start")
-            step = self._push(detokenizer, vocab_size, message, kind)
-            if step is not None:
-                yield _stream_pb(step)
-                if step.stopped or detokenizer.finished:
-                    return
-        if detokenizer is not None and not detokenizer.finished:
-            yield _stream_pb(self._flush(detokenizer, ""))
-
-    def _start_stream(
-        self, message: tokenizer_pb2.DetokenizeStreamRequest, kind: str | None
-    ) -> tuple[IncrementalDetokenizer, int]:
-        if kind != "start":
-            raise InvalidArgument("the first DetokenizeStream message must carry start", param="start")
-        start = message.start
-        renderer = self._ready(start.model)
-        detokenizer = renderer.new_detokenizer(
-            prompt_token_ids_tail=list(start.prompt_token_ids),
-            skip_special_tokens=start.skip_special_tokens,
-            stop=list(start.stop),
-            include_stop_str_in_output=start.include_stop_str_in_output,
-        )
-        return detokenizer, renderer.vocab_size
-
-    def _push(
-        self,
-        detokenizer: IncrementalDetokenizer,
-        vocab_size: int,
-        message: tokenizer_pb2.DetokenizeStreamRequest,
-        kind: str | None,
-    ) -> DetokenizeStep | None:
-        text = ""
-        step: DetokenizeStep | None = None
-        if kind == "tokens":
-            ids = list(message.tokens.ids)
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise InvalidArgument(
-                    f"tokens.ids: {bad} is outside the vocabulary [0, {vocab_size})", param="tokens.ids"
-                )
-            step = detokenizer.push(ids)
-            text = step.text
-        if message.finish and not detokenizer.stopped:
-            return self._flush(detokenizer, text)
-        return step
-
-    @staticmethod
-    def _flush(detokenizer: IncrementalDetokenizer, text: str) -> DetokenizeStep:
-        text += detokenizer.finish()
-        return DetokenizeStep(text, detokenizer.stopped, detokenizer.matched_stop, detokenizer.num_tokens)
+    async def GetTokenizer(
+        self, request: tokenizer_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.TokenizerFileChunk]:
+        """Streams the served model's tokenizer files (those of TOKENIZER_FILE_NAMES that
+        exist, in that order), each in chunks of at most 1 MiB. Every chunk names its file;
+        a file's last chunk has `last=true`, the hex sha256 of the whole file and its size.
+        NOT_FOUND for another model, UNAVAILABLE while the tokenizer is loading."""
+        renderer = self._ready(request.model)
+        paths = await asyncio.to_thread(tokenizer_files, renderer.model_dir)
+        for path in paths:
+            chunks = read_chunks(path)
+            # One chunk per thread hop: reads never block the loop, and since grpc aio waits
+            # for each write, a slow client costs about one chunk of memory, not a file.
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield _chunk_pb(chunk)

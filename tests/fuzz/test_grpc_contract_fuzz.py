@@ -9,7 +9,6 @@ service may crash: the last test checks every process is alive and /health is 20
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -107,53 +106,6 @@ def _field(number: int, payload: bytes) -> bytes:
         out.append(byte | (0x80 if size else 0))
         if not size:
             return bytes(out) + payload
-
-
-class _WriteRace(Exception):
-    """The server ended the stream before message `index` could be written."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(index)
-        self.index = index
-
-
-def _detok_stream(*messages: tokenizer_pb2.DetokenizeStreamRequest) -> Call:
-    """A DetokenizeStream that writes its messages one by one.
-
-    When the server ends the call early (e.g. INVALID_ARGUMENT on the first message), a
-    write racing that end fails in grpc aio with a client-side INTERNAL ("Internal error
-    from Core") that hides the server's status. Then the call is replayed with only the
-    messages before the failed write, which yields the server's real verdict.
-    """
-
-    async def attempt(
-        ch: grpc.aio.Channel, batch: tuple[tokenizer_pb2.DetokenizeStreamRequest, ...]
-    ) -> list[Any]:
-        call = tokenizer_pb2_grpc.TokenizerStub(ch).DetokenizeStream(timeout=10)
-        for index, message in enumerate(batch):
-            try:
-                await call.write(message)
-            except asyncio.InvalidStateError:
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.INTERNAL and "execute_batch" in (
-                    exc.debug_error_string() or ""
-                ):
-                    raise _WriteRace(index) from exc
-                raise
-        with contextlib.suppress(asyncio.InvalidStateError):
-            await call.done_writing()
-        return await _stream(call)
-
-    async def run(ch: grpc.aio.Channel) -> list[Any]:
-        batch = messages
-        while True:
-            try:
-                return await attempt(ch, batch)
-            except _WriteRace as race:
-                batch = batch[: race.index]
-
-    return run
 
 
 def _put(*chunks: encoder_cache_pb2.TensorChunk) -> Call:
@@ -376,32 +328,14 @@ def _cases() -> list[Case]:
         Case("tokenizer-image-remote-url-refused", "tokenizer", _image_chat("http://127.0.0.1:9/cat.png")),
         Case("tokenizer-image-file-url-refused", "tokenizer", _image_chat("file:///etc/passwd")),
         Case(
-            "tokenizer-detokenize-stream-no-start",
+            "tokenizer-get-tokenizer-unknown-model",
             "tokenizer",
-            _detok_stream(tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=[1]))),
-        ),
-        Case(
-            "tokenizer-detokenize-stream-empty-stop",
-            "tokenizer",
-            _detok_stream(
-                tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(stop=[""]))
+            lambda ch: _stream(
+                tokenizer_pb2_grpc.TokenizerStub(ch).GetTokenizer(
+                    tokenizer_pb2.GetTokenizerRequest(model="nope"), timeout=CALL_TIMEOUT_S
+                )
             ),
-        ),
-        Case(
-            "tokenizer-detokenize-stream-bad-token",
-            "tokenizer",
-            _detok_stream(
-                tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(model=MODEL_NAME)),
-                tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=[-3])),
-            ),
-        ),
-        Case(
-            "tokenizer-detokenize-stream-second-start",
-            "tokenizer",
-            _detok_stream(
-                tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(model=MODEL_NAME)),
-                tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(model=MODEL_NAME)),
-            ),
+            NOT_FOUND,
         ),
         # Encoder cache
         Case("encoder-cache-put-empty-stream", "encoder-cache", _put()),
@@ -624,13 +558,9 @@ def test_fuzzed_generate_never_fails_server_side(
 @given(
     text=st.text(max_size=64),
     ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
-    stop=st.lists(st.text(max_size=4), max_size=3),
 )
-def test_fuzzed_tokenizer_calls_never_fail_server_side(
-    mesh: SharedMesh, text: str, ids: list[int], stop: list[str]
-) -> None:
-    """Random Tokenize / RenderCompletion / Detokenize / DetokenizeStream inputs."""
-    start = tokenizer_pb2.DetokenizeStart(model=MODEL_NAME, prompt_token_ids=ids[:2], stop=stop)
+def test_fuzzed_tokenizer_calls_never_fail_server_side(mesh: SharedMesh, text: str, ids: list[int]) -> None:
+    """Random Tokenize / RenderCompletion / Detokenize / RenderChat inputs."""
     calls: list[Call] = [
         _tok("Tokenize", tokenizer_pb2.TokenizeRequest(model=MODEL_NAME, text=text, return_token_strs=True)),
         _tok("RenderCompletion", tokenizer_pb2.RenderCompletionRequest(model=MODEL_NAME, text=text)),
@@ -642,10 +572,6 @@ def test_fuzzed_tokenizer_calls_never_fail_server_side(
         ),
         _tok("Detokenize", tokenizer_pb2.DetokenizeRequest(model=MODEL_NAME, token_ids=ids)),
         _render_chat(text),
-        _detok_stream(
-            tokenizer_pb2.DetokenizeStreamRequest(start=start),
-            tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=ids), finish=True),
-        ),
     ]
 
     async def run_all() -> list[grpc.aio.AioRpcError | None]:

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+import time
 from pathlib import Path
 
 import grpc
@@ -20,6 +20,7 @@ from services.rpc import check_health
 from services.server import GrpcServer
 from tokenizer_svc.renderer import Renderer
 from tokenizer_svc.servicer import SERVICE, TokenizerServicer
+from tokenizer_svc.tokenizer_files import tokenizer_files
 
 Stub = tokenizer_pb2_grpc.TokenizerStub
 MESSAGES = [{"role": "user", "content": "Hello there 🎉"}]
@@ -67,55 +68,6 @@ async def test_tokenize_detokenize_round_trip(stub: Stub) -> None:
     assert reply.text == text
 
 
-async def _detokenize_stream(
-    stub: Stub, start: tokenizer_pb2.DetokenizeStart, chunks: Sequence[Sequence[int]]
-) -> list[tokenizer_pb2.DetokenizeStreamResponse]:
-    async def requests() -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
-        yield tokenizer_pb2.DetokenizeStreamRequest(start=start)
-        for i, chunk in enumerate(chunks):
-            yield tokenizer_pb2.DetokenizeStreamRequest(
-                tokens=tokenizer_pb2.TokenIds(ids=chunk), finish=i == len(chunks) - 1
-            )
-
-    return [response async for response in stub.DetokenizeStream(requests())]
-
-
-async def test_detokenize_stream_with_stop(stub: Stub, renderer: Renderer) -> None:
-    ids = renderer.encode("Hi 🎉 there, the end is near. More text", False)
-    chunks = [ids[i : i + 2] for i in range(0, len(ids), 2)]
-    start = tokenizer_pb2.DetokenizeStart(stop=["end is"], skip_special_tokens=True)
-    replies = await _detokenize_stream(stub, start, chunks)
-    assert "".join(r.text for r in replies) == "Hi 🎉 there, the "
-    assert all("\ufffd" not in r.text for r in replies)
-    last = replies[-1]
-    assert last.stopped and last.matched_stop == "end is"
-    assert all(not r.stopped for r in replies[:-1])
-    assert "end is" in renderer.decode(ids[: last.num_tokens], True)
-    assert len(replies) < len(chunks)  # the server ended the stream at the stop
-
-
-async def test_detokenize_stream_flushes_on_finish(stub: Stub, renderer: Renderer) -> None:
-    ids = renderer.encode("Hello 世界 🎉", False)[:-1]  # ends inside the emoji
-    prompt = renderer.encode("<|im_start|>assistant\n", False)
-    start = tokenizer_pb2.DetokenizeStart(prompt_token_ids=prompt, skip_special_tokens=True)
-    replies = await _detokenize_stream(stub, start, [[i] for i in ids])
-    assert len(replies) == len(ids)  # one reply per tokens message
-    assert [r.num_tokens for r in replies] == list(range(1, len(ids) + 1))
-    assert "".join(r.text for r in replies) == renderer.decode(ids, True)
-    assert not any(r.stopped for r in replies)
-
-
-async def test_detokenize_stream_half_close_flushes(stub: Stub, renderer: Renderer) -> None:
-    ids = renderer.encode("abc", False)
-
-    async def requests() -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
-        yield tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(stop=["abcd"]))
-        yield tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=ids))
-
-    replies = [r async for r in stub.DetokenizeStream(requests())]
-    assert [r.text for r in replies] == ["", "abc"]  # held back as a possible stop, then flushed
-
-
 async def _expect_invalid(call: object, *fields: str) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call  # type: ignore[misc]
@@ -145,27 +97,6 @@ async def test_invalid_argument_names_the_field(stub: Stub) -> None:
     await _expect_invalid(stub.RenderCompletion(ids), "prompt")
 
 
-async def test_detokenize_stream_errors(stub: Stub) -> None:
-    async def no_start() -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
-        yield tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=[5]))
-
-    async def bad_tokens() -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
-        yield tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart())
-        yield tokenizer_pb2.DetokenizeStreamRequest(tokens=tokenizer_pb2.TokenIds(ids=[5, 10**6]))
-
-    async def empty_stop() -> AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest]:
-        yield tokenizer_pb2.DetokenizeStreamRequest(start=tokenizer_pb2.DetokenizeStart(stop=[""]))
-
-    for requests, field in ((no_start, "start"), (bad_tokens, "tokens.ids"), (empty_stop, "stop[0]")):
-        call = stub.DetokenizeStream(requests())
-        await _expect_invalid(_drain(call), field)
-
-
-async def _drain(call: AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]) -> None:
-    async for _ in call:
-        pass
-
-
 async def test_unknown_model_is_not_found(stub: Stub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Tokenize(tokenizer_pb2.TokenizeRequest(model="gpt-17", text="x"))
@@ -187,13 +118,33 @@ async def test_unavailable_until_loaded() -> None:
         await server.drain_and_stop()
 
 
+async def _max_loop_lag(until: asyncio.Future[object], period: float = 0.002) -> tuple[float, int]:
+    """The longest delay of a `period` sleep beyond `period` while `until` runs, and the
+    number of ticks. The servers of these tests run on the test's event loop, so a handler
+    that blocks the loop shows up here as one lag as long as the block."""
+    loop = asyncio.get_running_loop()
+    worst, ticks = 0.0, 0
+    while not until.done():
+        start = loop.time()
+        await asyncio.sleep(period)
+        worst, ticks = max(worst, loop.time() - start - period), ticks + 1
+    return worst, ticks
+
+
 async def test_event_loop_stays_responsive(stub: Stub) -> None:
-    long_chat = json.dumps([{"role": "user", "content": "word " * 20000}])
+    long_chat = json.dumps([{"role": "user", "content": "word " * 100_000}])
+    started = time.perf_counter()
     render = asyncio.ensure_future(stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages_json=long_chat)))
     # A cheap call completes while the big render runs in a worker thread.
     info = await asyncio.wait_for(stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest()), 5)
+    lag, ticks = await _max_loop_lag(render)
+    elapsed = time.perf_counter() - started
     assert info.vocab_size > 0
-    assert len((await render).prompt_token_ids) >= 20000
+    assert len((await render).prompt_token_ids) >= 100_000
+    # Rendering on the loop would freeze it for nearly all of `elapsed` (~0.5 s here);
+    # in a thread the loop only waits for GIL switches (5 ms each) and the message copies.
+    assert ticks >= 5, (ticks, elapsed)
+    assert lag < max(0.1, elapsed / 3), f"event loop blocked {lag:.3f} s of a {elapsed:.3f} s render"
 
 
 def test_process_entry_point(tiny_model_dir: Path) -> None:
@@ -220,16 +171,29 @@ def test_process_entry_point(tiny_model_dir: Path) -> None:
             proc.wait()
 
 
-async def test_concurrent_calls(stub: Stub, renderer: Renderer) -> None:
-    ids = renderer.encode("Concurrent 你好 🎉 streams stop here please", False)
-    start = tokenizer_pb2.DetokenizeStart(stop=["here"])
+async def test_concurrent_calls(stub: Stub, renderer: Renderer, tiny_model_dir: Path) -> None:
     chat = tokenizer_pb2.RenderChatRequest(messages_json=json.dumps(MESSAGES))
-    streams = [_detokenize_stream(stub, start, [[i] for i in ids]) for _ in range(20)]
+    text = "Concurrent 你好 🎉 " * 100
+    fetches = [_files(stub) for _ in range(20)]
     renders = [stub.RenderChat(chat) for _ in range(20)]
-    tokenizes = [stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="x " * 500)) for _ in range(20)]
-    results = await asyncio.gather(*streams, *renders, *tokenizes)
+    tokenizes = [
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, return_token_strs=True)) for _ in range(20)
+    ]
+    results = await asyncio.gather(*fetches, *renders, *tokenizes)
+    expected_files = {path.name: path.read_bytes() for path in tokenizer_files(tiny_model_dir)}
+    for files in results[:20]:
+        assert files == expected_files
     expected = renderer.render_chat(MESSAGES).prompt_token_ids
-    for replies in results[:20]:
-        assert "".join(r.text for r in replies) == "Concurrent 你好 🎉 streams stop "
     for reply in results[20:40]:
         assert list(reply.prompt_token_ids) == expected
+    ids, strs = renderer.tokenize(text, False, True)
+    for reply in results[40:]:
+        assert list(reply.token_ids) == ids and list(reply.token_strs) == strs
+        assert reply.max_model_len == renderer.max_model_len
+
+
+async def _files(stub: Stub) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    async for chunk in stub.GetTokenizer(tokenizer_pb2.GetTokenizerRequest()):
+        files[chunk.name] = files.get(chunk.name, b"") + chunk.data
+    return files
