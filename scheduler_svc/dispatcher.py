@@ -19,7 +19,7 @@ from scheduler_svc import metrics
 from scheduler_svc.admission import AdmissionQueue
 from scheduler_svc.policies import Decision, RoutingPolicy, RoutingRequest
 from scheduler_svc.registry import Lease, WorkerRegistry
-from services.errors import Aborted, NotFound, Overloaded, Unavailable
+from services.errors import NotFound, Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,6 @@ class Dispatcher:
         if not len(self.queue):
             return 0
         return self.queue.drain(self._take, Waiter.group)
-
-    def abort_waiting(self, request_id: str) -> bool:
-        """Fails a queued request with Aborted; False when it is not waiting."""
-        waiter = self._waiting.get(request_id)
-        if waiter is None or waiter.future.done():
-            return False
-        self.queue.remove(waiter)
-        waiter.future.set_exception(Aborted(f"request {request_id} was aborted while queued"))
-        return True
 
     def _place(self, request: RoutingRequest, exclude: frozenset[str]) -> tuple[Lease, Decision] | None:
         candidates = [

@@ -64,14 +64,18 @@ class LeaseTable:
         return [lease for lease_id in lease_ids if (lease := self._leases.pop(lease_id, None)) is not None]
 
     def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[ActiveLease]:
-        """Ends the worker's leases older than the grace period that it no longer runs."""
+        """Renews the worker's leases it reports running (their TTL starts again) and ends
+        those older than the grace period that it no longer runs."""
         running = set(active_ids)
-        cutoff = self._clock() - self.grace_s
-        ended = [
-            lease
-            for lease in self._leases.values()
-            if lease.worker_id == worker_id and lease.issued_at <= cutoff and lease.lease_id not in running
-        ]
+        now = self._clock()
+        ended = []
+        for lease in self._leases.values():
+            if lease.worker_id != worker_id:
+                continue
+            if lease.lease_id in running:
+                lease.expires_at = now + self.ttl_s
+            elif lease.issued_at <= now - self.grace_s:
+                ended.append(lease)
         return self.release(lease.lease_id for lease in ended)
 
     def expire(self) -> list[ActiveLease]:

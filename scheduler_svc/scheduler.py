@@ -123,6 +123,10 @@ class Scheduler:
         False when the worker must register again."""
         state = self.registry.get(worker_id)
         was_draining = state is not None and state.draining
+        # Leases first: the registry splits the worker's load into this replica's share
+        # (its leases) and the rest, so ended leases must be gone when it does.
+        if state is not None:
+            self.end_leases(self.leases.reconcile(worker_id, active_leases), "reconciled")
         known, revived = self.registry.heartbeat(worker_id, load, draining)
         if not known:
             return False
@@ -132,7 +136,6 @@ class Scheduler:
                 self.subscriber.request_resync(worker_id)
         if draining and not was_draining:
             log.info("worker %s is draining", worker_id)
-        self.end_leases(self.leases.reconcile(worker_id, active_leases), "reconciled")
         self._dirty.add(worker_id)
         self._registry_changed()
         return True

@@ -3,8 +3,6 @@ period, TTL expiry and a lost worker's leases."""
 
 from __future__ import annotations
 
-import pytest
-
 from scheduler_svc.leases import ActiveLease, LeaseTable
 from scheduler_svc.registry import Lease, WorkerSpec, WorkerState
 
@@ -97,13 +95,8 @@ def test_expire_ends_leases_past_their_ttl() -> None:
     assert len(leases) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler.proto: a lease expires after lease_ttl_ms *unless its worker still reports it*; "
-    "LeaseTable.reconcile does not extend the leases a heartbeat lists, so a request running "
-    "longer than lease_ttl_s loses its lease (and its slot is handed out twice)",
-)
 def test_reported_lease_outlives_its_ttl() -> None:
+    """A lease its worker keeps reporting is renewed: a long request keeps its slot."""
     leases, clock = table(ttl_s=10.0, grace_s=1.0)
     running = leases.issue(lease("a"), "r1")
     for _ in range(4):
