@@ -1,10 +1,12 @@
-"""Scheduler orchestration of E/PD disaggregation over real gRPC: a real encoder cache,
-fake encoder workers (Encode puts a tensor into the cache) and fake decoders.
+"""Scheduler orchestration of E/PD disaggregation over real gRPC, during `Route`: a real
+encoder cache, fake encoder workers (Encode puts a tensor into the cache) and a fake
+decoder.
 
 Checks: a miss is encoded once even for concurrent requests, a hit is not encoded, the
-decoder gets the items without payload, `bypass_encoder_cache` encodes every time, an
-eviction seen by the decoder is re-encoded once, an unreachable encoder fails over, and a
-dead cache / missing encoders / a missing payload are clear errors."""
+lease carries the items without payload (what the gateway sends the decoder),
+`bypass_encoder_cache` encodes every time, `force_encode` (the gateway's answer to a
+decoder that found the embeddings evicted) encodes again, an unreachable encoder fails
+over, and a dead cache / missing encoders / a missing payload are clear errors."""
 
 from __future__ import annotations
 
@@ -54,25 +56,6 @@ class FakeEncoder(FakeWorker):
         return worker_pb2.EncodeResponse()
 
 
-class FakeDecoder(FakeWorker):
-    """A decoder that records the requests it got; `stale` fails the first one like an eviction."""
-
-    def __init__(self, worker_id: str) -> None:
-        super().__init__(worker_id)
-        self.requests: list[common_pb2.GenerateRequest] = []
-        self.stale = False
-
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        self.requests.append(request)
-        if self.stale:
-            self.stale = False
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "mm_items[0]: embeddings are not in the encoder cache"
-            )
-        async for response in super().Generate(request, context):
-            yield response
-
-
 @pytest.fixture
 def schedulers(request: pytest.FixtureRequest) -> SchedulerFactory:
     """Real scheduler servers (tests/scheduler_svc's factory), stopped after the test."""
@@ -98,10 +81,10 @@ async def cache_address() -> AsyncIterator[str]:
 
 async def _mesh(
     schedulers: SchedulerFactory, cache_address: str, encoders: int = 1, **overrides: Any
-) -> tuple[RunningScheduler, list[FakeEncoder], FakeDecoder]:
+) -> tuple[RunningScheduler, list[FakeEncoder], FakeWorker]:
     scheduler = await schedulers(encoder_cache_address=cache_address, **overrides)
     workers = [FakeEncoder(f"enc-{i}", cache_address) for i in range(encoders)]
-    decoder = FakeDecoder("dec-0")
+    decoder = FakeWorker("dec-0")
     for worker in [*workers, decoder]:
         await worker.start(scheduler.address)
     await scheduler.wait_for(lambda: len(scheduler.core.registry.all()) == encoders + 1)
@@ -122,16 +105,14 @@ def _item(identifier: str, data: bytes = b"\x00" * 12) -> common_pb2.MultiModalI
 async def test_miss_is_encoded_once_then_hits(schedulers: SchedulerFactory, cache_address: str) -> None:
     scheduler, (encoder,), decoder = await _mesh(schedulers, cache_address)
     try:
-        same = [scheduler.generate(PROMPT, mm_items=[_item("img-a")]) for _ in range(4)]
-        for responses in await asyncio.gather(*same):
-            assert responses[-1].finished
+        same = [scheduler.route(PROMPT, mm_items=[_item("img-a")]) for _ in range(4)]
+        routes = list(await asyncio.gather(*same))
         assert encoder.encoded == ["img-a"]  # four concurrent requests, one encode
-        await scheduler.generate(PROMPT, mm_items=[_item("img-a")])
+        routes.append(await scheduler.route(PROMPT, mm_items=[_item("img-a")]))
         assert encoder.encoded == ["img-a"]  # cached: not encoded again
-        assert all(not item.data and not item.shape for r in decoder.requests for item in r.mm_items)
-        assert all(
-            r.mm_items[0].identifier == "img-a" and r.mm_items[0].length == 4 for r in decoder.requests
-        )
+        assert all(r.worker_id == "dec-0" for r in routes)
+        assert all(not item.data and not item.shape for r in routes for item in r.mm_items)
+        assert all(r.mm_items[0].identifier == "img-a" and r.mm_items[0].length == 4 for r in routes)
     finally:
         await _stop(encoder, decoder)
 
@@ -140,21 +121,23 @@ async def test_bypass_encodes_every_request(schedulers: SchedulerFactory, cache_
     scheduler, (encoder,), decoder = await _mesh(schedulers, cache_address, bypass_encoder_cache=True)
     try:
         for _ in range(2):
-            await scheduler.generate(PROMPT, mm_items=[_item("img-b")])
+            await scheduler.route(PROMPT, mm_items=[_item("img-b")])
         assert encoder.encoded == ["img-b", "img-b"]
     finally:
         await _stop(encoder, decoder)
 
 
-async def test_eviction_seen_by_decoder_is_reencoded(
+async def test_force_encode_encodes_a_cached_item_again(
     schedulers: SchedulerFactory, cache_address: str
 ) -> None:
     scheduler, (encoder,), decoder = await _mesh(schedulers, cache_address)
     try:
-        decoder.stale = True
-        responses = await scheduler.generate(PROMPT, mm_items=[_item("img-c")])
-        assert responses[-1].finished
-        assert encoder.encoded == ["img-c", "img-c"] and len(decoder.requests) == 2
+        await scheduler.route(PROMPT, mm_items=[_item("img-c")])
+        await scheduler.route(PROMPT, mm_items=[_item("img-c")])
+        assert encoder.encoded == ["img-c"]
+        # The decoder found the embeddings evicted: the gateway routes with force_encode.
+        route = await scheduler.route(PROMPT, mm_items=[_item("img-c")], force_encode=True)
+        assert encoder.encoded == ["img-c", "img-c"] and route.mm_items[0].identifier == "img-c"
     finally:
         await _stop(encoder, decoder)
 
@@ -166,7 +149,7 @@ async def test_unreachable_encoder_fails_over(schedulers: SchedulerFactory, cach
     )
     try:
         encoders[0].fail_first = True
-        await scheduler.generate(PROMPT, mm_items=[_item("img-d")])
+        await scheduler.route(PROMPT, mm_items=[_item("img-d")])
         assert encoders[0].calls == 1 and not encoders[0].encoded
         assert encoders[1].encoded == ["img-d"]
     finally:
@@ -177,13 +160,13 @@ async def test_clear_errors(schedulers: SchedulerFactory, cache_address: str) ->
     scheduler, (encoder,), decoder = await _mesh(schedulers, cache_address)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as no_data:
-            await scheduler.generate(PROMPT, mm_items=[_item("img-e", data=b"")])
+            await scheduler.route(PROMPT, mm_items=[_item("img-e", data=b"")])
         assert no_data.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "carries no data" in (no_data.value.details() or "")
     finally:
         await _stop(encoder, decoder)
     with pytest.raises(grpc.aio.AioRpcError) as no_encoder:
-        await scheduler.generate(PROMPT, mm_items=[_item("img-f")])
+        await scheduler.route(PROMPT, mm_items=[_item("img-f")])
     assert no_encoder.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -193,10 +176,10 @@ async def test_dead_encoder_cache_is_unavailable_fast(schedulers: SchedulerFacto
     try:
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await scheduler.generate(PROMPT, mm_items=[_item("img-g")])
+            await scheduler.route(PROMPT, mm_items=[_item("img-g")])
         assert time.monotonic() - start < 5
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"encoder cache at {dead} is unavailable" in (failure.value.details() or "")
-        assert not decoder.requests and not encoder.encoded
+        assert not scheduler.lease_ids() and not encoder.encoded
     finally:
         await _stop(encoder, decoder)
