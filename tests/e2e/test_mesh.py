@@ -15,7 +15,9 @@ from transformers import AutoTokenizer
 
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
+from worker_svc.config import WorkerConfig
 from worker_svc.embedding import default_embedding_model_dir
+from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -104,6 +106,35 @@ def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI, 
     assert usage is not None and full.usage is not None
     assert usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_greedy_output_equals_the_in_process_engine_token_for_token(
+    client: openai.OpenAI, model_name: str, model_dir: Path
+) -> None:
+    """The mesh adds no numerical or token-path difference: the same prompt ids through the
+    gateway → worker stream → in-gateway detokenizer give exactly the tokens (and text) of
+    the engine run in this process with the worker's settings."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.encode("The function returns the value of")
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=WorkerConfig.dtype, num_kv_blocks=64))
+    engine.add_request("local", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    expected: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            expected.extend(out.new_token_ids)
+    reply = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected) == 24
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in expected]
+    assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_completion_and_prefix_cache_reuse(client: openai.OpenAI, model_name: str) -> None:
