@@ -81,6 +81,7 @@ async def _paired_runs(
             max_num_seqs=max(concurrencies),
             max_num_batched_tokens=args.max_batch_tokens,
             block_size=PAGE_SIZE,
+            dtype=args.dtype,
         )
     )
     engine.start()
@@ -168,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
     threads = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    threads += (("MESHSERVE_DTYPE", args.dtype),)  # the same dtype on both sides
     intervals = [int(k) for k in args.stream_intervals.split(",")]
     with contextlib.ExitStack() as stack:
         meshes = {}
@@ -189,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch_tokens": args.max_batch_tokens,
             "repeats": args.repeats,
             "stream_intervals": intervals,
+            "dtype": args.dtype,
         },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "summary": summarize_pairs(rows, concurrencies),
@@ -209,6 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads of both systems (0: default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="model dtype of both systems")
     p.add_argument("--out", default="bench/results/mesh_overhead.json")
     return p.parse_args(argv)
 
