@@ -262,7 +262,9 @@ def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_di
     from worker_svc.engine import EngineConfig, cpu_attention, triton_attention
 
     native = cpu_attention.load() is not None
-    assert make_engine(attention_backend="auto").model_info.attention_backend == ("cpu" if native else "torch")
+    assert make_engine(attention_backend="auto").model_info.attention_backend == (
+        "cpu" if native else "torch"
+    )
     # float16 has no native kernel: auto falls back to the torch path, an explicit "cpu" is refused.
     assert make_engine(attention_backend="auto", dtype="float16").model_info.attention_backend == "torch"
     with pytest.raises(ValueError, match="attention_backend='cpu'"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from worker_svc.engine.sampling import Sampler, SamplingParams
@@ -175,3 +176,70 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     assert all(math.isclose(v, raw[t].item(), rel_tol=1e-5) for t, v in top)
     zero = Sampler(V, [EOS]).sample(logits[:1], [Row(SamplingParams(temperature=0, logprobs=0))])
     assert zero.logprobs[0] is not None and zero.logprobs[0][2] == []
+
+
+def _boom(*args: object, **kwargs: object) -> None:
+    raise AssertionError("slow path taken")
+
+
+def test_plain_greedy_fast_path_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 logits, greedy rows with nothing else: argmax on the logits as they are."""
+    logits = logits_batch(5, seed=7).to(torch.bfloat16)
+    expected = logits.float().argmax(-1).tolist()
+    monkeypatch.setattr(Sampler, "_apply_penalties", _boom)  # the general path's first step
+    out = Sampler(V, [EOS]).sample(logits, [Row(SamplingParams(temperature=0))] * 5)
+    assert out.token_ids == expected and out.logprobs == [None] * 5
+
+
+def test_greedy_with_penalty_still_takes_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = logits_batch(2, seed=8)
+    calls: list[int] = []
+    original = Sampler._apply_penalties
+
+    def spy(self: Sampler, lg: torch.Tensor, rows: list[Row]) -> None:
+        calls.append(len(rows))
+        original(self, lg, rows)
+
+    monkeypatch.setattr(Sampler, "_apply_penalties", spy)
+    rows = [Row(SamplingParams(temperature=0)), Row(SamplingParams(temperature=0, repetition_penalty=1.5))]
+    Sampler(V, [EOS]).sample(logits, rows)
+    assert calls == [2]
+
+
+def test_top_k_fast_path_uses_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = logits_batch(3, seed=9)
+    allowed = [set(row.topk(4).indices.tolist()) for row in logits]
+    monkeypatch.setattr(torch.Tensor, "sort", _boom)
+    rows = [
+        Row(SamplingParams(top_k=4, temperature=5.0)),
+        Row(SamplingParams(top_k=1)),
+        seeded(SamplingParams(top_k=4, seed=3)),
+    ]
+    sampler = Sampler(V, [EOS])
+    for _ in range(30):
+        toks = sampler.sample(logits, rows).token_ids
+        assert toks[0] in allowed[0] and toks[2] in allowed[2]
+        assert toks[1] == logits[1].argmax().item()
+
+
+def test_top_k_top_p_candidates_equal_the_sorted_mask() -> None:
+    """The topk-based mask keeps exactly the tokens the vocab-sort mask keeps."""
+    from worker_svc.engine.sampling import _top_k_candidates, _top_k_top_p
+
+    logits = logits_batch(4, seed=10)
+    top_k, top_p = [5, 10, 3, 8], [0.5, 1.0, 0.9, 0.3]
+    vals, ids = _top_k_candidates(logits, top_k, top_p)
+    full = _top_k_top_p(logits, top_k, top_p)
+    for r in range(4):
+        kept_fast = {int(t) for t, v in zip(ids[r], vals[r], strict=True) if v > -math.inf}
+        kept_full = set(torch.nonzero(full[r] > -math.inf).flatten().tolist())
+        assert kept_fast == kept_full, f"row {r}"
+
+
+def test_top_k_fast_path_seeded_is_reproducible() -> None:
+    logits = logits_batch(1, seed=11)
+    params = SamplingParams(top_k=6, temperature=2.0, seed=42)
+    first = [Sampler(V, [EOS]).sample(logits, [seeded(params)]).token_ids[0] for _ in range(3)]
+    row = seeded(params)
+    again = [Sampler(V, [EOS]).sample(logits, [row]).token_ids[0] for _ in range(8)]
+    assert first == [again[0]] * 3 and len(set(again)) > 1

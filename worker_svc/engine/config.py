@@ -75,17 +75,25 @@ def _positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def default_dtype(device: str) -> str:
+def default_dtype(device: str, cpu_flags: frozenset[str] | None = None) -> str:
     """bfloat16 on CUDA and on CPUs with native bf16 dot products (avx512_bf16 or AMX),
-    float32 elsewhere (emulated bf16 matmuls are slower than float32 ones)."""
+    float32 elsewhere (emulated bf16 matmuls are slower than float32 ones).
+    ``cpu_flags`` defaults to this machine's (``/proc/cpuinfo``)."""
     if device.split(":")[0] == "cuda":
         return "bfloat16"
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
+
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux: no cheap way to know, stay exact
-        return "float32"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+            return next(
+                (frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                frozenset(),
+            )
+    except OSError:  # not Linux: no cheap way to know, stay exact (float32)
+        return frozenset()
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:

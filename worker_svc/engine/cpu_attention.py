@@ -43,7 +43,7 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.meshserve_paged_decode
-        fn.restype = None
+        fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
         fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
         self._fn = fn
@@ -69,12 +69,14 @@ class DecodeKernel:
             raise ValueError("paged decode needs d-contiguous q/out and a contiguous cache")
         if q.dtype != cache.dtype or out.dtype != cache.dtype or cache.dtype not in _DTYPE_CODES:
             raise ValueError(f"paged decode supports {sorted(map(str, _DTYPE_CODES))} only")
-        self._fn(
+        status = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(), nb,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
             out.data_ptr(), out.stride(0), out.stride(1),
             rows.shape[0], heads, hkv, d, bs, scale, _DTYPE_CODES[cache.dtype],
         )  # fmt: skip
+        if status != 0:
+            raise MemoryError("paged decode: could not allocate the score buffer")
 
 
 @functools.cache

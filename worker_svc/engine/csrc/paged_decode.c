@@ -13,6 +13,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -59,7 +60,9 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-enum { CHUNK = 16 }; /* tokens per online-softmax update */
+/* Tokens per online-softmax update: SDPA's CPU flash kernel splits keys by 512 too, so
+ * up to 512 cached tokens the softmax is over one block with the global max. */
+enum { CHUNK = 512 };
 
 /* One sequence, all heads: for every cached token the K (then V) row of all KV heads is
  * read once, in memory order (a cache block is contiguous), which keeps hardware
@@ -70,19 +73,18 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
                                                              const char *vc, const int32_t *table,
                                                              int32_t seq_len, char *out, int64_t o_sh,
                                                              int64_t G, int64_t Hkv, int64_t D, int64_t bs,
-                                                             float scale, int dt, int64_t esz) {
+                                                             float scale, int dt, int64_t esz,
+                                                             float (*s)[CHUNK], int64_t *slot) {
     const int64_t H = G * Hkv, row = Hkv * D; /* row: elements per token slot */
-    float qf[H][D], acc[H][D], m[H], l[H], s[H][CHUNK], kv[D];
+    float qf[H][D], acc[H][D], m[H], l[H], kv[D];
     for (int64_t h = 0; h < H; h++) {
         load_row(qf[h], q + h * q_sh * esz, D, dt);
-        for (int64_t d = 0; d < D; d++) qf[h][d] *= scale;
         for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f;
         m[h] = -FLT_MAX; /* finite: built with -ffast-math (vector expf) */
         l[h] = 0.f;
     }
     for (int64_t start = 0; start < seq_len; start += CHUNK) {
         const int64_t n = seq_len - start < CHUNK ? seq_len - start : CHUNK;
-        int64_t slot[CHUNK];
         for (int64_t t = 0; t < n; t++) {
             const int64_t p = start + t;
             slot[t] = ((int64_t)table[p / bs] * bs + p % bs) * row;
@@ -90,7 +92,7 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
         for (int64_t t = 0; t < n; t++)
             for (int64_t kvh = 0; kvh < Hkv; kvh++) {
                 load_row(kv, kc + (slot[t] + kvh * D) * esz, D, dt);
-                for (int64_t g = 0; g < G; g++) s[kvh * G + g][t] = dot(qf[kvh * G + g], kv, D);
+                for (int64_t g = 0; g < G; g++) s[kvh * G + g][t] = dot(qf[kvh * G + g], kv, D) * scale;
             }
         for (int64_t h = 0; h < H; h++) {
             float mx = m[h];
@@ -105,6 +107,9 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
             l[h] = l[h] * corr + sum;
             m[h] = mx;
             for (int64_t d = 0; d < D; d++) acc[h][d] *= corr;
+            /* Like SDPA for bf16: the weights multiplying V are rounded to bf16 (the sum is not). */
+            if (dt == DT_BF16)
+                for (int64_t t = 0; t < n; t++) s[h][t] = bf16_to_f32(f32_to_bf16(s[h][t]));
         }
         for (int64_t t = 0; t < n; t++)
             for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -128,8 +133,9 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
 #define DECODE_DG(N, GG)                                                                                   \
     static void decode_d##N##_g##GG(const char *q, int64_t q_sh, const char *kc, const char *vc,          \
                                     const int32_t *table, int32_t seq_len, char *out, int64_t o_sh,       \
-                                    int64_t Hkv, int64_t bs, float scale, int dt, int64_t esz) {          \
-        decode_seq(q, q_sh, kc, vc, table, seq_len, out, o_sh, GG, Hkv, N, bs, scale, dt, esz);          \
+                                    int64_t Hkv, int64_t bs, float scale, int dt, int64_t esz,            \
+                                    float (*s)[CHUNK], int64_t *slot) {                                   \
+        decode_seq(q, q_sh, kc, vc, table, seq_len, out, o_sh, GG, Hkv, N, bs, scale, dt, esz, s, slot); \
     }
 #define DECODE_D(N) DECODE_DG(N, 1) DECODE_DG(N, 2) DECODE_DG(N, 4) DECODE_DG(N, 8)
 DECODE_D(32)
@@ -137,7 +143,7 @@ DECODE_D(64)
 DECODE_D(128)
 
 typedef void (*decode_fn)(const char *, int64_t, const char *, const char *, const int32_t *, int32_t, char *,
-                          int64_t, int64_t, int64_t, float, int, int64_t);
+                          int64_t, int64_t, int64_t, float, int, int64_t, float (*)[CHUNK], int64_t *);
 
 /* The specialized instance for (D, G), or NULL (then the generic decode_seq runs). */
 static decode_fn pick(int64_t D, int64_t G) {
@@ -151,8 +157,9 @@ static decode_fn pick(int64_t D, int64_t G) {
     return NULL;
 }
 
-/* Entry point: decode rows[b] of q for b in [0, B) into the same rows of out. */
-void meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void *cache, int64_t num_blocks,
+/* Entry point: decode rows[b] of q for b in [0, B) into the same rows of out.
+ * Returns 0, or -1 when the score buffer cannot be allocated (out is then unwritten). */
+int meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void *cache, int64_t num_blocks,
                             const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                             const int64_t *rows, void *out, int64_t o_st, int64_t o_sh, int64_t B, int64_t H,
                             int64_t Hkv, int64_t D, int64_t bs, float scale, int dt) {
@@ -161,13 +168,24 @@ void meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const voi
     const char *vc = kc + num_blocks * bs * Hkv * D * esz;
     const int64_t G = H / Hkv;
     const decode_fn fn = pick(D, G);
+    /* Scores of one chunk for every head, and the chunk's slots: heap, too big for a stack. */
+    float(*s)[CHUNK] = malloc((size_t)H * CHUNK * sizeof(float));
+    int64_t *slot = malloc(CHUNK * sizeof(int64_t));
+    if (!s || !slot) {
+        free(s);
+        free(slot);
+        return -1;
+    }
     for (int64_t b = 0; b < B; b++) {
         const char *qb = (const char *)q + rows[b] * q_st * esz;
         char *ob = (char *)out + rows[b] * o_st * esz;
         const int32_t *table = block_tables + b * max_blocks;
         if (fn)
-            fn(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, Hkv, bs, scale, dt, esz);
+            fn(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, Hkv, bs, scale, dt, esz, s, slot);
         else
-            decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz);
+            decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz, s, slot);
     }
+    free(s);
+    free(slot);
+    return 0;
 }
