@@ -23,8 +23,9 @@ def running_mesh(
     max_batch_tokens: int,
     extra_env: tuple[tuple[str, str], ...] = (),
     stream_interval: int = 1,
+    num_decoders: int = 1,
 ) -> Iterator[Mesh]:
-    """Starts gateway, tokenizer, scheduler and one decoder worker on free ports."""
+    """Starts gateway, tokenizer, scheduler and `num_decoders` decoder workers on free ports."""
     config = MeshConfig(
         model_dir=model_dir,
         gateway_port=free_port(),
@@ -34,6 +35,7 @@ def running_mesh(
         decoder_base_port=free_port(),
         max_num_seqs=max_num_seqs,
         stream_interval=stream_interval,
+        num_decoders=num_decoders,
         log_dir=tempfile.mkdtemp(prefix="meshserve-bench-logs-"),
         extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)), *extra_env),
     )

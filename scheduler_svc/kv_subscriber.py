@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 _BLOCK_MS = 300
 _BATCH = 1000
+# Events wait at most this long to be read in a batch; the policy meanwhile counts its own
+# recent decisions as cached (speculative_ttl_s), so routing does not miss them.
+_MIN_POLL_INTERVAL_S = 0.01
 
 
 def parse_entry(fields: dict[Any, Any]) -> KvRecord:
@@ -80,8 +83,7 @@ class KvSubscriber:
         while True:
             try:
                 await self.rebuild()
-                while True:
-                    await self.poll_once()
+                await self._follow()
             except (RedisError, OSError) as exc:
                 if self.connected:
                     log.warning("kv subscriber: Redis unreachable (%s); routing on local state", exc)
@@ -89,6 +91,16 @@ class KvSubscriber:
                 log.exception("kv subscriber failed; rebuilding")
             self._set_connected(False)
             await asyncio.sleep(self._retry_interval_s)
+
+    async def _follow(self) -> None:
+        """Polls the stream for ever, at most one XREAD per `_MIN_POLL_INTERVAL_S` while
+        events keep coming: at a steady trickle (one event per request) each read would
+        otherwise carry one entry, and the round trip, not the event, would cost the CPU."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            if await self.poll_once():
+                await asyncio.sleep(max(0.0, _MIN_POLL_INTERVAL_S - (loop.time() - started)))
 
     async def rebuild(self) -> None:
         """Reloads every tracked worker from Redis and positions the stream cursor."""
