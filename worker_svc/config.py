@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.config import ServerConfig
+from worker_svc.engine.config import default_dtype, parse_cpu_list
 
 ROLES = ("decoder", "embedding", "encoder")
 
@@ -30,10 +31,18 @@ class WorkerConfig(ServerConfig):
     max_num_batched_tokens: int = 512
     max_model_len: int = 0
     enable_prefix_caching: bool = True
+    # "auto": bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32;
+    # resolved here so every role (decoder, encoder) gets a concrete dtype. The default stays
+    # float32: bf16 results depend on batch composition (seeded sampling under preemption
+    # is only batch-independent in float32, tests/worker_svc/test_preemption_seeded.py).
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int = 0
+    # torch.compile the decoder's forward (dynamic batch; the first steps compile, ~0.5-2 min on CPU).
+    compile_model: bool = False
+    # CPUs for the engine's step thread, e.g. "0" or "0-1,4" (empty: not pinned).
+    cpu_affinity: str = ""
     # Stream every N-th token per sequence after the first (1 = every token). Larger
     # values send fewer, bigger messages through the mesh: more throughput on a busy
     # machine, burstier inter-token latency. The first token and the end always go at once.
@@ -46,6 +55,9 @@ class WorkerConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", default_dtype(self.device))
+        parse_cpu_list(self.cpu_affinity)
         if not self.model_dir:
             raise ValueError("model_dir is required (--model-dir)")
         if self.role not in ROLES:

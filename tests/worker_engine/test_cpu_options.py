@@ -84,3 +84,13 @@ def test_cpu_affinity_is_validated(text: str) -> None:
 def test_parse_cpu_list() -> None:
     assert parse_cpu_list("") == frozenset()
     assert parse_cpu_list("0-2, 5") == frozenset({0, 1, 2, 5})
+
+
+def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
+    from worker_svc.config import WorkerConfig
+
+    assert WorkerConfig(model_dir="/x", dtype="auto").dtype == default_dtype("cpu")
+    assert WorkerConfig(model_dir="/x").dtype == "float32"
+    assert WorkerConfig(model_dir="/x", cpu_affinity="0-1").cpu_affinity == "0-1"
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        WorkerConfig(model_dir="/x", cpu_affinity="z")
