@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from transformers import AutoTokenizer
 from meshserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, make_decoder
 from services.errors import InvalidArgument, Unavailable
+from services.model_files import eos_token_ids
 from services.rpc import error_from_rpc
 
 log = logging.getLogger(__name__)
@@ -212,14 +212,6 @@ async def fetch_tokenizer_files(
         await asyncio.to_thread(download.discard)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 class LocalTokenizer:
     """One model's Hugging Face tokenizer in the gateway process (thread-safe reads)."""
 
@@ -242,15 +234,8 @@ class LocalTokenizer:
 
     @staticmethod
     def _eos_token_ids(directory: Path, tokenizer: Any) -> list[int]:
-        # Same rule as the tokenizer service (tokenizer_svc.renderer.resolve_eos_token_ids):
-        # generation_config.json's eos_token_id (int or list), then the tokenizer's.
-        configured = _read_json(directory / "generation_config.json").get("eos_token_id")
-        candidates = [*(configured if isinstance(configured, list) else [configured]), tokenizer.eos_token_id]
-        found: list[int] = []
-        for candidate in candidates:
-            if isinstance(candidate, int) and candidate >= 0 and candidate not in found:
-                found.append(candidate)
-        return found
+        # The tokenizer service's rule, from the same module.
+        return eos_token_ids(directory, tokenizer.eos_token_id)
 
     def detokenizer(
         self,

@@ -12,7 +12,6 @@ import binascii
 import dataclasses
 import hashlib
 import io
-import json
 import logging
 import time
 import urllib.parse
@@ -27,6 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from services.errors import InvalidArgument
 from services.image_preprocess import ImagePreprocessor
+from services.model_files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,6 @@ def content_hash(width: int, height: int, rgb: bytes) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _image_token(tokenizer: Any, config: dict[str, Any]) -> str | None:
     token = getattr(tokenizer, "image_token", None)
     if isinstance(token, str) and token:
@@ -244,7 +236,7 @@ def _image_token(tokenizer: Any, config: dict[str, Any]) -> str | None:
 
 
 def _image_seq_length(model_dir: Path, config: dict[str, Any]) -> int:
-    sources = [_read_json(model_dir / name) for name in ("processor_config.json", "preprocessor_config.json")]
+    sources = [read_json(model_dir / name) for name in ("processor_config.json", "preprocessor_config.json")]
     sources.append(config)
     for source in sources:
         for key in ("image_seq_length", "mm_tokens_per_image", "num_image_tokens"):
@@ -268,7 +260,7 @@ def find_image_token_spec(tokenizer: Any, model_dir: str | Path) -> ImageTokenSp
     vision config's (image_size / patch_size)², else 1.
     """
     directory = Path(model_dir)
-    config = _read_json(directory / "config.json")
+    config = read_json(directory / "config.json")
     token = _image_token(tokenizer, config)
     if token is None:
         return None

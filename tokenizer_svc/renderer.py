@@ -9,7 +9,6 @@ synchronous and CPU-bound; the servicer runs it in worker threads.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.errors import InvalidArgument
 from services.image_preprocess import ImagePreprocessor
+from services.model_files import eos_token_ids, read_json
 from tokenizer_svc.messages import (
     ParsedMessages,
     apply_tool_choice,
@@ -65,20 +65,12 @@ class RenderResult:
     mm_items: list[MultiModalItem] = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def resolve_max_model_len(model_dir: Path, tokenizer: PreTrainedTokenizerBase, override: int) -> int:
     """The context length: `override` when > 0, else the model config's
     max_position_embeddings (or equivalent), else the tokenizer's model_max_length."""
     if override > 0:
         return override
-    config = _read_json(model_dir / "config.json")
+    config = read_json(model_dir / "config.json")
     for section in (config, config.get("text_config")):
         if not isinstance(section, dict):
             continue
@@ -94,14 +86,7 @@ def resolve_max_model_len(model_dir: Path, tokenizer: PreTrainedTokenizerBase, o
 
 def resolve_eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids from generation_config.json (int or list) then the tokenizer, deduplicated."""
-    found: list[int] = []
-    configured = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-    candidates = configured if isinstance(configured, list) else [configured]
-    candidates.append(tokenizer.eos_token_id)
-    for candidate in candidates:
-        if isinstance(candidate, int) and candidate >= 0 and candidate not in found:
-            found.append(candidate)
-    return found
+    return eos_token_ids(model_dir, tokenizer.eos_token_id)
 
 
 def _reserved_template_kwargs(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:

@@ -220,11 +220,11 @@ def test_kill9_every_scheduler_then_restart(mesh: SharedMesh) -> None:
     assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 503
     mesh.wait_kv_idle(timeout=20)
     restart_at = time.monotonic()
+    mesh.mesh.start_service(mesh.mesh.specs["scheduler-1"])  # restart() waits for every service
     mesh.restart("scheduler")
     for name in mesh.decoders:
         mesh.wait_registered(name)
     recovered_s = _first_success_after(mesh, restart_at)
-    mesh.restart("scheduler-1")
     wait_gateway_healthy(mesh.gateway_url)
     mesh.wait_kv_idle()
     report(
