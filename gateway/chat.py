@@ -46,6 +46,7 @@ from gateway.serving import (
     MultiRun,
     RequestContext,
     SSEResponse,
+    TextChunkTemplate,
     cancel_on_disconnect,
     generation_spec,
     new_id,
@@ -236,6 +237,37 @@ class ChatStreamer:
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
+        self._templates: dict[int, TextChunkTemplate] = {}
+
+    def _plain(self, event: ChoiceEvent) -> bytes | None:
+        """The event of a content-only chunk through a template (the hot path), or None
+        when the event needs the full chunk (tools, JSON mode, logprobs, finish, usage)."""
+        if (
+            event.finish_reason is not None
+            or self.continuous_usage
+            or self.body.logprobs
+            or self.json_mode
+            or self.parsers[event.index] is not None
+        ):
+            return None
+        self.timer.on_output(len(event.token_ids))
+        if not event.text:
+            return b""
+        template = self._templates.get(event.index)
+        if template is None:
+            template = self._templates[event.index] = TextChunkTemplate(
+                lambda text: self.chunk(
+                    [
+                        ChatChunkChoice(
+                            index=event.index,
+                            delta=DeltaMessage(content=text),
+                            logprobs=None,
+                            finish_reason=None,
+                        )
+                    ]
+                )
+            )
+        return template.render(event.text)
 
     def chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         """A chunk with the request's id/model (and running usage when asked)."""
@@ -257,6 +289,11 @@ class ChatStreamer:
                     self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)])
                 )
             async for event in self.multi.events():
+                plain = self._plain(event)
+                if plain is not None:
+                    if plain:
+                        yield plain
+                    continue
                 chunk = await self.on_event(event)
                 if chunk is not None:
                     yield sse_event(chunk)

@@ -32,6 +32,7 @@ from gateway.serving import (
     MultiRun,
     RequestContext,
     SSEResponse,
+    TextChunkTemplate,
     cancel_on_disconnect,
     generation_spec,
     new_id,
@@ -208,6 +209,25 @@ class CompletionStreamer:
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
+        self._templates: dict[int, TextChunkTemplate] = {}
+
+    def _plain(self, event: ChoiceEvent) -> bytes | None:
+        """The event of a text-only chunk through a template (the hot path), or None when
+        the event needs the full chunk (logprobs, finish, running usage)."""
+        if event.finish_reason is not None or self.continuous_usage or self.body.logprobs is not None:
+            return None
+        self.timer.on_output(len(event.token_ids))
+        self.offsets[event.index] += len(event.text)
+        if not event.text:
+            return b""
+        template = self._templates.get(event.index)
+        if template is None:
+            template = self._templates[event.index] = TextChunkTemplate(
+                lambda text: self.chunk(
+                    CompletionChoice(index=event.index, text=text, logprobs=None, finish_reason=None)
+                )
+            )
+        return template.render(event.text)
 
     def chunk(self, choice: CompletionChoice | None) -> CompletionChunk:
         """A chunk with the request's id/model (and running usage when asked)."""
@@ -232,6 +252,11 @@ class CompletionStreamer:
                         )
                     )
             async for event in self.multi.events():
+                plain = self._plain(event)
+                if plain is not None:
+                    if plain:
+                        yield plain
+                    continue
                 choice = await self.on_event(event)
                 if choice is not None:
                     yield sse_event(self.chunk(choice))
