@@ -124,6 +124,10 @@ async def _served(method: str, context: grpc.aio.ServicerContext) -> AsyncIterat
         metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
 
 
+# Clients ping idle connections this often (and servers accept it, `server_options`).
+KEEPALIVE_TIME_MS = 10_000
+
+
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -131,8 +135,21 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
         # Fail fast and reconnect quickly when a peer restarts.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+
+
+def server_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+    """Channel options plus a keepalive policy that accepts our clients' pings: the
+    gateway's long-lived worker streams ping every KEEPALIVE_TIME_MS (a hung worker is
+    detected within ~15 s), and gRPC's default server policy answers pings more frequent
+    than every 5 minutes with GOAWAY "too_many_pings", which broke those streams."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 

@@ -32,7 +32,7 @@ except ImportError:  # optional: plain asyncio works too
 from services import metrics, tracing
 from services.config import ServerConfig
 from services.decode_guard import DecodeGuard
-from services.rpc import INFLIGHT, channel_options
+from services.rpc import INFLIGHT, server_options
 from services.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class GrpcServer:
         self.name = name
         self.config = config
         self.server = grpc.aio.server(
-            options=channel_options(config.max_message_bytes), interceptors=[DecodeGuard()]
+            options=server_options(config.max_message_bytes), interceptors=[DecodeGuard()]
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
