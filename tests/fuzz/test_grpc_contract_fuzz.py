@@ -4,6 +4,11 @@
 Every bad message must end in a client-error status with a message (INVALID_ARGUMENT,
 NOT_FOUND, RESOURCE_EXHAUSTED for oversize, ...), never INTERNAL/UNKNOWN, and no
 service may crash: the last test checks every process is alive and /health is 200.
+
+The token path: `Scheduler.Route` refuses bad requests with a client error (every lease
+it grants here is released at once); `Scheduler.Release` takes any lease ids (unknown
+ones are simply not released); a bad add on a `Worker.GenerateStream` fails only that
+request (a `RequestError` with a client-error code) and the stream stays usable.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from meshserve.v1 import (
     scheduler_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
+    worker_pb2,
     worker_pb2_grpc,
 )
 from tests.reliability.meshkit import ENCODER_CACHE_MB, MODEL_NAME, SharedMesh
@@ -40,6 +46,8 @@ CLIENT_ERRORS = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# The same codes as numbers (what a RequestError carries).
+CLIENT_ERROR_NUMBERS = {int(code.value[0]) for code in CLIENT_ERRORS}
 # Default max_message_bytes of every gRPC server (services.config.ServerConfig).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 VOCAB = 1000  # the tiny model's embedding rows (the tokenizer adds <image> = 1000)
@@ -83,8 +91,79 @@ def _worker(request: common_pb2.GenerateRequest) -> Call:
     return lambda ch: _stream(worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=CALL_TIMEOUT_S))
 
 
-def _scheduler(request: common_pb2.GenerateRequest) -> Call:
-    return lambda ch: _stream(scheduler_pb2_grpc.SchedulerStub(ch).Generate(request, timeout=CALL_TIMEOUT_S))
+def _route(request: scheduler_pb2.RouteRequest) -> Call:
+    """Scheduler.Route; a lease it grants is released at once (none may leak)."""
+
+    async def call(ch: grpc.aio.Channel) -> scheduler_pb2.RouteResponse:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        reply: scheduler_pb2.RouteResponse = await stub.Route(request, timeout=CALL_TIMEOUT_S)
+        released = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[reply.lease_id]), timeout=10)
+        assert released.released == 1, f"lease {reply.lease_id!r} of a granted Route was not released"
+        return reply
+
+    return call
+
+
+def _routed(request: common_pb2.GenerateRequest, **kw: Any) -> Call:
+    return _route(scheduler_pb2.RouteRequest(request=request, **kw))
+
+
+@dataclass
+class StreamOutcome:
+    """What one GenerateStream answered: the RequestErrors and the finished requests."""
+
+    errors: list[worker_pb2.RequestError]
+    finished: list[common_pb2.GenerateResponse]
+
+    def error_of(self, request_id: str) -> worker_pb2.RequestError | None:
+        return next((e for e in self.errors if e.request_id == request_id), None)
+
+    def finished_ids(self) -> list[str]:
+        return [r.request_id for r in self.finished]
+
+
+PROBE_ID = "fuzz-probe"
+
+
+def _probe() -> common_pb2.GenerateRequest:
+    return _gen(request_id=PROBE_ID, prompt_token_ids=[1, 5, 6, 7], sampling=_sp(max_tokens=2))
+
+
+async def _generate_stream(
+    address: str, messages: list[worker_pb2.GenerateStreamRequest], timeout: float = 60.0
+) -> StreamOutcome:
+    """Sends `messages` on ONE GenerateStream; once every add got its end (a RequestError
+    or its finished output), adds a valid probe request, waits for it, half-closes and
+    reads the stream to its end. An error status of the call raises AioRpcError."""
+    adds = sum(1 for m in messages if m.WhichOneof("kind") == "add")
+    outgoing: asyncio.Queue[worker_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+    for message in messages:
+        outgoing.put_nowait(message)
+
+    async def requests() -> AsyncIterator[worker_pb2.GenerateStreamRequest]:
+        while (message := await outgoing.get()) is not None:
+            yield message
+
+    outcome = StreamOutcome([], [])
+    probe_sent = False
+
+    def step() -> None:
+        nonlocal probe_sent
+        ended = len(outcome.errors) + len(outcome.finished)
+        if not probe_sent and ended >= adds:
+            probe_sent = True
+            outgoing.put_nowait(worker_pb2.GenerateStreamRequest(add=_probe()))
+        elif probe_sent and ended >= adds + 1:
+            outgoing.put_nowait(None)  # half-close: the stream ends once idle
+
+    async with grpc.aio.insecure_channel(address, options=BIG_CHANNEL) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).GenerateStream(requests(), timeout=timeout)
+        step()
+        async for response in call:
+            outcome.errors.extend(response.errors)
+            outcome.finished.extend(o for o in response.outputs if o.finished)
+            step()
+    return outcome
 
 
 def _raw(method: str, payload: bytes) -> Call:
@@ -177,7 +256,6 @@ def _cases() -> list[Case]:
     cases: list[Case] = []
     for name, request in SAMPLING_CASES:
         cases.append(Case(f"worker-generate-{name}", "decoder-0", _worker(request)))
-        cases.append(Case(f"scheduler-generate-{name}", "scheduler", _scheduler(request)))
     cases += [
         Case("worker-generate-no-request-id", "decoder-0", _worker(_gen(request_id="", sampling=_sp()))),
         Case(
@@ -198,11 +276,20 @@ def _cases() -> list[Case]:
                 )
             ),
         ),
-        Case("scheduler-generate-no-model", "scheduler", _scheduler(_gen(model="", sampling=_sp()))),
+        # Scheduler.Route
+        Case("scheduler-route-empty-request", "scheduler", _route(scheduler_pb2.RouteRequest())),
+        Case("scheduler-route-no-model", "scheduler", _routed(_gen(model="", sampling=_sp()))),
+        Case("scheduler-route-empty-prompt", "scheduler", _routed(_gen(prompt_token_ids=[], sampling=_sp()))),
         Case(
-            "scheduler-generate-unknown-model",
+            "scheduler-route-unknown-model",
             "scheduler",
-            _scheduler(_gen(model="nope", sampling=_sp())),
+            _routed(_gen(model="nope", sampling=_sp())),
+            NOT_FOUND,
+        ),
+        Case(
+            "scheduler-route-unknown-model-force-encode",
+            "scheduler",
+            _routed(_gen(model="nope"), exclude_worker_ids=["x"] * 100, force_encode=True),
             NOT_FOUND,
         ),
         Case(
@@ -467,10 +554,11 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
     [
         ("tokenizer", "/meshserve.v1.Tokenizer/Tokenize", _field(2, b"\xff\xfe")),
         ("tokenizer", "/meshserve.v1.Tokenizer/RenderChat", _field(2, b"[\xc3(]")),
-        ("scheduler", "/meshserve.v1.Scheduler/Generate", b"\xff\xff\xff\xff"),
+        ("scheduler", "/meshserve.v1.Scheduler/Route", b"\xff\xff\xff\xff"),
+        ("scheduler", "/meshserve.v1.Scheduler/Release", _field(1, b"lease-\xc3(")),
         ("decoder-0", "/meshserve.v1.Worker/Abort", _field(1, b"\x80\x80")),
     ],
-    ids=["tokenize-utf8", "render-chat-utf8", "scheduler-corrupt-wire", "worker-utf8"],
+    ids=["tokenize-utf8", "render-chat-utf8", "route-corrupt-wire", "release-utf8", "worker-utf8"],
 )
 def test_undecodable_message_is_invalid_argument(
     mesh: SharedMesh, service: str, method: str, payload: bytes
@@ -486,6 +574,112 @@ def test_undecodable_message_is_invalid_argument(
     else:
         error = asyncio.run(_run(mesh.address(service), _raw(method, payload)))
     _check(error, INVALID)
+
+
+def test_release_takes_any_lease_ids(mesh: SharedMesh) -> None:
+    """Release never fails on what it is given: unknown, empty, huge or repeated lease ids
+    are simply not released (0), a granted lease is released exactly once."""
+
+    async def run() -> list[int]:
+        async with grpc.aio.insecure_channel(mesh.address("scheduler"), options=BIG_CHANNEL) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+            async def release(ids: list[str]) -> int:
+                reply = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=ids), timeout=10)
+                return int(reply.released)
+
+            counts = [
+                await release([]),
+                await release([""]),
+                await release(["no-such-lease", "x" * 100_000, "\u00e9\u0000\U0001f389"]),
+                await release([f"unknown-{i}" for i in range(10_000)]),
+            ]
+            route = await stub.Route(
+                scheduler_pb2.RouteRequest(request=_gen(request_id="", sampling=_sp())), timeout=10
+            )
+            counts += [await release([route.lease_id, route.lease_id]), await release([route.lease_id])]
+            return counts
+
+    assert asyncio.run(run()) == [0, 0, 0, 0, 1, 0]
+
+
+GENERATE_STREAM_CASES: list[tuple[str, common_pb2.GenerateRequest, frozenset[grpc.StatusCode]]] = [
+    *((name, request, INVALID) for name, request in SAMPLING_CASES),
+    ("no-request-id", _gen(request_id="", sampling=_sp()), INVALID),
+    ("unknown-model", _gen(model="nope", sampling=_sp()), NOT_FOUND),
+    (
+        "mm-item-outside-prompt",
+        _gen(
+            sampling=_sp(),
+            mm_items=[common_pb2.MultiModalItem(identifier="x", modality="image", offset=-5, length=10**9)],
+        ),
+        INVALID,
+    ),
+]
+
+
+def test_bad_adds_on_generate_stream_fail_only_their_request(mesh: SharedMesh) -> None:
+    """Every hostile add of GENERATE_STREAM_CASES on ONE GenerateStream is answered with
+    a RequestError carrying its client-error code and a message, next to a valid request
+    that runs to its end; aborts of unknown ids and empty messages are ignored; a second
+    add of a running request id is refused while the first one finishes; afterwards the
+    same stream still serves a request (the probe) and ends cleanly on half-close."""
+    messages: list[worker_pb2.GenerateStreamRequest] = [
+        worker_pb2.GenerateStreamRequest(add=_gen(request_id="fuzz-ok", sampling=_sp(max_tokens=8))),
+        worker_pb2.GenerateStreamRequest(add=_gen(request_id="fuzz-ok", sampling=_sp())),
+        worker_pb2.GenerateStreamRequest(abort=common_pb2.AbortRequest(request_id="fuzz-never-added")),
+        worker_pb2.GenerateStreamRequest(abort=common_pb2.AbortRequest()),
+        worker_pb2.GenerateStreamRequest(),
+    ]
+    for name, request, _expect in GENERATE_STREAM_CASES:
+        bad = common_pb2.GenerateRequest()
+        bad.CopyFrom(request)
+        if bad.request_id:
+            bad.request_id = f"fuzz-{name}"
+        messages.append(worker_pb2.GenerateStreamRequest(add=bad))
+    outcome = asyncio.run(_generate_stream(mesh.address("decoder-0"), messages))
+
+    problems = []
+    for name, request, expect in GENERATE_STREAM_CASES:
+        request_id = f"fuzz-{name}" if request.request_id else ""
+        error = outcome.error_of(request_id)
+        if error is None:
+            problems.append(f"{name}: no RequestError")
+        elif error.code not in {int(code.value[0]) for code in expect} or not error.message:
+            problems.append(f"{name}: code {error.code} {error.message!r}")
+    assert not problems, problems
+    duplicate = outcome.error_of("fuzz-ok")
+    assert duplicate is not None and duplicate.code == int(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    assert duplicate.param == "request_id"
+    assert sorted(outcome.finished_ids()) == sorted([PROBE_ID, "fuzz-ok"])
+    assert len(outcome.errors) == len(GENERATE_STREAM_CASES) + 1
+
+
+def test_undecodable_message_on_generate_stream(mesh: SharedMesh) -> None:
+    """Bytes that do not parse as a GenerateStreamRequest end the call with
+    INVALID_ARGUMENT (never UNKNOWN/INTERNAL, never a hang); the worker goes on serving."""
+
+    async def run() -> grpc.aio.AioRpcError | None:
+        async with grpc.aio.insecure_channel(mesh.address("decoder-0")) as channel:
+            stub = channel.stream_stream(
+                "/meshserve.v1.Worker/GenerateStream",
+                request_serializer=lambda b: b,
+                response_deserializer=worker_pb2.GenerateStreamResponse.FromString,
+            )
+
+            async def requests() -> AsyncIterator[bytes]:
+                yield b"\xff\xff\xff\xff"
+                await asyncio.sleep(30)  # the server must end the call on its own
+
+            try:
+                await _stream(stub(requests(), timeout=CALL_TIMEOUT_S))
+            except grpc.aio.AioRpcError as exc:
+                return exc
+        return None
+
+    _check(asyncio.run(run()), INVALID)
+    outcome = asyncio.run(_generate_stream(mesh.address("decoder-0"), []))
+    assert outcome.finished_ids() == [PROBE_ID] and not outcome.errors
 
 
 # ------------------------------------------------------------------ hypothesis-driven
@@ -534,15 +728,8 @@ def _acceptable(error: grpc.aio.AioRpcError | None) -> bool:
     return error is None or (error.code() in CLIENT_ERRORS and bool(error.details()))
 
 
-@FUZZ_SETTINGS
-@given(
-    prompt=_prompt, sampling=_sampling(), priority=st.integers(-(2**31), 2**31 - 1), salt=st.text(max_size=8)
-)
-def test_fuzzed_generate_never_fails_server_side(
-    mesh: SharedMesh, prompt: list[int], sampling: common_pb2.SamplingParams, priority: int, salt: str
-) -> None:
-    """Random GenerateRequests to the scheduler: OK or a client error, never INTERNAL/UNKNOWN."""
-    request = common_pb2.GenerateRequest(
+def _request(prompt: list[int], sampling: common_pb2.SamplingParams, priority: int, salt: str) -> Any:
+    return common_pb2.GenerateRequest(
         request_id="",
         model=MODEL_NAME,
         prompt_token_ids=prompt,
@@ -550,8 +737,63 @@ def test_fuzzed_generate_never_fails_server_side(
         priority=priority,
         cache_salt=salt,
     )
-    error = asyncio.run(_run(mesh.address("scheduler"), _scheduler(request)))
+
+
+@FUZZ_SETTINGS
+@given(
+    prompt=_prompt,
+    sampling=_sampling(),
+    priority=st.integers(-(2**31), 2**31 - 1),
+    salt=st.text(max_size=8),
+    exclude=st.lists(st.text(max_size=8), max_size=3),
+    force_encode=st.booleans(),
+)
+def test_fuzzed_route_never_fails_server_side(
+    mesh: SharedMesh,
+    prompt: list[int],
+    sampling: common_pb2.SamplingParams,
+    priority: int,
+    salt: str,
+    exclude: list[str],
+    force_encode: bool,
+) -> None:
+    """Random RouteRequests: a lease (released at once) or a client error, never
+    INTERNAL/UNKNOWN."""
+    route = scheduler_pb2.RouteRequest(
+        request=_request(prompt, sampling, priority, salt),
+        exclude_worker_ids=exclude,
+        force_encode=force_encode,
+    )
+    error = asyncio.run(_run(mesh.address("scheduler"), _route(route)))
     assert _acceptable(error), f"{error.code().name if error else ''}: {error.details() if error else ''}"
+
+
+@FUZZ_SETTINGS
+@given(
+    requests=st.lists(
+        st.tuples(_prompt, _sampling(), st.integers(-(2**31), 2**31 - 1), st.text(max_size=8)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_fuzzed_generate_stream_adds_never_fail_server_side(
+    mesh: SharedMesh, requests: list[tuple[list[int], common_pb2.SamplingParams, int, str]]
+) -> None:
+    """Random adds on one GenerateStream: each request finishes or gets a RequestError
+    with a client-error code and a message (never INTERNAL/UNKNOWN), and the stream still
+    serves the probe afterwards."""
+    messages = []
+    for i, fields in enumerate(requests):
+        request = _request(*fields)
+        request.request_id = f"fuzz-{i}"
+        messages.append(worker_pb2.GenerateStreamRequest(add=request))
+    outcome = asyncio.run(_generate_stream(mesh.address("decoder-0"), messages))
+    bad = [(e.request_id, e.code, e.message) for e in outcome.errors if e.code not in CLIENT_ERROR_NUMBERS]
+    assert not bad, bad
+    assert all(e.message for e in outcome.errors)
+    ended = sorted([*outcome.finished_ids(), *(e.request_id for e in outcome.errors)])
+    assert ended == sorted([PROBE_ID, *(f"fuzz-{i}" for i in range(len(requests)))])
+    assert outcome.finished_ids()[-1] == PROBE_ID
 
 
 @FUZZ_SETTINGS

@@ -1,31 +1,60 @@
-"""Deterministic in-process fake Tokenizer and Scheduler gRPC services (no model) and a
-harness that runs them, plus gateways under test, on an event loop in a background
-thread so tests can use the synchronous `openai` and `httpx` clients.
+"""Deterministic in-process fake Tokenizer, Scheduler and Worker gRPC services (no model)
+and a harness that runs them, plus gateways under test, on an event loop in a
+background thread so tests can use the synchronous `openai` and `httpx` clients.
 
-Fake tokenizer: one token per character, id = code point + 10; ids 1 and 2 are the
-special tokens "<s>" and "</s>" (EOS). Chat rendering is `<|role|>content\n` per
-message plus `<|assistant|>`.
+Fake tokenizer: a REAL byte-level BPE tokenizer without merges, built at import with the
+`tokenizers` library: byte b is token b + 10, ids 1 and 2 are the special tokens "<s>"
+and "</s>" (EOS), 0 and 3..9 are unused fillers (vocabulary of 266). ASCII text is one
+token per character (id = code point + 10); other text is one token per UTF-8 byte, so
+a character may span several tokens (the gateway's detokenizer must hold partial
+characters back). `GetTokenizer` streams its files (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json) in small chunks with sha256 + size on
+each file's last chunk, as the tokenizer service does; the gateway loads them with
+transformers.AutoTokenizer. Chat rendering is `<|role|>content\n` per message plus
+`<|assistant|>`.
 
-Fake scheduler: the output text of choice i depends on keywords in the prompt (see
-`FakeScheduler.script`); one token per choice per step, finish STOP (stop token 2)
-or LENGTH at max_tokens, usage with cached_tokens=3 on the last message.
+Fake scheduler: `Route` leases a registered fake worker (the first one in
+`route_first` order, then registration order, skipping `exclude_worker_ids` and workers
+marked down); records every RouteRequest, lease and `Release`.
+
+Fake worker: `GenerateStream` runs the scripted generation of each request added on
+the stream: the output text of choice i depends on keywords in the prompt (see
+`FakeWorker.script`); one token per choice per step, finish STOP (stop token 2) or
+LENGTH at max_tokens, usage with cached_tokens=3 on the last message. An abort ends the
+request with a final FINISH_REASON_ABORT message; request-level failures go out as
+`RequestError`s. Records every added request and every abort.
+
+Prompt keywords: TOOL, JSON, SLOW (200 ticks, 20 ms per step), UNICODE (non-ASCII
+text), ENDLESS (the usual text, then a slow endless tail: only an abort or max_tokens
+ends it), CRASH (RequestError INTERNAL after 3 tokens), OVERLOAD (Route answers
+RESOURCE_EXHAUSTED), WORKER_REFUSES (RequestError INVALID_ARGUMENT naming top_k),
+EVICTED (the first add of a request id fails FAILED_PRECONDITION, as when image
+embeddings were evicted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import itertools
 import json
 import math
+import shutil
 import socket
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Coroutine
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -36,44 +65,120 @@ from meshserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
     worker_pb2,
+    worker_pb2_grpc,
 )
+from services.rpc import PARAM_METADATA_KEY
 
 T = TypeVar("T")
 
 BOS, EOS = 1, 2
-SPECIAL = {BOS: "<s>", EOS: "</s>"}
 MODEL = "tiny"
 EMBED_MODEL = "embed-tiny"
 MAX_MODEL_LEN = 256
 CACHED_TOKENS = 3
+BYTE_OFFSET = 10
+VOCAB_SIZE = 256 + BYTE_OFFSET
+DEFAULT_WORKER = "fake-worker-0"
+# GetTokenizer chunk size: small, so every file spans several chunks.
+TOKENIZER_CHUNK_BYTES = 4096
+HELLO = "Hello from choice {index}! The quick brown fox jumps over the lazy dog."
+UNICODE_TEXT = "Grüße, 世界! 🎉 naïve café — ∑ 👩‍💻"
+# ENDLESS: tokens after this many come every SLOW_STEP_S (an abort arrives long before).
+ENDLESS_FAST_TOKENS = 40
+SLOW_STEP_S = 0.02
 
 
-def encode(text: str) -> list[int]:
-    """Character-level token ids."""
-    return [ord(c) + 10 for c in text]
-
-
-def decode(ids: list[int], skip_special: bool = True) -> str:
-    """Inverse of `encode`; special tokens render as <s> / </s> unless skipped."""
-    out = []
-    for i in ids:
-        if i in SPECIAL:
-            if not skip_special:
-                out.append(SPECIAL[i])
-        elif i >= 10:
-            out.append(chr(i - 10))
-    return "".join(out)
+def _code(status: grpc.StatusCode) -> int:
+    """The numeric status code a RequestError carries."""
+    return int(status.value[0])
 
 
 # ----------------------------------------------------------------------- tokenizer
 
 
-class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
-    """Character-level tokenizer service; records the last RenderChat request."""
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (what ByteLevel pre-tokenizes into)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
-    def __init__(self) -> None:
+
+def build_tokenizer() -> Tokenizer:
+    """The fake model's tokenizer: byte-level BPE without merges, byte b = id b + 10."""
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS}
+    vocab.update({f"<reserved_{i}>": i for i in range(3, BYTE_OFFSET)})
+    vocab.update({char: b + BYTE_OFFSET for b, char in _bytes_to_unicode().items()})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return tokenizer
+
+
+TOKENIZER = build_tokenizer()
+
+
+def write_tokenizer_files(directory: Path) -> list[Path]:
+    """Writes the fake model's tokenizer files (what GetTokenizer streams) into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    TOKENIZER.save(str(directory / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": MAX_MODEL_LEN,
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
+    return [
+        directory / name for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    ]
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text` (no special tokens): its UTF-8 bytes + 10."""
+    return list(TOKENIZER.encode(text, add_special_tokens=False).ids)
+
+
+def decode(ids: list[int], skip_special: bool = True) -> str:
+    """The tokenizer's decode; special tokens render as <s> / </s> unless skipped."""
+    return str(TOKENIZER.decode(list(ids), skip_special_tokens=skip_special))
+
+
+def file_chunks(
+    path: Path, chunk_bytes: int = TOKENIZER_CHUNK_BYTES
+) -> Iterator[tokenizer_pb2.TokenizerFileChunk]:
+    """`path` as GetTokenizer chunks: the last one has `last`, the sha256 and the size."""
+    data = path.read_bytes()
+    pieces = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
+    for i, piece in enumerate(pieces):
+        chunk = tokenizer_pb2.TokenizerFileChunk(name=path.name, data=piece)
+        if i == len(pieces) - 1:
+            chunk.last, chunk.size, chunk.sha256 = True, len(data), hashlib.sha256(data).hexdigest()
+        yield chunk
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    """The fake model's tokenizer service; records RenderChat requests and GetTokenizer
+    calls. `corrupt_files` makes GetTokenizer send a wrong sha256."""
+
+    def __init__(self, files_dir: Path) -> None:
+        self.files = write_tokenizer_files(files_dir)
         self.last_render: tokenizer_pb2.RenderChatRequest | None = None
-        self.detok_streams = 0
+        self.get_tokenizer_calls = 0
+        self.corrupt_files = False
+        # Seconds GetTokenizer waits before its first chunk (single-flight tests).
+        self.get_tokenizer_delay_s = 0.0
 
     async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
         if model not in (MODEL, EMBED_MODEL):
@@ -104,7 +209,11 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         await self._check_model(request.model, context)
         if request.WhichOneof("prompt") == "token_ids":
             ids = list(request.token_ids.ids)
-            return tokenizer_pb2.RenderResponse(prompt_token_ids=ids, prompt_text="")
+            if any(not 0 <= i < VOCAB_SIZE for i in ids):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "prompt: token id outside the vocabulary"
+                )
+            return tokenizer_pb2.RenderResponse(prompt_token_ids=ids, prompt_text=decode(ids, False))
         ids = encode(request.text)
         if request.add_special_tokens:
             ids = [BOS, *ids]
@@ -113,87 +222,197 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._check_model(request.model, context)
         ids = ([BOS] if request.add_special_tokens else []) + encode(request.text)
-        strs = [decode([i], skip_special=False) for i in ids] if request.return_token_strs else []
+        strs = [str(TOKENIZER.id_to_token(i)) for i in ids] if request.return_token_strs else []
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, token_strs=strs, max_model_len=MAX_MODEL_LEN)
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._check_model(request.model, context)
-        return tokenizer_pb2.DetokenizeResponse(
-            text=decode(list(request.token_ids), request.skip_special_tokens)
-        )
+        ids = list(request.token_ids)
+        if any(not 0 <= i < VOCAB_SIZE for i in ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: outside the vocabulary")
+        return tokenizer_pb2.DetokenizeResponse(text=decode(ids, request.skip_special_tokens))
 
     async def GetTokenizerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._check_model(request.model, context)
         return tokenizer_pb2.TokenizerInfo(
-            model=request.model, vocab_size=0x110000, eos_token_ids=[EOS], max_model_len=MAX_MODEL_LEN
+            model=request.model, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS], max_model_len=MAX_MODEL_LEN
         )
 
-    async def DetokenizeStream(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        """One response per `tokens`/`finish` message; holds back text that could be
-        the start of a stop string; ends after a stop string or `finish`."""
-        self.detok_streams += 1
-        state: _DetokState | None = None
-        async for message in request_iterator:
-            if message.WhichOneof("kind") == "start":
-                state = _DetokState(message.start)
-                continue
-            if state is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be start")
-                return
-            response = state.feed(list(message.tokens.ids), message.finish)
-            yield response
-            if response.stopped or message.finish:
-                return
-
-
-class _DetokState:
-    def __init__(self, start: Any) -> None:
-        self.stop = list(start.stop)
-        self.include = start.include_stop_str_in_output
-        self.skip = start.skip_special_tokens
-        self.pending = ""
-        self.num_tokens = 0
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-
-    def feed(self, ids: list[int], finish: bool) -> Any:
-        out = []
-        for token in ids:
-            self.num_tokens += 1
-            self.pending += decode([token], self.skip)
-            for stop in self.stop:
-                at = self.pending.find(stop)
-                if at >= 0:
-                    end = at + len(stop) if self.include else at
-                    out.append(self.pending[:end])
-                    return tokenizer_pb2.DetokenizeStreamResponse(
-                        text="".join(out), stopped=True, matched_stop=stop, num_tokens=self.num_tokens
-                    )
-            safe = len(self.pending) - self.holdback if not finish else len(self.pending)
-            if safe > 0:
-                out.append(self.pending[:safe])
-                self.pending = self.pending[safe:]
-        if finish:
-            out.append(self.pending)
-            self.pending = ""
-        return tokenizer_pb2.DetokenizeStreamResponse(text="".join(out), num_tokens=self.num_tokens)
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The tokenizer files, each in chunks, sha256 + size on its last chunk."""
+        self.get_tokenizer_calls += 1
+        await self._check_model(request.model, context)
+        if self.get_tokenizer_delay_s:
+            await asyncio.sleep(self.get_tokenizer_delay_s)
+        for path in self.files:
+            for chunk in file_chunks(path):
+                if chunk.last and self.corrupt_files:
+                    chunk.sha256 = "0" * 64
+                yield chunk
 
 
 # ----------------------------------------------------------------------- scheduler
 
 
+def _param(name: str) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming the request field at fault (as services.rpc sends it)."""
+    return ((PARAM_METADATA_KEY, name),)
+
+
 @dataclass
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Scripted generation; records requests, aborts and cancellations."""
+    """Leases on the registered fake workers; records routes, leases and releases."""
 
-    requests: list[common_pb2.GenerateRequest] = field(default_factory=list)
-    aborted: set[str] = field(default_factory=set)
-    cancelled: set[str] = field(default_factory=set)
-    completed: set[str] = field(default_factory=set)
+    # Prefix of the lease ids (several fake replicas never issue the same id).
+    name: str = "sched"
+    # worker_id -> address, in registration order.
+    workers: dict[str, str] = field(default_factory=dict)
+    # Workers Route tries first (in this order), then the others.
+    route_first: list[str] = field(default_factory=list)
+    # Workers listed unhealthy and never routed to.
+    down: set[str] = field(default_factory=set)
+    routes: list[scheduler_pb2.RouteRequest] = field(default_factory=list)
+    # lease_id -> (request_id, worker_id)
+    leases: dict[str, tuple[str, str]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    release_calls: list[list[str]] = field(default_factory=list)
+    _lease_ids: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def requests(self) -> list[common_pb2.GenerateRequest]:
+        """The GenerateRequest of every Route call."""
+        return [route.request for route in self.routes]
+
+    def routes_of(self, request_id: str) -> list[scheduler_pb2.RouteRequest]:
+        """Route calls for `request_id`, in order."""
+        return [route for route in self.routes if route.request.request_id == request_id]
+
+    def leases_of(self, request_id: str) -> list[str]:
+        """Lease ids issued for `request_id`, in order."""
+        return [lease for lease, (rid, _w) in self.leases.items() if rid == request_id]
+
+    async def Route(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.routes.append(scheduler_pb2.RouteRequest.FromString(request.SerializeToString()))
+        generate = request.request
+        if not generate.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required", _param("model"))
+        if generate.model != MODEL:
+            message = f"model '{generate.model}' is not served by any decoder"
+            await context.abort(grpc.StatusCode.NOT_FOUND, message, _param("model"))
+        if not generate.prompt_token_ids:
+            message = "prompt_token_ids must not be empty"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message, _param("prompt"))
+        if "OVERLOAD" in decode(list(generate.prompt_token_ids)):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scheduler queue is full")
+        excluded = set(request.exclude_worker_ids) | self.down
+        order = [w for w in self.route_first if w in self.workers] + list(self.workers)
+        worker_id = next((w for w in order if w not in excluded), None)
+        if worker_id is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decoder worker")
+        assert worker_id is not None
+        request_id = generate.request_id or uuid.uuid4().hex
+        lease_id = f"{self.name}-lease-{next(self._lease_ids)}"
+        self.leases[lease_id] = (request_id, worker_id)
+        return scheduler_pb2.RouteResponse(
+            request_id=request_id,
+            lease_id=lease_id,
+            worker_id=worker_id,
+            worker_address=self.workers[worker_id],
+            mm_items=generate.mm_items,
+            lease_ttl_ms=60_000,
+            reason="fake",
+        )
+
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ids = list(request.lease_ids)
+        self.release_calls.append(ids)
+        known = [i for i in ids if i in self.leases and i not in self.released]
+        self.released.extend(ids)
+        return scheduler_pb2.ReleaseResponse(released=len(known))
+
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.model != EMBED_MODEL:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{request.model} is not an embedding model"
+            )
+        embeddings = []
+        for text in request.inputs:
+            values = [float(len(text)), 1.0, 0.0]
+            if request.normalize:
+                norm = math.sqrt(sum(v * v for v in values))
+                values = [v / norm for v in values]
+            embeddings.append(common_pb2.Embedding(values=values))
+        tokens = sum(len(t) for t in request.inputs)
+        return common_pb2.EmbedResponse(embeddings=embeddings, prompt_tokens=tokens)
+
+    async def ListWorkers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        workers = [
+            scheduler_pb2.WorkerStatus(
+                worker=scheduler_pb2.WorkerDescriptor(
+                    worker_id=worker_id,
+                    address=address,
+                    role="decoder",
+                    model=MODEL,
+                    max_model_len=MAX_MODEL_LEN,
+                ),
+                healthy=worker_id not in self.down,
+                load=worker_pb2.LoadStats(),
+            )
+            for worker_id, address in self.workers.items()
+        ]
+        workers.append(
+            scheduler_pb2.WorkerStatus(
+                worker=scheduler_pb2.WorkerDescriptor(worker_id="emb-0", role="embedding", model=EMBED_MODEL),
+                healthy=True,
+            )
+        )
+        return scheduler_pb2.ListWorkersResponse(workers=workers, models=[MODEL, EMBED_MODEL])
+
+
+# -------------------------------------------------------------------------- worker
+
+
+@dataclass
+class _Run:
+    """One request running on a fake worker's stream."""
+
+    request: common_pb2.GenerateRequest
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """Scripted generation over GenerateStream; records requests and aborts."""
+
+    worker_id: str = DEFAULT_WORKER
     step_delay_s: float = 0.001
-    decoders: int = 1
-    _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
+    # Requests produce no token until aborted (or the worker is killed: failover tests).
+    hold: bool = False
+    # Adds are refused with UNAVAILABLE (as by a draining worker).
+    draining: bool = False
+    requests: list[common_pb2.GenerateRequest] = field(default_factory=list)
+    # request ids of the abort messages received, in order
+    aborts: list[str] = field(default_factory=list)
+    completed: set[str] = field(default_factory=set)
+    # requests that ended without finishing on their own (abort, failure, stream lost)
+    cancelled: set[str] = field(default_factory=set)
+    errors_sent: list[worker_pb2.RequestError] = field(default_factory=list)
+    streams_opened: int = 0
+    _evicted: set[str] = field(default_factory=set)
+
+    @property
+    def last_request(self) -> common_pb2.GenerateRequest:
+        """The last request added on any stream."""
+        return self.requests[-1]
+
+    @property
+    def aborted(self) -> set[str]:
+        """Request ids the gateway aborted on the stream."""
+        return set(self.aborts)
+
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
 
     @staticmethod
     def script(prompt: str, index: int) -> str:
@@ -206,36 +425,140 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             return '{"answer": 42}' if index == 0 else "not json"
         if "SLOW" in prompt:
             return "tick " * 200
-        return f"Hello from choice {index}! The quick brown fox jumps over the lazy dog."
+        if "UNICODE" in prompt:
+            return UNICODE_TEXT
+        text = HELLO.format(index=index)
+        if "ENDLESS" in prompt:
+            text += " and on" * 300
+        return text
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.requests.append(request)
-        prompt = decode(list(request.prompt_token_ids))
-        if "OVERLOAD" in prompt:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scheduler queue is full")
-        event = self._abort_events.setdefault(request.request_id, asyncio.Event())
-        finished = False
+    async def GenerateStream(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        self.streams_opened += 1
+        outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None] = asyncio.Queue()
+        runs: dict[str, _Run] = {}
+        input_done = False
+
+        def ended(request_id: str) -> None:
+            runs.pop(request_id, None)
+            if input_done and not runs:
+                outbox.put_nowait(None)
+
+        async def read() -> None:
+            nonlocal input_done
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "add":
+                    self._add(message.add, runs, outbox, ended)
+                elif kind == "abort":
+                    self.aborts.append(message.abort.request_id)
+                    run = runs.get(message.abort.request_id)
+                    if run is not None:
+                        run.aborted.set()
+            input_done = True
+            if not runs:
+                outbox.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
         try:
-            async for response in self._steps(request, prompt, event):
-                yield response
-            finished = True
+            while (message := await outbox.get()) is not None:
+                # Whatever else is ready goes in the same message (one per "engine step").
+                while not outbox.empty():
+                    more = outbox.get_nowait()
+                    if more is None:
+                        outbox.put_nowait(None)
+                        break
+                    message.outputs.extend(more.outputs)
+                    message.errors.extend(more.errors)
+                yield message
         finally:
-            # Cancellation shows as CancelledError or, when it hits while grpc writes a
-            # response, as GeneratorExit at the yield.
-            (self.completed if finished else self.cancelled).add(request.request_id)
+            reader.cancel()
+            for run in list(runs.values()):
+                if run.task is not None:
+                    run.task.cancel()
 
-    async def _steps(self, request: Any, prompt: str, aborted: asyncio.Event) -> AsyncIterator[Any]:
+    def _refusal(
+        self, request: common_pb2.GenerateRequest, runs: dict[str, _Run]
+    ) -> worker_pb2.RequestError | None:
+        rid = request.request_id
+        prompt = decode(list(request.prompt_token_ids))
+
+        def error(status: grpc.StatusCode, message: str, param: str = "") -> worker_pb2.RequestError:
+            return worker_pb2.RequestError(request_id=rid, code=_code(status), message=message, param=param)
+
+        if not rid:
+            return error(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", "request_id")
+        if request.model != MODEL:
+            return error(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served", "model")
+        if not request.prompt_token_ids:
+            return error(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty", "prompt")
+        if rid in runs:
+            return error(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already running", "request_id"
+            )
+        if self.draining:
+            return error(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        if "WORKER_REFUSES" in prompt:
+            return error(grpc.StatusCode.INVALID_ARGUMENT, "top_k: refused by the worker", "top_k")
+        if "EVICTED" in prompt and rid not in self._evicted:
+            self._evicted.add(rid)
+            return error(grpc.StatusCode.FAILED_PRECONDITION, "image embeddings were evicted")
+        return None
+
+    def _add(
+        self,
+        request: common_pb2.GenerateRequest,
+        runs: dict[str, _Run],
+        outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None],
+        ended: Callable[[str], None],
+    ) -> None:
+        self.requests.append(request)
+        refusal = self._refusal(request, runs)
+        if refusal is not None:
+            self.errors_sent.append(refusal)
+            outbox.put_nowait(worker_pb2.GenerateStreamResponse(errors=[refusal]))
+            return
+        run = runs[request.request_id] = _Run(request)
+        run.task = asyncio.get_running_loop().create_task(self._run(run, outbox))
+        run.task.add_done_callback(lambda _task: ended(request.request_id))
+
+    async def _run(self, run: _Run, outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None]) -> None:
+        request = run.request
+        try:
+            if self.hold:
+                await run.aborted.wait()
+            async for item in self._steps(request, run.aborted):
+                if isinstance(item, worker_pb2.RequestError):
+                    self.errors_sent.append(item)
+                    outbox.put_nowait(worker_pb2.GenerateStreamResponse(errors=[item]))
+                    return
+                if item.finished:  # recorded before the message can reach the gateway
+                    aborted = any(d.finish_reason == common_pb2.FINISH_REASON_ABORT for d in item.deltas)
+                    (self.cancelled if aborted else self.completed).add(request.request_id)
+                outbox.put_nowait(worker_pb2.GenerateStreamResponse(outputs=[item]))
+                if item.finished:
+                    return
+        finally:
+            if request.request_id not in self.completed:
+                self.cancelled.add(request.request_id)
+
+    async def _steps(self, request: Any, aborted: asyncio.Event) -> AsyncIterator[Any]:
+        prompt = decode(list(request.prompt_token_ids))
         sampling = request.sampling
         n = sampling.n if sampling.HasField("n") else 1
-        delay = 0.02 if "SLOW" in prompt else self.step_delay_s
         outputs = [encode(self.script(prompt, i)) for i in range(n)]
         positions = [0] * n
         done = [False] * n
         first = True
         while not all(done):
             if "CRASH" in prompt and positions[0] >= 3:
-                await asyncio.sleep(0)
-                raise RuntimeError("worker crashed")
+                yield worker_pb2.RequestError(
+                    request_id=request.request_id,
+                    code=_code(grpc.StatusCode.INTERNAL),
+                    message="worker crashed",
+                )
+                return
             if aborted.is_set():
                 deltas = [
                     common_pb2.SequenceDelta(index=i, finish_reason=common_pb2.FINISH_REASON_ABORT)
@@ -247,12 +570,17 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             deltas = [self._delta(request, outputs[i], positions, done, i) for i in range(n) if not done[i]]
             response = common_pb2.GenerateResponse(request_id=request.request_id, deltas=deltas)
             if first:
-                response.worker_id, first = "fake-worker-0", False
+                response.worker_id, first = self.worker_id, False
             if all(done):
                 response.usage.CopyFrom(self._usage(request, positions))
                 response.finished = True
             yield response
-            await asyncio.sleep(delay)
+            await self._pause(prompt, positions[0], aborted)
+
+    async def _pause(self, prompt: str, position: int, aborted: asyncio.Event) -> None:
+        slow = "SLOW" in prompt or ("ENDLESS" in prompt and position >= ENDLESS_FAST_TOKENS)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(aborted.wait(), SLOW_STEP_S if slow else self.step_delay_s)
 
     def _delta(self, request: Any, output: list[int], positions: list[int], done: list[bool], i: int) -> Any:
         sampling = request.sampling
@@ -283,47 +611,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return common_pb2.GenerateResponse(
             request_id=request.request_id, deltas=deltas, usage=self._usage(request, positions), finished=True
         )
-
-    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.aborted.add(request.request_id)
-        event = self._abort_events.get(request.request_id)
-        if event is not None:
-            event.set()
-        return common_pb2.AbortResponse(found=event is not None)
-
-    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.model != EMBED_MODEL:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{request.model} is not an embedding model"
-            )
-        embeddings = []
-        for text in request.inputs:
-            values = [float(len(text)), 1.0, 0.0]
-            if request.normalize:
-                norm = math.sqrt(sum(v * v for v in values))
-                values = [v / norm for v in values]
-            embeddings.append(common_pb2.Embedding(values=values))
-        tokens = sum(len(t) for t in request.inputs)
-        return common_pb2.EmbedResponse(embeddings=embeddings, prompt_tokens=tokens)
-
-    async def ListWorkers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        workers = [
-            scheduler_pb2.WorkerStatus(
-                worker=scheduler_pb2.WorkerDescriptor(
-                    worker_id=f"dec-{i}", role="decoder", model=MODEL, max_model_len=MAX_MODEL_LEN
-                ),
-                healthy=True,
-                load=worker_pb2.LoadStats(),
-            )
-            for i in range(self.decoders)
-        ]
-        workers.append(
-            scheduler_pb2.WorkerStatus(
-                worker=scheduler_pb2.WorkerDescriptor(worker_id="emb-0", role="embedding", model=EMBED_MODEL),
-                healthy=True,
-            )
-        )
-        return scheduler_pb2.ListWorkersResponse(workers=workers, models=[MODEL, EMBED_MODEL])
 
 
 # ------------------------------------------------------------------------- harness
@@ -357,11 +644,33 @@ async def start_fake(servicer: Any, add_fn: Any) -> FakeServer:
     return fake
 
 
+@dataclass
+class WorkerHandle:
+    """A fake worker and its server."""
+
+    worker: FakeWorker
+    server: FakeServer
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+
 def free_port() -> int:
     """A port nothing listens on (for "upstream down" tests)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Polls `predicate` until true or `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
 
 
 class _QuietServer(uvicorn.Server):
@@ -389,7 +698,8 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-harness", daemon=True)
         self.thread.start()
-        self.tokenizer = FakeTokenizer()
+        self.tmp = Path(tempfile.mkdtemp(prefix="gateway-harness-"))
+        self.tokenizer = FakeTokenizer(self.tmp / "tokenizer-files")
         self.scheduler = FakeScheduler()
         self.tok_server = self.run(
             start_fake(self.tokenizer, tokenizer_pb2_grpc.add_TokenizerServicer_to_server)
@@ -397,21 +707,64 @@ class Harness:
         self.sched_server = self.run(
             start_fake(self.scheduler, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
         )
+        self.workers: dict[str, WorkerHandle] = {}
+        default = self.start_worker(DEFAULT_WORKER)
+        self.worker, self.worker_server = default.worker, default.server
         self.gateways: list[RunningGateway] = []
+        self._cache_dirs = itertools.count()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Runs a coroutine on the harness loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def config(self, **overrides: Any) -> GatewayConfig:
-        """A gateway config pointing at the fakes."""
+        """A gateway config pointing at the fakes (its own tokenizer cache directory)."""
         values: dict[str, Any] = {
             "port": 0,
             "tokenizer_address": self.tok_server.address,
             "scheduler_address": self.sched_server.address,
+            "tokenizer_cache_dir": str(self.tmp / f"tokenizer-cache-{next(self._cache_dirs)}"),
         }
         values.update(overrides)
         return GatewayConfig(**values)
+
+    # -- workers ------------------------------------------------------------------
+
+    def start_worker(self, worker_id: str, **options: Any) -> WorkerHandle:
+        """Starts a fake worker and registers it with the fake scheduler."""
+        worker = FakeWorker(worker_id=worker_id, **options)
+        server = self.run(start_fake(worker, worker_pb2_grpc.add_WorkerServicer_to_server))
+        handle = self.workers[worker_id] = WorkerHandle(worker, server)
+        self.scheduler.workers[worker_id] = server.address
+        return handle
+
+    def kill_worker(self, handle: WorkerHandle) -> None:
+        """Stops the worker's server at once (its streams break); it stays registered."""
+        self.run(handle.server.server.stop(0))
+
+    def remove_worker(self, handle: WorkerHandle) -> None:
+        """Stops the worker and unregisters it."""
+        self.kill_worker(handle)
+        self.scheduler.workers.pop(handle.worker_id, None)
+        self.scheduler.down.discard(handle.worker_id)
+        with contextlib.suppress(ValueError):
+            self.scheduler.route_first.remove(handle.worker_id)
+        self.workers.pop(handle.worker_id, None)
+
+    @contextlib.contextmanager
+    def extra_worker(
+        self, worker_id: str, route_first: bool = True, **options: Any
+    ) -> Iterator[WorkerHandle]:
+        """A fake worker for one test (routed to first by default), removed afterwards."""
+        handle = self.start_worker(worker_id, **options)
+        if route_first:
+            self.scheduler.route_first.insert(0, worker_id)
+        try:
+            yield handle
+        finally:
+            self.remove_worker(handle)
+
+    # -- gateways -----------------------------------------------------------------
 
     def start_gateway(self, config: GatewayConfig) -> RunningGateway:
         """Starts `create_app(config)` under uvicorn on an ephemeral port."""
@@ -437,18 +790,33 @@ class Harness:
     def stop_gateway(self, gateway: RunningGateway) -> None:
         """Stops one gateway."""
         self.run(self._stop_gateway(gateway))
+        with contextlib.suppress(ValueError):
+            self.gateways.remove(gateway)
 
     async def _stop_gateway(self, gateway: RunningGateway) -> None:
         gateway.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await gateway.task
 
+    @contextlib.contextmanager
+    def gateway(self, **overrides: Any) -> Iterator[RunningGateway]:
+        """A gateway for one test (config overrides as `config`), stopped afterwards."""
+        gateway = self.start_gateway(self.config(**overrides))
+        try:
+            yield gateway
+        finally:
+            self.stop_gateway(gateway)
+
     def close(self) -> None:
         """Stops every gateway, the fakes and the loop."""
         for gateway in list(self.gateways):
             with contextlib.suppress(Exception):
                 self.stop_gateway(gateway)
+        for handle in list(self.workers.values()):
+            with contextlib.suppress(Exception):
+                self.run(handle.server.server.stop(0))
         self.run(self.tok_server.server.stop(0))
         self.run(self.sched_server.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fakes import MODEL, Harness, free_port
+from gateway_fakes import EMBED_MODEL, MODEL, Harness, free_port, wait_for
 
 from gateway.middleware import tenant_of
 
@@ -92,27 +92,86 @@ def test_unknown_model_is_404(http: httpx.Client) -> None:
     assert_error(http.get("/no/such/route"), 404)
 
 
-def test_upstream_errors_map_to_http(http: httpx.Client) -> None:
+def assert_released(harness: Harness, request_id: str) -> None:
+    """Every lease issued for `request_id` went back to the scheduler (Release)."""
+    leases = harness.scheduler.leases_of(request_id)
+    assert leases, f"no lease was issued for {request_id}"
+    assert wait_for(lambda: set(leases) <= set(harness.scheduler.released)), f"leases {leases} not released"
+
+
+def test_upstream_errors_map_to_http(http: httpx.Client, harness: Harness) -> None:
     bad = [{"role": "user", "content": "BAD_TEMPLATE"}]
     error = assert_error(http.post(CHAT, json={"model": MODEL, "messages": bad}), 400)
     assert "template rejected" in error["message"]
     overload = [{"role": "user", "content": "OVERLOAD"}]
+    routes = len(harness.scheduler.routes)
     error = assert_error(http.post(CHAT, json={"model": MODEL, "messages": overload}), 429)
     assert "queue is full" in error["message"]
+    assert len(harness.scheduler.routes) == routes + 1  # refused by Route, not retried
     # Streaming keeps the HTTP status when the scheduler fails before the first token.
     body = {"model": MODEL, "messages": overload, "stream": True}
     assert_error(http.post(CHAT, json=body), 429)
+    # Route: a model that no decoder serves (the embedding model is listed) → 404 naming it.
+    error = assert_error(http.post(CHAT, json={"model": EMBED_MODEL, "messages": MESSAGES}), 404, "model")
+    assert "not served" in error["message"]
 
 
-def test_midstream_failure_is_an_error_event_then_done(http: httpx.Client) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_worker_refusal_names_the_field(http: httpx.Client, harness: Harness, stream: bool) -> None:
+    """A RequestError from the worker (INVALID_ARGUMENT naming a field) before any token
+    is answered with its HTTP status and `param`, streaming or not; the lease goes back."""
+    refused = [{"role": "user", "content": "WORKER_REFUSES"}]
+    reply = http.post(CHAT, json={"model": MODEL, "messages": refused, "stream": stream})
+    error = assert_error(reply, 400, "top_k")
+    assert "refused by the worker" in error["message"]
+    request_id = harness.worker.last_request.request_id
+    assert len(harness.scheduler.routes_of(request_id)) == 1  # a client error is not rerouted
+    assert_released(harness, request_id)
+
+
+def test_midstream_failure_is_an_error_event_then_done(http: httpx.Client, harness: Harness) -> None:
+    """The worker fails the request (RequestError INTERNAL) after 3 tokens: the stream
+    ends with an error event and [DONE]; no reroute (tokens were sent); lease released."""
     crash = [{"role": "user", "content": "CRASH"}]
     with http.stream("POST", CHAT, json={"model": MODEL, "messages": crash, "stream": True}) as reply:
         assert reply.status_code == 200
         events = [line for line in reply.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert error["type"] == "server_error" and "scheduler" in error["message"]
+    assert error["type"] == "server_error" and error["message"] == "worker: worker crashed"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hel"
+    request_id = chunks[0]["id"]
+    assert len(harness.scheduler.routes_of(request_id)) == 1
+    assert_released(harness, request_id)
     assert_error(http.post(CHAT, json={"model": MODEL, "messages": crash}), 500)
+    assert_released(harness, harness.worker.last_request.request_id)
+
+
+def test_upstream_deadline_is_504(harness: Harness) -> None:
+    """request_timeout_s bounds the whole generation: a request still running at the
+    deadline is answered 504 (an error event once streaming), aborted on the worker,
+    and its lease released."""
+    with harness.gateway(request_timeout_s=1.5) as gw, httpx.Client(base_url=gw.url, timeout=20) as http:
+        # Warm up (the first request also fetches and loads the tokenizer).
+        assert (
+            http.post(CHAT, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1}).status_code == 200
+        )
+        slow = [{"role": "user", "content": "SLOW"}]
+        error = assert_error(http.post(CHAT, json={"model": MODEL, "messages": slow}), 504)
+        assert error["type"] == "timeout_error" and "timed out after 1.5s" in error["message"]
+        request_id = harness.worker.last_request.request_id
+        assert wait_for(lambda: request_id in harness.worker.aborted), "the worker never saw the abort"
+        assert request_id not in harness.worker.completed
+        assert_released(harness, request_id)
+        with http.stream("POST", CHAT, json={"model": MODEL, "messages": slow, "stream": True}) as reply:
+            assert reply.status_code == 200
+            events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "timeout_error"
+        request_id = json.loads(events[0].removeprefix("data: "))["id"]
+        assert wait_for(lambda: request_id in harness.worker.aborted)
+        assert_released(harness, request_id)
 
 
 def test_api_keys_and_rate_limit(harness: Harness) -> None:
@@ -129,6 +188,7 @@ def test_api_keys_and_rate_limit(harness: Harness) -> None:
             reply = http.post(CHAT, headers=ok, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1})
             assert reply.status_code == 200
             assert harness.scheduler.requests[-1].tenant == tenant_of("k1")
+            assert harness.worker.last_request.tenant == tenant_of("k1")
             assert http.get("/v1/models", headers=ok).status_code == 200
             limited = http.get("/v1/models", headers=ok)  # burst of 2 used up
             assert_error(limited, 429)
@@ -187,12 +247,12 @@ def test_health_follows_upstream_health(http: httpx.Client, harness: Harness) ->
         assert "tokenizer" in reply.json()["message"]
     finally:
         harness.run(harness.tok_server.set_serving(True))
-    harness.scheduler.decoders = 0
+    harness.scheduler.down = set(harness.scheduler.workers)
     try:
         reply = http.get("/health")
         assert reply.status_code == 503 and reply.json()["components"]["decoder_workers"] == 0
     finally:
-        harness.scheduler.decoders = 1
+        harness.scheduler.down = set()
     assert http.get("/health").status_code == 200
 
 

@@ -6,10 +6,33 @@ import base64
 import json
 import struct
 
+import httpx
 import openai
-from gateway_fakes import CACHED_TOKENS, EMBED_MODEL, MODEL, Harness
+from gateway_fakes import (
+    CACHED_TOKENS,
+    EMBED_MODEL,
+    MODEL,
+    UNICODE_TEXT,
+    Harness,
+    encode,
+    wait_for,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshserve.v1 import common_pb2
 
 HELLO0 = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
+# The ENDLESS script: HELLO0, then a slow tail that only an abort (or max_tokens) ends.
+ENDLESS = [{"role": "user", "content": "ENDLESS hi"}]
+
+
+def assert_released(harness: Harness, request_id: str) -> None:
+    """Every lease issued for `request_id` went back to the scheduler (Release)."""
+    leases = harness.scheduler.leases_of(request_id)
+    assert leases, f"no lease was issued for {request_id}"
+    assert wait_for(lambda: set(leases) <= set(harness.scheduler.released)), (
+        f"leases {leases} not released; released: {harness.scheduler.released[-5:]}"
+    )
 
 
 def test_chat_non_stream(client: openai.OpenAI, harness: Harness) -> None:
@@ -29,13 +52,21 @@ def test_chat_non_stream(client: openai.OpenAI, harness: Harness) -> None:
     assert resp.usage.total_tokens == prompt_len + len(HELLO0)
     assert resp.usage.prompt_tokens_details is not None
     assert resp.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
-    sent = harness.scheduler.requests[-1]
+    # What the worker ran: the request as routed, under the lease the scheduler issued.
+    sent = harness.worker.last_request
     assert sent.request_id == resp.id
     assert sent.sampling.HasField("temperature") and abs(sent.sampling.temperature - 0.5) < 1e-6
     assert sent.sampling.seed == 7
     assert not sent.sampling.HasField("top_p")  # only fields the client set
     assert sent.sampling.max_tokens == 256 - prompt_len  # default 256, capped by the context
     assert sent.tenant == "anonymous"
+    assert list(sent.prompt_token_ids) == encode("<|user|>hi\n<|assistant|>")
+    routes = harness.scheduler.routes_of(resp.id)
+    assert len(routes) == 1 and list(routes[0].exclude_worker_ids) == []
+    assert routes[0].request.sampling == sent.sampling
+    assert [sent.lease_id] == harness.scheduler.leases_of(resp.id)
+    assert resp.id in harness.worker.completed and resp.id not in harness.worker.aborted
+    assert_released(harness, resp.id)
 
 
 def test_chat_stream(client: openai.OpenAI) -> None:
@@ -94,24 +125,27 @@ def test_chat_n2_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_stop_string_aborts(client: openai.OpenAI, harness: Harness) -> None:
-    resp = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=["quick"]
-    )
+    """A stop string ends the choice in the gateway, which aborts the request on the
+    worker stream (the worker would generate on for seconds otherwise); the worker's
+    final message still brings usage."""
+    resp = client.chat.completions.create(model=MODEL, messages=ENDLESS, stop=["quick"])
     choice = resp.choices[0]
     assert choice.message.content == "Hello from choice 0! The "
     assert choice.finish_reason == "stop"
     assert choice.model_extra is not None and choice.model_extra.get("stop_reason") == "quick"
-    assert resp.id in harness.scheduler.aborted
+    assert harness.worker.aborts.count(resp.id) == 1
+    assert resp.id in harness.worker.cancelled and resp.id not in harness.worker.completed
     assert resp.usage is not None
     assert resp.usage.completion_tokens == len("Hello from choice 0! The quick")
     assert resp.usage.prompt_tokens_details is not None
     assert resp.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+    assert_released(harness, resp.id)
 
 
 def test_stop_string_stream_include(client: openai.OpenAI, harness: Harness) -> None:
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
+        messages=ENDLESS,
         stop="fox",
         stream=True,
         extra_body={"include_stop_str_in_output": True},
@@ -120,7 +154,20 @@ def test_stop_string_stream_include(client: openai.OpenAI, harness: Harness) -> 
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Hello from choice 0! The quick brown fox"
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert chunks[0].id in harness.scheduler.aborted
+    assert harness.worker.aborts.count(chunks[0].id) == 1
+    assert_released(harness, chunks[0].id)
+
+
+def test_stop_strings_on_every_choice_abort_once(client: openai.OpenAI, harness: Harness) -> None:
+    """n=2: the request is aborted once both choices met a stop string, not before."""
+    resp = client.chat.completions.create(model=MODEL, messages=ENDLESS, n=2, stop=["brown", "choice 1"])
+    assert [c.message.content for c in resp.choices] == ["Hello from choice 0! The quick ", "Hello from "]
+    assert [c.finish_reason for c in resp.choices] == ["stop", "stop"]
+    assert harness.worker.aborts.count(resp.id) == 1
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == len("Hello from choice 0! The quick brown") + len(
+        "Hello from choice 1"
+    )
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
@@ -205,7 +252,19 @@ def test_tool_choice_none_keeps_text(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason == "stop"
 
 
-def test_json_object_mode(client: openai.OpenAI) -> None:
+def json_mode_violations(http: httpx.Client) -> float:
+    """meshserve_gateway_json_mode_violations_total as the gateway's /metrics shows it."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "meshserve_gateway_json_mode_violations_total":
+                return float(sample.value)
+    raise AssertionError("meshserve_gateway_json_mode_violations_total is not exported")
+
+
+def test_json_object_mode(client: openai.OpenAI, http: httpx.Client) -> None:
+    """No guided decoding: output that is not JSON is returned as is, but each such choice
+    is counted (and logged); valid JSON is not."""
+    before = json_mode_violations(http)
     resp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "JSON"}],
@@ -214,6 +273,23 @@ def test_json_object_mode(client: openai.OpenAI) -> None:
     )
     assert json.loads(resp.choices[0].message.content or "") == {"answer": 42}
     assert resp.choices[1].message.content == "not json"  # returned as is, logged + counted
+    assert json_mode_violations(http) == before + 1  # choice 1 only
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON"}],
+        response_format={"type": "json_object"},
+        n=2,
+        stream=True,
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: '{"answer": 42}', 1: "not json"}
+    assert json_mode_violations(http) == before + 2
+    # Without json_object mode nothing is checked.
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON"}], n=2)
+    assert json_mode_violations(http) == before + 2
 
 
 def test_completions(client: openai.OpenAI, harness: Harness) -> None:
@@ -286,3 +362,90 @@ def test_completions_stream_logprobs(client: openai.OpenAI) -> None:
                 assert choice.logprobs.top_logprobs is not None
     assert "".join(tokens) == HELLO0[:4]
     assert offsets == [0, 1, 2, 3]
+
+
+def test_non_ascii_output_is_detokenized_utf8_safe(client: openai.OpenAI) -> None:
+    """The fake model emits one token per UTF-8 byte for non-ASCII text: the in-process
+    detokenizer holds partial characters back, so no chunk carries U+FFFD."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "UNICODE"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces: list[str] = []
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        pieces.extend(c.delta.content for c in chunk.choices if c.delta.content)
+    assert "".join(pieces) == UNICODE_TEXT
+    assert all("\ufffd" not in piece for piece in pieces), pieces
+    assert usage is not None and usage.completion_tokens == len(UNICODE_TEXT.encode())
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "UNICODE"}])
+    assert resp.choices[0].message.content == UNICODE_TEXT
+
+
+def test_sampling_fields_and_priority_reach_the_worker(client: openai.OpenAI, harness: Harness) -> None:
+    """Every sampling field the client set reaches the worker's GenerateRequest exactly
+    (and nothing it did not set); vLLM priority (lower first) is negated for the mesh
+    (higher first); cache salt and tenant ride along."""
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=2,
+        temperature=0.5,
+        top_p=0.75,
+        seed=-5,
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        extra_body={
+            "top_k": 7,
+            "min_p": 0.125,
+            "repetition_penalty": 1.25,
+            "min_tokens": 2,
+            "stop_token_ids": [7, 9],
+            "ignore_eos": True,
+            "priority": 3,
+            "cache_salt": "salt-1",
+        },
+    )
+    assert [c.message.content for c in resp.choices] == [HELLO0[:6], HELLO0.replace("0", "1")[:6]]
+    expected = common_pb2.SamplingParams(
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        min_p=0.125,
+        seed=-5,
+        repetition_penalty=1.25,
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        max_tokens=6,
+        min_tokens=2,
+        stop_token_ids=[7, 9],
+        ignore_eos=True,
+        n=2,
+    )
+    sent = harness.worker.last_request
+    assert sent.request_id == resp.id
+    assert sent.sampling == expected, sent.sampling
+    assert sent.priority == -3
+    assert sent.cache_salt == "salt-1" and sent.tenant == "anonymous" and sent.model == MODEL
+    assert harness.scheduler.routes_of(resp.id)[0].request.priority == -3  # admission sees it too
+    # The other sign, on the completions route, with logprobs on.
+    completion = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, logprobs=1, extra_body={"priority": -2, "top_k": -1}
+    )
+    sent = harness.worker.last_request
+    assert sent.request_id == completion.id
+    assert sent.priority == 2
+    assert sent.sampling == common_pb2.SamplingParams(max_tokens=2, n=1, top_k=-1, logprobs=1)
+
+
+def test_requests_share_one_stream_per_worker(client: openai.OpenAI, harness: Harness) -> None:
+    """The gateway multiplexes its requests on one GenerateStream per worker."""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    opened = harness.worker.streams_opened
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=2)
+    assert harness.worker.streams_opened == opened

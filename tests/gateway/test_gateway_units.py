@@ -1,14 +1,28 @@
 """Unit tests of the gateway's pure pieces: tool-call parsing, rate limiting,
-context-length rule, error mapping."""
+context-length rule, error mapping; and the fake model's tokenizer files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import grpc
 import pytest
+from gateway_fakes import (
+    BOS,
+    EOS,
+    TOKENIZER_CHUNK_BYTES,
+    UNICODE_TEXT,
+    VOCAB_SIZE,
+    decode,
+    encode,
+    file_chunks,
+    write_tokenizer_files,
+)
 
 from gateway.errors import APIError, from_mesh_error
+from gateway.local_tokenizer import LocalTokenizer
 from gateway.ratelimit import RateLimiter
 from gateway.serving import resolve_max_tokens
 from gateway.tools import ToolCallStreamParser, parse_tool_calls
@@ -87,3 +101,33 @@ def test_mesh_error_mapping() -> None:
     assert (error.status, error.message) == (503, "tokenizer: connection refused")
     assert error.body()["error"]["type"] == "service_unavailable_error"
     assert grpc.StatusCode.UNAVAILABLE.name == Code.UNAVAILABLE.value
+
+
+def test_fake_tokenizer_files_load_as_the_fakes_encode(tmp_path: Path) -> None:
+    """The files the fake tokenizer service streams load with AutoTokenizer (as the
+    gateway loads them) and agree with the fakes' encode/decode: ASCII is one token per
+    character (id = code point + 10), anything else one token per UTF-8 byte."""
+    write_tokenizer_files(tmp_path)
+    local = LocalTokenizer.load(tmp_path)
+    assert local.vocab_size == VOCAB_SIZE and local.eos_token_ids == [EOS]
+    for text in ["Hello from choice 0!", UNICODE_TEXT, "a  b\n\tc <|user|>"]:
+        ids = encode(text)
+        assert ids == [b + 10 for b in text.encode()]
+        assert list(local.tokenizer.encode(text, add_special_tokens=False)) == ids
+        assert local.decode(ids, skip_special_tokens=True) == decode(ids) == text
+    ids = [BOS, *encode("x"), EOS]
+    assert local.decode(ids, skip_special_tokens=False) == decode(ids, skip_special=False) == "<s>x</s>"
+    assert local.decode(ids, skip_special_tokens=True) == decode(ids) == "x"
+    assert local.token_strings([BOS, EOS, ord("H") + 10]) == {BOS: "<s>", EOS: "</s>", ord("H") + 10: "H"}
+
+
+def test_fake_tokenizer_file_chunks(tmp_path: Path) -> None:
+    """GetTokenizer framing of the fake: several chunks, sha256 + size on the last one."""
+    path = write_tokenizer_files(tmp_path)[0]
+    chunks = list(file_chunks(path))
+    data = path.read_bytes()
+    assert len(chunks) == -(-len(data) // TOKENIZER_CHUNK_BYTES) > 1
+    assert b"".join(c.data for c in chunks) == data
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and chunks[-1].size == len(data)
+    assert all(c.name == "tokenizer.json" and not c.sha256 for c in chunks[:-1])

@@ -1,0 +1,254 @@
+"""The token path: Route → the gateway's GenerateStream to the worker → in-process
+detokenization → Release. Failover before the first token, worker loss after it,
+leases going back to the replica that issued them, scheduler replicas, and the
+tokenizer fetched once per gateway."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from gateway_fakes import (
+    DEFAULT_WORKER,
+    MODEL,
+    FakeScheduler,
+    FakeServer,
+    FakeWorker,
+    Harness,
+    decode,
+    encode,
+    free_port,
+    start_fake,
+    wait_for,
+)
+
+from meshserve.v1 import scheduler_pb2_grpc
+
+CHAT = "/v1/chat/completions"
+HELLO0 = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
+
+
+def chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def assert_released(scheduler: FakeScheduler, request_id: str, count: int = 1) -> list[str]:
+    """`count` leases were issued for `request_id` and every one was released."""
+    leases = scheduler.leases_of(request_id)
+    assert len(leases) == count, leases
+    assert wait_for(lambda: set(leases) <= set(scheduler.released)), f"leases {leases} not released"
+    return leases
+
+
+def sse_events(reply: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+
+
+def stream_text(events: list[str]) -> str:
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, list[str] | dict[str, Any]]:
+    """POSTs a chat completion; (status, SSE events) when streaming, else (status, JSON)."""
+    with httpx.Client(base_url=url, timeout=20) as http:
+        if body.get("stream"):
+            with http.stream("POST", CHAT, json=body) as reply:
+                return reply.status_code, sse_events(reply)
+        reply = http.post(CHAT, json=body)
+        return reply.status_code, reply.json()
+
+
+# ------------------------------------------------------------------------ failover
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_worker_lost_before_first_token_fails_over(harness: Harness, gw_url: str, stream: bool) -> None:
+    """(a) The first worker's stream breaks (its server is killed) while the request
+    waits for its first token: the gateway routes again, excluding that worker, and
+    the client sees a normal response from the other worker. Both leases go back."""
+    with harness.extra_worker("doomed", hold=True) as doomed, ThreadPoolExecutor(1) as pool:
+        future = pool.submit(post, gw_url, chat(stream=stream))
+        assert wait_for(lambda: bool(doomed.worker.requests), timeout=10), "never reached the doomed worker"
+        request_id = doomed.worker.last_request.request_id
+        harness.kill_worker(doomed)
+        status, body = future.result(timeout=30)
+    assert status == 200, body
+    if stream:
+        assert isinstance(body, list) and body[-1] == "[DONE]"
+        assert stream_text(body) == HELLO0
+        assert all("error" not in json.loads(e) for e in body[:-1])
+    else:
+        assert isinstance(body, dict) and body["choices"][0]["message"]["content"] == HELLO0
+    routes = harness.scheduler.routes_of(request_id)
+    assert [list(r.exclude_worker_ids) for r in routes] == [[], ["doomed"]]
+    assert harness.worker.last_request.request_id == request_id
+    assert request_id in harness.worker.completed
+    first, second = assert_released(harness.scheduler, request_id, count=2)
+    assert harness.scheduler.leases[first][1] == "doomed"
+    assert harness.scheduler.leases[second][1] == DEFAULT_WORKER
+    assert harness.worker.last_request.lease_id == second
+
+
+def test_worker_refusing_unavailable_fails_over(harness: Harness, http: httpx.Client) -> None:
+    """A worker that refuses the request with UNAVAILABLE (draining) is excluded too."""
+    with harness.extra_worker("draining", draining=True) as draining:
+        reply = http.post(CHAT, json=chat())
+        assert reply.status_code == 200, reply.text
+        request_id = draining.worker.last_request.request_id
+    assert reply.json()["choices"][0]["message"]["content"] == HELLO0
+    routes = harness.scheduler.routes_of(request_id)
+    assert [list(r.exclude_worker_ids) for r in routes] == [[], ["draining"]]
+    assert_released(harness.scheduler, request_id, count=2)
+
+
+def test_failover_gives_up_after_max_retries(harness: Harness) -> None:
+    """With max_retries=0 a refused request is not routed again: 503 naming the worker."""
+    with (
+        harness.extra_worker("draining", draining=True) as draining,
+        harness.gateway(max_retries=0) as gw,
+        httpx.Client(base_url=gw.url, timeout=20) as http,
+    ):
+        reply = http.post(CHAT, json=chat())
+        assert reply.status_code == 503, reply.text
+        assert "draining" in reply.json()["error"]["message"]
+        request_id = draining.worker.last_request.request_id
+    assert len(harness.scheduler.routes_of(request_id)) == 1
+    assert_released(harness.scheduler, request_id)
+
+
+def test_evicted_embeddings_route_again_with_force_encode(harness: Harness, http: httpx.Client) -> None:
+    """FAILED_PRECONDITION from the worker (image embeddings evicted): the gateway routes
+    once more with force_encode (same worker allowed), and the request succeeds."""
+    reply = http.post(CHAT, json=chat("EVICTED"))
+    assert reply.status_code == 200, reply.text
+    request_id = reply.json()["id"]
+    routes = harness.scheduler.routes_of(request_id)
+    assert [(list(r.exclude_worker_ids), r.force_encode) for r in routes] == [([], False), ([], True)]
+    assert_released(harness.scheduler, request_id, count=2)
+
+
+def test_worker_lost_after_tokens_ends_stream_with_error(harness: Harness, http: httpx.Client) -> None:
+    """(b) The worker dies after tokens were streamed: no failover is possible, the SSE
+    stream ends with an error event and [DONE] (it does not hang); lease released."""
+    with harness.extra_worker("fragile") as fragile:
+        body = chat("SLOW", stream=True)
+        with http.stream("POST", CHAT, json=body, timeout=15) as reply:
+            assert reply.status_code == 200
+            lines = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
+            events = [next(lines) for _ in range(4)]  # role chunk + 3 content chunks
+            harness.kill_worker(fragile)
+            events += list(lines)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable_error" and "fragile" in error["message"], error
+    assert stream_text(events[:-2]).startswith("tic")
+    request_id = json.loads(events[0])["id"]
+    assert len(harness.scheduler.routes_of(request_id)) == 1  # not rerouted: tokens were sent
+    assert_released(harness.scheduler, request_id)
+
+
+# ------------------------------------------------------------------ scheduler replicas
+
+
+def test_first_scheduler_replica_down(harness: Harness) -> None:
+    """(d) scheduler_address lists a dead replica first: models, health and generation
+    all go through the live one, and leases are released there."""
+    dead = f"127.0.0.1:{free_port()}"
+    address = f"{dead},{harness.sched_server.address}"
+    with harness.gateway(scheduler_address=address) as gw, httpx.Client(base_url=gw.url, timeout=20) as http:
+        assert http.get("/v1/models").status_code == 200
+        assert http.get("/health").status_code == 200
+        for stream in (False, True, False, True):  # the replica rotation starts at each one
+            status, body = post(gw.url, chat(max_tokens=3, stream=stream))
+            assert status == 200, body
+            request_id = json.loads(body[0])["id"] if isinstance(body, list) else body["id"]
+            assert_released(harness.scheduler, request_id)
+
+
+@pytest.fixture
+def second_scheduler(harness: Harness) -> Iterator[tuple[FakeScheduler, FakeServer]]:
+    """A second live fake scheduler replica leasing the same workers."""
+    scheduler = FakeScheduler(name="replica-b", workers=harness.scheduler.workers)
+    server = harness.run(start_fake(scheduler, scheduler_pb2_grpc.add_SchedulerServicer_to_server))
+    yield scheduler, server
+    harness.run(server.server.stop(0))
+
+
+def test_leases_go_back_to_the_replica_that_issued_them(
+    harness: Harness, second_scheduler: tuple[FakeScheduler, FakeServer]
+) -> None:
+    """With two live replicas, Route alternates and every Release goes to the issuer."""
+    replica_b, server_b = second_scheduler
+    address = f"{harness.sched_server.address},{server_b.address}"
+    with harness.gateway(scheduler_address=address) as gw:
+        ids = []
+        for _ in range(4):
+            status, body = post(gw.url, chat(max_tokens=2))
+            assert status == 200, body
+            assert isinstance(body, dict)
+            ids.append(body["id"])
+    for scheduler in (harness.scheduler, replica_b):
+        issued = [lease for request_id in ids for lease in scheduler.leases_of(request_id)]
+        assert issued, f"{scheduler.name} issued no lease"
+        assert wait_for(lambda s=scheduler, i=issued: set(i) <= set(s.released))  # type: ignore[misc]
+    assert not set(harness.scheduler.released) & set(replica_b.leases)
+    assert not set(replica_b.released) & set(harness.scheduler.leases)
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def test_tokenizer_fetched_once_per_gateway(harness: Harness) -> None:
+    """Concurrent first requests share one GetTokenizer; later requests reuse it."""
+    calls = harness.tokenizer.get_tokenizer_calls
+    harness.tokenizer.get_tokenizer_delay_s = 0.3
+    try:
+        with harness.gateway() as gw, ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: post(gw.url, chat(max_tokens=2)), range(4)))
+            assert [status for status, _ in results] == [200] * 4
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert harness.tokenizer.get_tokenizer_calls == calls + 1
+    finally:
+        harness.tokenizer.get_tokenizer_delay_s = 0.0
+
+
+def test_corrupt_tokenizer_files_are_503_then_fetched_again(harness: Harness) -> None:
+    """Files failing their sha256 are refused (503 naming the tokenizer) and not cached:
+    the next request fetches them again."""
+    calls = harness.tokenizer.get_tokenizer_calls
+    with harness.gateway() as gw, httpx.Client(base_url=gw.url, timeout=20) as http:
+        harness.tokenizer.corrupt_files = True
+        try:
+            reply = http.post(CHAT, json=chat(max_tokens=2))
+        finally:
+            harness.tokenizer.corrupt_files = False
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["message"].startswith("tokenizer")
+        reply = http.post(CHAT, json=chat(max_tokens=2))
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == HELLO0[:2]
+    assert harness.tokenizer.get_tokenizer_calls == calls + 2
+
+
+def test_concurrent_requests_on_one_stream_get_their_own_output(harness: Harness, gw_url: str) -> None:
+    """Requests multiplexed on the shared worker stream: each gets exactly its own
+    output (the worker batches several requests' steps into one message)."""
+    prompts = ["hi", "UNICODE", "JSON", "SLOW"]
+    bodies = [chat(content, stream=i % 2 == 0, max_tokens=40) for i, content in enumerate(prompts)] * 3
+    assert post(gw_url, chat(max_tokens=1))[0] == 200  # the gateway's stream to the worker is open
+    opened = harness.worker.streams_opened
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda body: post(gw_url, body), bodies))
+    for body, (status, reply) in zip(bodies, results, strict=True):
+        assert status == 200, reply
+        expected = decode(encode(FakeWorker.script(body["messages"][0]["content"], 0))[:40])
+        if isinstance(reply, list):
+            assert stream_text(reply) == expected
+        else:
+            assert reply["choices"][0]["message"]["content"] == expected
+    assert harness.worker.streams_opened == opened
