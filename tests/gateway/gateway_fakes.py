@@ -15,7 +15,8 @@ transformers.AutoTokenizer. Chat rendering is `<|role|>content\n` per message pl
 
 Fake scheduler: `Route` leases a registered fake worker (the first one in
 `route_first` order, then registration order, skipping `exclude_worker_ids` and workers
-marked down); records every RouteRequest, lease and `Release`.
+marked down); records every RouteRequest, lease and released lease (`Release`, or
+`RouteRequest.release_lease_ids` where the contract has that field).
 
 Fake worker: `GenerateStream` runs the scripted generation of each request added on
 the stream: the output text of choice i depends on keywords in the prompt (see
@@ -293,6 +294,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Route(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.routes.append(scheduler_pb2.RouteRequest.FromString(request.SerializeToString()))
+        # Leases a gateway hands back on its next Route (when the contract has the field).
+        self.released.extend(getattr(request, "release_lease_ids", ()))
         generate = request.request
         if not generate.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required", _param("model"))
