@@ -114,12 +114,15 @@ class Upstream:
     ) -> tuple[T, int]:
         """Runs a unary scheduler call on the next replica, trying the others when one
         is unreachable; returns the reply and the replica index. All unreachable → 503."""
+        return await self._on_replicas(lambda replica: call(replica.stub))
+
+    async def _on_replicas(self, call: Callable[[_Replica], Awaitable[T]]) -> tuple[T, int]:
         first = next(self._next_replica)
         error: grpc.aio.AioRpcError | None = None
         for offset in range(len(self._replicas)):
             index = (first + offset) % len(self._replicas)
             try:
-                return await call(self._replicas[index].stub), index
+                return await call(self._replicas[index]), index
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(exc, SCHEDULER) from exc
@@ -135,7 +138,15 @@ class Upstream:
         route_request = scheduler_pb2.RouteRequest(
             request=request, exclude_worker_ids=exclude, force_encode=force_encode
         )
-        reply, replica = await self.on_scheduler(lambda stub: stub.Route(route_request, timeout=self.timeout))
+
+        def call(replica: _Replica) -> Awaitable[scheduler_pb2.RouteResponse]:
+            # Leases ended since the last call ride along (fewer Release calls under load).
+            del route_request.release_lease_ids[:]
+            route_request.release_lease_ids.extend(replica.pending_release)
+            replica.pending_release = []
+            return replica.stub.Route(route_request, timeout=self.timeout)
+
+        reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
     def release(self, lease: Lease) -> None:

@@ -81,6 +81,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     ) -> scheduler_pb2.RouteResponse:
         """Admission + routing: a lease on one decoder worker (see scheduler.proto).
         Cancelling the call while it waits in the admission queue leaves the queue."""
+        if request.release_lease_ids:
+            self.router.release(list(request.release_lease_ids))
         try:
             result = await self.router.route(
                 request.request, frozenset(request.exclude_worker_ids), request.force_encode

@@ -74,6 +74,20 @@ async def test_route_leases_a_worker_and_release_frees_it(start_scheduler: Any, 
     assert sched.inflight("w1") == 0 and sched.lease_ids() == set()
 
 
+async def test_leases_released_along_with_the_next_route(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(lease_ttl_s=30)
+    await start_worker("w1", sched)
+    first = await sched.route([1, 2, 3], request_id="a")
+    second = await sched.route([4, 5, 6], request_id="b")
+    assert sched.inflight("w1") == 2
+    request = scheduler_pb2.RouteRequest(
+        request=common_pb2.GenerateRequest(model="m", prompt_token_ids=[7, 8, 9], request_id="c"),
+        release_lease_ids=[first.lease_id, second.lease_id, "unknown"],
+    )
+    third = await sched.stub.Route(request)
+    assert sched.lease_ids() == {third.lease_id} and sched.inflight("w1") == 1
+
+
 async def test_registry_rpcs(start_scheduler: Any, start_worker: Any) -> None:
     sched = await start_scheduler()
     reply = await sched.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id="ghost"))
