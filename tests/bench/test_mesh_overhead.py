@@ -2,32 +2,42 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.engine_bench import RunResult
 from bench.mesh_overhead import summarize_pairs
 
 
-def _row(system: str, c: int, tok_s: float, ttft: float = 10.0) -> RunResult:
-    return RunResult(system, c, 8, 512, 512 / tok_s, tok_s, {"p50": ttft}, {"p50": 1.0})
+def _row(system: str, c: int, tok_s: float, ttft: float = 10.0, relay: float = 0.1) -> RunResult:
+    row = RunResult(system, c, 8, 512, 512 / tok_s, tok_s, {"p50": ttft}, {"p50": 1.0})
+    if system != "in_process":  # CPU ms/token per process, as _paired_runs records it
+        cpu = {"gateway": relay / 2, "scheduler": relay / 4, "scheduler-1": 0.0, "tokenizer": relay / 4}
+        row.notes = "cpu ms/token: " + json.dumps({**cpu, "decoder-0": 1.5, "redis": 0.01, "client": 0.2})
+    return row
 
 
 def test_overheads_are_paired_in_run_order() -> None:
     rows = [
         _row("in_process", 32, 500.0),
-        _row("mesh_si1", 32, 450.0, ttft=20.0),
+        _row("mesh_si1", 32, 450.0, ttft=20.0, relay=0.3),
         _row("in_process", 32, 400.0),  # a slow period: both systems slow together
-        _row("mesh_si1", 32, 396.0),
+        _row("mesh_si1", 32, 396.0, ttft=13.0, relay=0.12),
         _row("in_process", 32, 520.0),
-        _row("mesh_si1", 32, 520.0),
+        _row("mesh_si1", 32, 520.0, ttft=11.0, relay=0.1),
     ]
     [summary] = summarize_pairs(rows, [32])
     assert summary["paired_overheads"] == pytest.approx([0.10, 0.01, 0.0])
     assert summary["overhead_median"] == pytest.approx(0.01)
     assert summary["in_process_tok_per_s_median"] == 500.0
     assert summary["mesh_tok_per_s_median"] == 450.0
-    assert summary["mesh_ttft_p50_ms_median"] == 10.0
+    assert summary["mesh_ttft_p50_ms_median"] == 13.0
     assert summary["system"] == "mesh_si1"
+    assert summary["mesh_throughput_ratio_median"] == pytest.approx(0.99)
+    assert summary["ttft_p50_added_ms_median"] == pytest.approx(3.0)
+    # Relays only (gateway + scheduler replicas + tokenizer): not the decoder, Redis or client.
+    assert summary["relay_cpu_ms_per_token_median"] == pytest.approx(0.12)
 
 
 def test_each_concurrency_is_summarized_apart() -> None:

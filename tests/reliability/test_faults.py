@@ -233,6 +233,27 @@ def test_kill9_every_scheduler_then_restart(mesh: SharedMesh) -> None:
     )
 
 
+def test_kill9_tokenizer_mid_stream(mesh: SharedMesh) -> None:
+    """SIGKILL the tokenizer service mid-stream: it renders prompts but is not in the token
+    path (the gateway detokenizes with the files it fetched at start), so every stream in
+    flight completes; new requests get a clear 503 naming the tokenizer until it is back."""
+    mesh.wait_kv_idle()
+    results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: mesh.kill("tokenizer")))
+    assert mesh.wait_exit("tokenizer", 10) is not None
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    reply = httpx.post(mesh.gateway_url + "/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30)
+    assert reply.status_code == 503, reply.text
+    assert "tokenizer" in reply.json()["error"]["message"]
+    restart_at = time.monotonic()
+    mesh.restart("tokenizer")
+    recovered_s = _first_success_after(mesh, restart_at)
+    mesh.wait_kv_idle()
+    report(
+        f"kill -9 tokenizer: {_summary(results, fault_at)}; request during the outage 503; "
+        f"first success {recovered_s:.1f}s after the restart began"
+    )
+
+
 def test_redis_stop_and_restart(mesh: SharedMesh) -> None:
     """Redis is optional shared state: while it is down requests still succeed (or fail
     fast and clearly); after it is back everything works and no KV leaks."""
