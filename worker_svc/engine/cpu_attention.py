@@ -30,7 +30,23 @@ __all__ = ["DecodeKernel", "load"]
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+# Not -ffast-math: linking a shared object with it pulls in crtfastmath.o, whose constructor
+# turns on flush-to-zero / denormals-are-zero for the WHOLE process that loads it (numerics
+# elsewhere change; hypothesis refuses to run). The reassociation flags that let the
+# reductions vectorize are given one by one; no -ffinite-math-only (masking uses -inf).
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fopenmp-simd",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
