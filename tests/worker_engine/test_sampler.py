@@ -243,3 +243,16 @@ def test_top_k_fast_path_seeded_is_reproducible() -> None:
     row = seeded(params)
     again = [Sampler(V, [EOS]).sample(logits, [row]).token_ids[0] for _ in range(8)]
     assert first == [again[0]] * 3 and len(set(again)) > 1
+
+
+def test_greedy_ties_pick_the_first_maximum() -> None:
+    """Like argmax (and transformers' greedy search): the lowest index among equal maxima."""
+    logits = torch.zeros(3, V)
+    logits[:, [7, 3, 20]] = 5.0
+    sampler = Sampler(V, [EOS])
+    for dtype in (torch.float32, torch.bfloat16):
+        fast = sampler.sample(logits.to(dtype), [Row(SamplingParams(temperature=0))] * 3)
+        full = sampler.sample(
+            logits.to(dtype), [Row(SamplingParams(temperature=0, repetition_penalty=1.01))] * 3
+        )
+        assert fast.token_ids == [3, 3, 3] and full.token_ids == [3, 3, 3]
