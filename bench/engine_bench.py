@@ -542,6 +542,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row.ratio_vs_hf_cb = row.output_tok_per_s / cb_rows[row.concurrency].output_tok_per_s
         if row.concurrency in vllm_by_c:
             row.ratio_vs_vllm = row.output_tok_per_s / vllm_by_c[row.concurrency].output_tok_per_s
+    return report(args, concurrencies, dtype, load_before, setup, rows)
+
+
+def report(
+    args: argparse.Namespace,
+    concurrencies: list[int],
+    dtype: str,
+    load_before: tuple[float, float, float],
+    setup: dict[str, Any],
+    rows: list[RunResult],
+) -> dict[str, Any]:
+    """The JSON report: workload, environment (shared machine, load), setup facts, rows."""
     return {
         "model_dir": args.model_dir,
         "command": "python -m bench.engine_bench " + " ".join(args.argv),
