@@ -1,14 +1,15 @@
 /* Paged decode attention for CPU: one query token per sequence, keys/values read in
  * place from the paged KV cache through the block table (no gather copy, no padding to
  * the longest sequence). Built and loaded by worker_svc/engine/cpu_attention.py with
- * `cc -O3 -march=native -ffast-math -fopenmp-simd -shared`; single-threaded
+ * `cc -O3 -march=native` plus the reassociation flags listed there (not -ffast-math:
+ * see cpu_attention._FLAGS) and `-fopenmp-simd -shared`; single-threaded
  * (the engine's compute thread calls it); called through ctypes with raw pointers.
  *
  * Layout: cache [2, num_blocks, block_size, Hkv, D] contiguous (0 = K, 1 = V); q and out
  * [T, H, D] with d contiguous and the given token/head strides (elements). Query head h
  * reads KV head h / (H / Hkv) (GQA). Math in float32 (online softmax per block), the
  * output is rounded to the cache dtype: like SDPA's CPU kernels for bf16. Scores are
- * finite (masking is by length, never by -inf), which -ffast-math assumes.
+ * finite (masking is by length, never by -inf).
  */
 #include <float.h>
 #include <math.h>
@@ -80,7 +81,7 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
     for (int64_t h = 0; h < H; h++) {
         load_row(qf[h], q + h * q_sh * esz, D, dt);
         for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f;
-        m[h] = -FLT_MAX; /* finite: built with -ffast-math (vector expf) */
+        m[h] = -FLT_MAX; /* finite start: expf(m - mx) is then 0, never NaN */
         l[h] = 0.f;
     }
     for (int64_t start = 0; start < seq_len; start += CHUNK) {
