@@ -47,6 +47,8 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         dtype=config.dtype,
         device=config.device,
         attention_backend=config.attention_backend,
+        compile_model=config.compile_model,
+        cpu_affinity=config.cpu_affinity,
     )
 
 
