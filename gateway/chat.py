@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions`: RenderChat → context check → Generate + DetokenizeStream
+"""`POST /v1/chat/completions`: RenderChat → context check → Route + worker stream (`generation.py`)
 → OpenAI chat completion (JSON) or chunks (SSE).
 
 Tools: with `tools` (and tool_choice other than "none") the output is parsed for

@@ -1,5 +1,6 @@
-"""`POST /v1/completions`: RenderCompletion per prompt → context check → Generate +
-DetokenizeStream → OpenAI text completion (JSON) or chunks (SSE).
+"""`POST /v1/completions`: RenderCompletion per prompt → context check → Route + the worker
+stream, detokenized in-process (`generation.py`) → OpenAI text completion (JSON) or
+chunks (SSE).
 
 Several prompts (a list of strings or of token-id lists) run concurrently as one
 request; choice `index` is prompt index × n + choice index, as in OpenAI/vLLM.
