@@ -121,18 +121,30 @@ class WorkerStreams:
         self._max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[str, WorkerStream] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def get(self, worker_id: str, address: str) -> WorkerStream:
         """The live stream to `worker_id` at `address` (a new one if none is)."""
         stream = self._streams.get(worker_id)
         if stream is not None and not stream.closed and stream.address == address:
             return stream
+        if stream is not None:
+            # The last stream broke: its channel may sit in reconnect backoff, failing new
+            # calls at once even though the worker is back (restarted on the same address).
+            self._drop_channel(stream.address)
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = open_channel(address, self._max_message_bytes)
         stream = WorkerStream(worker_id, address, worker_pb2_grpc.WorkerStub(channel))
         self._streams[worker_id] = stream
         return stream
+
+    def _drop_channel(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            task = asyncio.get_running_loop().create_task(channel.close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         """Closes every stream and channel."""

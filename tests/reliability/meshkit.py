@@ -202,18 +202,27 @@ class SharedMesh:
                 raise AssertionError(f"KV blocks not released after {timeout:.0f}s: {detail}")
             time.sleep(0.2)
 
-    def healthy_decoders(self) -> set[str]:
-        """Worker ids the scheduler lists as healthy and not draining (empty if it is down)."""
+    def healthy_decoders(self, max_heartbeat_age_s: float | None = None) -> set[str]:
+        """Worker ids the scheduler lists as healthy and not draining (empty if it is down);
+        with `max_heartbeat_age_s`, only those heard from that recently."""
         try:
             reply = asyncio.run(_list_workers(self.address("scheduler")))
         except grpc.aio.AioRpcError:
             return set()
-        return {w.worker.worker_id for w in reply.workers if w.healthy and not w.draining}
+        return {
+            w.worker.worker_id
+            for w in reply.workers
+            if w.healthy
+            and not w.draining
+            and (max_heartbeat_age_s is None or w.last_heartbeat_age_s <= max_heartbeat_age_s)
+        }
 
     def wait_registered(self, name: str, timeout: float = 60.0) -> float:
-        """Waits until the scheduler lists decoder `name` healthy; returns the seconds taken."""
+        """Waits until the scheduler lists decoder `name` healthy with a fresh heartbeat (a
+        just-killed worker stays listed healthy until its heartbeats are missed, so a
+        stale entry must not count); returns the seconds taken."""
         start = time.monotonic()
-        while name not in self.healthy_decoders():
+        while name not in self.healthy_decoders(max_heartbeat_age_s=1.0) or not self.alive(name):
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"{name} not registered with the scheduler after {timeout:.0f}s")
             time.sleep(0.1)

@@ -141,6 +141,9 @@ def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) 
     send requests: those routed to the dead worker fail to reach it before any token and
     are routed again, excluding it, so every client gets its answer."""
     mesh.wait_kv_idle()
+    for name in mesh.decoders:  # the other decoder must really serve (a previous test restarts)
+        mesh.wait_registered(name)
+    assert _first_success_after(mesh, time.monotonic()) < 30
     victim = mesh.decoders[-1]
     before = _reroutes(mesh)
     mesh.kill(victim)
