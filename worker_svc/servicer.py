@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound, Unavailable, error_from_status
+from services.errors import InvalidArgument, NotFound, error_from_status
 from services.rpc import rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
@@ -67,7 +68,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self._sessions: set[StreamSession] = set()
 
     def _session(self, draining: Callable[[], bool]) -> StreamSession:
-        fetch = self._fetch_mm if self.fetcher is not None else None
+        fetch = functools.partial(_fetch_mm, self.fetcher) if self.fetcher is not None else None
         session = StreamSession(
             self.engine, self.identity.worker_id, self.identity.model, self.stream_interval, fetch, draining
         )
@@ -121,15 +122,6 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._end(session)
 
-    async def _fetch_mm(self, request: common_pb2.GenerateRequest) -> list[MultiModalInput]:
-        """The prompt's image embeddings, fetched from the encoder cache (never encoded here)."""
-        if self.fetcher is None:
-            raise Unavailable("this decoder worker has no encoder cache")
-        with tracing.span(
-            "worker.fetch_embeddings", request_id=request.request_id, items=len(request.mm_items)
-        ):
-            return await self.fetcher.fetch(request.mm_items)
-
     @rpc_handler
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -162,6 +154,12 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
         )
+
+
+async def _fetch_mm(fetcher: EmbeddingFetcher, request: common_pb2.GenerateRequest) -> list[MultiModalInput]:
+    """The prompt's image embeddings, fetched from the encoder cache (never encoded here)."""
+    with tracing.span("worker.fetch_embeddings", request_id=request.request_id, items=len(request.mm_items)):
+        return await fetcher.fetch(request.mm_items)
 
 
 async def _read_requests(

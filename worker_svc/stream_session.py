@@ -190,29 +190,38 @@ class StreamSession:
             self._validate(request)
             if self._draining():
                 raise Unavailable(f"worker {self.worker_id} is draining")
-            if request.mm_items:
-                self._spawn(self._add_mm(request))
-            else:
+            if not request.mm_items:
                 self._start(request, [])
-        except Exception as exc:
-            self._fail(request.request_id, exc)
-
-    async def _add_mm(self, request: common_pb2.GenerateRequest) -> None:
-        request_id = request.request_id
-        self._fetching.add(request_id)
-        try:
+                return
             if self._fetch_mm is None:
                 raise Unavailable(
                     "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
                 )
-            mm_inputs = await self._fetch_mm(request)
-            if request_id in self._fetching:  # not aborted meanwhile
-                self._fetching.discard(request_id)
-                self._start(request, mm_inputs)
+            # Marked now, not when the task runs: the id is taken, and a half-closed
+            # stream must not end before the request has started.
+            self._fetching.add(request.request_id)
+            self._spawn(self._add_mm(request, self._fetch_mm))
         except Exception as exc:
-            if request_id in self._fetching:
-                self._fetching.discard(request_id)
-                self._fail(request_id, exc)
+            self._fail(request.request_id, exc)
+
+    async def _add_mm(self, request: common_pb2.GenerateRequest, fetch: FetchMm) -> None:
+        """Fetches the request's image embeddings, then starts it (unless aborted meanwhile)."""
+        request_id = request.request_id
+        error: Exception | None = None
+        mm_inputs: list[MultiModalInput] = []
+        try:
+            mm_inputs = await fetch(request)
+        except Exception as exc:
+            error = exc
+        if request_id not in self._fetching:  # aborted while fetching: already answered
+            return
+        self._fetching.discard(request_id)
+        try:
+            if error is not None:
+                raise error
+            self._start(request, mm_inputs)
+        except Exception as exc:
+            self._fail(request_id, exc)
 
     def _validate(self, request: common_pb2.GenerateRequest) -> None:
         if not request.request_id:
