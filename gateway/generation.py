@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
-from gateway.upstream import SCHEDULER, TOKENIZER, Lease, Upstream
+from gateway.upstream import TOKENIZER, Lease, Upstream
 from gateway.worker_streams import WorkerStream
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
@@ -311,7 +311,7 @@ class GenerationRun:
 
     def _on_deadline(self) -> None:
         self._queue.put_nowait(
-            _Failure(APIError(504, f"{SCHEDULER}: request timed out after {self.upstream.timeout:g}s"))
+            _Failure(APIError(504, f"request timed out after {self.upstream.timeout:g}s (request_timeout_s)"))
         )
 
     def _release(self) -> None:
