@@ -63,7 +63,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_by_service(mesh: Mesh) -> dict[str, float]:
+def cpu_by_service(mesh: Mesh) -> dict[str, float]:
     """CPU seconds so far of every mesh process and of this (client) process."""
     pids = {name: proc.pid for name, proc in mesh.procs.items()} | {"client": os.getpid()}
     return {name: _cpu_seconds(pid) for name, pid in pids.items()}
@@ -104,9 +104,9 @@ async def _paired_runs(
                     line = f"repeat {repeat} c={c}: in_process {row.output_tok_per_s:.0f}"
                     for system, mesh in meshes.items():
                         remote = gateway_generate_fn(client, mesh.gateway_url, name, f"{system}-{salt}")
-                        before = _cpu_by_service(mesh)
+                        before = cpu_by_service(mesh)
                         row, _ = await run_generate_workload(remote, workload, c, system)
-                        spent = {k: v - before.get(k, 0.0) for k, v in _cpu_by_service(mesh).items()}
+                        spent = {k: v - before.get(k, 0.0) for k, v in cpu_by_service(mesh).items()}
                         row.notes = "cpu ms/token: " + json.dumps(
                             {k: round(1000 * v / max(row.output_tokens, 1), 3) for k, v in spent.items()}
                         )

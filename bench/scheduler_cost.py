@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from bench.mesh_client import model_name, running_mesh
-from bench.mesh_overhead import _cpu_by_service
+from bench.mesh_overhead import cpu_by_service
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
@@ -92,9 +92,9 @@ async def _runs(args: argparse.Namespace, mesh: Any) -> list[dict[str, Any]]:
     await _open_loop(argparse.Namespace(**{**vars(args), "duration": 2.0}), mesh.gateway_url, model, "warm")
     rows = []
     for repeat in range(args.repeats):
-        before = _cpu_by_service(mesh)
+        before = cpu_by_service(mesh)
         row = await _open_loop(args, mesh.gateway_url, model, f"r{repeat}")
-        after = _cpu_by_service(mesh)
+        after = cpu_by_service(mesh)
         per_request = {
             name: round(1000 * (after[name] - before.get(name, 0.0)) / max(row["served"], 1), 3)
             for name in after
