@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from worker_svc.engine.sampling import Sampler, SamplingParams
+from worker_svc.engine.sampling import TOP_K_FAST_MAX, Sampler, SamplingParams
 
 V = 32
 EOS = 2
@@ -137,14 +137,51 @@ def test_seed_reproducible_regardless_of_batch() -> None:
             :batch
         ]
         logits[pos] = base[0]
-        return [sampler.sample(logits, rows).token_ids[pos] for _ in range(steps)]
+        for _ in range(steps):
+            row.output_token_ids.append(sampler.sample(logits, rows).token_ids[pos])
+        return row.output_token_ids
 
     alone = draw(1, 0)
     assert draw(5, 2) == alone
     assert draw(8, 7) == alone
     assert len(set(alone)) > 1  # it really samples
     other_seed = seeded(SamplingParams(temperature=1.0, seed=99))
-    assert [sampler.sample(base, [other_seed]).token_ids[0] for _ in range(20)] != alone
+    for _ in range(20):
+        other_seed.output_token_ids.append(sampler.sample(base, [other_seed]).token_ids[0])
+    assert other_seed.output_token_ids != alone
+
+
+def _seeded_run(sampler: Sampler, logits: torch.Tensor, row: Row, steps: int, others: list[Row]) -> list[int]:
+    rest = torch.randn(len(others), logits.shape[1], generator=torch.Generator().manual_seed(5))
+    for _ in range(steps):
+        batch = torch.cat([logits, rest])
+        row.output_token_ids.append(sampler.sample(batch, [row, *others]).token_ids[0])
+    return row.output_token_ids
+
+
+def test_seeded_top_k_same_on_fast_and_full_path() -> None:
+    # Alone, a top-k=4 row takes the top-k fast path; next to a row without top-k the
+    # batch takes the full-vocabulary path: the seeded row must draw the same tokens.
+    vocab = 2 * TOP_K_FAST_MAX  # the full path needs a vocabulary above the fast path's limit
+    sampler = Sampler(vocab, [EOS])
+    base = torch.randn(1, vocab, generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(temperature=1.0, top_k=4, seed=7)
+    fast = _seeded_run(sampler, base, seeded(params), 24, [])
+    other = Row(SamplingParams(temperature=1.0))
+    full = _seeded_run(sampler, base, seeded(params), 24, [other])
+    assert len(set(fast)) > 1
+    assert full == fast
+
+
+def test_seeded_draw_resumes_at_its_position() -> None:
+    # A request that continues elsewhere with its first 10 tokens (preemption, migration)
+    # draws what the uninterrupted run drew next, even on a fresh generator.
+    sampler = Sampler(V, [EOS])
+    base = logits_batch(1, seed=6)
+    params = SamplingParams(temperature=1.0, seed=11)
+    whole = _seeded_run(sampler, base, seeded(params), 20, [])
+    resumed = Row(params, output_token_ids=list(whole[:10]), generator=torch.Generator().manual_seed(123))
+    assert _seeded_run(sampler, base, resumed, 10, []) == whole
 
 
 def test_sampling_matches_distribution() -> None:
@@ -240,8 +277,7 @@ def test_top_k_fast_path_seeded_is_reproducible() -> None:
     logits = logits_batch(1, seed=11)
     params = SamplingParams(top_k=6, temperature=2.0, seed=42)
     first = [Sampler(V, [EOS]).sample(logits, [seeded(params)]).token_ids[0] for _ in range(3)]
-    row = seeded(params)
-    again = [Sampler(V, [EOS]).sample(logits, [row]).token_ids[0] for _ in range(8)]
+    again = _seeded_run(Sampler(V, [EOS]), logits, seeded(params), 8, [])
     assert first == [again[0]] * 3 and len(set(again)) > 1
 
 

@@ -12,14 +12,18 @@ Processing order for one step (all rows at once where possible):
 4. temperature 0 -> greedy argmax of the penalized logits; otherwise divide by
    temperature, apply top-k, top-p, min-p, and draw with the exponential race
    ``argmax(probs / E)``, ``E ~ Exp(1)`` per candidate token. A seeded request draws its
-   ``E`` from its own ``torch.Generator``, so its tokens do not depend on which other
-   requests share the batch.
+   ``E`` from its own ``torch.Generator``, re-seeded at every step from (seed, output
+   position), one value per vocabulary entry: its tokens depend neither on which other
+   requests share the batch (nor on the path the batch takes), nor on where earlier
+   tokens were computed -- a preempted request, or one that migrated to another worker
+   with its output so far, draws exactly what an uninterrupted run would.
 
 Fast paths (same results, less work): a batch of plain greedy rows (no penalties,
 min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy);
 when every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
 from ``topk`` instead of a full-vocabulary sort, and the race runs over those ``k``
-candidates only (a seeded row then draws ``k`` values per step, not ``vocab``).
+candidates only (a seeded row still draws ``vocab`` values and races its candidates
+with the values of their token ids, so both paths pick the same token).
 """
 
 from __future__ import annotations
@@ -222,14 +226,19 @@ class Sampler:
             logits, candidates = _top_k_candidates(logits, top_k, top_p)
         elif any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        chosen = _race(logits, rows)
+        chosen = _race(logits, rows, candidates, vocab)
         if candidates is None:
             return chosen
         return candidates.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
 
-def _race(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
-    """Column drawn per row from softmax(logits) (min-p applied) by the exponential race."""
+def _race(
+    logits: torch.Tensor, rows: Sequence[SamplingState], candidates: torch.Tensor | None, vocab: int
+) -> torch.Tensor:
+    """Column drawn per row from softmax(logits) (min-p applied) by the exponential race.
+
+    ``candidates`` maps the columns to token ids when ``logits`` holds top-k candidates
+    only (``None``: the columns are the vocabulary)."""
     params = [r.sampling_params for r in rows]
     width = logits.shape[1]
     dev = logits.device
@@ -246,10 +255,34 @@ def _race(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
         race[unseeded] = torch.empty(len(unseeded), width, dtype=probs.dtype, device=dev).exponential_()
     for j, r in enumerate(rows):
         if r.generator is not None:
-            # Each seeded row consumes exactly `width` draws from its own generator per step,
-            # so its stream is independent of batch composition.
-            race[j].exponential_(generator=r.generator)
+            race[j] = _seeded_draws(r, vocab, probs.dtype, candidates[j] if candidates is not None else None)
     return (probs / race).argmax(dim=-1)
+
+
+def _seeded_draws(
+    row: SamplingState, vocab: int, dtype: torch.dtype, token_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """The row's ``E`` values for this step: one per vocabulary entry, from a generator
+    seeded by (seed, output position) -- picked at ``token_ids`` in the candidate path."""
+    generator = row.generator
+    if generator is None:
+        raise ValueError("an unseeded row has no seeded draws")
+    generator.manual_seed(step_seed(row.sampling_params.seed or 0, len(row.output_token_ids)))
+    draws = torch.empty(vocab, dtype=dtype, device=generator.device).exponential_(generator=generator)
+    return draws if token_ids is None else draws[token_ids]
+
+
+def step_seed(seed: int, position: int) -> int:
+    """Seed of a seeded request's draw for output ``position`` (splitmix64 of both): every
+    step is reproducible on its own, wherever and after whatever it runs."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK63
+
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 
 def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
