@@ -42,6 +42,10 @@ class GatewayConfig:
     max_grpc_message_bytes: int = 64 * 1024 * 1024
     # Routing again after a worker failed before the first token (excluding it).
     max_retries: int = 2
+    # Mid-stream migrations per request: a worker lost after tokens were streamed is
+    # replaced by another one that continues from the prompt plus the tokens so far
+    # (0 = the request ends with an error instead).
+    max_migrations: int = 3
     # Where tokenizer files fetched from the tokenizer service are kept (empty = a
     # directory under the system temp dir).
     tokenizer_cache_dir: str = ""
@@ -64,8 +68,8 @@ class GatewayConfig:
             raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
         if self.drain_timeout_s < 0 or self.models_cache_s < 0:
             raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
-        if self.max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
+        if self.max_retries < 0 or self.max_migrations < 0:
+            raise ValueError("max_retries and max_migrations must be >= 0")
         if not [a for a in self.scheduler_address.split(",") if a.strip()]:
             raise ValueError("scheduler_address must name at least one scheduler")
         if any(not key for key in self.api_keys):
