@@ -10,10 +10,16 @@ Data flow of a `GenerationRun`:
   and queues `ChoiceEvent`s; `events()` yields them. A stop string ends its choice
   with finish_reason "stop"; once every choice has ended early the request is aborted
   on the worker (KV blocks freed at once);
-* failover: if the worker fails (stream lost, UNAVAILABLE) before any token reached
-  the client, the run routes again with that worker excluded (up to `max_retries`);
-  a decoder that finds its image embeddings evicted makes the scheduler encode again
-  once. After tokens were streamed, a lost worker ends the run with a 503;
+* failover: if the worker fails (stream lost, UNAVAILABLE, aborted by the server)
+  before any token arrived, the run routes again with that worker excluded (up to
+  `max_retries`); a decoder that finds its image embeddings evicted makes the scheduler
+  encode again once;
+* mid-stream migration: if it fails after tokens arrived, the run routes again (the
+  worker excluded) and sends the prompt plus every choice's tokens so far
+  (`GenerateRequest.resumed`); the new worker continues after them -- same seeded
+  draws, same max_tokens budget -- and the choices' detokenizers go on where they
+  were, so the client's stream shows no seam (up to `max_migrations` per request,
+  then a 503);
 * the lease goes back to the scheduler (batched `Release`) when the request ends.
 
 `close()` is synchronous so it can run inside a cancelled scope: it aborts the
@@ -146,7 +152,7 @@ class GenerationRun:
         self._excluded: list[str] = []
         self._force_encode = False
         self._attempts = 0
-        self._emitted = False
+        self._migrations = 0
         self._running = False  # the worker runs the request (its last message is due)
         self._closed = False
         self._cached_tokens = 0
@@ -159,26 +165,34 @@ class GenerationRun:
 
     # -- routing and submission -----------------------------------------------------
 
-    async def _submit(self) -> None:
-        """Routes the request and adds it to the worker's stream."""
-        self._attempts += 1
+    async def _new_choices(self) -> list[_Choice]:
+        """One detokenizing `_Choice` per sample (the tokenizer comes from the cache)."""
         try:
             tokenizer = await self.upstream.tokenizers.get(self.spec.model)
-            choices = [
-                _Choice(
-                    i,
-                    tokenizer.detokenizer(
-                        self.spec.prompt_ids,
-                        self.spec.skip_special_tokens,
-                        self.spec.stop,
-                        self.spec.include_stop_str_in_output,
-                    ),
-                )
-                for i in range(self.spec.n)
-            ]
         except MeshError as exc:
             raise from_mesh_error(exc, TOKENIZER) from exc
+        return [
+            _Choice(
+                i,
+                tokenizer.detokenizer(
+                    self.spec.prompt_ids,
+                    self.spec.skip_special_tokens,
+                    self.spec.stop,
+                    self.spec.include_stop_str_in_output,
+                ),
+            )
+            for i in range(self.spec.n)
+        ]
+
+    async def _submit(self) -> None:
+        """Routes the request and adds it to the worker's stream (with the output so far)."""
+        self._attempts += 1
         request = self.spec.generate_request()
+        request.resumed.extend(
+            common_pb2.ResumedOutput(index=c.index, token_ids=c.token_ids, finished=c.ended)
+            for c in self._choices
+            if c.token_ids or c.ended
+        )
         lease = await self.upstream.route(request, self._excluded, self._force_encode)
         if self._closed:
             self.upstream.release(lease)
@@ -187,7 +201,6 @@ class GenerationRun:
         request.lease_id = lease.lease_id
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
-        self._choices = choices
         tracing.inject_into(request.trace_context)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._running = True
@@ -200,7 +213,8 @@ class GenerationRun:
         """One engine step's output of this request: detokenize, queue events."""
         if response.worker_id:
             self.worker_id = response.worker_id
-        if response.HasField("usage"):
+        if response.HasField("usage") and not self._migrations:
+            # What the client's prompt found cached (a migrated run re-reads prompt + output).
             self._cached_tokens = response.usage.cached_tokens
         for delta in response.deltas:
             if 0 <= delta.index < len(self._choices):
@@ -213,7 +227,10 @@ class GenerationRun:
             return
         reason = delta.finish_reason
         if reason in (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR):
-            self._queue.put_nowait(_Failure(_upstream_failure(reason)))
+            # This run's own aborts drop the request's sink first: an abort that arrives
+            # came from the worker (shutting down), so the request may go on elsewhere.
+            retry = "reroute" if reason == common_pb2.FINISH_REASON_ABORT else ""
+            self._queue.put_nowait(_Failure(_upstream_failure(reason), retry))
             return
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
@@ -235,7 +252,6 @@ class GenerationRun:
             if reason == common_pb2.FINISH_REASON_STOP and delta.HasField("stop_token_id"):
                 event.stop_reason = delta.stop_token_id
         if event.text or event.token_ids or event.finish_reason:
-            self._emitted = self._emitted or bool(event.token_ids or event.text)
             self._queue.put_nowait(event)
 
     def on_error(self, error: worker_pb2.RequestError) -> None:
@@ -261,6 +277,7 @@ class GenerationRun:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Per-choice events until every choice has ended; raises APIError on failure."""
+        self._choices = await self._new_choices()
         await self._submit()
         # Counted on this side: `on_output` marks a choice ended before its last event
         # has been taken from the queue.
@@ -275,10 +292,11 @@ class GenerationRun:
         await self._finish_upstream()
 
     async def _on_failure(self, failure: _Failure) -> None:
-        """Routes again when the request may go on elsewhere; raises otherwise."""
+        """Routes again (or migrates) when the request may go on elsewhere; raises otherwise."""
         if self._closed or failure.error.status == 504:
             raise failure.error
-        may_retry = not self._emitted and self._attempts <= self.upstream.config.max_retries
+        received = sum(len(c.token_ids) for c in self._choices)
+        may_retry = not received and self._attempts <= self.upstream.config.max_retries
         if failure.retry == "reencode" and may_retry and not self._force_encode:
             self._force_encode = True
             metrics.REROUTES.labels(reason="reencode").inc()
@@ -286,10 +304,35 @@ class GenerationRun:
             self._excluded.append(self._attempt_worker)
             metrics.REROUTES.labels(reason="worker_failed").inc()
             log.warning("%s: %s; routing again", self.spec.request_id, failure.error.message)
+        elif failure.retry == "reroute" and received:
+            self._migrate(failure, received)
         else:
             raise failure.error
         self._abandon_attempt()
         await self._submit()
+
+    def _migrate(self, failure: _Failure, received: int) -> None:
+        """Counts a mid-stream migration, or raises when the request may not move again."""
+        limit = self.upstream.config.max_migrations
+        if self._migrations >= limit:
+            metrics.MIGRATIONS.labels(outcome="limit_reached").inc()
+            error = failure.error
+            raise APIError(
+                error.status,
+                f"{error.message} after {received} tokens; not migrated (max_migrations={limit} reached)",
+                code=error.code,
+            )
+        self._migrations += 1
+        self._excluded.append(self._attempt_worker)
+        metrics.MIGRATIONS.labels(outcome="migrated").inc()
+        log.warning(
+            "%s: %s after %d tokens; migrating (%d/%d)",
+            self.spec.request_id,
+            failure.error.message,
+            received,
+            self._migrations,
+            limit,
+        )
 
     def _abandon_attempt(self) -> None:
         """Drops what is left of a failed attempt (its late messages are ignored)."""

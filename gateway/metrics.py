@@ -67,6 +67,13 @@ REROUTES = Counter(
     "UNAVAILABLE, the worker excluded) or reencode (image embeddings evicted)",
     ["reason"],
 )
+MIGRATIONS = Counter(
+    "meshserve_gateway_migrations_total",
+    "Requests whose worker was lost after tokens arrived, by outcome: migrated (continued on "
+    "another worker from the prompt plus the output so far) or limit_reached (ended with an "
+    "error, max_migrations reached)",
+    ["outcome"],
+)
 
 
 class GenerationTimer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from meshserve.v1 import common_pb2
@@ -60,6 +61,23 @@ def sampling_params(
     params = SamplingParams(**kwargs)
     params.validate()
     return params
+
+
+def resumed_outputs(
+    resumed: Sequence[common_pb2.ResumedOutput], n: int
+) -> dict[int, common_pb2.ResumedOutput]:
+    """`GenerateRequest.resumed` by choice index; InvalidArgument for a bad or repeated
+    index, or when every choice has already finished (nothing left to run)."""
+    by_index: dict[int, common_pb2.ResumedOutput] = {}
+    for item in resumed:
+        if not 0 <= item.index < n or item.index in by_index:
+            raise InvalidArgument(
+                f"resumed index {item.index} is out of range or repeated (n={n})", param="resumed"
+            )
+        by_index[item.index] = item
+    if len(by_index) == n and all(item.finished for item in by_index.values()):
+        raise InvalidArgument("every choice in resumed has finished: nothing to generate", param="resumed")
+    return by_index
 
 
 def child_ids(request_id: str, n: int) -> list[str]:

@@ -238,15 +238,19 @@ class StreamSession:
         n = convert.num_samples(request.sampling)
         prompt = list(request.prompt_token_ids)
         max_len = self.engine.model_info.max_model_len
-        params = [convert.sampling_params(request.sampling, len(prompt), max_len, i) for i in range(n)]
-        ids = convert.child_ids(request.request_id, n)
+        resumed = convert.resumed_outputs(request.resumed, n)
+        # Choices that ended before a migration are not run again.
+        live = [i for i in range(n) if not (i in resumed and resumed[i].finished)]
+        params = {i: convert.sampling_params(request.sampling, len(prompt), max_len, i) for i in live}
+        all_ids = convert.child_ids(request.request_id, n)
+        ids = [all_ids[i] for i in live]
         run = RequestRun(
             request,
             ids,
             Outbox(request.request_id, self.stream_interval),
             common_pb2.Usage(prompt_tokens=len(prompt)),
             self.worker_id,
-            remaining=n,
+            remaining=len(live),
         )
         run.span = tracing.PhaseSpan.from_carrier(
             "worker.generate", request.trace_context, request_id=request.request_id, n=n
@@ -255,9 +259,12 @@ class StreamSession:
         keys = request_extra_keys(request.cache_salt)
         self.runs[request.request_id] = run
         try:
-            for index, (child, p) in enumerate(zip(ids, params, strict=True)):
+            for index, child in zip(live, ids, strict=True):
+                done = resumed[index].token_ids if index in resumed else ()
                 sink = self._sink(run, index)
-                self.engine.submit(child, prompt, p, sink, request.priority, keys, mm_inputs)
+                self.engine.submit(
+                    child, prompt, params[index], sink, request.priority, keys, mm_inputs, done
+                )
         except Exception:
             self._drop(run)
             raise

@@ -551,8 +551,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         sampling = request.sampling
         n = sampling.n if sampling.HasField("n") else 1
         outputs = [encode(self.script(prompt, i)) for i in range(n)]
-        positions = [0] * n
-        done = [False] * n
+        # A migrated request: each choice goes on after the tokens it already produced
+        # (a real worker would compute them; the script just skips them).
+        resumed = {r.index: r for r in request.resumed}
+        positions = [len(resumed[i].token_ids) if i in resumed else 0 for i in range(n)]
+        done = [i in resumed and resumed[i].finished for i in range(n)]
         first = True
         while not all(done):
             if "CRASH" in prompt and positions[0] >= 3:

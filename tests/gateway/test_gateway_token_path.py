@@ -1,5 +1,5 @@
 """The token path: Route → the gateway's GenerateStream to the worker → in-process
-detokenization → Release. Failover before the first token, worker loss after it,
+detokenization → Release. Failover before the first token, migration after it,
 leases going back to the replica that issued them, scheduler replicas, and the
 tokenizer fetched once per gateway."""
 
@@ -132,23 +132,60 @@ def test_evicted_embeddings_route_again_with_force_encode(harness: Harness, http
     assert_released(harness.scheduler, request_id, count=2)
 
 
-def test_worker_lost_after_tokens_ends_stream_with_error(harness: Harness, http: httpx.Client) -> None:
-    """(b) The worker dies after tokens were streamed: no failover is possible, the SSE
-    stream ends with an error event and [DONE] (it does not hang); lease released."""
+def _stream_then_kill(
+    harness: Harness, http: httpx.Client, worker: Any, body: dict[str, Any], before: int = 4
+) -> list[str]:
+    """Streams `body`, kills `worker` after `before` SSE events, returns every event."""
+    with http.stream("POST", CHAT, json=body, timeout=15) as reply:
+        assert reply.status_code == 200
+        lines = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
+        events = [next(lines) for _ in range(before)]
+        harness.kill_worker(worker)
+        return events + list(lines)
+
+
+def test_worker_lost_after_tokens_migrates(harness: Harness, http: httpx.Client) -> None:
+    """(b) The worker dies after tokens were streamed: the gateway routes again (the dead
+    worker excluded) and sends the prompt plus the tokens so far; the new worker goes on
+    after them and the client's stream is seamless: no error, no repeated or missing
+    text, usage counts every token once; both leases go back."""
+    body = chat("SLOW", stream=True, max_tokens=40, stream_options={"include_usage": True})
     with harness.extra_worker("fragile") as fragile:
-        body = chat("SLOW", stream=True)
-        with http.stream("POST", CHAT, json=body, timeout=15) as reply:
-            assert reply.status_code == 200
-            lines = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
-            events = [next(lines) for _ in range(4)]  # role chunk + 3 content chunks
-            harness.kill_worker(fragile)
-            events += list(lines)
+        events = _stream_then_kill(harness, http, fragile, body)
+        sent_before = list(fragile.worker.last_request.prompt_token_ids)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    expected = FakeWorker.script("SLOW", 0)[:40]
+    assert stream_text(events) == expected
+    request_id = chunks[0]["id"]
+    routes = harness.scheduler.routes_of(request_id)
+    assert [list(r.exclude_worker_ids) for r in routes] == [[], ["fragile"]]
+    resumed = harness.worker.last_request
+    assert resumed.request_id == request_id and list(resumed.prompt_token_ids) == sent_before
+    assert len(resumed.resumed) == 1 and resumed.resumed[0].index == 0 and not resumed.resumed[0].finished
+    assert decode(list(resumed.resumed[0].token_ids)) == expected[: len(resumed.resumed[0].token_ids)]
+    assert len(resumed.resumed[0].token_ids) >= 3
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert_released(harness.scheduler, request_id, count=2)
+
+
+def test_migration_limit_ends_stream_with_error(harness: Harness) -> None:
+    """With max_migrations=0 a worker lost after tokens ends the SSE stream with a clear
+    error event and [DONE] (no hang, not routed again); its lease is released."""
+    with (
+        harness.extra_worker("fragile") as fragile,
+        harness.gateway(max_migrations=0) as gw,
+        httpx.Client(base_url=gw.url, timeout=20) as http,
+    ):
+        events = _stream_then_kill(harness, http, fragile, chat("SLOW", stream=True))
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable_error" and "fragile" in error["message"], error
+    assert "max_migrations=0" in error["message"], error
     assert stream_text(events[:-2]).startswith("tic")
     request_id = json.loads(events[0])["id"]
-    assert len(harness.scheduler.routes_of(request_id)) == 1  # not rerouted: tokens were sent
+    assert len(harness.scheduler.routes_of(request_id)) == 1
     assert_released(harness.scheduler, request_id)
 
 

@@ -60,6 +60,7 @@ class _Add:
     extra_keys: tuple[str, ...]
     stream: _Stream
     mm_inputs: tuple[MultiModalInput, ...] = ()
+    resumed_output: tuple[int, ...] = ()
 
 
 @dataclass
@@ -132,6 +133,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
+        resumed_output: Sequence[int] = (),
     ) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
@@ -141,7 +143,9 @@ class AsyncLLMEngine:
         before anything is scheduled. ``abort`` ends it early (a final "abort" output),
         ``abort(..., drop_output=True)`` silently.
         """
-        self.engine.validate_request(request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs)
+        self.engine.validate_request(
+            request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs, resumed_output
+        )
         self.start()
         with self._lock:
             if request_id in self._active:
@@ -158,7 +162,14 @@ class AsyncLLMEngine:
         try:
             self._send(
                 _Add(
-                    request_id, list(prompt_token_ids), params, priority, extra_keys, stream, tuple(mm_inputs)
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    priority,
+                    extra_keys,
+                    stream,
+                    tuple(mm_inputs),
+                    tuple(resumed_output),
                 )
             )
         except BaseException:
@@ -260,7 +271,13 @@ class AsyncLLMEngine:
     def _handle_add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.extra_keys, cmd.mm_inputs
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                cmd.priority,
+                cmd.extra_keys,
+                cmd.mm_inputs,
+                cmd.resumed_output,
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})

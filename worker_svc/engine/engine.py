@@ -112,6 +112,7 @@ class LLMEngine:
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
+        resumed_output: Sequence[int] = (),
     ) -> None:
         """Stateless checks of a request (safe to call from any thread); ValueError names the field."""
         if not isinstance(request_id, str) or not request_id:
@@ -127,6 +128,8 @@ class LLMEngine:
         info = self.model_info
         if mm_inputs:
             validate_mm_inputs(mm_inputs, len(prompt_token_ids), info.hidden_size)
+        if resumed_output:
+            _validate_resumed(resumed_output, info.vocab_size, sampling_params.max_tokens)
         total = len(prompt_token_ids) + sampling_params.max_tokens
         if total > info.max_model_len:
             raise ValueError(
@@ -147,13 +150,19 @@ class LLMEngine:
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
+        resumed_output: Sequence[int] = (),
     ) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
         ``mm_inputs`` are the prompt's images (embeddings for placeholder positions); their
         identifiers are mixed into the block hashes (``mm:<identifier>`` extra keys).
+        ``resumed_output`` is output the request already produced elsewhere (mid-stream
+        migration): it is computed like a preempted request's, counts as output (max/min
+        tokens, penalties, seeded draws) and is not sent again.
         """
-        self.validate_request(request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs)
+        self.validate_request(
+            request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
+        )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         generator = None
@@ -168,6 +177,7 @@ class LLMEngine:
             extra_keys=with_mm_keys(extra_keys, mm_inputs),
             generator=generator,
             mm_inputs=tuple(mm_inputs),
+            output_token_ids=list(resumed_output),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -335,6 +345,16 @@ def _pin_current_thread(cpus: frozenset[int]) -> None:
         os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError) as exc:  # not Linux, or CPUs outside this cgroup
         log.warning("cpu_affinity %s not applied: %s", sorted(cpus), exc)
+
+
+def _validate_resumed(tokens: Sequence[int], vocab_size: int, max_tokens: int) -> None:
+    if len(tokens) >= max_tokens:
+        raise ValueError(
+            f"resumed output has {len(tokens)} tokens: max_tokens={max_tokens} leaves none to generate"
+        )
+    for tok in tokens:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise ValueError(f"resumed output contains {tok!r}, outside the vocabulary [0, {vocab_size})")
 
 
 def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
