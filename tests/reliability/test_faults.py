@@ -1,5 +1,5 @@
-"""Fault injection on the real mesh: kill -9 a decoder worker mid-stream, kill one or
-both scheduler replicas, stop Redis, stop the encoder cache.
+"""Fault injection on the real mesh: kill -9 a decoder worker mid-stream (its streams
+migrate), kill one or both scheduler replicas, stop Redis, stop the encoder cache.
 
 For each: no hang (every client gets its tokens or a clear error within a bound), the
 mesh recovers (new requests succeed; recovery time measured), and no KV blocks leak on
@@ -39,8 +39,16 @@ LONG_TOKENS = 400
 REDIS_OUTAGE_S = 6.0
 
 
+def _long_body(i: int) -> dict[str, object]:
+    return chat_body(f"fault stream {i} " * (1 + i % 3), max_tokens=LONG_TOKENS, ignore_eos=True)
+
+
 async def _streams_then(
-    mesh: SharedMesh, fault: Callable[[], None], n: int = STREAMS, probe: bool = False
+    mesh: SharedMesh,
+    fault: Callable[[], None],
+    n: int = STREAMS,
+    probe: bool = False,
+    body: Callable[[int], dict[str, object]] = _long_body,
 ) -> tuple[list[StreamResult], float, float]:
     """Starts `n` long streams, waits until each produced a chunk, runs `fault()`, then
     collects every stream (bounded). With `probe`, new requests are sent right after the
@@ -49,14 +57,7 @@ async def _streams_then(
     firsts = [asyncio.Event() for _ in range(n)]
     async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as client:
         tasks = [
-            asyncio.create_task(
-                stream_chat(
-                    client,
-                    mesh.gateway_url,
-                    chat_body(f"fault stream {i} " * (1 + i % 3), max_tokens=LONG_TOKENS, ignore_eos=True),
-                    on_first_chunk=firsts[i],
-                )
-            )
+            asyncio.create_task(stream_chat(client, mesh.gateway_url, body(i), on_first_chunk=firsts[i]))
             for i in range(n)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 60)
@@ -65,12 +66,12 @@ async def _streams_then(
         prober = (
             asyncio.create_task(asyncio.to_thread(_first_success_after, mesh, fault_at)) if probe else None
         )
-        done, pending = await asyncio.wait(tasks, timeout=CLIENT_BOUND_S)
+        _done, pending = await asyncio.wait(tasks, timeout=CLIENT_BOUND_S)
         for task in pending:
             task.cancel()
         assert not pending, f"{len(pending)} clients hung for more than {CLIENT_BOUND_S}s after the fault"
         probe_s = await prober if prober is not None else math.nan
-        return [t.result() for t in done], fault_at, probe_s
+        return [t.result() for t in tasks], fault_at, probe_s  # in request order
 
 
 def _first_success_after(
@@ -109,31 +110,62 @@ def _summary(results: list[StreamResult], fault_at: float) -> str:
     return f"{ok}/{len(results)} completed, {len(failed)} clear errors {kinds}, slowest client {worst:.1f}s"
 
 
-def test_kill9_worker_mid_stream(mesh: SharedMesh) -> None:
-    """SIGKILL the busiest decoder while streams run on it: its streams end with a clear
-    error at once, the other worker keeps serving (new requests succeed), the survivor
-    frees all its KV, and the restarted worker registers and serves again."""
+def _reproducible_body(i: int) -> dict[str, object]:
+    """Stream `i` of the migration test: greedy or seeded, so its text is reproducible."""
+    sampling = {"temperature": 0.0} if i % 2 else {"temperature": 1.0, "seed": 1000 + i}
+    return chat_body(f"fault stream {i} " * (1 + i % 3), max_tokens=LONG_TOKENS, ignore_eos=True, **sampling)
+
+
+async def _reference_texts(mesh: SharedMesh, n: int) -> list[str]:
+    async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as client:
+        results = await asyncio.gather(
+            *(stream_chat(client, mesh.gateway_url, _reproducible_body(i)) for i in range(n))
+        )
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    return [r.text for r in results]
+
+
+def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
+    """SIGKILL the busiest decoder while streams run on it: every stream on it migrates
+    to the survivor (prompt + tokens so far) and completes -- no error, and for greedy and
+    seeded requests exactly the text of an uninterrupted run; usage counts every token
+    once; the survivor frees all its KV; the restarted worker registers and serves again."""
     mesh.wait_kv_idle()
+    for name in mesh.decoders:
+        mesh.wait_registered(name)
+    reference = asyncio.run(_reference_texts(mesh, STREAMS))
+    before = _migrations(mesh)
     victim: list[str] = []
 
     def fault() -> None:
         victim.append(_busiest_decoder(mesh))
         mesh.kill(victim[0], signal.SIGKILL)
 
-    results, fault_at, failover_s = asyncio.run(_streams_then(mesh, fault, probe=True))
+    results, fault_at, failover_s = asyncio.run(
+        _streams_then(mesh, fault, body=_reproducible_body, probe=True)
+    )
     name = victim[0]
+    migrated = _migrations(mesh) - before
+    assert migrated >= 1, "no stream ran on the killed worker: the test proved nothing"
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    for i, result in enumerate(results):
+        assert result.text == reference[i], f"stream {i} differs from its uninterrupted run"
+        assert result.completion_tokens == LONG_TOKENS, result
     survivors = [n for n in mesh.decoders if n != name]
-    for result in results:
-        assert result.ok or (result.error and "worker" in result.error.lower()), result
-    assert any(not r.ok for r in results), "no stream ran on the killed worker"
     mesh.wait_kv_idle(timeout=20, names=survivors)
     restart_s = mesh.restart(name)
     registered_s = mesh.wait_registered(name)
     mesh.wait_kv_idle()
     report(
-        f"kill -9 {name}: {_summary(results, fault_at)}; new request served {failover_s:.2f}s after the kill; "
-        f"restart healthy in {restart_s:.1f}s (+{registered_s:.1f}s to register); survivor KV idle"
+        f"kill -9 {name}: {_summary(results, fault_at)}, {migrated} migrated, every text equal to an "
+        f"uninterrupted run; new request served {failover_s:.2f}s after the kill; restart healthy in "
+        f"{restart_s:.1f}s (+{registered_s:.1f}s to register); survivor KV idle"
     )
+
+
+def _migrations(mesh: SharedMesh) -> int:
+    """How many times the gateway has moved a stream to another worker mid-stream."""
+    return mesh.log_tail("gateway", lines=100_000).count("; migrating (")
 
 
 def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) -> None:
