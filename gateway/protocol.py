@@ -30,9 +30,19 @@ class _Request(BaseModel):
 
 
 class _Response(BaseModel):
-    """Base of response bodies."""
+    """Base of response bodies.
+
+    A model's `object` discriminator (`"chat.completion.chunk"`, `"text_completion"`,
+    ...) counts as set from construction on: SSE chunks are dumped with
+    `exclude_unset=True` and OpenAI's reference (and strict clients) require it.
+    """
 
     model_config = ConfigDict(extra="forbid")
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Marks `object` as set so that `exclude_unset` dumps keep it."""
+        if "object" in type(self).model_fields:
+            self.__pydantic_fields_set__.add("object")
 
 
 class StreamOptions(_Request):

@@ -45,6 +45,7 @@ def test_template_renders_the_model_bytes(make: object) -> None:
         assert rendered == sse_event(make(text))  # type: ignore[operator]
         assert rendered.startswith(b"data: ") and rendered.endswith(b"\n\n")
         payload = json.loads(rendered[6:])
+        assert payload["object"] in ("chat.completion.chunk", "text_completion")
         choice = payload["choices"][0]
         assert choice.get("text", choice.get("delta", {}).get("content")) == text
 
