@@ -110,26 +110,45 @@ class Upstream:
     # -- scheduler replicas -----------------------------------------------------------
 
     async def on_scheduler(
-        self, call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[T]]
+        self,
+        call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[T]],
+        short_deadline: bool = False,
     ) -> tuple[T, int]:
         """Runs a unary scheduler call on the next replica, trying the others when one
-        is unreachable; returns the reply and the replica index. All unreachable → 503."""
-        return await self._on_replicas(lambda replica: call(replica.stub))
+        is unreachable; returns the reply and the replica index. All unreachable → 503.
+        With `short_deadline` (the call's deadline is the gateway's own, not the
+        client's), a replica that does not answer in time counts as unreachable."""
+        return await self._on_replicas(lambda replica: call(replica.stub), short_deadline)
 
-    async def _on_replicas(self, call: Callable[[_Replica], Awaitable[T]]) -> tuple[T, int]:
+    async def _on_replicas(
+        self, call: Callable[[_Replica], Awaitable[T]], short_deadline: bool = False
+    ) -> tuple[T, int]:
         first = next(self._next_replica)
+        failover = {grpc.StatusCode.UNAVAILABLE}
+        if short_deadline:
+            failover.add(grpc.StatusCode.DEADLINE_EXCEEDED)
         error: grpc.aio.AioRpcError | None = None
-        for offset in range(len(self._replicas)):
-            index = (first + offset) % len(self._replicas)
+        for index in self._replica_order(first):
             try:
                 return await call(self._replicas[index]), index
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() not in failover:
                     raise from_rpc_error(exc, SCHEDULER) from exc
                 error = exc
         if error is None:  # no replica configured (the config refuses this)
             raise APIError(503, "scheduler: none configured", code="unavailable")
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, not a client timeout
+            raise APIError(503, "scheduler: no replica answered in time", code="unavailable") from error
         raise from_rpc_error(error, SCHEDULER) from error
+
+    def _replica_order(self, first: int) -> list[int]:
+        """Replica indexes starting at `first`, those whose channel is failing or still
+        connecting last: a hung replica (its connection lost to keepalive, reconnects
+        timing out) would make every call that tries it first wait for the timeout."""
+        count = len(self._replicas)
+        order = [(first + offset) % count for offset in range(count)]
+        failing = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.CONNECTING)
+        return sorted(order, key=lambda i: self._replicas[i].channel.get_state() in failing)
 
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
@@ -193,7 +212,8 @@ class Upstream:
             reply, _ = await self.on_scheduler(
                 lambda stub: stub.ListWorkers(
                     scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S * 5
-                )
+                ),
+                short_deadline=True,
             )
             self._workers, self._workers_at = reply, time.monotonic()
             return reply

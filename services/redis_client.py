@@ -96,5 +96,10 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    @property
+    def pid(self) -> int | None:
+        """The redis-server's process id while it runs (fault tests signal it)."""
+        return self._proc.pid if self.is_running() and self._proc is not None else None
+
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -137,6 +137,13 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 5_000),
+        # Keep pinging while only the peer sends: a client that reads a long stream sends
+        # no data, and the default (2 pings, then none until it does) let a hung
+        # (SIGSTOPped) worker hold its streams forever.
+        ("grpc.http2.max_pings_without_data", 0),
+        # Connect timeout: a hung peer's kernel still accepts TCP, the HTTP/2 handshake
+        # never completes; give up after 5 s, not the default 20 s.
+        ("grpc.min_reconnect_backoff_ms", 5_000),
     ]
 
 
