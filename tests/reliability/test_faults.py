@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -379,3 +380,155 @@ def test_encoder_cache_stop(mesh: SharedMesh) -> None:
     assert code == 0
     assert refused_s < 5
     assert asyncio.run(_cache_call(address, put=True))
+
+
+# --------------------------------------------------------------- hung, not dead (SIGSTOP)
+
+# A stopped peer keeps its TCP connections open: only gRPC keepalive (ping every 10 s,
+# 5 s to answer) or a connect timeout notices. Every client must still be answered
+# within this bound.
+HUNG_BOUND_S = 45.0
+
+
+def _hang(mesh: SharedMesh, name: str) -> None:
+    mesh.kill(name, signal.SIGSTOP)
+
+
+def _resume(mesh: SharedMesh, name: str) -> None:
+    mesh.kill(name, signal.SIGCONT)
+
+
+def _timed_post(mesh: SharedMesh, body: dict[str, object]) -> tuple[int, str, float]:
+    """(status, error message or "", seconds) of one chat completion."""
+    start = time.monotonic()
+    reply = httpx.post(mesh.gateway_url + "/v1/chat/completions", json=body, timeout=HUNG_BOUND_S + 15)
+    message = "" if reply.status_code == 200 else str(reply.json()["error"]["message"])
+    return reply.status_code, message, time.monotonic() - start
+
+
+def test_sigstop_decoder_mid_stream_migrates(mesh: SharedMesh) -> None:
+    """SIGSTOP the busiest decoder while streams run on it: the gateway's keepalive finds
+    the stream dead, the streams migrate and complete with exactly the text of an
+    uninterrupted run; the scheduler stops routing to it (missed heartbeats). After
+    SIGCONT the worker aborts the orphaned requests (KV idle) and serves again."""
+    mesh.wait_kv_idle()
+    for name in mesh.decoders:
+        mesh.wait_registered(name)
+    reference = asyncio.run(_reference_texts(mesh, STREAMS))
+    before = _migrations(mesh)
+    victim: list[str] = []
+
+    def fault() -> None:
+        victim.append(_busiest_decoder(mesh))
+        _hang(mesh, victim[0])
+
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, fault, body=_reproducible_body))
+        name = victim[0]
+        unlisted = name not in mesh.healthy_decoders()
+    finally:
+        for stopped in victim:
+            _resume(mesh, stopped)
+    assert _migrations(mesh) - before >= 1, "no stream ran on the stopped worker: the test proved nothing"
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    assert [r.text for r in results] == reference
+    assert unlisted, "the scheduler still listed the hung worker as healthy"
+    mesh.wait_kv_idle(timeout=30)
+    registered_s = mesh.wait_registered(name)
+    report(
+        f"SIGSTOP {name}: {_summary(results, fault_at)}, {_migrations(mesh) - before} migrated, texts equal "
+        f"to an uninterrupted run; after SIGCONT KV idle, registered again in {registered_s:.1f}s"
+    )
+
+
+def test_sigstop_one_scheduler_replica(mesh: SharedMesh) -> None:
+    """SIGSTOP one of two scheduler replicas: streams in flight complete; new requests are
+    served through the other replica (a Route stuck on the hung one fails over once
+    keepalive or the connect timeout gives up on it), each within the bound."""
+    mesh.wait_kv_idle()
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: _hang(mesh, "scheduler-1")))
+        probes = [_timed_post(mesh, chat_body(f"one replica hung {i}", max_tokens=2)) for i in range(6)]
+    finally:
+        _resume(mesh, "scheduler-1")
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    assert [p[0] for p in probes] == [200] * len(probes), probes
+    slowest = max(p[2] for p in probes)
+    assert slowest < HUNG_BOUND_S, probes
+    recovered_s = _first_success_after(mesh, time.monotonic())
+    mesh.wait_kv_idle()
+    report(
+        f"SIGSTOP scheduler-1: {_summary(results, fault_at)}; 6/6 new requests served, slowest "
+        f"{slowest:.1f}s; after SIGCONT first success in {recovered_s:.2f}s"
+    )
+
+
+def test_sigstop_every_scheduler(mesh: SharedMesh) -> None:
+    """SIGSTOP both scheduler replicas: streams in flight complete (not in the token path);
+    a new request gets a clear 503 naming the scheduler within the bound (no hang),
+    /health says 503; after SIGCONT requests are served again."""
+    mesh.wait_kv_idle()
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: [_hang(mesh, s) for s in SCHEDULERS]))
+        status, message, refuse_s = _timed_post(mesh, chat_body("all schedulers hung", max_tokens=2))
+        health = httpx.get(mesh.gateway_url + "/health", timeout=30).status_code
+    finally:
+        for name in SCHEDULERS:
+            _resume(mesh, name)
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    assert status == 503 and "scheduler" in message, (status, message)
+    assert refuse_s < HUNG_BOUND_S
+    assert health == 503
+    recovered_s = _first_success_after(mesh, time.monotonic())
+    mesh.wait_kv_idle()
+    report(
+        f"SIGSTOP both schedulers: {_summary(results, fault_at)}; new request 503 naming the scheduler in "
+        f"{refuse_s:.1f}s; /health 503; after SIGCONT first success in {recovered_s:.2f}s"
+    )
+
+
+def test_sigstop_tokenizer(mesh: SharedMesh) -> None:
+    """SIGSTOP the tokenizer: streams in flight complete (the gateway detokenizes);
+    a new request gets a clear 503 naming the tokenizer within the bound; after SIGCONT
+    requests are served again."""
+    mesh.wait_kv_idle()
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: _hang(mesh, "tokenizer")))
+        status, message, refuse_s = _timed_post(mesh, chat_body("tokenizer hung", max_tokens=2))
+    finally:
+        _resume(mesh, "tokenizer")
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    assert status == 503 and "tokenizer" in message, (status, message)
+    assert refuse_s < HUNG_BOUND_S
+    recovered_s = _first_success_after(mesh, time.monotonic())
+    mesh.wait_kv_idle()
+    report(
+        f"SIGSTOP tokenizer: {_summary(results, fault_at)}; new request 503 naming the tokenizer in "
+        f"{refuse_s:.1f}s; after SIGCONT first success in {recovered_s:.2f}s"
+    )
+
+
+def test_sigstop_redis(mesh: SharedMesh) -> None:
+    """SIGSTOP Redis (hung, connections open): streams in flight complete and new requests
+    are served or refused clearly within the bound; after SIGCONT everything is served."""
+    redis = mesh.mesh.redis
+    assert redis is not None and redis.pid is not None
+    mesh.wait_kv_idle()
+    pid = redis.pid
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: os.kill(pid, signal.SIGSTOP)))
+        probes = [_timed_post(mesh, chat_body(f"redis hung {i}", max_tokens=2)) for i in range(6)]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    slowest = max(p[2] for p in probes)
+    assert slowest < HUNG_BOUND_S, probes
+    assert all(code == 200 or message for code, message, _ in probes), probes
+    recovered_s = _first_success_after(mesh, time.monotonic())
+    mesh.wait_kv_idle()
+    served = sum(code == 200 for code, _, _ in probes)
+    report(
+        f"SIGSTOP Redis: {_summary(results, fault_at)}; {served}/6 new requests served during it (slowest "
+        f"{slowest:.2f}s); after SIGCONT first success in {recovered_s:.2f}s"
+    )
+    assert served == len(probes), probes
