@@ -9,6 +9,7 @@ within seconds while text requests keep working."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,51 @@ def test_small_cache_evicts_and_reencodes(mesh: Mesh, client: openai.OpenAI, ref
     again = ask(client, first)
     assert again[:2] == expected(refs, first)
     assert metric(mesh, "encoder-0", "meshserve_encoder_items_total") == before + 3
+
+
+def _text_still_served(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    text = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_encoder_worker_lost_is_a_bounded_clear_error_then_recovers(
+    mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder, sig: signal.Signals
+) -> None:
+    """The only encoder worker killed (or hung): an image request is answered with a clear
+    503 naming the encoder within the bound (keepalive finds a hung one), text requests
+    are unaffected; once it is back (restarted / SIGCONT) images are served again."""
+    image = png_bytes(21 + int(sig))  # not cached: it must be encoded
+    mesh.procs["encoder-0"].send_signal(sig)
+    try:
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failure:
+            ask(client, image)
+        refused_s = time.monotonic() - start
+        _text_still_served(client)
+    finally:
+        if sig == signal.SIGSTOP:
+            mesh.procs["encoder-0"].send_signal(signal.SIGCONT)
+        else:
+            mesh.procs["encoder-0"].wait(10)
+            mesh.start_service(mesh.specs["encoder-0"])
+    assert failure.value.status_code == 503, failure.value
+    assert "encoder" in str(failure.value).lower(), failure.value
+    assert refused_s < 30, refused_s
+    deadline = time.monotonic() + 60
+    while True:  # the scheduler lists it again after its next heartbeat
+        try:
+            assert ask(client, image)[:2] == expected(refs, image)
+            break
+        except openai.APIStatusError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    print(f"[multimodal] encoder-0 {sig.name}: image request 503 in {refused_s:.1f}s; text served; recovered")
 
 
 def test_encoder_cache_down_is_a_fast_clear_error(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -25,6 +27,7 @@ from tests.reliability.meshkit import (
     SharedMesh,
     StreamResult,
     chat_body,
+    metric_value,
     report,
     stream_chat,
     wait_gateway_healthy,
@@ -165,8 +168,56 @@ def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
 
 
 def _migrations(mesh: SharedMesh) -> int:
-    """How many times the gateway has moved a stream to another worker mid-stream."""
-    return mesh.log_tail("gateway", lines=100_000).count("; migrating (")
+    """How many times the gateway has moved a stream to another worker mid-stream (its
+    metric, checked against its log so both must reflect it)."""
+    port = int(mesh.gateway_url.rsplit(":", 1)[1])
+    counted = int(metric_value(port, "meshserve_gateway_migrations_total", outcome="migrated"))
+    assert counted == mesh.log_tail("gateway", lines=100_000).count("; migrating ("), (
+        "metric and log disagree"
+    )
+    return counted
+
+
+def _reset_connections_to(port: int) -> bool:
+    """Resets every TCP connection to 127.0.0.1:`port` (`ss -K`, both processes stay up);
+    False where the kernel or the tool cannot (then the fault cannot be produced)."""
+    if shutil.which("ss") is None:
+        return False
+    result = subprocess.run(
+        ["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return result.returncode == 0 and f":{port}" in result.stdout
+
+
+def test_upstream_connection_reset_migrates(mesh: SharedMesh) -> None:
+    """The gateway's connection to a decoder is reset while both stay up (a network
+    fault): the gateway's streams on it migrate and complete with the text of an
+    uninterrupted run; the decoder sees its client gone and frees their KV."""
+    mesh.wait_kv_idle()
+    for name in mesh.decoders:
+        mesh.wait_registered(name)
+    reference = asyncio.run(_reference_texts(mesh, STREAMS))
+    before = _migrations(mesh)
+    reset: list[bool] = []
+
+    def fault() -> None:
+        victim = _busiest_decoder(mesh)
+        reset.append(_reset_connections_to(int(mesh.address(victim).rsplit(":", 1)[1])))
+
+    results, fault_at, _ = asyncio.run(_streams_then(mesh, fault, body=_reproducible_body))
+    if not reset[0]:
+        pytest.skip("cannot reset TCP connections here (ss -K unsupported)")
+    migrated = _migrations(mesh) - before
+    assert migrated >= 1, "no stream was on the reset connection: the test proved nothing"
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    assert [r.text for r in results] == reference
+    mesh.wait_kv_idle(timeout=20)
+    report(
+        f"connection reset gateway -> decoder: {_summary(results, fault_at)}, {migrated} migrated; KV idle"
+    )
 
 
 def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) -> None:
