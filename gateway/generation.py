@@ -193,7 +193,7 @@ class GenerationRun:
             for c in self._choices
             if c.token_ids or c.ended
         )
-        lease = await self.upstream.route(request, self._excluded, self._force_encode)
+        lease = await self._route(request)
         if self._closed:
             self.upstream.release(lease)
             return
@@ -206,6 +206,19 @@ class GenerationRun:
         self._running = True
         self._stream.add(request, self)
         self.worker_id = lease.worker_id
+
+    async def _route(self, request: common_pb2.GenerateRequest) -> Lease:
+        """Route, excluding the workers that failed this run; when that leaves no worker,
+        once more allowing them: a worker whose stream broke may well be alive (a reset
+        connection), and one that is not still fails fast or is no longer listed."""
+        try:
+            return await self.upstream.route(request, self._excluded, self._force_encode)
+        except APIError as exc:
+            if exc.status != 503 or not self._excluded:
+                raise
+            log.warning("%s: %s; routing again without exclusions", self.spec.request_id, exc.message)
+            self._excluded = []
+            return await self.upstream.route(request, [], self._force_encode)
 
     # -- RequestSink: called by the worker stream's reader task -----------------------
 

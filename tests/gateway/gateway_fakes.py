@@ -394,6 +394,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     hold: bool = False
     # Adds are refused with UNAVAILABLE (as by a draining worker).
     draining: bool = False
+    # The first stream breaks (UNAVAILABLE) after this many messages, the worker stays up
+    # (a connection reset); 0 = never.
+    break_first_stream_after: int = 0
     requests: list[common_pb2.GenerateRequest] = field(default_factory=list)
     # request ids of the abort messages received, in order
     aborts: list[str] = field(default_factory=list)
@@ -464,8 +467,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 outbox.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
+        breaks_after = self.break_first_stream_after if self.streams_opened == 1 else 0
+        sent = 0
         try:
             while (message := await outbox.get()) is not None:
+                if breaks_after and sent >= breaks_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (fake)")
+                sent += 1
                 # Whatever else is ready goes in the same message (one per "engine step").
                 while not outbox.empty():
                     more = outbox.get_nowait()

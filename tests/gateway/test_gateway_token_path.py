@@ -170,6 +170,30 @@ def test_worker_lost_after_tokens_migrates(harness: Harness, http: httpx.Client)
     assert_released(harness.scheduler, request_id, count=2)
 
 
+def test_only_worker_stream_reset_migrates_to_it_again(harness: Harness, http: httpx.Client) -> None:
+    """A single worker whose stream breaks while it stays up (a connection reset): routing
+    again without it finds no worker, so the gateway routes once more allowing it, and
+    the request goes on there over a fresh stream -- no error for the client."""
+    harness.scheduler.down.add(DEFAULT_WORKER)
+    try:
+        with harness.extra_worker("only", break_first_stream_after=4) as only:
+            body = chat("SLOW", stream=True, max_tokens=20)
+            with http.stream("POST", CHAT, json=body, timeout=15) as reply:
+                assert reply.status_code == 200
+                events = sse_events(reply)
+            streams = only.worker.streams_opened
+    finally:
+        harness.scheduler.down.discard(DEFAULT_WORKER)
+    assert events[-1] == "[DONE]"
+    assert all("error" not in json.loads(e) for e in events[:-1]), events
+    assert stream_text(events) == FakeWorker.script("SLOW", 0)[:20]
+    request_id = json.loads(events[0])["id"]
+    routes = harness.scheduler.routes_of(request_id)
+    assert [list(r.exclude_worker_ids) for r in routes] == [[], ["only"], []]
+    assert streams == 2
+    assert_released(harness.scheduler, request_id, count=2)
+
+
 def test_migration_limit_ends_stream_with_error(harness: Harness) -> None:
     """With max_migrations=0 a worker lost after tokens ends the SSE stream with a clear
     error event and [DONE] (no hang, not routed again); its lease is released."""
