@@ -24,6 +24,16 @@ Integration with transformers 5.x (checked against 5.18):
   layer's cache) and ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` after RoPE;
   it returns ``[1, T, H, D]`` like transformers' SDPA integration.
 
+Per-layer attention (Mistral, Gemma 2/3, gpt-oss, ...): ``AttentionMetadata.layer_windows``
+(from :mod:`worker_svc.engine.arch`) gives each layer's sliding window -- a query at
+position ``p`` sees keys ``p - window < k <= p``, as transformers' sliding mask -- and the
+layer's ``softcap`` (tanh logit capping) and ``s_aux`` (attention sinks: one extra logit
+per head in the softmax denominator) arrive as keyword arguments. Such a layer runs on
+torch on every backend (:func:`_attend_dense`: SDPA for a window only, explicit
+softmax with softcap/sinks), reading only the blocks that hold its window; the native
+CPU and Triton decode kernels serve plain causal layers only, so they are correct by
+construction. Keyword arguments outside :data:`KNOWN_KWARGS` are an error, never ignored.
+
 Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
 :mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
 ``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``triton``
@@ -46,6 +56,7 @@ from worker_svc.engine import cpu_attention
 
 __all__ = [
     "ATTN_IMPL_NAME",
+    "KNOWN_KWARGS",
     "METADATA_KWARG",
     "AttentionMetadata",
     "PrefillChunk",
@@ -58,6 +69,26 @@ __all__ = [
 
 ATTN_IMPL_NAME = "meshserve_paged"
 METADATA_KWARG = "meshserve_attn_metadata"
+
+# Keyword arguments transformers' attention modules pass that this function understands:
+# honoured (scaling, sliding_window, softcap, s_aux), or harmless when given (dropout must
+# be 0, the rest carry nothing attention needs). Anything else is refused, see _check_kwargs.
+KNOWN_KWARGS = frozenset(
+    {
+        "dropout",
+        "scaling",
+        "sliding_window",
+        "softcap",
+        "s_aux",
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "use_cache",
+        "is_causal",
+        "head_mask",
+        METADATA_KWARG,
+    }
+)
 
 
 @dataclass
@@ -83,8 +114,14 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] additive 0 / -inf
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 (triton, cpu)
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (triton, cpu)
+    decode_table: torch.Tensor | None = None  # [Bd, max_blocks] int64 (every backend: windowed layers)
+    decode_lens: torch.Tensor | None = None  # [Bd] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend: str = "torch"
+    # Sliding window of each layer (None = full attention); empty = every layer full.
+    layer_windows: Sequence[int | None] = ()
+    # Set by the runner's load-time probe: layer index -> calls of the attention function.
+    probe: dict[int, int] | None = None
 
 
 _CURRENT: ContextVar[AttentionMetadata | None] = ContextVar("meshserve_attn_metadata", default=None)
@@ -113,8 +150,10 @@ def build_attention_metadata(
     kv_caches: list[torch.Tensor],
     device: torch.device,
     backend: str = "torch",
+    layer_windows: Sequence[int | None] = (),
 ) -> AttentionMetadata:
-    """Metadata for a packed batch of ``(start_position, q_len, block_table)`` chunks."""
+    """Metadata for a packed batch of ``(start_position, q_len, block_table)`` chunks;
+    ``layer_windows`` as :attr:`AttentionMetadata.layer_windows`."""
     slot_list: list[int] = []
     dec_rows: list[int] = []
     dec_tables: list[Sequence[int]] = []
@@ -136,6 +175,7 @@ def build_attention_metadata(
         slot_mapping=torch.tensor(slot_list, dtype=torch.long, device=device),
         prefills=prefills,
         backend=backend,
+        layer_windows=layer_windows,
     )
     if dec_rows:
         _fill_decode(meta, dec_rows, dec_tables, dec_lens, block_size, device)
@@ -169,6 +209,7 @@ def _fill_decode(
     table_t = torch.tensor(padded, dtype=torch.long, device=device)
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     meta.decode_token_idx = torch.tensor(rows, dtype=torch.long, device=device)
+    meta.decode_table, meta.decode_lens = table_t, lens_t
     if meta.backend in ("triton", "cpu"):
         meta.decode_block_tables = table_t.to(torch.int32)
         meta.decode_seq_lens = lens_t.to(torch.int32)
@@ -265,6 +306,29 @@ def _decode(
     out.index_copy_(0, rows, od.to(out.dtype))
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention adds to plain causal softmax attention."""
+
+    window: int | None = None  # sliding window (see module docstring)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None  # [H] one extra logit per head in the softmax
+
+    @property
+    def plain(self) -> bool:
+        """True for full causal attention without softcap or sinks (every kernel serves it)."""
+        return self.window is None and self.softcap is None and self.sinks is None
+
+
+def _check_kwargs(layer_idx: int, kwargs: dict[str, Any], dropout: float) -> None:
+    """Refuse what this function would otherwise silently ignore (wrong tokens)."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in KNOWN_KWARGS and v is not None)
+    if unknown:
+        raise RuntimeError(f"{ATTN_IMPL_NAME}: layer {layer_idx} passed attention arguments it cannot honour: {unknown}")
+    if dropout:
+        raise RuntimeError(f"{ATTN_IMPL_NAME}: attention dropout {dropout} (the model is in training mode)")
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -279,28 +343,64 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise RuntimeError(f"attention module {type(module).__name__} has no layer_idx")
+    _check_kwargs(layer_idx, kwargs, dropout)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # 0 / 0.0 stand for "not given": the custom op's schema has no optional scalars here.
+    kw_window = int(kwargs.get("sliding_window") or 0)
+    softcap = float(kwargs.get("softcap") or 0.0)
+    sinks = kwargs.get("s_aux")
     if torch.compiler.is_compiling():
         # Opaque to the compiler: the metadata (Python lists, ContextVar) is read at run time.
-        return torch.ops.meshserve.paged_attention(query, key, value, layer_idx, scale), None
+        out = torch.ops.meshserve.paged_attention(query, key, value, layer_idx, scale, kw_window, softcap, sinks)
+        return out, None
     meta = kwargs.get(METADATA_KWARG) or _CURRENT.get()
-    return _attend(meta, layer_idx, query, key, value, scale), None
+    if meta is not None and meta.probe is not None:
+        meta.probe[layer_idx] = meta.probe.get(layer_idx, 0) + 1
+    return _attend(meta, layer_idx, query, key, value, scale, kw_window, softcap, sinks), None
 
 
 @torch.library.custom_op("meshserve::paged_attention", mutates_args=())
 def _paged_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    kw_window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Compiled-graph entry: :func:`_attend` with the metadata of :func:`attention_context`."""
-    return _attend(_CURRENT.get(), layer_idx, query, key, value, scale)
+    return _attend(_CURRENT.get(), layer_idx, query, key, value, scale, kw_window, softcap, sinks)
 
 
 @_paged_attention_op.register_fake
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    kw_window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     _, heads, tokens, head_dim = query.shape
     return query.new_empty((1, tokens, heads, head_dim))
+
+
+def _layer(
+    meta: AttentionMetadata, layer_idx: int, kw_window: int, softcap: float, sinks: torch.Tensor | None
+) -> LayerAttention:
+    """This layer's attention: the window from the model's spec, checked against the one
+    the module passed (a disagreement means the spec misread the model: refuse)."""
+    window = meta.layer_windows[layer_idx] if meta.layer_windows else None
+    if kw_window and kw_window != window:
+        raise RuntimeError(
+            f"{ATTN_IMPL_NAME}: layer {layer_idx} passed sliding_window={kw_window} but the model's "
+            f"config gives {window}"
+        )
+    return LayerAttention(window, softcap or None, sinks)
 
 
 def _attend(
@@ -310,10 +410,14 @@ def _attend(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    kw_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the paged cache and attend: ``query [1, H, T, D]`` -> ``[1, T, H, D]``."""
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPL_NAME} attention called outside the meshserve model runner")
+    layer = _layer(meta, layer_idx, kw_window, softcap, sinks)
     cache = meta.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
@@ -327,8 +431,108 @@ def _attend(
     # Contiguous [T, H, D] (not q's transposed strides): the caller's reshape is then a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.decode_token_idx is not None:
-        _decode(q, cache, meta, scale, out)
+        if layer.plain:
+            _decode(q, cache, meta, scale, out)
+        else:
+            rows = meta.decode_token_idx
+            od = _decode_layer(q.index_select(0, rows), cache, meta, scale, layer)
+            out.index_copy_(0, rows, od.to(out.dtype))
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_end
-        out[s:e] = _prefill_torch(q[s:e], k[s:e], v[s:e], cache, chunk, scale)
+        if layer.plain:
+            out[s:e] = _prefill_torch(q[s:e], k[s:e], v[s:e], cache, chunk, scale)
+        else:
+            out[s:e] = _prefill_layer(q[s:e], k[s:e], v[s:e], cache, chunk, scale, layer)
     return out.unsqueeze(0)
+
+
+def _attend_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, layer: LayerAttention
+) -> torch.Tensor:
+    """``q [B, H, Lq, D]`` over ``k/v [B, Hkv, L, D]`` where ``allowed [B|1, 1, Lq, L]``.
+
+    A window alone is only a mask: SDPA. Softcap and sinks change the softmax itself, so
+    the scores are computed explicitly, like transformers' eager attention (softmax in
+    float32; a sink is an extra logit per head whose probability is dropped).
+    """
+    if layer.softcap is None and layer.sinks is None:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if layer.sinks is not None:
+        sink = layer.sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _decode_layer(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: LayerAttention
+) -> torch.Tensor:
+    """Decode rows ``q [Bd, H, D]`` of a windowed / softcapped / sink layer -> ``[Bd, H, D]``.
+
+    A windowed layer reads only the blocks holding its window (at most
+    ``ceil(window / block_size) + 1`` per sequence), so its cost does not grow with the context.
+    """
+    table, lens = meta.decode_table, meta.decode_lens
+    if table is None or lens is None:
+        raise RuntimeError("decode metadata missing")
+    batch, heads, head_dim = q.shape
+    _, _, bs, hkv, _ = cache.shape
+    max_blocks = table.shape[1]
+    if layer.window is not None:
+        first = (lens - layer.window).clamp(min=0) // bs
+        span = min(max_blocks, -(-layer.window // bs) + 1)
+    else:
+        first, span = torch.zeros_like(lens), max_blocks
+    cols = first.unsqueeze(1) + torch.arange(span, device=q.device)  # [Bd, span]
+    blocks = table.gather(1, cols.clamp(max=max_blocks - 1))
+    k, v = _gather_blocks(cache, blocks.flatten())
+    k = k.view(batch, span * bs, hkv, head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
+    v = v.view(batch, span * bs, hkv, head_dim).transpose(1, 2)
+    pos = (cols.unsqueeze(2) * bs + torch.arange(bs, device=q.device)).view(batch, -1)
+    end = lens.unsqueeze(1)  # the query sits at position end - 1
+    allowed = pos < end
+    if layer.window is not None:
+        allowed &= pos > end - 1 - layer.window
+    out = _attend_dense(q.unsqueeze(2), k, v, allowed[:, None, None, :], scale, layer)
+    return out[:, :, 0]
+
+
+def _prefill_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    layer: LayerAttention,
+) -> torch.Tensor:
+    """:func:`_prefill_torch` for a windowed / softcapped / sink layer: ``[q_len, H, D]``."""
+    q_len, ctx = q.shape[0], chunk.context_len
+    start = ctx - q_len
+    lo = 0  # first key position read: a window skips whole blocks before it
+    if chunk.context_blocks is None:
+        kc, vc = k, v
+    else:
+        bs = cache.shape[2]
+        first = max(0, start - layer.window + 1) // bs if layer.window is not None else 0
+        kc, vc = _gather_blocks(cache, chunk.context_blocks[first:])
+        lo = first * bs
+        kc, vc = kc[: ctx - lo], vc[: ctx - lo]
+    q_pos = torch.arange(start, ctx, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(lo, ctx, device=q.device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if layer.window is not None:
+        allowed &= k_pos > q_pos - layer.window
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh, vh = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
+    out = _attend_dense(qh, kh, vh, allowed[None, None], scale, layer)
+    return out[0].transpose(0, 1)

@@ -11,6 +11,13 @@ from typing import Any
 import torch
 
 from worker_svc.engine import cpu_attention
+from worker_svc.engine.arch import (
+    AttentionSpec,
+    UnsupportedModelError,
+    architecture_name,
+    attention_spec,
+    check_model_class,
+)
 from worker_svc.engine.attention import (
     ATTN_IMPL_NAME,
     attention_context,
@@ -78,10 +85,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype_name = default_dtype(config.device) if config.dtype == "auto" else config.dtype
         self.dtype = _DTYPES[self.dtype_name]
+        # Refused before loading: a model class without AttentionInterface would never
+        # call the paged attention (transformers raises KeyError, or worse).
+        _precheck_model_dir(config.model_dir)
         # A vision-language checkpoint loads as its language model only (no vision tower).
         model: Any = load_causal_lm(config.model_dir, ATTN_IMPL_NAME, self.dtype)
         self.model: Any = model.to(self.device).eval()
         text_cfg = self.model.config.get_text_config()
+        arch = architecture_name(text_cfg)
+        check_model_class(type(self.model), arch)
+        self.attention: AttentionSpec = attention_spec(text_cfg, arch)
         try:
             gen_cfg: Any = GenerationConfig.from_pretrained(config.model_dir)
         except OSError:  # no generation_config.json
@@ -104,17 +117,15 @@ class ModelRunner:
         # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
         self._compiled: Any = torch.compile(self.model, dynamic=True) if config.compile_model else None
         self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
+        self._probe_attention()
 
     def _model_info(self, cfg: Any, gen_cfg: Any) -> ModelInfo:
         num_layers = int(cfg.num_hidden_layers)
         num_heads = int(cfg.num_attention_heads)
         num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
-        model_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
-        window = getattr(cfg, "sliding_window", None)
-        if window and getattr(cfg, "use_sliding_window", True):
-            # This attention has no window; within the window full attention is identical.
-            model_len = min(model_len, int(window))
+        # Sliding windows are honoured per layer, so the limit is the model's own.
+        model_len = self.attention.max_positions
         max_len = self.config.max_model_len or model_len
         if max_len > model_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's limit {model_len}")
@@ -207,6 +218,7 @@ class ModelRunner:
             self.kv_caches,
             self.device,
             self.info.attention_backend,
+            self.attention.layer_windows,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
@@ -229,6 +241,30 @@ class ModelRunner:
         # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
         return logits
 
+    def _probe_attention(self) -> None:
+        """One 2-token forward pass at load (into block 0, which no request holds yet):
+        every layer must reach the paged attention exactly once, with arguments it
+        honours and the sliding window the config promised -- else refuse the model."""
+        arch = self.attention.architecture
+        meta = build_attention_metadata(
+            [(0, 2, [0])], self.config.block_size, self.kv_caches, self.device, "torch", self.attention.layer_windows
+        )
+        meta.probe = {}
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode(), attention_context(meta):
+                self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device)[None], use_cache=False)
+        except RuntimeError as exc:
+            raise UnsupportedModelError(arch, str(exc)) from exc
+        layers = sorted(meta.probe)
+        if layers != list(range(self.info.num_layers)):
+            raise UnsupportedModelError(
+                arch, f"attention of layers {layers} reached the paged attention, expected 0..{self.info.num_layers - 1}"
+            )
+        repeated = [i for i, calls in meta.probe.items() if calls != 1]
+        if repeated:
+            raise UnsupportedModelError(arch, f"layers {repeated} call attention more than once per forward")
+
     def _compiled_forward(self, **kwargs: Any) -> Any:
         from torch._dynamo.utils import counters
         from torch._inductor import config as inductor_config
@@ -250,6 +286,18 @@ def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[li
     if not any(item.request.mm_inputs for item in batch):
         return [], []
     return mm_rows([(r, it.start, it.end, it.request.mm_inputs) for r, it in zip(row0s, batch, strict=True)])
+
+
+def _precheck_model_dir(model_dir: str) -> None:
+    """UnsupportedModelError when the checkpoint's causal LM class cannot take the paged attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
+    arch = architecture_name(cfg)
+    model_cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    if model_cls is None:
+        raise UnsupportedModelError(arch, f"transformers has no causal LM class for config {type(cfg).__name__}")
+    check_model_class(model_cls, arch)
 
 
 def _eos_ids(gen_cfg: Any, cfg: Any) -> tuple[int, ...]:
