@@ -170,6 +170,34 @@ def test_worker_lost_after_tokens_migrates(harness: Harness, http: httpx.Client)
     assert_released(harness.scheduler, request_id, count=2)
 
 
+def test_migration_keeps_every_choice_and_skips_ended_ones(harness: Harness, http: httpx.Client) -> None:
+    """n=2, choice 1 cut short by a stop string before the worker dies: the migrated
+    request carries both choices' tokens, choice 1 marked finished (not run again);
+    choice 0 goes on seamlessly, choice 1 keeps its stop; no error for the client."""
+    body = chat("ENDLESS", stream=True, max_tokens=60, n=2, stop=["choice 1!"])
+    body["stream_options"] = {"include_usage": True}
+    with harness.extra_worker("fragile") as fragile:
+        events = _stream_then_kill(harness, http, fragile, body, before=60)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    texts = {0: "", 1: ""}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+            if choice.get("finish_reason"):
+                finish[choice["index"]] = choice["finish_reason"]
+    assert texts[0] == decode(encode(FakeWorker.script("ENDLESS", 0))[:60])
+    assert texts[1] == "Hello from "
+    assert finish == {0: "length", 1: "stop"}
+    request_id = chunks[0]["id"]
+    assert [list(r.exclude_worker_ids) for r in harness.scheduler.routes_of(request_id)] == [[], ["fragile"]]
+    resumed = {r.index: r for r in harness.worker.last_request.resumed}
+    assert resumed[1].finished and not resumed[0].finished
+    assert chunks[-1]["usage"]["completion_tokens"] > 60
+
+
 def test_only_worker_stream_reset_migrates_to_it_again(harness: Harness, http: httpx.Client) -> None:
     """A single worker whose stream breaks while it stays up (a connection reset): routing
     again without it finds no worker, so the gateway routes once more allowing it, and
