@@ -86,6 +86,9 @@ KNOWN_KWARGS = frozenset(
         "use_cache",
         "is_causal",
         "head_mask",
+        "output_router_logits",  # MoE models forward their model kwargs down to attention
+        "output_hidden_states",
+        "return_dict",
         METADATA_KWARG,
     }
 )
