@@ -80,7 +80,7 @@ CASES: tuple[ArchCase, ...] = (
         "Gemma 2",
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        {**_INTERLEAVED, "head_dim": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 1.0},
+        {**_INTERLEAVED, "head_dim": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.3},
         features="interleaved sliding/full, attention logit softcapping, query_pre_attn_scalar",
     ),
     ArchCase(
