@@ -16,6 +16,8 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -34,6 +36,8 @@ from tests.reliability.meshkit import (
 )
 
 pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
 
 # Every client must have its answer (tokens or an error) within this many seconds.
 CLIENT_BOUND_S = 60.0
@@ -129,11 +133,30 @@ async def _reference_texts(mesh: SharedMesh, n: int) -> list[str]:
     return [r.text for r in results]
 
 
-def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
-    """SIGKILL the busiest decoder while streams run on it: every stream on it migrates
-    to the survivor (prompt + tokens so far) and completes -- no error, and for greedy and
-    seeded requests exactly the text of an uninterrupted run; usage counts every token
-    once; the survivor frees all its KV; the restarted worker registers and serves again."""
+@dataclass
+class _DecoderFaultRun:
+    """Reproducible streams with a fault on the busiest decoder (see `_decoder_fault_run`)."""
+
+    results: list[StreamResult]
+    fault_at: float
+    victim: str
+    migrated: int
+    probe_s: float
+
+    def assert_seamless(self, reference: list[str]) -> None:
+        """Every stream completed, no error, each text equal to its uninterrupted run."""
+        assert self.migrated >= 1, "no stream ran on the faulted worker: the test proved nothing"
+        assert all(r.ok for r in self.results), _summary(self.results, self.fault_at)
+        for i, result in enumerate(self.results):
+            assert result.text == reference[i], f"stream {i} differs from its uninterrupted run"
+            assert result.completion_tokens == LONG_TOKENS, result
+
+
+def _decoder_fault_run(
+    mesh: SharedMesh, fault: Callable[[str], None], probe: bool = False
+) -> tuple[_DecoderFaultRun, list[str]]:
+    """Runs the reproducible streams once undisturbed (the reference texts), then again
+    with `fault(victim)` applied to the busiest decoder once every stream has output."""
     mesh.wait_kv_idle()
     for name in mesh.decoders:
         mesh.wait_registered(name)
@@ -141,29 +164,33 @@ def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
     before = _migrations(mesh)
     victim: list[str] = []
 
-    def fault() -> None:
+    def on_fault() -> None:
         victim.append(_busiest_decoder(mesh))
-        mesh.kill(victim[0], signal.SIGKILL)
+        fault(victim[0])
 
-    results, fault_at, failover_s = asyncio.run(
-        _streams_then(mesh, fault, body=_reproducible_body, probe=True)
+    results, fault_at, probe_s = asyncio.run(
+        _streams_then(mesh, on_fault, body=_reproducible_body, probe=probe)
     )
-    name = victim[0]
-    migrated = _migrations(mesh) - before
-    assert migrated >= 1, "no stream ran on the killed worker: the test proved nothing"
-    assert all(r.ok for r in results), _summary(results, fault_at)
-    for i, result in enumerate(results):
-        assert result.text == reference[i], f"stream {i} differs from its uninterrupted run"
-        assert result.completion_tokens == LONG_TOKENS, result
-    survivors = [n for n in mesh.decoders if n != name]
+    run = _DecoderFaultRun(results, fault_at, victim[0], _migrations(mesh) - before, probe_s)
+    return run, reference
+
+
+def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
+    """SIGKILL the busiest decoder while streams run on it: every stream on it migrates
+    to the survivor (prompt + tokens so far) and completes -- no error, and for greedy and
+    seeded requests exactly the text of an uninterrupted run; usage counts every token
+    once; the survivor frees all its KV; the restarted worker registers and serves again."""
+    run, reference = _decoder_fault_run(mesh, lambda victim: mesh.kill(victim, signal.SIGKILL), probe=True)
+    run.assert_seamless(reference)
+    survivors = [n for n in mesh.decoders if n != run.victim]
     mesh.wait_kv_idle(timeout=20, names=survivors)
-    restart_s = mesh.restart(name)
-    registered_s = mesh.wait_registered(name)
+    restart_s = mesh.restart(run.victim)
+    registered_s = mesh.wait_registered(run.victim)
     mesh.wait_kv_idle()
     report(
-        f"kill -9 {name}: {_summary(results, fault_at)}, {migrated} migrated, every text equal to an "
-        f"uninterrupted run; new request served {failover_s:.2f}s after the kill; restart healthy in "
-        f"{restart_s:.1f}s (+{registered_s:.1f}s to register); survivor KV idle"
+        f"kill -9 {run.victim}: {_summary(run.results, run.fault_at)}, {run.migrated} migrated, every text "
+        f"equal to an uninterrupted run; new request served {run.probe_s:.2f}s after the kill; restart "
+        f"healthy in {restart_s:.1f}s (+{registered_s:.1f}s to register); survivor KV idle"
     )
 
 
@@ -196,27 +223,17 @@ def test_upstream_connection_reset_migrates(mesh: SharedMesh) -> None:
     """The gateway's connection to a decoder is reset while both stay up (a network
     fault): the gateway's streams on it migrate and complete with the text of an
     uninterrupted run; the decoder sees its client gone and frees their KV."""
-    mesh.wait_kv_idle()
-    for name in mesh.decoders:
-        mesh.wait_registered(name)
-    reference = asyncio.run(_reference_texts(mesh, STREAMS))
-    before = _migrations(mesh)
     reset: list[bool] = []
-
-    def fault() -> None:
-        victim = _busiest_decoder(mesh)
-        reset.append(_reset_connections_to(int(mesh.address(victim).rsplit(":", 1)[1])))
-
-    results, fault_at, _ = asyncio.run(_streams_then(mesh, fault, body=_reproducible_body))
+    run, reference = _decoder_fault_run(
+        mesh, lambda victim: reset.append(_reset_connections_to(int(mesh.address(victim).rsplit(":", 1)[1])))
+    )
     if not reset[0]:
         pytest.skip("cannot reset TCP connections here (ss -K unsupported)")
-    migrated = _migrations(mesh) - before
-    assert migrated >= 1, "no stream was on the reset connection: the test proved nothing"
-    assert all(r.ok for r in results), _summary(results, fault_at)
-    assert [r.text for r in results] == reference
+    run.assert_seamless(reference)
     mesh.wait_kv_idle(timeout=20)
     report(
-        f"connection reset gateway -> decoder: {_summary(results, fault_at)}, {migrated} migrated; KV idle"
+        f"connection reset gateway -> {run.victim}: {_summary(run.results, run.fault_at)}, "
+        f"{run.migrated} migrated, texts equal to an uninterrupted run; KV idle"
     )
 
 
@@ -478,55 +495,54 @@ def test_sigstop_decoder_mid_stream_migrates(mesh: SharedMesh) -> None:
     the stream dead, the streams migrate and complete with exactly the text of an
     uninterrupted run; the scheduler stops routing to it (missed heartbeats). After
     SIGCONT the worker aborts the orphaned requests (KV idle) and serves again."""
-    mesh.wait_kv_idle()
-    for name in mesh.decoders:
-        mesh.wait_registered(name)
-    reference = asyncio.run(_reference_texts(mesh, STREAMS))
-    before = _migrations(mesh)
-    victim: list[str] = []
-
-    def fault() -> None:
-        victim.append(_busiest_decoder(mesh))
-        _hang(mesh, victim[0])
-
     try:
-        results, fault_at, _ = asyncio.run(_streams_then(mesh, fault, body=_reproducible_body))
-        name = victim[0]
-        unlisted = name not in mesh.healthy_decoders()
+        run, reference = _decoder_fault_run(mesh, lambda victim: _hang(mesh, victim))
+        unlisted = run.victim not in mesh.healthy_decoders()
     finally:
-        for stopped in victim:
-            _resume(mesh, stopped)
-    assert _migrations(mesh) - before >= 1, "no stream ran on the stopped worker: the test proved nothing"
-    assert all(r.ok for r in results), _summary(results, fault_at)
-    assert [r.text for r in results] == reference
+        for name in mesh.decoders:  # harmless for a running one
+            _resume(mesh, name)
+    run.assert_seamless(reference)
     assert unlisted, "the scheduler still listed the hung worker as healthy"
     mesh.wait_kv_idle(timeout=30)
-    registered_s = mesh.wait_registered(name)
+    registered_s = mesh.wait_registered(run.victim)
     report(
-        f"SIGSTOP {name}: {_summary(results, fault_at)}, {_migrations(mesh) - before} migrated, texts equal "
+        f"SIGSTOP {run.victim}: {_summary(run.results, run.fault_at)}, {run.migrated} migrated, texts equal "
         f"to an uninterrupted run; after SIGCONT KV idle, registered again in {registered_s:.1f}s"
     )
+
+
+def _while_hung(mesh: SharedMesh, names: list[str], during: Callable[[], T]) -> tuple[str, T, float]:
+    """Streams in flight, SIGSTOP `names`, `during()` while they hang, SIGCONT. Every
+    stream in flight must complete. Returns the streams' summary, what `during` gave
+    and the seconds from SIGCONT to the next successful request (KV idle after)."""
+    mesh.wait_kv_idle()
+    try:
+        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: [_hang(mesh, n) for n in names]))
+        value = during()
+    finally:
+        for name in names:
+            _resume(mesh, name)
+    assert all(r.ok for r in results), _summary(results, fault_at)
+    recovered_s = _first_success_after(mesh, time.monotonic())
+    mesh.wait_kv_idle()
+    return _summary(results, fault_at), value, recovered_s
 
 
 def test_sigstop_one_scheduler_replica(mesh: SharedMesh) -> None:
     """SIGSTOP one of two scheduler replicas: streams in flight complete; new requests are
     served through the other replica (a Route stuck on the hung one fails over once
     keepalive or the connect timeout gives up on it), each within the bound."""
-    mesh.wait_kv_idle()
-    try:
-        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: _hang(mesh, "scheduler-1")))
-        probes = [_timed_post(mesh, chat_body(f"one replica hung {i}", max_tokens=2)) for i in range(6)]
-    finally:
-        _resume(mesh, "scheduler-1")
-    assert all(r.ok for r in results), _summary(results, fault_at)
+    summary, probes, recovered_s = _while_hung(
+        mesh,
+        ["scheduler-1"],
+        lambda: [_timed_post(mesh, chat_body(f"one replica hung {i}", max_tokens=2)) for i in range(6)],
+    )
     assert [p[0] for p in probes] == [200] * len(probes), probes
     slowest = max(p[2] for p in probes)
     assert slowest < HUNG_BOUND_S, probes
-    recovered_s = _first_success_after(mesh, time.monotonic())
-    mesh.wait_kv_idle()
     report(
-        f"SIGSTOP scheduler-1: {_summary(results, fault_at)}; 6/6 new requests served, slowest "
-        f"{slowest:.1f}s; after SIGCONT first success in {recovered_s:.2f}s"
+        f"SIGSTOP scheduler-1: {summary}; 6/6 new requests served, slowest {slowest:.1f}s; "
+        f"after SIGCONT first success in {recovered_s:.2f}s"
     )
 
 
@@ -534,23 +550,18 @@ def test_sigstop_every_scheduler(mesh: SharedMesh) -> None:
     """SIGSTOP both scheduler replicas: streams in flight complete (not in the token path);
     a new request gets a clear 503 naming the scheduler within the bound (no hang),
     /health says 503; after SIGCONT requests are served again."""
-    mesh.wait_kv_idle()
-    try:
-        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: [_hang(mesh, s) for s in SCHEDULERS]))
-        status, message, refuse_s = _timed_post(mesh, chat_body("all schedulers hung", max_tokens=2))
-        health = httpx.get(mesh.gateway_url + "/health", timeout=30).status_code
-    finally:
-        for name in SCHEDULERS:
-            _resume(mesh, name)
-    assert all(r.ok for r in results), _summary(results, fault_at)
+
+    def during() -> tuple[tuple[int, str, float], int]:
+        probe = _timed_post(mesh, chat_body("all schedulers hung", max_tokens=2))
+        return probe, httpx.get(mesh.gateway_url + "/health", timeout=30).status_code
+
+    summary, ((status, message, refuse_s), health), recovered_s = _while_hung(mesh, list(SCHEDULERS), during)
     assert status == 503 and "scheduler" in message, (status, message)
     assert refuse_s < HUNG_BOUND_S
     assert health == 503
-    recovered_s = _first_success_after(mesh, time.monotonic())
-    mesh.wait_kv_idle()
     report(
-        f"SIGSTOP both schedulers: {_summary(results, fault_at)}; new request 503 naming the scheduler in "
-        f"{refuse_s:.1f}s; /health 503; after SIGCONT first success in {recovered_s:.2f}s"
+        f"SIGSTOP both schedulers: {summary}; new request 503 naming the scheduler in {refuse_s:.1f}s; "
+        f"/health 503; after SIGCONT first success in {recovered_s:.2f}s"
     )
 
 
@@ -558,20 +569,14 @@ def test_sigstop_tokenizer(mesh: SharedMesh) -> None:
     """SIGSTOP the tokenizer: streams in flight complete (the gateway detokenizes);
     a new request gets a clear 503 naming the tokenizer within the bound; after SIGCONT
     requests are served again."""
-    mesh.wait_kv_idle()
-    try:
-        results, fault_at, _ = asyncio.run(_streams_then(mesh, lambda: _hang(mesh, "tokenizer")))
-        status, message, refuse_s = _timed_post(mesh, chat_body("tokenizer hung", max_tokens=2))
-    finally:
-        _resume(mesh, "tokenizer")
-    assert all(r.ok for r in results), _summary(results, fault_at)
+    summary, (status, message, refuse_s), recovered_s = _while_hung(
+        mesh, ["tokenizer"], lambda: _timed_post(mesh, chat_body("tokenizer hung", max_tokens=2))
+    )
     assert status == 503 and "tokenizer" in message, (status, message)
     assert refuse_s < HUNG_BOUND_S
-    recovered_s = _first_success_after(mesh, time.monotonic())
-    mesh.wait_kv_idle()
     report(
-        f"SIGSTOP tokenizer: {_summary(results, fault_at)}; new request 503 naming the tokenizer in "
-        f"{refuse_s:.1f}s; after SIGCONT first success in {recovered_s:.2f}s"
+        f"SIGSTOP tokenizer: {summary}; new request 503 naming the tokenizer in {refuse_s:.1f}s; "
+        f"after SIGCONT first success in {recovered_s:.2f}s"
     )
 
 
