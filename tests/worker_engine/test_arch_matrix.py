@@ -18,9 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from devtools.arch_matrix import CASES, UNSUPPORTED, WINDOW, ArchCase, build_config
+from devtools.readme_arch_table import current_section, render_table
 from tests.worker_engine.conftest import _ENGINES, hf_greedy, run_all, tokens
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
-from worker_svc.engine.arch import UnsupportedModelError
+from worker_svc.engine.arch import UnsupportedModelError, attention_spec
+from worker_svc.engine.attention import paged_attention_forward
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -92,3 +94,48 @@ def test_unsupported_attention_is_refused_at_load(case: ArchCase, phrase: str, t
 def test_window_is_shorter_than_the_prompts() -> None:
     # The matrix only proves windows work if sliding layers really drop tokens.
     assert WINDOW < SHORT + NEW_TOKENS < LONG
+
+
+@pytest.mark.parametrize("name", ["Gemma 2", "gpt-oss", "Mistral"])
+def test_windowed_layers_on_the_torch_backend(name: str, tmp_path: Path) -> None:
+    # The matrix runs the default backend (the native CPU decode kernel for full layers);
+    # here full layers decode through the torch fallback next to the windowed ones.
+    case = next(c for c in CASES if c.name == name)
+    ref = _save(case, tmp_path)
+    long, short, _ = _prompts(int(ref.config.vocab_size))
+    engine = _engine(tmp_path, attention_backend="torch", max_num_batched_tokens=8)
+    outs = run_all(engine, [("long", long, PARAMS), ("short", short, PARAMS)])
+    assert tokens(outs["long"]) == hf_greedy(ref, long, NEW_TOKENS)
+    assert tokens(outs["short"]) == hf_greedy(ref, short, NEW_TOKENS)
+
+
+def test_max_model_len_is_the_models_limit_bounded_by_the_config(tmp_path: Path) -> None:
+    case = next(c for c in CASES if c.name == "Gemma 3")
+    _save(case, tmp_path)
+    assert _engine(tmp_path, max_model_len=100).model_info.max_model_len == 100
+    with pytest.raises(ValueError, match="exceeds the model's limit 256"):
+        _engine(tmp_path, max_model_len=257)
+
+
+def test_gemma3_pattern_gives_interleaved_windows() -> None:
+    case = next(c for c in CASES if c.name == "Gemma 3")
+    overrides = {k: v for k, v in case.config_kwargs().items() if k != "layer_types"}
+    cfg = build_config(ArchCase("g3", case.config_class, case.architecture, {**overrides, "num_hidden_layers": 7, "sliding_window_pattern": 3}, common=False))
+    spec = attention_spec(cfg)
+    assert spec.layer_windows == (WINDOW, WINDOW, None, WINDOW, WINDOW, None, WINDOW)
+
+
+def test_unknown_attention_argument_is_an_error() -> None:
+    # A kwarg the paged attention would ignore must stop the forward (and so the load probe).
+    module = torch.nn.Module()
+    module.layer_idx = 0  # type: ignore[assignment]
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match=r"cannot honour: \['alibi_slopes'\]"):
+        paged_attention_forward(module, q, q, q, None, alibi_slopes=torch.ones(2))
+
+
+def test_readme_table_matches_the_matrix() -> None:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert current_section(text) == render_table(), "run: python -m devtools.readme_arch_table"
+    for case in CASES:
+        assert f"`{case.architecture}`" in current_section(text)
