@@ -9,6 +9,7 @@ from meshserve.v1 import common_pb2
 from services.errors import InvalidArgument
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
+from worker_svc.engine.structured import StructuredSpec
 
 _OPTIONAL_FIELDS = (
     "temperature",
@@ -58,9 +59,27 @@ def sampling_params(
         kwargs["seed"] = kwargs["seed"] + sample_index
     kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
     kwargs["ignore_eos"] = sampling.ignore_eos
+    kwargs.update(token_rules(sampling))
     params = SamplingParams(**kwargs)
-    params.validate()
+    try:
+        params.validate()
+    except ValueError as exc:
+        # The message starts with the field ("structured_outputs.json is invalid: ...").
+        field = str(exc).split(" ", 1)[0].split(".", 1)[0]
+        raise InvalidArgument(str(exc), param=field) from None
     return params
+
+
+def token_rules(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
+    """logit_bias, allowed_token_ids, bad_words and structured outputs as engine kwargs."""
+    kwargs: dict[str, Any] = {
+        "logit_bias": tuple(sorted(sampling.logit_bias.items())),
+        "allowed_token_ids": tuple(sampling.allowed_token_ids),
+        "bad_words": tuple(sampling.bad_words),
+    }
+    if sampling.HasField("structured_kind"):
+        kwargs["structured"] = StructuredSpec(sampling.structured_kind, sampling.structured_spec)
+    return kwargs
 
 
 def resumed_outputs(

@@ -11,6 +11,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
+from worker_svc.engine.structured import GrammarBackend, Prepared
 
 __all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
 
@@ -102,6 +105,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._cpus = parse_cpu_list(config.cpu_affinity)
         self._pinned_thread: int | None = None
+        # Structured outputs / bad_words hook: such requests wait here (not in the
+        # scheduler) while their matcher is built off this thread (structured.py).
+        self.grammar = GrammarBackend(config.model_dir, self.model_info.vocab_size)
+        self._preparing: list[tuple[Request, Future[Prepared]]] = []
 
     # ------------------------------------------------------------ requests
     def validate_request(
@@ -120,6 +127,7 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         sampling_params.validate()
+        sampling_params.validate_vocab(self.model_info.vocab_size)
         _validate_prompt(prompt_token_ids, self.model_info.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
@@ -180,6 +188,11 @@ class LLMEngine:
             output_token_ids=list(resumed_output),
         )
         self.requests[request_id] = request
+        if sampling_params.structured is not None or sampling_params.bad_words:
+            # Structured-outputs hook: scheduled once its matcher is ready (_admit_prepared).
+            future = self.grammar.prepare(sampling_params.structured, sampling_params.bad_words, resumed_output)
+            self._preparing.append((request, future))
+            return
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> bool:
@@ -190,15 +203,51 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.remove(request)
+        if not self._drop_preparing(request):
+            self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.num_aborted += 1
         self._pending.append(self._output(request, [], None))
         return True
 
+    # ------------------------------------------------- structured outputs hook
+    def _drop_preparing(self, request: Request) -> bool:
+        """Forget a request still waiting for its matcher; False if it is not waiting."""
+        for i, (waiting, future) in enumerate(self._preparing):
+            if waiting is request:
+                future.cancel()
+                del self._preparing[i]
+                return True
+        return False
+
+    def _admit_prepared(self) -> None:
+        """Requests whose matcher is ready enter the scheduler; a failed preparation
+        aborts its request. Waits briefly when nothing else could run (no busy loop)."""
+        if not self._preparing:
+            return
+        if not self.scheduler.has_unfinished() and not self._pending:
+            wait_futures([f for _, f in self._preparing], timeout=0.005, return_when=FIRST_COMPLETED)
+        still: list[tuple[Request, Future[Prepared]]] = []
+        for request, future in self._preparing:
+            if not future.done():
+                still.append((request, future))
+                continue
+            try:
+                prepared = future.result()
+            except Exception as exc:  # reported as this request's abort, the engine goes on
+                log.warning("request %s: structured outputs failed: %s", request.request_id, exc)
+                self.requests.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self.num_aborted += 1
+                self._pending.append(self._output(request, [], None))
+                continue
+            request.grammar, request.bad_words_ids = prepared.matcher, prepared.bad_words_ids
+            self.scheduler.add(request)
+        self._preparing = still
+
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work (requests, or abort notices to deliver)."""
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._preparing)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (only while no request holds blocks)."""
@@ -216,6 +265,7 @@ class LLMEngine:
         if self._cpus and self._pinned_thread != threading.get_ident():
             self._pinned_thread = threading.get_ident()
             _pin_current_thread(self._cpus)
+        self._admit_prepared()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.scheduled:
@@ -275,6 +325,9 @@ class LLMEngine:
         for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
             request = item.request
             request.output_token_ids.append(token)
+            if request.grammar is not None:
+                # Structured outputs: the matcher sees each accepted token exactly once.
+                request.grammar.consume_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.num_generated_tokens += 1
@@ -293,6 +346,9 @@ class LLMEngine:
         ):
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_token_id = token
+        elif request.grammar is not None and request.grammar.is_stopped():
+            # The grammar is complete and allows nothing more: the output is whole.
+            request.status = RequestStatus.FINISHED_STOPPED
         elif (
             request.num_output_tokens >= params.max_tokens
             or request.num_tokens >= self.model_info.max_model_len

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,6 +75,11 @@ class Request:
     first_token_time: float | None = None
     # Images of the prompt: embeddings that replace their placeholder positions in prefill.
     mm_inputs: tuple[MultiModalInput, ...] = ()
+    # Structured outputs (worker_svc/engine/structured.py): the request's llguidance
+    # matcher, advanced by the engine with every accepted token; None = unconstrained.
+    grammar: Any = None
+    # bad_words as token sequences (the sampler bans a sequence's last token after its prefix).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

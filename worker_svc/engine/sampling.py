@@ -9,6 +9,11 @@ Processing order for one step (all rows at once where possible):
    divided by the penalty, negative ones multiplied), presence and frequency (OpenAI
    semantics, over output tokens only: ``logit -= freq * count + presence * (count > 0)``).
 3. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked.
+3b. token rules: ``logit_bias`` is added (OpenAI semantics), tokens outside
+   ``allowed_token_ids`` and the last token of any ``bad_words`` sequence whose prefix
+   ends the output are masked, and a structured-output row's grammar masks every token
+   it does not allow now (``structured.apply_grammar_masks``, one bitmask per step for
+   all constrained rows). Rows without any of these skip this entirely.
 4. temperature 0 -> greedy argmax of the penalized logits; otherwise divide by
    temperature, apply top-k, top-p, min-p, and draw with the exponential race
    ``argmax(probs / E)``, ``E ~ Exp(1)`` per candidate token. A seeded request draws its
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from worker_svc.engine.structured import StructuredSpec, apply_grammar_masks
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -79,6 +86,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # OpenAI logit_bias as (token id, bias) pairs; bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM: only these ids may be sampled (empty = any).
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM: words never generated (tokenized by the engine with the model's tokenizer).
+    bad_words: tuple[str, ...] = ()
+    # Structured outputs (grammar-constrained decoding); None = unconstrained.
+    structured: StructuredSpec | None = None
+
+    @property
+    def token_rules(self) -> bool:
+        """Whether the row needs the token-rules stage (bias, allow list, bad words, grammar)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +128,28 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, lo=0, hi=MAX_LOGPROBS)
+        self._validate_token_rules()
+
+    def _validate_token_rules(self) -> None:
+        for tok, bias in self.logit_bias:
+            _check_int("logit_bias", tok, lo=0)
+            _check_float("logit_bias", bias, lo=-100.0, hi=100.0)
+        for tok in self.allowed_token_ids:
+            _check_int("allowed_token_ids", tok, lo=0)
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if self.structured is not None:
+            self.structured.validate()
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Token ids of the token rules must lie in the model's vocabulary."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("allowed_token_ids", list(self.allowed_token_ids)),
+        ):
+            for tok in ids:
+                if tok >= vocab_size:
+                    raise ValueError(f"{name} token id {tok} is outside the vocabulary [0, {vocab_size})")
 
 
 def _check_float(name: str, value: object, *, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
@@ -171,6 +213,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         self._apply_penalties(logits, rows)
         self._apply_min_tokens(logits, rows)
+        if any(r.sampling_params.token_rules for r in rows):
+            _apply_token_rules(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.sampling_params.greedy]
         if greedy:
@@ -300,7 +344,41 @@ def _plain_greedy(row: SamplingState) -> bool:
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and len(row.output_token_ids) >= p.min_tokens
+        and not p.token_rules
     )
+
+
+def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
+    """logit_bias, allowed_token_ids, bad_words and grammar masks, in place."""
+    vocab = logits.shape[1]
+    constrained: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.sampling_params
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+        if p.allowed_token_ids:
+            keep = torch.full((vocab,), True, device=logits.device)
+            keep[_token_tensor(p.allowed_token_ids, vocab, logits.device)] = False
+            logits[i].masked_fill_(keep, -math.inf)
+        banned = _bad_word_tokens(getattr(row, "bad_words_ids", ()), row.output_token_ids)
+        if banned:
+            logits[i, banned] = -math.inf
+        if getattr(row, "grammar", None) is not None:
+            constrained.append(i)
+    if constrained:
+        apply_grammar_masks(logits, constrained, [getattr(rows[i], "grammar", None) for i in constrained])
+
+
+def _bad_word_tokens(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """Last tokens of the bad-word sequences whose other tokens end ``output`` (vLLM's rule)."""
+    banned = []
+    for seq in sequences:
+        prefix = list(seq[:-1])
+        if not prefix or (len(output) >= len(prefix) and list(output[len(output) - len(prefix) :]) == prefix):
+            banned.append(seq[-1])
+    return banned
 
 
 def _top_k_candidates(
