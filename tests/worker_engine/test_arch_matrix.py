@@ -10,6 +10,9 @@ again on a KV cache too small for them together (preemption and recompute).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from devtools.arch_matrix import CASES, UNSUPPORTED, WINDOW, ArchCase, build_config
+from devtools.arch_matrix import CASES, UNSUPPORTED, VOCAB, WINDOW, ArchCase, build_config
 from devtools.readme_arch_table import current_section, render_table
 from tests.worker_engine.conftest import _ENGINES, hf_greedy, run_all, tokens
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams, triton_attention
 from worker_svc.engine.arch import UnsupportedModelError, attention_spec
 from worker_svc.engine.attention import paged_attention_forward
 
@@ -139,3 +142,40 @@ def test_readme_table_matches_the_matrix() -> None:
     assert current_section(text) == render_table(), "run: python -m devtools.readme_arch_table"
     for case in CASES:
         assert f"`{case.architecture}`" in current_section(text)
+
+
+_TRITON_HERE = triton_attention.HAS_TRITON and (torch.cuda.is_available() or triton_attention.interpreting())
+
+
+@pytest.mark.skipif(not _TRITON_HERE, reason="needs triton with CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["gpt-oss", "Gemma 2"])
+def test_windowed_layers_on_the_triton_backend(name: str, tmp_path: Path) -> None:
+    # Triton stores K/V and decodes the full layers; the windowed/sink layers take the
+    # torch path on the same cache. Same tokens as the torch backend.
+    case = next(c for c in CASES if c.name == name)
+    _save(case, tmp_path)
+    long, short, _ = _prompts(VOCAB)
+    reqs = [("long", long, PARAMS), ("short", short, PARAMS)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = run_all(_engine(tmp_path, device=device, attention_backend="torch", max_num_batched_tokens=8), reqs)
+    engine = _engine(tmp_path, device=device, attention_backend="triton", max_num_batched_tokens=8)
+    assert engine.model_info.attention_backend == "triton"
+    outs = run_all(engine, reqs)
+    assert {k: tokens(v) for k, v in outs.items()} == {k: tokens(v) for k, v in ref.items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+def test_triton_backend_under_interpreter() -> None:
+    # TRITON_INTERPRET must be set before triton compiles: run the test above in a child.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_windowed_layers_on_the_triton_backend"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "2 passed" in result.stdout.splitlines()[-1]

@@ -9,6 +9,11 @@ num_kv_heads, head_dim]`` (contiguous), slot = ``block * block_size + offset``.
 block at a time with an online (streaming) softmax in fp32, so no padded context is
 materialized. Prefill chunks stay on torch SDPA (the runner gathers their
 context), which on GPU dispatches to flash/efficient kernels anyway.
+
+The decode kernel computes plain causal attention only: layers with a sliding window,
+logit softcapping or attention sinks never reach it (``attention._attend`` sends them to
+the torch path on the same cache), so a windowed model is correct on this backend by
+construction; ``test_arch_matrix`` checks it under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
