@@ -1,15 +1,15 @@
 """`POST /v1/chat/completions`: RenderChat → context check → Route + worker stream (`generation.py`)
 → OpenAI chat completion (JSON) or chunks (SSE).
 
-Tools: with `tools` (and tool_choice other than "none") the output is parsed for
+Tools: with `tools` and tool_choice "auto" (or unset) the output is parsed for
 Hermes `<tool_call>` blocks (see gateway.tools); finish_reason becomes "tool_calls"
 when a call was parsed and the model stopped normally. tool_choice "required" or a
-named function is passed to the chat template but not enforced (no guided decoding).
+named function is enforced with structured outputs (gateway.structured): the output is
+the calls' JSON, always parsed into tool calls (sent whole when the choice ends).
 
-response_format json_object: there is no guided decoding in the mesh, so the gateway
-only checks the result: a choice whose final text does not parse as JSON is still
-returned unchanged (200, finish_reason as generated) but logged as a warning and
-counted in `meshserve_gateway_json_mode_violations_total`.
+response_format json_object / json_schema and `structured_outputs` are enforced by the
+worker while sampling. A json_object choice that does not parse (cut by max_tokens) is
+returned unchanged, logged and counted in `meshserve_gateway_json_mode_violations_total`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from gateway.serving import (
     sse_event,
     usage_info,
 )
-from gateway.tools import ToolCallStreamParser, parse_tool_calls
+from gateway.tools import ToolCallStreamParser, forced_tool_calls, parse_tool_calls
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
@@ -205,7 +205,9 @@ class ChatCollector:
             check_json_output(text, self.request_id, index)
         content: str | None = text
         calls: list[ToolCall] = []
-        if self.body.tools_enabled():
+        if self.body.forced_tools():
+            content, calls = forced_tool_calls(self.body, text)
+        elif self.body.tools_enabled():
             content, calls = parse_tool_calls(text)
         finish = acc.finish_reason
         if calls and finish == "stop":
@@ -233,6 +235,8 @@ class ChatStreamer:
         tools = body.tools_enabled()
         self.parsers = [ToolCallStreamParser() if tools else None for _ in range(body.n)]
         self.json_mode = body.response_format is not None and body.response_format.type == "json_object"
+        # Forced tool calls: the JSON is held back and sent as calls when the choice ends.
+        self.forced = body.forced_tools()
         self.texts: list[list[str]] = [[] for _ in range(body.n)]
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
@@ -247,6 +251,7 @@ class ChatStreamer:
             or self.continuous_usage
             or self.body.logprobs
             or self.json_mode
+            or self.forced
             or self.parsers[event.index] is not None
         ):
             return None
@@ -323,8 +328,13 @@ class ChatStreamer:
         content, calls = parser.feed(event.text) if parser is not None else (event.text, [])
         if event.finish_reason is not None and parser is not None:
             content += parser.flush()
-        if self.json_mode:
+        if self.json_mode or self.forced:
             self.texts[event.index].append(event.text)
+        if self.forced:
+            content, calls = "", []
+            if event.finish_reason is not None:
+                content, calls = forced_tool_calls(self.body, "".join(self.texts[event.index]))
+                content = content or ""
         logprobs = None
         if self.body.logprobs and event.logprobs:
             top_k = self.body.top_logprobs or 0
@@ -336,7 +346,7 @@ class ChatStreamer:
         if content or not calls:
             delta.content = content
         if calls:
-            first = (parser.calls_emitted if parser is not None else 0) - len(calls)
+            first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
             delta.tool_calls = [_delta_call(first + i, call) for i, call in enumerate(calls)]
         choice = ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=None)
         if event.finish_reason is not None:
@@ -347,6 +357,8 @@ class ChatStreamer:
         self, choice: ChatChunkChoice, event: ChoiceEvent, parser: ToolCallStreamParser | None
     ) -> None:
         reason = event.finish_reason
+        if self.forced and reason == "stop":
+            reason = "tool_calls"
         if parser is not None and parser.calls_emitted and reason == "stop":
             reason = "tool_calls"
         choice.finish_reason = reason  # type: ignore[assignment]

@@ -45,6 +45,18 @@ class _Response(BaseModel):
             self.__pydantic_fields_set__.add("object")
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
 class StreamOptions(_Request):
     """`stream_options`: usage reporting of a streamed response."""
 
@@ -76,7 +88,13 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100]."
+    )
+    # vLLM extensions: token rules and structured outputs.
+    allowed_token_ids: list[NonNegativeInt] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    structured_outputs: StructuredOutputs | None = None
     best_of: int | None = Field(None, ge=1, description="Only best_of == n is supported.")
     priority: int = Field(
         0,
@@ -94,6 +112,17 @@ class SamplingRequest(_Request):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` with int keys; 400 naming the field for a bad id or value."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", param="logit_bias")
+            out[int(key)] = bias
+        return out
+
     def check_sampling(self, max_n: int) -> None:
         """Cross-field rules shared by both completion kinds."""
         if self.n > max_n:
@@ -104,8 +133,7 @@ class SamplingRequest(_Request):
             raise APIError(
                 400, "stream_options is only allowed when stream is enabled", param="stream_options"
             )
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+        self.logit_bias_ids()
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -156,11 +184,22 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: a named JSON schema the output must follow."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
 class ResponseFormat(_Request):
-    """`response_format`; only "text" and "json_object" are supported."""
+    """`response_format`: "text", "json_object" or "json_schema" (enforced while sampling)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -189,12 +228,12 @@ class ChatCompletionRequest(SamplingRequest):
         self.check_sampling(max_n)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type == "json_schema":
-            raise APIError(
-                400,
-                "response_format json_schema is not supported (no guided decoding); use json_object",
-                param="response_format",
-            )
+        if (
+            self.response_format is not None
+            and self.response_format.type == "json_schema"
+            and self.response_format.json_schema is None
+        ):
+            raise APIError(400, "response_format json_schema needs json_schema", param="response_format")
         if (
             self.add_generation_prompt
             and self.continue_final_message
@@ -222,8 +261,13 @@ class ChatCompletionRequest(SamplingRequest):
                 )
 
     def tools_enabled(self) -> bool:
-        """Whether the output is parsed for tool calls."""
-        return bool(self.tools) and self.tool_choice != "none"
+        """Whether the output is parsed for tool calls (the model's own format)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def forced_tools(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to the
+        calls' JSON (structured outputs) and always parses into tool calls."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
 
 class ToolCallFunction(_Response):

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway import structured
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun, GenerationSpec, Usage
@@ -118,7 +119,24 @@ def sampling_params(
         params.stop_token_ids.extend(body.stop_token_ids)
     if logprobs is not None:
         params.logprobs = logprobs
+    add_token_rules(body, params)
     return params
+
+
+def add_token_rules(body: SamplingRequest, params: common_pb2.SamplingParams) -> None:
+    """logit_bias, allowed_token_ids, bad_words and the output constraint (checked
+    here: a bad schema is a 400 naming the field before anything is routed)."""
+    for token, bias in body.logit_bias_ids().items():
+        params.logit_bias[token] = bias
+    if body.allowed_token_ids:
+        params.allowed_token_ids.extend(body.allowed_token_ids)
+    if body.bad_words:
+        params.bad_words.extend(body.bad_words)
+    found = structured.constraint(body)
+    if found is not None:
+        kind, spec, param = found
+        structured.check(kind, spec, param)
+        params.structured_kind, params.structured_spec = kind, spec
 
 
 def generation_spec(

@@ -12,7 +12,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from gateway.protocol import ToolCall, ToolCallFunction
+from gateway.protocol import ChatCompletionRequest, NamedToolChoice, ToolCall, ToolCallFunction
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -101,3 +101,25 @@ class ToolCallStreamParser:
         text = (START if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
         return text
+
+
+def forced_tool_calls(body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    """Calls of a forced tool choice's output (gateway.structured's schema): a named
+    function's arguments object, or for "required" an array of {name, parameters}.
+    Output that does not parse (cut by max_tokens) stays content."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text, []
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name = body.tool_choice.function.name
+        return None, [ToolCall(id=new_call_id(), function=ToolCallFunction(name=name, arguments=text))]
+    if not isinstance(data, list):
+        return text, []
+    calls = []
+    for item in data:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return text, []
+        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+        calls.append(ToolCall(id=new_call_id(), function=ToolCallFunction(name=item["name"], arguments=arguments)))
+    return None, calls

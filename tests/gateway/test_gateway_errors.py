@@ -45,9 +45,15 @@ def assert_error(reply: httpx.Response, status: int, param: str | None = None) -
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_param(
