@@ -73,7 +73,10 @@ def forced_tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
         }
         for name, params in tools.items()
     ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
 
 
 def check(kind: str, spec: str, param: str) -> None:

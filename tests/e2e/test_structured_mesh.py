@@ -1,0 +1,166 @@
+"""Structured outputs end to end: a real mesh (every service a process, real Redis, the
+tiny real model) and the official client's `parse()` with pydantic models. The model's
+weights are random-ish, so only the constraint makes its output parse."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import RedisServer, free_port
+
+MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
+Short = Annotated[str, Field(max_length=8)]
+
+
+class Kind(str, Enum):
+    cat = "cat"
+    dog = "dog"
+
+
+class Owner(BaseModel):
+    name: Short
+    vip: bool
+
+
+class Pet(BaseModel):
+    kind: Kind
+    name: Short
+    tags: Annotated[list[Annotated[str, Field(max_length=4)]], Field(max_length=2)]
+    owner: Owner
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(
+        model_dir=str(model_dir),
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        num_decoders=1,
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
+        kv_cache_memory_mb=64,
+    )
+    started = Mesh(config).start(timeout=180)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI, model_dir: Path) -> str:
+    return model_dir.name
+
+
+def test_parse_nested_enum_array_n2(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.parse(
+        model=model, messages=MESSAGES, response_format=Pet, n=2, temperature=1.0, seed=4, max_tokens=150
+    )
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Pet), choice.message.content
+
+
+def test_streamed_constrained_output_parses(client: openai.OpenAI, model: str) -> None:
+    text = []
+    with client.chat.completions.stream(
+        model=model, messages=MESSAGES, response_format=Pet, temperature=0.8, max_tokens=150
+    ) as stream:
+        for event in stream:
+            if event.type == "content.delta":
+                text.append(event.delta)
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Pet)
+    Pet.model_validate_json("".join(text))
+
+
+def test_mixed_batch_constrained_and_not(client: openai.OpenAI, model: str) -> None:
+    def constrained(seed: int) -> Pet | None:
+        reply = client.chat.completions.parse(
+            model=model, messages=MESSAGES, response_format=Pet, temperature=1.0, seed=seed, max_tokens=150
+        )
+        return reply.choices[0].message.parsed
+
+    def plain(seed: int) -> str | None:
+        reply = client.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=40
+        )
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        pets = list(pool.map(constrained, range(4)))
+        texts = list(pool.map(plain, range(4)))
+    assert all(isinstance(p, Pet) for p in pets)
+    assert all(texts)
+
+
+def test_extras_choice_regex(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=20, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+    )
+    assert reply.choices[0].message.content in ("alpha", "beta")
+    done = client.completions.create(
+        model=model, prompt="Code:", max_tokens=20, temperature=1.0,
+        extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}},
+    )
+    text = done.choices[0].text
+    assert len(text) == 6 and text[2] == "-" and text[3:].isdigit(), text
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_always_parses(client: openai.OpenAI, model: str, tool_choice: object) -> None:
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice,  # type: ignore[arg-type]
+        temperature=1.0, seed=2, max_tokens=120, parallel_tool_calls=False,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and all(c.function.name == "get_weather" for c in calls)
+    for call in calls:
+        assert set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_bad_schema_is_400_and_the_mesh_goes_on(mesh: Mesh, client: openai.OpenAI, model: str) -> None:
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    response = httpx.post(
+        mesh.gateway_url + "/v1/chat/completions",
+        json={"model": model, "messages": MESSAGES, "response_format": bad},
+        timeout=60,
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    reply = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Pet, max_tokens=150)
+    assert isinstance(reply.choices[0].message.parsed, Pet)
