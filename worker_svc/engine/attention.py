@@ -29,10 +29,11 @@ Per-layer attention (Mistral, Gemma 2/3, gpt-oss, ...): ``AttentionMetadata.laye
 position ``p`` sees keys ``p - window < k <= p``, as transformers' sliding mask -- and the
 layer's ``softcap`` (tanh logit capping) and ``s_aux`` (attention sinks: one extra logit
 per head in the softmax denominator) arrive as keyword arguments. Such a layer runs on
-torch on every backend (:func:`_attend_dense`: SDPA for a window only, explicit
-softmax with softcap/sinks), reading only the blocks that hold its window; the native
-CPU and Triton decode kernels serve plain causal layers only, so they are correct by
-construction. Keyword arguments outside :data:`KNOWN_KWARGS` are an error, never ignored.
+torch (prefill chunks) on every backend (:func:`_attend_dense`: SDPA for a window only,
+explicit softmax with softcap/sinks), reading only the blocks that hold its window; its
+decode rows run in the native CPU kernel (which takes window, softcap and sinks) or, on
+the torch and Triton backends, on torch too -- the Triton kernel serves plain causal
+layers only, so it is correct by construction. Keyword arguments outside :data:`KNOWN_KWARGS` are an error, never ignored.
 
 Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
 :mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
@@ -284,12 +285,23 @@ def _prefill_torch(
 
 
 def _decode(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    layer: LayerAttention | None = None,
 ) -> None:
-    """Attention of the decode rows of ``q [T, H, D]`` into the same rows of ``out``."""
+    """Attention of the decode rows of ``q [T, H, D]`` into the same rows of ``out``.
+
+    ``layer`` (window / softcap / sinks) is served by the native CPU kernel only; the
+    torch and Triton decoders get plain layers (see :func:`_attend`)."""
     rows = meta.decode_token_idx
     if rows is None:
         return
+    layer = layer or LayerAttention()
+    if meta.backend != "cpu" and not layer.plain:
+        raise RuntimeError(f"the {meta.backend} decode kernel serves plain causal layers only")
     if meta.backend == "torch":
         od = _decode_torch(q.index_select(0, rows), cache, meta, scale)
         out.index_copy_(0, rows, od.to(out.dtype))
@@ -301,7 +313,7 @@ def _decode(
         kernel = cpu_attention.load()
         if kernel is None:
             raise RuntimeError("the cpu attention backend was chosen but its kernel did not load")
-        kernel(q, cache, tables, lens, rows, out, scale)
+        kernel(q, cache, tables, lens, rows, out, scale, layer.window or 0, layer.softcap or 0.0, layer.sinks)
         return
     from worker_svc.engine import triton_attention
 
@@ -434,8 +446,8 @@ def _attend(
     # Contiguous [T, H, D] (not q's transposed strides): the caller's reshape is then a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.decode_token_idx is not None:
-        if layer.plain:
-            _decode(q, cache, meta, scale, out)
+        if layer.plain or meta.backend == "cpu":
+            _decode(q, cache, meta, scale, out, layer)
         else:
             rows = meta.decode_token_idx
             od = _decode_layer(q.index_select(0, rows), cache, meta, scale, layer)

@@ -61,7 +61,7 @@ class DecodeKernel:
         fn = lib.meshserve_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
-        fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _I64, ctypes.c_float, _PTR]
         self._fn = fn
 
     def __call__(
@@ -73,11 +73,16 @@ class DecodeKernel:
         rows: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Attention of ``q[rows[b]]`` (``q/out [T, H, D]``) over sequence ``b``; writes ``out[rows[b]]``.
 
         ``cache [2, nb, bs, Hkv, D]`` contiguous; ``block_tables [B, max_blocks]`` and
-        ``seq_lens [B]`` int32, ``rows [B]`` int64, all contiguous on CPU.
+        ``seq_lens [B]`` int32, ``rows [B]`` int64, all contiguous on CPU. ``window``
+        (keys ``p - window < k <= p``), ``softcap`` and ``sinks`` (``[H]``) as the
+        attention module describes; 0 / 0.0 / None mean none.
         """
         _, nb, bs, hkv, d = cache.shape
         heads = q.shape[1]
@@ -85,11 +90,15 @@ class DecodeKernel:
             raise ValueError("paged decode needs d-contiguous q/out and a contiguous cache")
         if q.dtype != cache.dtype or out.dtype != cache.dtype or cache.dtype not in _DTYPE_CODES:
             raise ValueError(f"paged decode supports {sorted(map(str, _DTYPE_CODES))} only")
+        sink_f32 = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+        if sink_f32 is not None and sink_f32.shape != (heads,):
+            raise ValueError(f"sinks must have shape [{heads}], got {list(sink_f32.shape)}")
         status = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(), nb,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
             out.data_ptr(), out.stride(0), out.stride(1),
             rows.shape[0], heads, hkv, d, bs, scale, _DTYPE_CODES[cache.dtype],
+            window, softcap, None if sink_f32 is None else sink_f32.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode: could not allocate the score buffer")

@@ -10,6 +10,12 @@
  * reads KV head h / (H / Hkv) (GQA). Math in float32 (online softmax per block), the
  * output is rounded to the cache dtype: like SDPA's CPU kernels for bf16. Scores are
  * finite (masking is by length, never by -inf).
+ *
+ * Per-layer attention (see worker_svc/engine/attention.py): window > 0 reads only the
+ * last `window` tokens (a query at position p sees keys p - window < k <= p, the sliding
+ * mask of transformers); softcap > 0 caps every scaled score to softcap * tanh(s / softcap);
+ * sinks (NULL = none) adds one logit per query head to the softmax denominator only
+ * (gpt-oss attention sinks). 0 / 0 / NULL is plain causal attention.
  */
 #include <float.h>
 #include <math.h>
@@ -75,7 +81,8 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
                                                              int32_t seq_len, char *out, int64_t o_sh,
                                                              int64_t G, int64_t Hkv, int64_t D, int64_t bs,
                                                              float scale, int dt, int64_t esz,
-                                                             float (*s)[CHUNK], int64_t *slot) {
+                                                             float (*s)[CHUNK], int64_t *slot, int64_t window,
+                                                             float softcap, const float *sinks) {
     const int64_t H = G * Hkv, row = Hkv * D; /* row: elements per token slot */
     float qf[H][D], acc[H][D], m[H], l[H], kv[D];
     for (int64_t h = 0; h < H; h++) {
@@ -84,7 +91,9 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
         m[h] = -FLT_MAX; /* finite start: expf(m - mx) is then 0, never NaN */
         l[h] = 0.f;
     }
-    for (int64_t start = 0; start < seq_len; start += CHUNK) {
+    /* A sliding window starts the walk at its first key: earlier blocks are never read. */
+    const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;
+    for (int64_t start = first; start < seq_len; start += CHUNK) {
         const int64_t n = seq_len - start < CHUNK ? seq_len - start : CHUNK;
         for (int64_t t = 0; t < n; t++) {
             const int64_t p = start + t;
@@ -95,6 +104,9 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
                 load_row(kv, kc + (slot[t] + kvh * D) * esz, D, dt);
                 for (int64_t g = 0; g < G; g++) s[kvh * G + g][t] = dot(qf[kvh * G + g], kv, D) * scale;
             }
+        if (softcap > 0.f)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t t = 0; t < n; t++) s[h][t] = softcap * tanhf(s[h][t] / softcap);
         for (int64_t h = 0; h < H; h++) {
             float mx = m[h];
             for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
@@ -124,6 +136,12 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
             }
     }
     for (int64_t h = 0; h < H; h++) {
+        if (sinks) { /* the sink's probability mass goes nowhere: denominator only */
+            const float mx = sinks[h] > m[h] ? sinks[h] : m[h];
+            const float corr = expf(m[h] - mx);
+            l[h] = l[h] * corr + expf(sinks[h] - mx);
+            for (int64_t d = 0; d < D; d++) acc[h][d] *= corr;
+        }
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int64_t d = 0; d < D; d++) acc[h][d] *= inv;
         store_row(out + h * o_sh * esz, acc[h], D, dt);
@@ -135,8 +153,10 @@ static inline __attribute__((always_inline)) void decode_seq(const char *q, int6
     static void decode_d##N##_g##GG(const char *q, int64_t q_sh, const char *kc, const char *vc,          \
                                     const int32_t *table, int32_t seq_len, char *out, int64_t o_sh,       \
                                     int64_t Hkv, int64_t bs, float scale, int dt, int64_t esz,            \
-                                    float (*s)[CHUNK], int64_t *slot) {                                   \
-        decode_seq(q, q_sh, kc, vc, table, seq_len, out, o_sh, GG, Hkv, N, bs, scale, dt, esz, s, slot); \
+                                    float (*s)[CHUNK], int64_t *slot, int64_t window, float softcap,      \
+                                    const float *sinks) {                                                 \
+        decode_seq(q, q_sh, kc, vc, table, seq_len, out, o_sh, GG, Hkv, N, bs, scale, dt, esz, s, slot,  \
+                   window, softcap, sinks);                                                               \
     }
 #define DECODE_D(N) DECODE_DG(N, 1) DECODE_DG(N, 2) DECODE_DG(N, 4) DECODE_DG(N, 8)
 DECODE_D(32)
@@ -144,7 +164,8 @@ DECODE_D(64)
 DECODE_D(128)
 
 typedef void (*decode_fn)(const char *, int64_t, const char *, const char *, const int32_t *, int32_t, char *,
-                          int64_t, int64_t, int64_t, float, int, int64_t, float (*)[CHUNK], int64_t *);
+                          int64_t, int64_t, int64_t, float, int, int64_t, float (*)[CHUNK], int64_t *, int64_t,
+                          float, const float *);
 
 /* The specialized instance for (D, G), or NULL (then the generic decode_seq runs). */
 static decode_fn pick(int64_t D, int64_t G) {
@@ -163,7 +184,8 @@ static decode_fn pick(int64_t D, int64_t G) {
 int meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void *cache, int64_t num_blocks,
                             const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                             const int64_t *rows, void *out, int64_t o_st, int64_t o_sh, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t D, int64_t bs, float scale, int dt) {
+                            int64_t Hkv, int64_t D, int64_t bs, float scale, int dt, int64_t window,
+                            float softcap, const float *sinks) {
     const int64_t esz = dt == DT_BF16 ? 2 : 4;
     const char *kc = (const char *)cache;
     const char *vc = kc + num_blocks * bs * Hkv * D * esz;
@@ -182,9 +204,11 @@ int meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void
         char *ob = (char *)out + rows[b] * o_st * esz;
         const int32_t *table = block_tables + b * max_blocks;
         if (fn)
-            fn(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, Hkv, bs, scale, dt, esz, s, slot);
+            fn(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, Hkv, bs, scale, dt, esz, s, slot, window, softcap,
+               sinks);
         else
-            decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz, s, slot);
+            decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz, s, slot,
+                       window, softcap, sinks);
     }
     free(s);
     free(slot);
