@@ -74,6 +74,9 @@ class _Replica:
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.pending_release: list[str] = []
+        # Leases released with their usage (Release.outcomes), for the scheduler's
+        # predicted-vs-actual cached tokens.
+        self.pending_outcomes: list[scheduler_pb2.LeaseOutcome] = []
 
 
 class Upstream:
@@ -97,6 +100,7 @@ class Upstream:
         self._workers_lock = asyncio.Lock()
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
         self._release_handle: asyncio.TimerHandle | None = None
+        self._usage: dict[str, scheduler_pb2.LeaseOutcome] = {}  # lease id -> outcome, until released
         self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -163,14 +167,30 @@ class Upstream:
             del route_request.release_lease_ids[:]
             route_request.release_lease_ids.extend(replica.pending_release)
             replica.pending_release = []
+            del route_request.release_outcomes[:]
+            route_request.release_outcomes.extend(replica.pending_outcomes)
+            replica.pending_outcomes = []
             return replica.stub.Route(route_request, timeout=self.timeout)
 
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
+    def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
+        """Remembers what the worker reported for the lease's request; its release then
+        carries the actual cached tokens (the scheduler compares them with its prediction)."""
+        self._usage[lease.lease_id] = scheduler_pb2.LeaseOutcome(
+            lease_id=lease.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
+        )
+
     def release(self, lease: Lease) -> None:
-        """Hands a lease back to the replica that issued it (batched, in the background)."""
-        self._replicas[lease.replica].pending_release.append(lease.lease_id)
+        """Hands a lease back to the replica that issued it (batched, in the background),
+        with its outcome when `note_usage` recorded one."""
+        replica = self._replicas[lease.replica]
+        outcome = self._usage.pop(lease.lease_id, None)
+        if outcome is None:
+            replica.pending_release.append(lease.lease_id)
+        else:
+            replica.pending_outcomes.append(outcome)
         if self._release_handle is None:
             loop = asyncio.get_running_loop()
             self._release_handle = loop.call_later(RELEASE_BATCH_S, self._schedule_flush)
@@ -184,11 +204,13 @@ class Upstream:
     async def _flush_releases(self) -> None:
         for replica in self._replicas:
             ids, replica.pending_release = replica.pending_release, []
-            if not ids:
+            outcomes, replica.pending_outcomes = replica.pending_outcomes, []
+            if not ids and not outcomes:
                 continue
             try:
                 await replica.stub.Release(
-                    scheduler_pb2.ReleaseRequest(lease_ids=ids), timeout=HEALTH_TIMEOUT_S * 5
+                    scheduler_pb2.ReleaseRequest(lease_ids=ids, outcomes=outcomes),
+                    timeout=HEALTH_TIMEOUT_S * 5,
                 )
             except grpc.aio.AioRpcError as exc:
                 # The replica is gone or busy: its leases end with its workers' heartbeats.

@@ -38,9 +38,12 @@ class SchedulerConfig(ServerConfig):
     # A worker whose load reaches this fraction of its capacity gets no prefix affinity:
     # the request falls back to least-load (one hot prefix cannot pile onto one worker).
     load_cap: float = 0.8
-    # ... and so does a worker carrying more than this fraction of its capacity above the
-    # least loaded candidate (affinity must not turn into a lasting imbalance).
-    load_imbalance: float = 0.125
+    # ... and so does a worker whose load (with the request) would exceed the candidates'
+    # mean load by more than this fraction of the mean, and by more than
+    # load_imbalance_min requests (affinity must not turn into a lasting imbalance, yet a
+    # conversation may stay where its history is cached while the loads are close).
+    load_imbalance: float = 0.5
+    load_imbalance_min: float = 2.0
     # Routing decisions count as cached prefixes for this long, until KV events confirm them.
     speculative_ttl_s: float = 2.0
     # Embedding calls retried on another worker after a transport failure.
@@ -84,8 +87,11 @@ class SchedulerConfig(ServerConfig):
             raise ValueError("lease_ttl_s must be > 0 and lease_grace_s >= 0")
         if not 0 < self.load_cap <= 1:
             raise ValueError(f"load_cap must be in (0, 1], got {self.load_cap}")
-        if self.load_imbalance <= 0:
-            raise ValueError(f"load_imbalance must be > 0, got {self.load_imbalance}")
+        if self.load_imbalance <= 0 or self.load_imbalance_min < 0:
+            raise ValueError(
+                f"load_imbalance must be > 0 and load_imbalance_min >= 0, got "
+                f"{self.load_imbalance}, {self.load_imbalance_min}"
+            )
         if self.block_size <= 0 or self.kv_stream_maxlen <= 0:
             raise ValueError("block_size and kv_stream_maxlen must be > 0")
         if self.encoder_cache_timeout_s <= 0 or self.encode_timeout_s <= 0:

@@ -125,7 +125,9 @@ class Dispatcher:
         ]
         if not candidates:
             return None
+        started = time.perf_counter()
         decision = self.policy.choose(request, candidates)
+        metrics.POLICY_SECONDS.labels(policy=self.policy.name).observe(time.perf_counter() - started)
         lease = self.registry.acquire(decision.worker)
         if self._on_dispatch is not None:
             self._on_dispatch(request, decision)

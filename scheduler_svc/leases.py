@@ -31,6 +31,9 @@ class ActiveLease:
     lease: Lease
     issued_at: float
     expires_at: float
+    # Prompt tokens the policy expected the worker to have cached (compared with the
+    # actual figure the caller may report on release).
+    predicted_cached_tokens: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -55,10 +58,13 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def issue(self, lease: Lease, request_id: str) -> ActiveLease:
+    def issue(self, lease: Lease, request_id: str, predicted_cached_tokens: int = 0) -> ActiveLease:
         """Records a new lease and returns it."""
         now = self._clock()
-        active = ActiveLease(f"{self._prefix}{next(self._counter)}", request_id, lease, now, now + self.ttl_s)
+        active = ActiveLease(
+            f"{self._prefix}{next(self._counter)}", request_id, lease, now, now + self.ttl_s,
+            predicted_cached_tokens,
+        )  # fmt: skip
         self._leases[active.lease_id] = active
         return active
 

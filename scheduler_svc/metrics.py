@@ -44,6 +44,12 @@ OVERHEAD = Histogram(
         60,
     ),
 )
+POLICY_SECONDS = Histogram(
+    "meshserve_scheduler_policy_seconds",
+    "Time the routing policy takes to choose a worker (prompt hashing, prefix match, scoring)",
+    ["policy"],
+    buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+)
 QUEUE_WAIT = Histogram(
     "meshserve_scheduler_queue_wait_seconds",
     "Time requests spent in the admission queue (only those that had to wait)",
@@ -58,6 +64,27 @@ PREFIX_HIT = Histogram(
     "meshserve_scheduler_prefix_hit_ratio",
     "Fraction of the prompt's full blocks the chosen worker already held, at routing time",
     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+)
+_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+CACHED_TOKENS = Histogram(
+    "meshserve_scheduler_cached_tokens",
+    "Prompt tokens found in the chosen worker's prefix cache per request: kind=predicted (the "
+    "prefix index at routing time) or actual (the worker's usage, reported on Release)",
+    ["policy", "kind"],
+    buckets=_TOKEN_BUCKETS,
+)
+CACHED_TOKENS_ERROR = Histogram(
+    "meshserve_scheduler_cached_tokens_error",
+    "Per request, actual minus predicted cached tokens (negative: the index promised blocks "
+    "the worker no longer had; positive: the worker had more than the index knew)",
+    ["policy"],
+    buckets=(-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096),
+)
+CACHE_PREDICTIONS = Counter(
+    "meshserve_scheduler_cache_predictions_total",
+    "Requests whose actual cached tokens were reported, by outcome: exact, over (predicted "
+    "more than the worker had: index drift) or under (predicted less)",
+    ["policy", "outcome"],
 )
 REJECTED = Counter(
     "meshserve_scheduler_rejected_total",

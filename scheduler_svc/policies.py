@@ -10,11 +10,14 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   is the fraction of the prompt's full blocks the worker already holds (longest prefix,
   from the `PrefixIndex`) and ``idle = (min_load + 1) / (load + 1)`` compares its queue
   depth (running + waiting) with the least loaded candidate's (1 = least loaded; a
-  one-request difference matters between idle workers, little between busy ones).
-  The load cap: a worker at or above ``load_cap`` of its capacity, or carrying more than
-  ``load_imbalance`` of its capacity above the least loaded candidate, gets no prefix
-  affinity -- the request falls back to least-load, so a hot prefix cannot pile onto one
-  worker.
+  one-request difference matters between idle workers, little between busy ones) --
+  llm-d's endpoint picker (precise prefix-cache scorer + queue and KV scorers, weighted).
+  The load cap, SGLang's cache-aware router's fallback: a worker at or above ``load_cap``
+  of its capacity, or whose load with this request would exceed the candidates' mean by
+  more than ``max(load_imbalance * mean, load_imbalance_min)`` requests, gets no
+  affinity -- the request goes to the best-scoring worker within the cap (least-load when
+  none is), so a hot prefix cannot pile onto one worker, while a moderate imbalance (a
+  conversation staying where its history is cached) is allowed.
 """
 
 from __future__ import annotations
@@ -109,7 +112,9 @@ class PrefixWeights:
     queue: float = 2.0
     kv: float = 1.0
     load_cap: float = 0.8
-    load_imbalance: float = 0.125
+    # Allowed excess over the mean load: a fraction of the mean, at least `load_imbalance_min`.
+    load_imbalance: float = 0.5
+    load_imbalance_min: float = 2.0
 
 
 class PrefixAwarePolicy:
@@ -158,25 +163,30 @@ class PrefixAwarePolicy:
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
         matches = self._matches(request, candidates)
         scores = self.scores(request, candidates, matches)
-        best = max(candidates, key=lambda w: (scores[w.worker_id], -w.load_fraction()))
-        top = [w for w in candidates if scores[w.worker_id] == scores[best.worker_id]]
-        if len(top) > 1:
-            best = self._least_load.pick(top)
+        best = self._best(candidates, scores)
         reason = "prefix" if matches[best.worker_id][0] else "score"
         if self._over_cap(best, candidates):
-            best = self._least_load.pick(candidates)
+            allowed = [w for w in candidates if not self._over_cap(w, candidates)]
+            best = self._best(allowed, scores) if allowed else self._least_load.pick(candidates)
             reason = "load_cap"
         matched, total = matches[best.worker_id]
         self._index.add_speculative(best.worker_id, request.hashes(best.spec.block_size))
         return Decision(best, reason, matched, total)
 
+    def _best(self, candidates: Sequence[WorkerState], scores: dict[str, float]) -> WorkerState:
+        """Highest score; ties go to the least loaded (rotating among equals)."""
+        top_score = max(scores[w.worker_id] for w in candidates)
+        top = [w for w in candidates if scores[w.worker_id] == top_score]
+        return top[0] if len(top) == 1 else self._least_load.pick(top)
+
     def _over_cap(self, worker: WorkerState, candidates: Sequence[WorkerState]) -> bool:
-        """At `load_cap` of its capacity, or `load_imbalance` of it above the least loaded."""
-        if worker.load_fraction() >= self._weights.load_cap:
+        """At `load_cap` of its capacity, or (with this request) above the candidates' mean
+        load by more than `load_imbalance` of the mean (at least `load_imbalance_min`)."""
+        w = self._weights
+        if worker.load_fraction() >= w.load_cap:
             return True
-        lightest = min(w.estimated_load() for w in candidates)
-        slack = max(self._weights.load_imbalance * worker.capacity, 1.0)
-        return worker.estimated_load() - lightest > slack
+        mean = (sum(c.estimated_load() for c in candidates) + 1) / len(candidates)
+        return worker.estimated_load() + 1 - mean > max(w.load_imbalance * mean, w.load_imbalance_min)
 
 
 def make_policy(name: str, index: PrefixIndex, weights: PrefixWeights | None = None) -> RoutingPolicy:

@@ -113,6 +113,10 @@ class PrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._held.get(worker_id, ()))
 
+    def blocks(self, worker_id: str) -> frozenset[int]:
+        """The blocks KV events say the worker holds (speculative entries excluded)."""
+        return frozenset(self._held.get(worker_id, ()))
+
     def holds(self, worker_id: str, block: int) -> bool:
         return block in self._held.get(worker_id, ())
 

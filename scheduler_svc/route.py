@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from meshserve.v1 import common_pb2
+from meshserve.v1 import common_pb2, scheduler_pb2
 from scheduler_svc import metrics
 from scheduler_svc.leases import ActiveLease
 from scheduler_svc.multimodal import EncodeCoordinator
@@ -79,6 +80,23 @@ def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
     )
 
 
+def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens the worker should find cached: the matched full blocks, capped like the
+    worker's block manager (at least the prompt's last token is always computed)."""
+    if prompt_tokens <= 0 or block_size <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+def record_cached_tokens(policy: str, predicted: int, actual: int) -> None:
+    """Predicted vs actual cached tokens of one request, as Prometheus series."""
+    metrics.CACHED_TOKENS.labels(policy=policy, kind="predicted").observe(predicted)
+    metrics.CACHED_TOKENS.labels(policy=policy, kind="actual").observe(actual)
+    metrics.CACHED_TOKENS_ERROR.labels(policy=policy).observe(actual - predicted)
+    outcome = "exact" if actual == predicted else ("over" if predicted > actual else "under")
+    metrics.CACHE_PREDICTIONS.labels(policy=policy, outcome=outcome).inc()
+
+
 class Router:
     """Route and Embed against the workers chosen by the scheduler."""
 
@@ -101,17 +119,27 @@ class Router:
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
-        active = self.scheduler.leases.issue(lease, request.request_id)
+        block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
+        predicted = predicted_cached_tokens(
+            decision.matched_blocks, len(request.prompt_token_ids), block_size
+        )
+        active = self.scheduler.leases.issue(lease, request.request_id, predicted)
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
-        block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
-        return RouteResult(
-            request.request_id, active, decision, mm_items, decision.matched_blocks * block_size
-        )
+        return RouteResult(request.request_id, active, decision, mm_items, predicted)
 
-    def release(self, lease_ids: list[str]) -> int:
-        """Ends leases (their requests finished); returns how many this replica knew."""
-        ended = self.scheduler.leases.release(lease_ids)
+    def release(self, lease_ids: list[str], outcomes: Sequence[scheduler_pb2.LeaseOutcome] = ()) -> int:
+        """Ends leases (their requests finished); returns how many this replica knew.
+        `outcomes` end their leases too, and their actual cached tokens are recorded
+        next to the prediction made when routing (index drift shows there)."""
+        leases = self.scheduler.leases
+        ended = leases.release(lease_ids)
+        reported = leases.release(o.lease_id for o in outcomes)
+        actual = {o.lease_id: o.cached_tokens for o in outcomes}
+        policy = self.scheduler.policy.name
+        for lease in reported:
+            record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
+        ended.extend(reported)
         self.scheduler.end_leases(ended, "released")
         return len(ended)
 

@@ -51,6 +51,7 @@ class Scheduler:
             config.kv_weight,
             config.load_cap,
             config.load_imbalance,
+            config.load_imbalance_min,
         )
         self.policy = make_policy(config.routing_policy, self.index, weights)
         self.dispatcher = Dispatcher(

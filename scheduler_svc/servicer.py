@@ -81,8 +81,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     ) -> scheduler_pb2.RouteResponse:
         """Admission + routing: a lease on one decoder worker (see scheduler.proto).
         Cancelling the call while it waits in the admission queue leaves the queue."""
-        if request.release_lease_ids:
-            self.router.release(list(request.release_lease_ids))
+        if request.release_lease_ids or request.release_outcomes:
+            self.router.release(list(request.release_lease_ids), request.release_outcomes)
         try:
             result = await self.router.route(
                 request.request, frozenset(request.exclude_worker_ids), request.force_encode
@@ -107,7 +107,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReleaseResponse:
         """Ends leases whose requests finished; their workers' slots are free again."""
-        return scheduler_pb2.ReleaseResponse(released=self.router.release(list(request.lease_ids)))
+        released = self.router.release(list(request.lease_ids), request.outcomes)
+        return scheduler_pb2.ReleaseResponse(released=released)
 
     @rpc_handler
     async def Embed(

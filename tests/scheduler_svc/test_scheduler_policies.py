@@ -94,7 +94,7 @@ def test_load_cap_falls_back_to_least_load() -> None:
     index = PrefixIndex(speculative_ttl_s=0)
     tokens = list(range(40))
     index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
-    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8, load_imbalance=1.0))
+    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8, load_imbalance=10.0))
     below = [worker("hot", running=7), worker("cold", running=0)]
     assert policy.choose(request(tokens), below).worker.worker_id == "hot"
     over = [worker("hot", running=8), worker("cold", running=0)]
@@ -106,14 +106,42 @@ def test_imbalance_cap_moves_affinity_to_the_least_loaded() -> None:
     index = PrefixIndex(speculative_ttl_s=0)
     tokens = list(range(40))
     index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
-    policy = PrefixAwarePolicy(index, PrefixWeights(load_cap=1.0, load_imbalance=0.25))
-    # Capacity 10: up to 2.5 requests above the lightest worker keep their affinity.
+    policy = PrefixAwarePolicy(index, PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=2.0))
+    # Mean with the request (3 + 0 + 1) / 2 = 2: hot would carry 4, 2 above -- within max(0.5 * 2, 2).
     assert (
-        policy.choose(request(tokens), [worker("hot", running=3), worker("cold", running=1)]).reason
+        policy.choose(request(tokens), [worker("hot", running=3), worker("cold", running=0)]).reason
         == "prefix"
     )
-    decision = policy.choose(request(tokens), [worker("hot", running=4), worker("cold", running=1)])
+    # Mean 2.5: hot would carry 5, 2.5 above -- over the slack, the request moves.
+    decision = policy.choose(request(tokens), [worker("hot", running=4), worker("cold", running=0)])
     assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
+
+
+def test_imbalance_cap_is_relative_to_the_mean_load() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
+    policy = PrefixAwarePolicy(index, PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=0.0))
+    busy = [worker("hot", running=7, capacity=32), worker("cold", running=5, capacity=32)]
+    # Mean 6.5, hot would carry 8: 1.5 above, within 0.5 * 6.5 -- the history's worker keeps it.
+    assert policy.choose(request(tokens), busy).worker.worker_id == "hot"
+    skewed = [worker("hot", running=12, capacity=32), worker("cold", running=4, capacity=32)]
+    decision = policy.choose(request(tokens), skewed)
+    assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
+
+
+def test_load_cap_keeps_the_best_scoring_worker_within_the_cap() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(64))
+    hashes = block_hashes(tokens, BS)
+    index.reset_worker("hot", hashes, "e", 1)
+    index.reset_worker("warm", hashes[:2], "e", 1)  # the shared system prompt only
+    policy = PrefixAwarePolicy(index, PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=1.0))
+    ws = [worker("hot", running=9, capacity=32), worker("warm", running=3, capacity=32),
+          worker("cold", running=3, capacity=32)]  # fmt: skip
+    decision = policy.choose(request(tokens), ws)
+    # Not the least-loaded tie (cold): warm still holds part of the prompt.
+    assert (decision.worker.worker_id, decision.reason, decision.matched_blocks) == ("warm", "load_cap", 2)
 
 
 def test_routing_decisions_are_followed_by_the_next_request() -> None:
