@@ -13,7 +13,7 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   one-request difference matters between idle workers, little between busy ones) --
   llm-d's endpoint picker (precise prefix-cache scorer + queue and KV scorers, weighted).
   The load cap, SGLang's cache-aware router's fallback: a worker at or above ``load_cap``
-  of its capacity, or whose load with this request would exceed the candidates' mean by
+  of its capacity (while another is below it), or whose load with this request would exceed the candidates' mean by
   more than ``max(load_imbalance * mean, load_imbalance_min)`` requests, gets no
   affinity -- the request goes to the best-scoring worker within the cap (least-load when
   none is), so a hot prefix cannot pile onto one worker, while a moderate imbalance (a
@@ -180,10 +180,13 @@ class PrefixAwarePolicy:
         return top[0] if len(top) == 1 else self._least_load.pick(top)
 
     def _over_cap(self, worker: WorkerState, candidates: Sequence[WorkerState]) -> bool:
-        """At `load_cap` of its capacity, or (with this request) above the candidates' mean
-        load by more than `load_imbalance` of the mean (at least `load_imbalance_min`)."""
+        """At `load_cap` of its capacity while another candidate is below it, or (with this
+        request) above the candidates' mean load by more than `load_imbalance` of the mean
+        (at least `load_imbalance_min`). When every worker is at the cap, only the relative
+        rule applies: moving a request from one full worker to another gains nothing and
+        loses its cached prefix."""
         w = self._weights
-        if worker.load_fraction() >= w.load_cap:
+        if worker.load_fraction() >= w.load_cap and any(c.load_fraction() < w.load_cap for c in candidates):
             return True
         mean = (sum(c.estimated_load() for c in candidates) + 1) / len(candidates)
         return worker.estimated_load() + 1 - mean > max(w.load_imbalance * mean, w.load_imbalance_min)

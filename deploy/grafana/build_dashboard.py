@@ -233,8 +233,8 @@ def build() -> dict[str, Any]:
         "Routing decisions",
         [
             {
-                "expr": f"sum by (reason) (rate(meshserve_scheduler_routed_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{reason}}",
+                "expr": f"sum by (policy, reason) (rate(meshserve_scheduler_routed_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "{{policy}} {{reason}}",
             }
         ],
         unit="reqps",
@@ -280,7 +280,37 @@ def build() -> dict[str, Any]:
         unit="percentunit",
         max_value=1,
         description="Mean fraction of the prompt's full blocks already cached on the chosen worker.",
-        w=24,
+    )
+    g.panel(
+        "Cached tokens per request: predicted vs actual",
+        [
+            {
+                "expr": f"sum by (kind) (rate(meshserve_scheduler_cached_tokens_sum{{{NS}}}[{RATE}]))"
+                f" / sum by (kind) (rate(meshserve_scheduler_cached_tokens_count{{{NS}}}[{RATE}]))",
+                "legendFormat": "{{kind}} (mean)",
+            },
+            *[
+                {**t, "legendFormat": f"error {t['legendFormat']} (actual - predicted)"}
+                for t in quantiles("meshserve_scheduler_cached_tokens_error", NS, (0.5, 0.01))
+            ],
+        ],
+        description="The prefix index's prediction at routing time against the worker's usage "
+        "(sent back on Release). Actual well below predicted = the index drifted from the caches.",
+    )
+    g.panel(
+        "Cache predictions (index drift) / policy time",
+        [
+            {
+                "expr": f"sum by (outcome) (rate(meshserve_scheduler_cache_predictions_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "{{outcome}}",
+            },
+            *[
+                {**t, "legendFormat": f"policy {t['legendFormat']} (ms)", "expr": f"1000 * {t['expr']}"}
+                for t in quantiles("meshserve_scheduler_policy_seconds", NS, (0.5, 0.99))
+            ],
+        ],
+        description="Requests whose actual cached tokens were exact / below (over) / above (under) "
+        "the prediction; and the routing policy's own time per decision.",
     )
 
     g.row("Decoder workers")

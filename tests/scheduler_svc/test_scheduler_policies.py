@@ -100,6 +100,9 @@ def test_load_cap_falls_back_to_least_load() -> None:
     over = [worker("hot", running=8), worker("cold", running=0)]
     decision = policy.choose(request(tokens), over)
     assert (decision.worker.worker_id, decision.reason) == ("cold", "load_cap")
+    # Every worker at the cap: moving the request gains nothing, it stays with its prefix.
+    saturated = [worker("hot", running=9), worker("cold", running=9)]
+    assert policy.choose(request(tokens), saturated).worker.worker_id == "hot"
 
 
 def test_imbalance_cap_moves_affinity_to_the_least_loaded() -> None:
