@@ -53,7 +53,12 @@ def _save(case: ArchCase, path: Path) -> Any:
 
 
 def _engine(path: Path, **overrides: Any) -> LLMEngine:
-    kwargs: dict[str, Any] = {"model_dir": str(path), "block_size": BLOCK, "num_kv_blocks": 64, "dtype": "float32"}
+    kwargs: dict[str, Any] = {
+        "model_dir": str(path),
+        "block_size": BLOCK,
+        "num_kv_blocks": 64,
+        "dtype": "float32",
+    }
     engine = LLMEngine(EngineConfig(**{**kwargs, **overrides}))
     _ENGINES.append(engine)  # conftest checks that every block is released
     return engine
@@ -63,7 +68,10 @@ def _engine(path: Path, **overrides: Any) -> LLMEngine:
 def test_matches_transformers(case: ArchCase, tmp_path: Path) -> None:
     ref = _save(case, tmp_path)
     long, short, shared = _prompts(int(ref.config.get_text_config().vocab_size))
-    expected = {name: hf_greedy(ref, p, NEW_TOKENS) for name, p in (("long", long), ("short", short), ("shared", shared))}
+    expected = {
+        name: hf_greedy(ref, p, NEW_TOKENS)
+        for name, p in (("long", long), ("short", short), ("shared", shared))
+    }
 
     # Chunked prefill of a prompt longer than the window, next to a decoding request.
     engine = _engine(tmp_path, max_num_batched_tokens=8)
@@ -123,7 +131,15 @@ def test_max_model_len_is_the_models_limit_bounded_by_the_config(tmp_path: Path)
 def test_gemma3_pattern_gives_interleaved_windows() -> None:
     case = next(c for c in CASES if c.name == "Gemma 3")
     overrides = {k: v for k, v in case.config_kwargs().items() if k != "layer_types"}
-    cfg = build_config(ArchCase("g3", case.config_class, case.architecture, {**overrides, "num_hidden_layers": 7, "sliding_window_pattern": 3}, common=False))
+    cfg = build_config(
+        ArchCase(
+            "g3",
+            case.config_class,
+            case.architecture,
+            {**overrides, "num_hidden_layers": 7, "sliding_window_pattern": 3},
+            common=False,
+        )
+    )
     spec = attention_spec(cfg)
     assert spec.layer_windows == (WINDOW, WINDOW, None, WINDOW, WINDOW, None, WINDOW)
 
@@ -170,7 +186,15 @@ def test_triton_backend_under_interpreter() -> None:
     # TRITON_INTERPRET must be set before triton compiles: run the test above in a child.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_windowed_layers_on_the_triton_backend"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_windowed_layers_on_the_triton_backend",
+        ],
         cwd=Path(__file__).resolve().parents[2],
         env=env,
         capture_output=True,

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from worker_svc.engine import cpu_attention
-from worker_svc.engine.attention import AttentionMetadata, LayerAttention, _decode_layer, build_attention_metadata
+from worker_svc.engine.attention import (
+    AttentionMetadata,
+    LayerAttention,
+    _decode_layer,
+    build_attention_metadata,
+)
 
 KERNEL = cpu_attention.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -20,7 +25,9 @@ LAYERS = {
 }
 
 
-def _reference(q: torch.Tensor, cache: torch.Tensor, table: list[int], length: int, scale: float, layer: LayerAttention) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, cache: torch.Tensor, table: list[int], length: int, scale: float, layer: LayerAttention
+) -> torch.Tensor:
     """Dense attention of one query ``[H, D]`` at position ``length - 1``, written from the definitions."""
     hkv, d = cache.shape[3], cache.shape[4]
     blocks = torch.tensor(table, dtype=torch.long)
@@ -39,7 +46,9 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, table: list[int], length: i
     return torch.einsum("hl,lhd->hd", probs, v)
 
 
-def _case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int], AttentionMetadata]:
+def _case(
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int], AttentionMetadata]:
     gen = torch.Generator().manual_seed(0)
     num_blocks, bs, heads, kv_heads, head_dim = 40, 16, 8, 2, 32
     cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
@@ -61,7 +70,18 @@ def test_kernel_honours_window_softcap_and_sinks(dtype: torch.dtype, name: str) 
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     out = torch.zeros_like(q)
     rows = torch.arange(len(lens))
-    KERNEL(q, cache, meta.decode_block_tables, meta.decode_seq_lens, rows, out, 0.2, layer.window or 0, layer.softcap or 0.0, layer.sinks)
+    KERNEL(
+        q,
+        cache,
+        meta.decode_block_tables,
+        meta.decode_seq_lens,
+        rows,
+        out,
+        0.2,
+        layer.window or 0,
+        layer.softcap or 0.0,
+        layer.sinks,
+    )
     for b in range(len(lens)):
         expected = _reference(q[b], cache, tables[b], lens[b], 0.2, layer)
         torch.testing.assert_close(out[b].float(), expected, atol=TOL[dtype], rtol=TOL[dtype])

@@ -45,7 +45,9 @@ class UnsupportedModelError(ValueError):
 
 # Config attribute names that can change what attention computes. Any attribute whose
 # name matches must be listed below, or the model is refused.
-_ATTENTION_KEY = re.compile(r"attn|attention|window|sink|alibi|softcap|chunk|bidirectional|causal|sparse|layer_types|pattern")
+_ATTENTION_KEY = re.compile(
+    r"attn|attention|window|sink|alibi|softcap|chunk|bidirectional|causal|sparse|layer_types|pattern"
+)
 
 # Attribute -> why it is safe. Values are checked separately where only some are served.
 UNDERSTOOD_KEYS: dict[str, str] = {
@@ -161,7 +163,9 @@ def _layer_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, ..
     windows: list[int | None] = []
     for i, kind in enumerate(types):
         if kind not in _LAYER_TYPES:
-            raise UnsupportedModelError(arch, f"layer {i} has attention type {kind!r} (served: {sorted(_LAYER_TYPES)})")
+            raise UnsupportedModelError(
+                arch, f"layer {i} has attention type {kind!r} (served: {sorted(_LAYER_TYPES)})"
+            )
         if _LAYER_TYPES[kind] and window is None:
             raise UnsupportedModelError(arch, f"layer {i} is sliding_attention but sliding_window is unset")
         windows.append(window if _LAYER_TYPES[kind] else None)

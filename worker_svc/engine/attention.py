@@ -339,7 +339,9 @@ def _check_kwargs(layer_idx: int, kwargs: dict[str, Any], dropout: float) -> Non
     """Refuse what this function would otherwise silently ignore (wrong tokens)."""
     unknown = sorted(k for k, v in kwargs.items() if k not in KNOWN_KWARGS and v is not None)
     if unknown:
-        raise RuntimeError(f"{ATTN_IMPL_NAME}: layer {layer_idx} passed attention arguments it cannot honour: {unknown}")
+        raise RuntimeError(
+            f"{ATTN_IMPL_NAME}: layer {layer_idx} passed attention arguments it cannot honour: {unknown}"
+        )
     if dropout:
         raise RuntimeError(f"{ATTN_IMPL_NAME}: attention dropout {dropout} (the model is in training mode)")
 
@@ -366,7 +368,9 @@ def paged_attention_forward(
     sinks = kwargs.get("s_aux")
     if torch.compiler.is_compiling():
         # Opaque to the compiler: the metadata (Python lists, ContextVar) is read at run time.
-        out = torch.ops.meshserve.paged_attention(query, key, value, layer_idx, scale, kw_window, softcap, sinks)
+        out = torch.ops.meshserve.paged_attention(
+            query, key, value, layer_idx, scale, kw_window, softcap, sinks
+        )
         return out, None
     meta = kwargs.get(METADATA_KWARG) or _CURRENT.get()
     if meta is not None and meta.probe is not None:
@@ -462,7 +466,12 @@ def _attend(
 
 
 def _attend_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, layer: LayerAttention
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """``q [B, H, Lq, D]`` over ``k/v [B, Hkv, L, D]`` where ``allowed [B|1, 1, Lq, L]``.
 
@@ -499,7 +508,7 @@ def _decode_layer(
     table, lens = meta.decode_table, meta.decode_lens
     if table is None or lens is None:
         raise RuntimeError("decode metadata missing")
-    batch, heads, head_dim = q.shape
+    batch, _, head_dim = q.shape
     _, _, bs, hkv, _ = cache.shape
     max_blocks = table.shape[1]
     if layer.window is not None:

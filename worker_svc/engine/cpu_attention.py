@@ -61,7 +61,8 @@ class DecodeKernel:
         fn = lib.meshserve_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
-        fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _I64, ctypes.c_float, _PTR]
+        fn.argtypes += [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [_I64, ctypes.c_float, _PTR]  # window, softcap, sinks
         self._fn = fn
 
     def __call__(

@@ -247,19 +247,27 @@ class ModelRunner:
         honours and the sliding window the config promised -- else refuse the model."""
         arch = self.attention.architecture
         meta = build_attention_metadata(
-            [(0, 2, [0])], self.config.block_size, self.kv_caches, self.device, "torch", self.attention.layer_windows
+            [(0, 2, [0])],
+            self.config.block_size,
+            self.kv_caches,
+            self.device,
+            "torch",
+            self.attention.layer_windows,
         )
         meta.probe = {}
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         try:
             with torch.inference_mode(), attention_context(meta):
-                self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device)[None], use_cache=False)
+                self.model(
+                    input_ids=ids, position_ids=torch.arange(2, device=self.device)[None], use_cache=False
+                )
         except RuntimeError as exc:
             raise UnsupportedModelError(arch, str(exc)) from exc
         layers = sorted(meta.probe)
         if layers != list(range(self.info.num_layers)):
             raise UnsupportedModelError(
-                arch, f"attention of layers {layers} reached the paged attention, expected 0..{self.info.num_layers - 1}"
+                arch,
+                f"attention of layers {layers} reached the paged attention, expected 0..{self.info.num_layers - 1}",
             )
         repeated = [i for i, calls in meta.probe.items() if calls != 1]
         if repeated:
@@ -294,10 +302,15 @@ def _precheck_model_dir(model_dir: str) -> None:
 
     cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
     arch = architecture_name(cfg)
-    model_cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
-    if model_cls is None:
-        raise UnsupportedModelError(arch, f"transformers has no causal LM class for config {type(cfg).__name__}")
-    check_model_class(model_cls, arch)
+    try:
+        found: Any = AutoModelForCausalLM._model_mapping[type(cfg)]
+    except KeyError:
+        raise UnsupportedModelError(
+            arch, f"transformers has no causal LM class for config {type(cfg).__name__}"
+        ) from None
+    # A config type may map to several classes (a tuple): every candidate must qualify.
+    for model_cls in found if isinstance(found, tuple) else (found,):
+        check_model_class(model_cls, arch)
 
 
 def _eos_ids(gen_cfg: Any, cfg: Any) -> tuple[int, ...]:
