@@ -203,3 +203,19 @@ def test_triton_backend_under_interpreter() -> None:
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "2 passed" in result.stdout.splitlines()[-1]
+
+
+def test_gemma3_vision_checkpoint_is_refused(tmp_path: Path) -> None:
+    # Its image tokens attend to each other bidirectionally; the decoder's causal
+    # language-model-only load would serve image prompts wrongly. Refused from config.json.
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = build_config(next(c for c in CASES if c.name == "Gemma 3"))
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="vision-language model_type 'gemma3'"):
+        _engine(tmp_path)

@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedModelError",
     "attention_spec",
     "check_model_class",
+    "check_multimodal",
 ]
 
 
@@ -87,6 +88,12 @@ _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 _DEFAULT_MAX_POSITIONS = 2048
 
+# Vision-language families whose language model attends causally over the merged image
+# embeddings with plain 1-D positions -- what the decoder's language-model-only load
+# computes. Others are refused: Gemma 3 / PaliGemma let image tokens attend to each other
+# bidirectionally, Qwen2-VL-style models use 3-D (M-RoPE) positions.
+MULTIMODAL_TYPES = frozenset({"llava", "llava_next", "llava_onevision", "mistral3"})
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -121,6 +128,17 @@ def check_model_class(model_cls: type, architecture: str) -> None:
             architecture,
             f"{model_cls.__name__} does not route attention through transformers' AttentionInterface, "
             "so the paged attention cannot be plugged in",
+        )
+
+
+def check_multimodal(model_type: str, architecture: str) -> None:
+    """Refuse a vision-language checkpoint whose language model does not attend causally
+    over image embeddings at 1-D positions (see :data:`MULTIMODAL_TYPES`)."""
+    if model_type not in MULTIMODAL_TYPES:
+        raise UnsupportedModelError(
+            architecture,
+            f"vision-language model_type {model_type!r} is not a LLaVA-style causal LM over image "
+            f"embeddings (served: {sorted(MULTIMODAL_TYPES)})",
         )
 
 

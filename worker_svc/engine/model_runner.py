@@ -17,6 +17,7 @@ from worker_svc.engine.arch import (
     architecture_name,
     attention_spec,
     check_model_class,
+    check_multimodal,
 )
 from worker_svc.engine.attention import (
     ATTN_IMPL_NAME,
@@ -25,7 +26,7 @@ from worker_svc.engine.attention import (
     register_paged_attention,
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
-from worker_svc.engine.multimodal import load_causal_lm, merge_mm_rows, mm_rows
+from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.scheduler import ScheduledRequest
 
 __all__ = ["ModelInfo", "ModelOutput", "ModelRunner"]
@@ -300,7 +301,10 @@ def _precheck_model_dir(model_dir: str) -> None:
     """UnsupportedModelError when the checkpoint's causal LM class cannot take the paged attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
+    top = AutoConfig.from_pretrained(model_dir)
+    if is_multimodal_checkpoint(model_dir):
+        check_multimodal(str(top.model_type), architecture_name(top))
+    cfg = top.get_text_config()
     arch = architecture_name(cfg)
     try:
         found: Any = AutoModelForCausalLM._model_mapping[type(cfg)]
