@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from devtools.arch_matrix import CASES, UNSUPPORTED, ArchCase
+from worker_svc.engine.arch import MULTIMODAL_TYPES
 
 __all__ = ["END", "START", "current_section", "render_table", "replace_section"]
 
@@ -42,8 +43,11 @@ def render_table(cases: Sequence[ArchCase] = CASES, refused: Sequence[ArchCase] 
         "",
         "Refused at load with an error naming the architecture and the missing feature: "
         + ", ".join(f"{c.name} (`{c.architecture}`)" for c in refused)
-        + "; any model class without transformers' `AttentionInterface`, and any attention"
-        " config attribute or argument the paged attention does not implement.",
+        + "; any model class without transformers' `AttentionInterface`, any attention"
+        " config attribute or argument the paged attention does not implement, and"
+        " vision-language checkpoints outside the LLaVA-style families ("
+        + ", ".join(f"`{t}`" for t in sorted(MULTIMODAL_TYPES))
+        + ").",
     ]
     return "\n".join(lines)
 
