@@ -1,6 +1,10 @@
-"""Plots for `bench.serve` results: latency and throughput versus concurrency.
+"""Plots for `bench.serve` and `bench.routing_bench` results: latency and throughput
+versus concurrency.
 
     python -m bench.plot results.json sweep.png
+
+A `routing_bench` report (results keyed "c=N", then by policy) is drawn per policy: TTFT
+p50 / p99 (medians over the repeats) and output throughput against the concurrency.
 
 Left panel: TTFT p50 / p99 and TPOT p50 (ms); right panel: output and total token throughput
 (tok/s).  One colour per target (A, B), so a compare run shows both curves side by side.
@@ -86,6 +90,57 @@ def plot_sweep(report: dict[str, Any], out: str | Path) -> Path:
     return path
 
 
+ROUTING_SERIES = (("ttft_ms.p50", "TTFT p50", "-o"), ("ttft_ms.p99", "TTFT p99", "--^"))
+ROUTING_THROUGHPUT = (("output_throughput", "output tok/s", "-o"),)
+POLICY_COLORS = ("tab:green", "tab:blue", "tab:orange", "tab:red")
+
+
+def routing_series(report: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+    """Per policy: x (concurrency, ascending) and the median of each routing metric."""
+    series: dict[str, dict[str, list[Any]]] = {}
+    loads = sorted(report["results"].items(), key=lambda item: int(item[0].split("=")[1]))
+    for load, by_policy in loads:
+        for policy, result in by_policy.items():
+            s = series.setdefault(policy, {"x": []})
+            s["x"].append(int(load.split("=")[1]))
+            for key, _, _ in (*ROUTING_SERIES, *ROUTING_THROUGHPUT):
+                s.setdefault(key, []).append(result["median"].get(key))
+    return series
+
+
+def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
+    """TTFT p50/p99 and throughput vs concurrency, one colour per routing policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    series = routing_series(report)
+    fig = Figure(figsize=(13, 5))
+    lat_ax, tput_ax = fig.subplots(1, 2)
+    for ax, spec in ((lat_ax, ROUTING_SERIES), (tput_ax, ROUTING_THROUGHPUT)):
+        for color, (policy, s) in zip(POLICY_COLORS * 4, series.items(), strict=False):
+            for key, name, style in spec:
+                ax.plot(s["x"], s[key], style, color=color, label=f"{policy} {name}")
+        ax.set_xticks(sorted({x for s in series.values() for x in s["x"]}))
+        ax.set_xlabel("concurrency (conversations in flight)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    lat_ax.set_ylabel("TTFT (ms)")
+    lat_ax.set_title("TTFT vs load (median of repeats)")
+    tput_ax.set_ylabel("output tok/s")
+    tput_ax.set_title("Throughput vs load")
+    cfg, sizes = report.get("config", {}), report.get("sizes", {})
+    fig.suptitle(
+        f"routing_bench: {cfg.get('workers', '?')} workers, working set {sizes.get('working_set_blocks', '?')} "
+        f"blocks, {sizes.get('kv_blocks_per_worker', '?')} KV blocks per worker"
+    )
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m bench.plot RESULTS.json OUT.png`."""
     import json
@@ -94,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m bench.plot RESULTS.json OUT.png", file=sys.stderr)
         return 2
-    print(plot_sweep(json.loads(Path(args[0]).read_text()), args[1]))
+    report = json.loads(Path(args[0]).read_text())
+    is_routing = isinstance(report.get("results"), dict)
+    print((plot_routing if is_routing else plot_sweep)(report, args[1]))
     return 0
 
 

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import random
@@ -38,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from services.kv_hash import block_hashes
 from services.redis_client import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +58,7 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"  # `make model`
 TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
 OVERHEAD_METRIC = "meshserve_scheduler_overhead_seconds"
+POLICY_METRIC = "meshserve_scheduler_policy_seconds"
 MODEL_NAME = "bench-model"
 
 
@@ -79,6 +83,18 @@ class BenchConfig:
     seed: int = 0
     # Runs per policy, alternating the policy order (the host may be noisy).
     repeats: int = 1
+    # > 0: size num_kv_blocks so that all workers' caches together hold this multiple of
+    # the working set (e.g. 1.3 with 2 workers: one cache holds 0.65 of it).
+    cache_fraction: float = 0.0
+    # > 0: this share of conversations opens with system prompt 0 (hot-prefix skew test).
+    hot_prefix_share: float = 0.0
+    # Scheduler's max_inflight_per_worker (0 = the worker's max_num_seqs); above
+    # max_num_seqs requests queue at the worker the policy chose, not in the scheduler.
+    max_inflight_per_worker: int = 0
+    # Concurrency sweep (TTFT vs load); empty = just `concurrency`.
+    loads: tuple[str, ...] = ()
+    # Sequential Route + Release calls after each run (Route cost without queueing).
+    route_probes: int = 200
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,10 @@ class Record:
     # Client-side latency of Scheduler.Route.
     route_s: float
     worker_id: str
+    started: float = 0.0
+    prompt: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+    predicted_cached_tokens: int = 0
 
 
 @dataclass
@@ -130,6 +150,7 @@ class Cluster:
             "scheduler_svc", "--port", str(port), "--redis-url", self.redis.url,
             "--metrics-port", str(self.metrics_port),
             "--routing-policy", self.policy, "--block-size", str(self.config.block_size),
+            "--max-inflight-per-worker", str(self.config.max_inflight_per_worker),
             "--log-level", "WARNING",
         ])  # fmt: skip
         for i in range(self.config.workers):
@@ -182,10 +203,66 @@ def build_workload(config: BenchConfig) -> list[Conversation]:
         return tuple(rng.randrange(3, config.vocab) for _ in range(n))
 
     systems = [tokens(config.system_len) for _ in range(config.system_prompts)]
+
+    def system() -> tuple[int, ...]:
+        if config.hot_prefix_share > 0 and rng.random() < config.hot_prefix_share:
+            return systems[0]
+        return rng.choice(systems)
+
     return [
-        Conversation(rng.choice(systems), tuple(tokens(config.user_len) for _ in range(config.turns)))
+        Conversation(system(), tuple(tokens(config.user_len) for _ in range(config.turns)))
         for _ in range(config.conversations)
     ]
+
+
+def working_set_blocks(workload: list[Conversation], config: BenchConfig) -> int:
+    """Distinct full KV blocks of every conversation's final history (system prompt, user
+    turns, `max_tokens` answers; answers stand in as distinct tokens, only counts matter)."""
+    blocks: set[int] = set()
+    for index, conv in enumerate(workload):
+        history = list(conv.system)
+        for turn, user in enumerate(conv.turns):
+            history.extend(user)
+            history.extend(10**9 + index * 1000 + turn * 50 + k for k in range(config.max_tokens))
+        blocks.update(block_hashes(history, config.block_size))
+    return len(blocks)
+
+
+def sized(config: BenchConfig, workload: list[Conversation]) -> tuple[BenchConfig, dict[str, Any]]:
+    """The config with num_kv_blocks from cache_fraction, and the sizes to print/report."""
+    ws = working_set_blocks(workload, config)
+    if config.cache_fraction > 0:
+        config = replace(config, num_kv_blocks=math.ceil(ws * config.cache_fraction / config.workers))
+    sizes = {
+        "working_set_blocks": ws,
+        "kv_blocks_per_worker": config.num_kv_blocks,
+        "kv_blocks_all_workers": config.num_kv_blocks * config.workers,
+        "working_set_over_one_worker": ws / config.num_kv_blocks,
+        "working_set_over_all_workers": ws / (config.num_kv_blocks * config.workers),
+    }
+    return config, sizes
+
+
+def ideal_hit_rate(records: list[Record], capacity_blocks: int, block_size: int) -> float:
+    """The hit rate of ONE worker holding `capacity_blocks` (all workers' memory) on the
+    same request sequence: an LRU of block hashes, hits capped like the block manager
+    ((prompt - 1) // block_size full blocks), prompt + output blocks stored after each."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    cached = prompt = 0
+    for record in sorted(records, key=lambda r: r.started):
+        hashes = block_hashes(record.prompt, block_size)
+        limit = (len(record.prompt) - 1) // block_size
+        hit = 0
+        while hit < min(limit, len(hashes)) and hashes[hit] in lru:
+            hit += 1
+        cached += hit * block_size
+        prompt += len(record.prompt)
+        for block in block_hashes(record.prompt + record.output, block_size):
+            lru[block] = None
+            lru.move_to_end(block)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return cached / prompt if prompt else 0.0
 
 
 async def wait_ready(
@@ -249,11 +326,16 @@ async def send(
             output.extend(new)
             last = response
     finally:
-        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]), timeout=30)
+        usage = last.usage if last is not None else common_pb2.Usage()
+        # The actual cached tokens go back with the lease, as the gateway sends them.
+        outcome = scheduler_pb2.LeaseOutcome(
+            lease_id=route.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
+        )
+        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(outcomes=[outcome]), timeout=30)
     latency = time.perf_counter() - start
-    usage = last.usage if last is not None else common_pb2.Usage()
     record = Record(ttft, latency, usage.prompt_tokens, usage.cached_tokens, len(output),
-                    routed - start, route.worker_id)  # fmt: skip
+                    routed - start, route.worker_id, start, tuple(prompt), tuple(output),
+                    route.predicted_cached_tokens)  # fmt: skip
     return record, output
 
 
@@ -397,6 +479,52 @@ def summarize(
     }
 
 
+async def sample_queues(
+    stub: scheduler_pb2_grpc.SchedulerStub, samples: dict[str, list[int]], interval_s: float = 0.1
+) -> None:
+    """Every `interval_s`, each worker's queue (running + waiting, from its heartbeats)."""
+    while True:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=2)
+            for status in reply.workers:
+                queue = status.load.num_running + status.load.num_waiting
+                samples.setdefault(status.worker.worker_id, []).append(queue)
+        await asyncio.sleep(interval_s)
+
+
+def queue_balance(samples: dict[str, list[int]]) -> dict[str, Any]:
+    """Time-averaged queue per worker; the busiest one over the mean of all."""
+    means = {w: statistics.fmean(q) for w, q in samples.items() if q}
+    overall = statistics.fmean(means.values()) if means else 0.0
+    busiest = max(means.values()) if means else 0.0
+    return {"mean_queue_per_worker": {w: round(m, 2) for w, m in means.items()},
+            "busiest_over_mean": busiest / overall if overall else float("nan")}  # fmt: skip
+
+
+async def probe_route(mesh: Mesh, records: list[Record], count: int) -> dict[str, float]:
+    """Route + Release back to back on the run's prompts (warm index, idle workers): the
+    client-side cost of Route without admission queueing."""
+    latencies = []
+    for i in range(count):
+        prompt = records[i % len(records)].prompt
+        request = _request(prompt, 1, f"probe-{i}")
+        start = time.perf_counter()
+        route = await mesh.scheduler.Route(scheduler_pb2.RouteRequest(request=request), timeout=30)
+        latencies.append((time.perf_counter() - start) * 1000)
+        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]), timeout=30)
+    return {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99), "count": count}
+
+
+def prediction_error(records: list[Record]) -> dict[str, float]:
+    """Predicted (index at routing time) vs actual (worker usage) cached tokens."""
+    errors = [r.cached_tokens - r.predicted_cached_tokens for r in records]
+    predicted = sum(r.predicted_cached_tokens for r in records)
+    actual = sum(r.cached_tokens for r in records)
+    return {"predicted_tokens": predicted, "actual_tokens": actual,
+            "exact_share": sum(e == 0 for e in errors) / len(errors) if errors else float("nan"),
+            "over_predicted_share": sum(e < 0 for e in errors) / len(errors) if errors else float("nan")}  # fmt: skip
+
+
 async def warm_up(mesh: Mesh, config: BenchConfig) -> None:
     """A few unrelated requests so every worker has run its first (slow) steps."""
     rng = random.Random(-1)
@@ -416,37 +544,57 @@ async def run_policy(
             try:
                 await wait_ready(stub, cluster)
                 await warm_up(mesh, config)
-                before = await asyncio.to_thread(scrape, cluster.metrics_port)
-                records: list[Record] = []
-                gate = asyncio.Semaphore(config.concurrency)
-                cpu_before = cluster.cpu_seconds()
-                start = time.perf_counter()
-                await asyncio.gather(
-                    *(
-                        run_conversation(mesh, conv, i, config, gate, records)
-                        for i, conv in enumerate(workload)
-                    )
-                )
-                wall = time.perf_counter() - start
-                cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
-                after = await asyncio.to_thread(scrape, cluster.metrics_port)
-                await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
-                listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+                summary = await measure(config, cluster, stub, mesh, workload)
             finally:
                 await mesh.close()
-        overhead = HistogramSnapshot.parse(after, OVERHEAD_METRIC).minus(
-            HistogramSnapshot.parse(before, OVERHEAD_METRIC)
-        )
-        summary = summarize(records, wall, list(listing.workers), overhead)
-        reasons_before = routing_reasons(before)
-        summary["routing_reasons"] = {
-            reason: count - reasons_before.get(reason, 0.0)
-            for reason, count in routing_reasons(after).items()
-        }
-        summary["cpu_seconds"] = cpu
         return summary
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+async def measure(
+    config: BenchConfig, cluster: Cluster, stub: scheduler_pb2_grpc.SchedulerStub, mesh: Mesh,
+    workload: list[Conversation],
+) -> dict[str, Any]:  # fmt: skip
+    """One run of the workload on a ready cluster, then the Route probe."""
+    before = await asyncio.to_thread(scrape, cluster.metrics_port)
+    records: list[Record] = []
+    gate = asyncio.Semaphore(config.concurrency)
+    samples: dict[str, list[int]] = {}
+    sampler = asyncio.create_task(sample_queues(stub, samples))
+    cpu_before = cluster.cpu_seconds()
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(run_conversation(mesh, conv, i, config, gate, records) for i, conv in enumerate(workload))
+    )
+    wall = time.perf_counter() - start
+    sampler.cancel()
+    cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
+    after = await asyncio.to_thread(scrape, cluster.metrics_port)
+    await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
+    listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+    probe_before = await asyncio.to_thread(scrape, cluster.metrics_port)
+    probe = await probe_route(mesh, records, config.route_probes)
+    probe_after = await asyncio.to_thread(scrape, cluster.metrics_port)
+
+    def delta(name: str, first: str, last: str) -> HistogramSnapshot:
+        return HistogramSnapshot.parse(last, name).minus(HistogramSnapshot.parse(first, name))
+
+    summary = summarize(records, wall, list(listing.workers), delta(OVERHEAD_METRIC, before, after))
+    summary["ideal_hit_rate"] = ideal_hit_rate(
+        records, config.num_kv_blocks * config.workers, config.block_size
+    )
+    summary["policy_ms"] = delta(POLICY_METRIC, before, after).summary_ms()
+    summary["route_probe_ms"] = probe
+    summary["route_probe_overhead_ms"] = delta(OVERHEAD_METRIC, probe_before, probe_after).summary_ms()
+    summary["queues"] = queue_balance(samples)
+    summary["cached_tokens_prediction"] = prediction_error(records)
+    reasons_before = routing_reasons(before)
+    summary["routing_reasons"] = {
+        reason: count - reasons_before.get(reason, 0.0) for reason, count in routing_reasons(after).items()
+    }
+    summary["cpu_seconds"] = cpu
+    return summary
 
 
 def ensure_model(model_dir: str | None) -> str:
@@ -466,6 +614,13 @@ def ensure_model(model_dir: str | None) -> str:
 
 MEDIAN_KEYS = (
     ("prefix_hit_rate",),
+    ("ideal_hit_rate",),
+    ("policy_ms", "p50"),
+    ("policy_ms", "p99"),
+    ("route_probe_ms", "p50"),
+    ("route_probe_ms", "p99"),
+    ("route_probe_overhead_ms", "p99"),
+    ("queues", "busiest_over_mean"),
     ("ttft_ms", "p50"),
     ("ttft_ms", "p99"),
     ("latency_ms", "p50"),
@@ -494,15 +649,31 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Prefix-aware against the others (medians) and the issue's targets."""
     if "prefix" not in results or "round_robin" not in results:
         return {}
     p, rr = results["prefix"]["median"], results["round_robin"]["median"]
-    return {
-        "hit_rate_prefix_minus_round_robin": p["prefix_hit_rate"] - rr["prefix_hit_rate"],
-        "ttft_p50_ratio_prefix_over_round_robin": p["ttft_ms.p50"] / rr["ttft_ms.p50"],
-        "ttft_p99_ratio_prefix_over_round_robin": p["ttft_ms.p99"] / rr["ttft_ms.p99"],
+    report: dict[str, Any] = {
+        "hit_rate_prefix_over_ideal": p["prefix_hit_rate"] / p["ideal_hit_rate"],
+        "hit_rate_round_robin_over_ideal": rr["prefix_hit_rate"] / p["ideal_hit_rate"],
+        "ttft_p50_speedup_prefix_vs_round_robin": rr["ttft_ms.p50"] / p["ttft_ms.p50"],
+        "ttft_p99_speedup_prefix_vs_round_robin": rr["ttft_ms.p99"] / p["ttft_ms.p99"],
         "throughput_ratio_prefix_over_round_robin": p["output_throughput"] / rr["output_throughput"],
     }
+    if "least_load" in results:
+        ll = results["least_load"]["median"]
+        report["throughput_ratio_prefix_over_least_load"] = p["output_throughput"] / ll["output_throughput"]
+        report["ttft_p50_speedup_prefix_vs_least_load"] = ll["ttft_ms.p50"] / p["ttft_ms.p50"]
+    report["targets"] = {
+        "hit_rate_ge_90pct_of_ideal": report["hit_rate_prefix_over_ideal"] >= 0.9,
+        "ttft_p50_ge_2x_round_robin": report["ttft_p50_speedup_prefix_vs_round_robin"] >= 2.0,
+        "throughput_ge_1_3x_round_robin": report["throughput_ratio_prefix_over_round_robin"] >= 1.3,
+        "busiest_queue_within_2x_mean": p["queues.busiest_over_mean"] <= 2.0,
+        "throughput_ge_least_load": report.get("throughput_ratio_prefix_over_least_load", 0.0) >= 1.0,
+        "policy_p99_lt_2ms": p["policy_ms.p99"] < 2.0,
+        "route_end_to_end_p99_lt_2ms": p["route_probe_ms.p99"] < 2.0,
+    }
+    return report
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
@@ -525,29 +696,52 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
     return BenchConfig(**args), out
 
 
+async def run_all(
+    config: BenchConfig, workload: list[Conversation], log_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Every (load, policy) `repeats` times; per repeat the policy order alternates."""
+    loads = [int(c) for c in config.loads] or [config.concurrency]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        f"c={c}": {policy: [] for policy in config.policies} for c in loads
+    }
+    for repeat in range(config.repeats):
+        order = config.policies if repeat % 2 == 0 else tuple(reversed(config.policies))
+        for load in loads:
+            for policy in order:
+                print(
+                    f"[c={load} {policy} #{repeat + 1}] starting {config.workers} workers ...",
+                    file=sys.stderr,
+                )
+                run = await run_policy(replace(config, concurrency=load), policy, workload, log_dir)
+                runs[f"c={load}"][policy].append(run)
+                print(f"[c={load} {policy} #{repeat + 1}] {json.dumps(run)}", file=sys.stderr)
+    return {
+        load: {policy: {"median": medians(r), "runs": r} for policy, r in by_policy.items()}
+        for load, by_policy in runs.items()
+    }
+
+
 async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config, out = parse_args(argv)
     workload = build_workload(config)
+    config, sizes = sized(config, workload)
+    print(f"sizes: {json.dumps(sizes)}", file=sys.stderr)
     log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
-    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in config.policies}
-    for repeat in range(config.repeats):
-        order = config.policies if repeat % 2 == 0 else tuple(reversed(config.policies))
-        for policy in order:
-            print(f"[{policy} #{repeat + 1}] starting {config.workers} workers ...", file=sys.stderr)
-            runs[policy].append(await run_policy(config, policy, workload, log_dir))
-            print(f"[{policy} #{repeat + 1}] {json.dumps(runs[policy][-1])}", file=sys.stderr)
-    results = {
-        policy: {"median": medians(policy_runs), "runs": policy_runs} for policy, policy_runs in runs.items()
-    }
+    results = await run_all(config, workload, log_dir)
     report = {
+        "command": "python -m bench.routing_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "note": "policies run side by side in one invocation, alternating order per repeat; "
+        "figures under 'median' are medians over the repeats (shared, noisy 2-core host)",
         "config": asdict(config),
+        "sizes": sizes,
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
+            "loadavg": os.getloadavg(),
         },
         "results": results,
-        "comparison": comparison(results),
+        "comparison": {load: comparison(by_policy) for load, by_policy in results.items()},
         "logs": str(log_dir),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
