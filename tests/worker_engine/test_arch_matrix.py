@@ -144,13 +144,24 @@ def test_gemma3_pattern_gives_interleaved_windows() -> None:
     assert spec.layer_windows == (WINDOW, WINDOW, None, WINDOW, WINDOW, None, WINDOW)
 
 
-def test_unknown_attention_argument_is_an_error() -> None:
-    # A kwarg the paged attention would ignore must stop the forward (and so the load probe).
+@pytest.mark.parametrize(
+    ("mask", "kwargs", "message"),
+    [
+        (None, {"alibi_slopes": torch.ones(2)}, r"cannot honour: \['alibi_slopes'\]"),
+        (None, {"is_causal": False}, "non-causal"),
+        (torch.zeros(1, 1, 3, 3), {}, "attention mask the model built itself"),
+    ],
+    ids=["unknown-kwarg", "bidirectional", "own-mask"],
+)
+def test_attention_the_function_would_ignore_is_an_error(
+    mask: torch.Tensor | None, kwargs: dict[str, Any], message: str
+) -> None:
+    # Anything the paged attention would silently drop stops the forward (and so the load probe).
     module = torch.nn.Module()
     module.layer_idx = 0  # type: ignore[assignment]
     q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(RuntimeError, match=r"cannot honour: \['alibi_slopes'\]"):
-        paged_attention_forward(module, q, q, q, None, alibi_slopes=torch.ones(2))
+    with pytest.raises(RuntimeError, match=message):
+        paged_attention_forward(module, q, q, q, mask, **kwargs)
 
 
 def test_readme_table_matches_the_matrix() -> None:

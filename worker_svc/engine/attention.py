@@ -335,8 +335,20 @@ class LayerAttention:
         return self.window is None and self.softcap is None and self.sinks is None
 
 
-def _check_kwargs(layer_idx: int, kwargs: dict[str, Any], dropout: float) -> None:
+def _check_kwargs(
+    layer_idx: int, kwargs: dict[str, Any], dropout: float, attention_mask: torch.Tensor | None
+) -> None:
     """Refuse what this function would otherwise silently ignore (wrong tokens)."""
+    if attention_mask is not None:
+        # transformers' masking_utils pass None for this implementation (module docstring):
+        # a mask here was built by the model itself, encoding who knows what.
+        raise RuntimeError(
+            f"{ATTN_IMPL_NAME}: layer {layer_idx} was given an attention mask the model built itself"
+        )
+    if kwargs.get("is_causal") is False:
+        raise RuntimeError(
+            f"{ATTN_IMPL_NAME}: layer {layer_idx} asks for non-causal (bidirectional) attention"
+        )
     unknown = sorted(k for k, v in kwargs.items() if k not in KNOWN_KWARGS and v is not None)
     if unknown:
         raise RuntimeError(
@@ -360,7 +372,7 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise RuntimeError(f"attention module {type(module).__name__} has no layer_idx")
-    _check_kwargs(layer_idx, kwargs, dropout)
+    _check_kwargs(layer_idx, kwargs, dropout, attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # 0 / 0.0 stand for "not given": the custom op's schema has no optional scalars here.
     kw_window = int(kwargs.get("sliding_window") or 0)
