@@ -1,24 +1,36 @@
-"""Routing benchmark: prefix-aware vs round-robin (vs least-load) scheduling, side by side.
+"""Routing benchmark: prefix-aware vs round-robin vs least-load scheduling, side by side.
 
-    python -m bench.routing_bench [--model-dir DIR] [--workers 2] [--policies prefix,round_robin]
+    python -m bench.routing_bench [--model-dir DIR] [--workers 2]
+        [--policies prefix,round_robin,least_load] [--loads 8,16,32 | --concurrency 8]
         [--conversations 32 --turns 5 --system-prompts 4 --system-len 256 --user-len 128]
-        [--max-tokens 16 --concurrency 8] [--out bench/results/routing.json]
+        [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
+        [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing.json]
 
-For every policy a fresh cluster is started -- a redis-server, `python -m scheduler_svc
---routing-policy P` and `--workers` decoder processes (`python -m worker_svc`) -- and the
-same seeded workload is sent as token ids the way the gateway sends it: `Scheduler.Route`
-(admission + routing, a lease on one worker), then the request on that worker
-(`Worker.Generate`), then `Scheduler.Release`. The workload: multi-turn conversations,
-each opening with one of a few shared system prompts, every turn appending a user
-message and the model's answer to the history.
+For every (load, policy) a fresh cluster is started -- a redis-server, `python -m
+scheduler_svc --routing-policy P` and `--workers` decoder processes (`python -m
+worker_svc`) -- and the same seeded workload is sent as token ids the way the gateway
+sends it: `Scheduler.Route` (admission + routing, a lease on one worker), then the
+request on that worker (`Worker.Generate`), then `Scheduler.Release` carrying the
+actual cached tokens (`LeaseOutcome`). The workload: multi-turn conversations, each
+opening with one of a few shared system prompts (with `--hot-prefix-share`, that share
+of them opens with prompt 0), every turn appending a user message and the model's
+answer to the history.
 
-Reported per policy: prefix-cache hit rate (sum of `usage.cached_tokens` / prompt
-tokens, and the workers' own LoadStats), TTFT p50/p99 (Route sent → first token),
-end-to-end latency, request and output-token throughput, the Route latency seen by the
-client (p50/p99/mean), and the scheduler's own time per Route (received → lease issued,
-admission queueing included) from its `meshserve_scheduler_overhead_seconds` histogram
-(scraped from /metrics before and after the run; p50/p99 interpolated in the buckets
-as Prometheus' histogram_quantile does, and the exact mean).
+Sizing: the working set (distinct full KV blocks of every conversation's final history)
+is printed with the cache sizes; `--cache-fraction F` sets num_kv_blocks so that all
+workers' caches together hold F x the working set (F slightly above 1: larger than ONE
+worker's cache, smaller than all of them).
+
+Reported per policy (medians over `--repeats`, the policy order alternating): prefix-cache
+hit rate (sum of `usage.cached_tokens` / prompt tokens) next to the ideal hit rate (an
+LRU of all workers' memory on the same request sequence: one worker with all the
+memory), TTFT p50/p99, latency, request and output-token throughput, the busiest
+worker's time-averaged queue (running + waiting, from ListWorkers) over the mean, the
+routing policy's own time (`meshserve_scheduler_policy_seconds`), the scheduler's Route
+time (`meshserve_scheduler_overhead_seconds`, admission queueing included), a probe of
+`--route-probes` sequential Route + Release calls after the run (Route end to end
+without queueing), predicted vs actual cached tokens, and the routing reasons; then the
+prefix policy's ratios against the others and the issue's targets.
 Without `--model-dir` the `make model` model is used, else a tiny untrained one is built
 once (devtools.build_model --tiny).
 """
@@ -691,7 +703,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
             parser.add_argument(flag, type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    args["policies"] = tuple(p.strip() for p in args["policies"].split(",") if p.strip())
+    for name, value in asdict(defaults).items():
+        if isinstance(value, tuple):  # comma-separated lists: policies, loads
+            args[name] = tuple(p.strip() for p in args[name].split(",") if p.strip())
     args["model_dir"] = ensure_model(args["model_dir"])
     return BenchConfig(**args), out
 

@@ -30,3 +30,10 @@ def test_ideal_hit_rate_is_an_lru_of_all_the_memory() -> None:
 def test_queue_balance_reports_the_busiest_worker_over_the_mean() -> None:
     balance = queue_balance({"w0": [6, 6], "w1": [2, 2], "w2": [1, 1]})
     assert balance["busiest_over_mean"] == 6 / 3
+
+
+def test_list_flags_are_split() -> None:
+    from bench.routing_bench import parse_args
+
+    config, _ = parse_args(["--model-dir", "m", "--loads", "8,32", "--policies", "prefix,least_load"])
+    assert (config.loads, config.policies) == (("8", "32"), ("prefix", "least_load"))
