@@ -226,9 +226,12 @@ class GenerationRun:
         """One engine step's output of this request: detokenize, queue events."""
         if response.worker_id:
             self.worker_id = response.worker_id
-        if response.HasField("usage") and not self._migrations:
-            # What the client's prompt found cached (a migrated run re-reads prompt + output).
-            self._cached_tokens = response.usage.cached_tokens
+        if response.HasField("usage"):
+            if self._lease is not None:  # the release tells the scheduler what was cached
+                self.upstream.note_usage(self._lease, response.usage)
+            if not self._migrations:
+                # What the client's prompt found cached (a migrated run re-reads prompt + output).
+                self._cached_tokens = response.usage.cached_tokens
         for delta in response.deltas:
             if 0 <= delta.index < len(self._choices):
                 self._on_delta(self._choices[delta.index], delta)

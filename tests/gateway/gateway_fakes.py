@@ -276,6 +276,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     # lease_id -> (request_id, worker_id)
     leases: dict[str, tuple[str, str]] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)
+    # lease id -> LeaseOutcome the gateway released it with
+    outcomes: dict[str, Any] = field(default_factory=dict)
     release_calls: list[list[str]] = field(default_factory=list)
     _lease_ids: Iterator[int] = field(default_factory=itertools.count)
 
@@ -296,6 +298,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.routes.append(scheduler_pb2.RouteRequest.FromString(request.SerializeToString()))
         # Leases a gateway hands back on its next Route (when the contract has the field).
         self.released.extend(getattr(request, "release_lease_ids", ()))
+        self.released.extend(self._note_outcomes(getattr(request, "release_outcomes", ())))
         generate = request.request
         if not generate.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required", _param("model"))
@@ -326,8 +329,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             reason="fake",
         )
 
+    def _note_outcomes(self, outcomes: Any) -> list[str]:
+        """Records leases released with their outcome (actual cached tokens); their ids."""
+        for outcome in outcomes:
+            self.outcomes[outcome.lease_id] = outcome
+        return [outcome.lease_id for outcome in outcomes]
+
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        ids = list(request.lease_ids)
+        ids = list(request.lease_ids) + self._note_outcomes(request.outcomes)
         self.release_calls.append(ids)
         known = [i for i in ids if i in self.leases and i not in self.released]
         self.released.extend(ids)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_fakes import (
+    CACHED_TOKENS,
     DEFAULT_WORKER,
     MODEL,
     FakeScheduler,
@@ -242,6 +243,19 @@ def test_migration_limit_ends_stream_with_error(harness: Harness) -> None:
 
 
 # ------------------------------------------------------------------ scheduler replicas
+
+
+def test_release_carries_the_actual_cached_tokens(harness: Harness, http: httpx.Client) -> None:
+    """The lease goes back with the worker's usage (cached and prompt tokens), so the
+    scheduler can compare its prediction with what the worker really found cached."""
+    reply = http.post(CHAT, json=chat("hello outcome"))
+    assert reply.status_code == 200, reply.text
+    (lease,) = assert_released(harness.scheduler, reply.json()["id"])
+    assert wait_for(lambda: lease in harness.scheduler.outcomes)
+    outcome = harness.scheduler.outcomes[lease]
+    usage = reply.json()["usage"]
+    assert outcome.cached_tokens == CACHED_TOKENS == usage["prompt_tokens_details"]["cached_tokens"]
+    assert outcome.prompt_tokens == usage["prompt_tokens"]
 
 
 def test_first_scheduler_replica_down(harness: Harness) -> None:
