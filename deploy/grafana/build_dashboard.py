@@ -241,7 +241,7 @@ def build() -> dict[str, Any]:
         stack=True,
     )
     g.panel(
-        "Rejections / failovers",
+        "Rejections / failovers / migrations",
         [
             {
                 "expr": f"sum by (code) (rate(meshserve_scheduler_rejected_total{{{NS}}}[{RATE}]))",
@@ -254,6 +254,10 @@ def build() -> dict[str, Any]:
             {
                 "expr": f"sum by (reason) (rate(meshserve_gateway_reroutes_total{{{NS}}}[{RATE}]))",
                 "legendFormat": "gateway reroute {{reason}}",
+            },
+            {
+                "expr": f"sum by (outcome) (rate(meshserve_gateway_migrations_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "mid-stream migration {{outcome}}",
             },
         ],
         unit="reqps",
