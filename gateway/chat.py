@@ -15,6 +15,7 @@ returned unchanged, logged and counted in `meshserve_gateway_json_mode_violation
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -56,7 +57,9 @@ from gateway.serving import (
     sse_event,
     usage_info,
 )
-from gateway.tools import ToolCallStreamParser, forced_tool_calls, parse_tool_calls
+from gateway import reasoning, tool_parsers
+from gateway.tool_parsers import ToolParser, parse_whole
+from gateway.tools import forced_tool_calls
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
@@ -117,6 +120,13 @@ async def start_chat(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = sampling_params(body, max_tokens, logprobs)
     spec = generation_spec(ctx, body, request_id, model, prompt_ids, list(rendered.mm_items), sampling)
+    if (
+        body.tools_enabled()
+        and tool_parser_name(ctx, model) in tool_parsers.NEEDS_SPECIAL_TOKENS
+        and "skip_special_tokens" not in body.model_fields_set
+    ):
+        # The parser's markers ([TOOL_CALLS], <|python_tag|>) are special tokens.
+        spec = dataclasses.replace(spec, skip_special_tokens=False)
     multi = MultiRun([GenerationRun(upstream, spec)], body.n)
     multi.start()
     return multi
@@ -146,6 +156,16 @@ async def create_chat_completion(
         finally:
             if not handed_off:
                 multi.close()
+
+
+def tool_parser_name(ctx: RequestContext, model: str) -> str:
+    """The tool-call parser configured for `model` (--tool-call-parser)."""
+    return tool_parsers.parser_name_for(ctx.config.tool_call_parser, model)
+
+
+def new_tool_parser(ctx: RequestContext, model: str) -> ToolParser:
+    """A fresh parser of `model`'s tool-call format, for one choice."""
+    return tool_parsers.PARSERS[tool_parser_name(ctx, model)]()
 
 
 def check_json_output(text: str, request_id: str, index: int) -> None:
@@ -201,6 +221,10 @@ class ChatCollector:
 
     def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> ChatChoice:
         text = "".join(acc.text)
+        thoughts = None
+        if self.ctx.config.reasoning_parser:
+            thoughts, rest = reasoning.split(self.ctx.config.reasoning_parser, text)
+            text = rest or ""
         if self.body.response_format is not None and self.body.response_format.type == "json_object":
             check_json_output(text, self.request_id, index)
         content: str | None = text
@@ -208,7 +232,9 @@ class ChatCollector:
         if self.body.forced_tools():
             content, calls = forced_tool_calls(self.body, text)
         elif self.body.tools_enabled():
-            content, calls = parse_tool_calls(text)
+            content, calls = parse_whole(new_tool_parser(self.ctx, self.model), text)
+        if thoughts is not None and not content:
+            content = None
         finish = acc.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
@@ -217,7 +243,7 @@ class ChatCollector:
             logprobs = ChatLogprobs(content=chat_logprobs(acc.logprobs, strings, self.body.top_logprobs or 0))
         return ChatChoice(
             index=index,
-            message=ChatResponseMessage(content=content, tool_calls=calls or None),
+            message=ChatResponseMessage(content=content, reasoning_content=thoughts, tool_calls=calls or None),
             logprobs=logprobs,
             finish_reason=finish,  # type: ignore[arg-type]
             stop_reason=acc.stop_reason,
@@ -233,7 +259,9 @@ class ChatStreamer:
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
         self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
         tools = body.tools_enabled()
-        self.parsers = [ToolCallStreamParser() if tools else None for _ in range(body.n)]
+        self.parsers = [new_tool_parser(ctx, model) if tools else None for _ in range(body.n)]
+        name = ctx.config.reasoning_parser
+        self.reasoners = [reasoning.ReasoningParser(name) if name else None for _ in range(body.n)]
         self.json_mode = body.response_format is not None and body.response_format.type == "json_object"
         # Forced tool calls: the JSON is held back and sent as calls when the choice ends.
         self.forced = body.forced_tools()
@@ -253,6 +281,7 @@ class ChatStreamer:
             or self.json_mode
             or self.forced
             or self.parsers[event.index] is not None
+            or self.reasoners[event.index] is not None
         ):
             return None
         self.timer.on_output(len(event.token_ids))
@@ -324,10 +353,12 @@ class ChatStreamer:
     async def on_event(self, event: ChoiceEvent) -> ChatCompletionChunk | None:
         """The chunk for one event (None when it carries nothing to send)."""
         self.timer.on_output(len(event.token_ids))
+        thoughts, text = self._split_reasoning(event)
         parser = self.parsers[event.index]
-        content, calls = parser.feed(event.text) if parser is not None else (event.text, [])
+        content, calls = parser.feed(text) if parser is not None else (text, [])
         if event.finish_reason is not None and parser is not None:
-            content += parser.flush()
+            tail, more = parser.finish()
+            content, calls = content + tail, calls + more
         if self.json_mode or self.forced:
             self.texts[event.index].append(event.text)
         if self.forced:
@@ -340,10 +371,12 @@ class ChatStreamer:
             top_k = self.body.top_logprobs or 0
             strings = await resolve_strings(self.ctx.upstream, self.model, event.logprobs, top_k)
             logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs, strings, top_k))
-        if not (content or calls or logprobs or event.finish_reason):
+        if not (content or calls or logprobs or event.finish_reason or thoughts):
             return None
         delta = DeltaMessage()
-        if content or not calls:
+        if thoughts:
+            delta.reasoning_content = thoughts
+        if content or not (calls or thoughts):
             delta.content = content
         if calls:
             first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
@@ -353,9 +386,18 @@ class ChatStreamer:
             self._finish(choice, event, parser)
         return self.chunk([choice])
 
-    def _finish(
-        self, choice: ChatChunkChoice, event: ChoiceEvent, parser: ToolCallStreamParser | None
-    ) -> None:
+    def _split_reasoning(self, event: ChoiceEvent) -> tuple[str, str]:
+        """(reasoning, content) of the event's text through the choice's reasoning parser."""
+        parser = self.reasoners[event.index]
+        if parser is None:
+            return "", event.text
+        thoughts, text = parser.feed(event.text)
+        if event.finish_reason is not None:
+            more_t, more_c = parser.finish()
+            thoughts, text = thoughts + more_t, text + more_c
+        return thoughts, text
+
+    def _finish(self, choice: ChatChunkChoice, event: ChoiceEvent, parser: ToolParser | None) -> None:
         reason = event.finish_reason
         if self.forced and reason == "stop":
             reason = "tool_calls"

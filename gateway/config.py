@@ -49,6 +49,12 @@ class GatewayConfig:
     # Where tokenizer files fetched from the tokenizer service are kept (empty = a
     # directory under the system temp dir).
     tokenizer_cache_dir: str = ""
+    # Tool-call output format: one parser for every model ("hermes", "qwen",
+    # "llama3_json", "mistral") or per model ("model-a=mistral,model-b=hermes";
+    # a bare name is the default). See gateway/tool_parsers.
+    tool_call_parser: str = "hermes"
+    # `<think>` reasoning split into reasoning_content: "", "qwen3" or "deepseek_r1".
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         """Rejects values that cannot work, naming the offending option."""
@@ -74,3 +80,7 @@ class GatewayConfig:
             raise ValueError("scheduler_address must name at least one scheduler")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
+        from gateway import reasoning, tool_parsers  # here: config must not import them eagerly
+
+        tool_parsers.check_spec(self.tool_call_parser)
+        reasoning.check_name(self.reasoning_parser)

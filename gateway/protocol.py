@@ -313,6 +313,8 @@ class ChatResponseMessage(_Response):
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # vLLM extension: the text of a reasoning model's <think> section (--reasoning-parser).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -375,6 +377,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -102,6 +102,10 @@ class ToolCallStreamParser:
         self._pending, self._in_call = "", False
         return text
 
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """End of output (the `ToolParser` interface): held text; calls all came in feed."""
+        return self.flush(), []
+
 
 def forced_tool_calls(body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
     """Calls of a forced tool choice's output (gateway.structured's schema): a named

@@ -176,3 +176,19 @@ def test_models_and_embeddings_conform(http: httpx.Client) -> None:
     response = http.post("/v1/embeddings", json={"model": "embed-tiny", "input": ["a", "b"]})
     assert response.status_code == 200, response.text
     strict(CreateEmbeddingResponse, response.json())
+
+
+def test_reasoning_content_in_message_and_deltas(harness) -> None:  # type: ignore[no-untyped-def]
+    """deepseek_r1: output without </think> is all reasoning (the fake model never closes it)."""
+    hello = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
+    with harness.gateway(reasoning_parser="deepseek_r1") as gateway, httpx.Client(base_url=gateway.url, timeout=20) as http:
+        data = _chat(http).json()
+        strict(ChatCompletion, data)
+        message = data["choices"][0]["message"]
+        assert message["reasoning_content"] == hello and message["content"] is None
+        chunks = sse_payloads(_chat(http, stream=True))
+        for chunk in chunks:
+            strict(ChatCompletionChunk, chunk)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == hello
+        assert not "".join(d.get("content") or "" for d in deltas)
