@@ -169,3 +169,25 @@ def test_logit_bias_allowed_and_bad_words(engine: LLMEngine, tokenizer) -> None:
     banned = SamplingParams(**base, bad_words=(word,))  # type: ignore[arg-type]
     out = tokens(run_all(engine, [("w", prompt, banned)])["w"])
     assert word not in tokenizer.decode(out[:1])
+
+
+def test_engine_keeps_stepping_while_a_grammar_is_prepared(engine: LLMEngine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The grammar pool is held busy (a real task blocking its one thread): the
+    constrained request waits outside the scheduler while a plain request runs to its
+    end, then gets its matcher and finishes valid."""
+    import threading
+
+    gate = threading.Event()
+    engine.grammar._pool.submit(gate.wait, 30)
+    engine.add_request("json", prompts(5)[0], _json())
+    engine.add_request("plain", prompts(6)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs: dict[str, list] = {"json": [], "plain": []}
+    while "plain" in engine.requests:
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert len(tokens(outs["plain"])) == 8 and not outs["json"]
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    _check(json.loads(tokenizer.decode(tokens(outs["json"]), skip_special_tokens=True)))
