@@ -328,8 +328,7 @@ class ChatStreamer:
                     if plain:
                         yield plain
                     continue
-                chunk = await self.on_event(event)
-                if chunk is not None:
+                for chunk in await self.on_event(event):
                     yield sse_event(chunk)
             usage = self.multi.usage()
             self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
@@ -350,8 +349,11 @@ class ChatStreamer:
             yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
         yield SSE_DONE
 
-    async def on_event(self, event: ChoiceEvent) -> ChatCompletionChunk | None:
-        """The chunk for one event (None when it carries nothing to send)."""
+    async def on_event(self, event: ChoiceEvent) -> list[ChatCompletionChunk]:
+        """The chunks of one event (none when it carries nothing to send): text and
+        reasoning first, then each tool call as OpenAI streams one (a delta with its id,
+        type, name and empty arguments, then one with the arguments); the last chunk
+        carries the finish reason."""
         self.timer.on_output(len(event.token_ids))
         thoughts, text = self._split_reasoning(event)
         parser = self.parsers[event.index]
@@ -372,19 +374,23 @@ class ChatStreamer:
             strings = await resolve_strings(self.ctx.upstream, self.model, event.logprobs, top_k)
             logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs, strings, top_k))
         if not (content or calls or logprobs or event.finish_reason or thoughts):
-            return None
-        delta = DeltaMessage()
-        if thoughts:
-            delta.reasoning_content = thoughts
-        if content or not (calls or thoughts):
-            delta.content = content
-        if calls:
-            first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
-            delta.tool_calls = [_delta_call(first + i, call) for i, call in enumerate(calls)]
-        choice = ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=None)
+            return []
+        deltas = []
+        if thoughts or content or not calls:
+            delta = DeltaMessage()
+            if thoughts:
+                delta.reasoning_content = thoughts
+            if content or not thoughts:
+                delta.content = content
+            deltas.append(delta)
+        first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
+        for i, call in enumerate(calls):
+            deltas.extend(_call_deltas(first + i, call))
+        choices = [ChatChunkChoice(index=event.index, delta=d, logprobs=None, finish_reason=None) for d in deltas]
+        choices[0].logprobs = logprobs
         if event.finish_reason is not None:
-            self._finish(choice, event, parser)
-        return self.chunk([choice])
+            self._finish(choices[-1], event, parser)
+        return [self.chunk([choice]) for choice in choices]
 
     def _split_reasoning(self, event: ChoiceEvent) -> tuple[str, str]:
         """(reasoning, content) of the event's text through the choice's reasoning parser."""
@@ -409,10 +415,10 @@ class ChatStreamer:
             check_json_output("".join(self.texts[event.index]), self.request_id, event.index)
 
 
-def _delta_call(index: int, call: ToolCall) -> DeltaToolCall:
-    return DeltaToolCall(
-        index=index,
-        id=call.id,
-        type="function",
-        function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+def _call_deltas(index: int, call: ToolCall) -> list[DeltaMessage]:
+    """A tool call as OpenAI streams it: the call's header, then its arguments."""
+    head = DeltaToolCall(
+        index=index, id=call.id, type="function", function=DeltaFunctionCall(name=call.function.name, arguments="")
     )
+    args = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.function.arguments))
+    return [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]

@@ -364,7 +364,8 @@ class DeltaFunctionCall(_Response):
 
 
 class DeltaToolCall(_Response):
-    """A streamed tool call (the gateway sends each call whole, in one delta)."""
+    """A streamed tool call: a header delta (index, id, type, name, arguments ""), then
+    deltas with only index and arguments, as OpenAI sends them."""
 
     index: int
     id: str | None = None

@@ -237,9 +237,14 @@ def test_tools_stream(client: openai.OpenAI) -> None:
             finish = choice.finish_reason or finish
     assert content.strip() == "Let me check."
     assert "<tool_call>" not in content
-    assert len(calls) == 1 and calls[0].index == 0
-    assert calls[0].function is not None and calls[0].function.name == "get_weather"
-    assert json.loads(calls[0].function.arguments or "") == {"city": "Paris"}
+    # As OpenAI streams a call: its header (id, type, name, empty arguments), then the
+    # arguments under the same index.
+    assert [c.index for c in calls] == [0, 0]
+    head, args = calls
+    assert head.id and head.type == "function" and head.function is not None
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert args.id is None and args.function is not None and args.function.name is None
+    assert json.loads(args.function.arguments or "") == {"city": "Paris"}
     assert finish == "tool_calls"
 
 
