@@ -164,3 +164,17 @@ def test_bad_schema_is_400_and_the_mesh_goes_on(mesh: Mesh, client: openai.OpenA
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
     reply = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Pet, max_tokens=150)
     assert isinstance(reply.choices[0].message.parsed, Pet)
+
+
+def test_forced_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
+    """The SDK's stream helper assembles the streamed call (header, then arguments)."""
+    with client.chat.completions.stream(
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=120,
+    ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert set(json.loads(calls[0].function.arguments)) == {"city"}
