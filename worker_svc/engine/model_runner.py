@@ -194,6 +194,12 @@ class ModelRunner:
                     keep.append(row0 + item.num_new_tokens - 1)
                 sample_rows.append(len(keep) - 1)
                 sample_items.append(item)
+        if not keep and ids:
+            # Only non-final prefill chunks: no logits are needed, but the step must still
+            # run every layer to store its K/V. A compiled graph with no output row would
+            # drop the attention ops as dead code (the custom op is functional; its cache
+            # writes are invisible to inductor), so one row is kept and thrown away.
+            keep.append(len(ids) - 1)
         logits = self._forward(batch, ids, positions, keep, _image_rows(batch, row0s))
         if len(sample_rows) != len(keep):  # else every kept row is sampled, in order: no copy
             logits_rows = logits[sample_rows]
