@@ -71,7 +71,9 @@ def _xgrammar(tokenizer: Any, vocab: int) -> dict[str, Any]:
     out: dict[str, Any] = {"setup_s": setup, "schemas": {}}
     for name, (schema, instance) in SCHEMAS.items():
         start = time.perf_counter()
-        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+        compiled = compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+        )
         compile_s = time.perf_counter() - start
         matcher = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -99,7 +101,8 @@ def _llguidance(tokenizer: Any, vocab: int) -> dict[str, Any]:
     for name, (schema, instance) in SCHEMAS.items():
         start = time.perf_counter()
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            json.dumps(schema),
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
         )
         matcher = llguidance.LLMatcher(info, grammar)
         if matcher.is_error():

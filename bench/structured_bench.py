@@ -27,7 +27,11 @@ from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from worker_svc.engine.structured import StructuredSpec
 
 SCHEMA = json.dumps(
-    {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000, "maxLength": 2000}}, "required": ["text"]}
+    {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 1000, "maxLength": 2000}},
+        "required": ["text"],
+    }
 )
 
 
@@ -46,7 +50,10 @@ def run(engine: LLMEngine, batch: int, constrained: int, steps: int, tag: str) -
     spec = StructuredSpec("json", SCHEMA)
     for i in range(batch):
         params = SamplingParams(
-            temperature=1.0, seed=i, max_tokens=steps + 1, ignore_eos=True,
+            temperature=1.0,
+            seed=i,
+            max_tokens=steps + 1,
+            ignore_eos=True,
             structured=spec if i < constrained else None,
         )
         engine.add_request(f"{tag}-{i}", [5 + i, 40, 41, 42, 43, 44, 45, 46], params)
@@ -83,8 +90,11 @@ def main() -> None:
         engine.grammar.close()
     base = statistics.median(samples["unconstrained"])
     result = {
-        "tokenizer": str(args.tokenizer_dir), "vocab": engine.model_info.vocab_size,
-        "batch": args.batch, "threads": 1, "repeats": args.repeats,
+        "tokenizer": str(args.tokenizer_dir),
+        "vocab": engine.model_info.vocab_size,
+        "batch": args.batch,
+        "threads": 1,
+        "repeats": args.repeats,
         "rows": {
             name: {
                 "step_median_ms": round(statistics.median(t) * 1e3, 3),

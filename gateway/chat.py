@@ -1,9 +1,12 @@
 """`POST /v1/chat/completions`: RenderChat → context check → Route + worker stream (`generation.py`)
 → OpenAI chat completion (JSON) or chunks (SSE).
 
-Tools: with `tools` and tool_choice "auto" (or unset) the output is parsed for
-Hermes `<tool_call>` blocks (see gateway.tools); finish_reason becomes "tool_calls"
-when a call was parsed and the model stopped normally. tool_choice "required" or a
+Tools: with `tools` and tool_choice "auto" (or unset) the output is parsed by the
+model's tool-call parser (`--tool-call-parser`, gateway.tool_parsers: Hermes/Qwen,
+Llama 3 JSON, Mistral); finish_reason becomes "tool_calls" when a call was parsed and
+the model stopped normally; streamed calls go out as OpenAI sends them (header, then
+arguments). With `--reasoning-parser` the `<think>` section goes to `reasoning_content`
+(gateway.reasoning) before tool parsing. tool_choice "required" or a
 named function is enforced with structured outputs (gateway.structured): the output is
 the calls' JSON, always parsed into tool calls (sent whole when the choice ends).
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 
-from gateway import metrics
+from gateway import metrics, reasoning, tool_parsers
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
 from gateway.logprobs import chat_logprobs, resolve_strings
@@ -57,7 +60,6 @@ from gateway.serving import (
     sse_event,
     usage_info,
 )
-from gateway import reasoning, tool_parsers
 from gateway.tool_parsers import ToolParser, parse_whole
 from gateway.tools import forced_tool_calls
 from gateway.upstream import TOKENIZER
@@ -243,7 +245,9 @@ class ChatCollector:
             logprobs = ChatLogprobs(content=chat_logprobs(acc.logprobs, strings, self.body.top_logprobs or 0))
         return ChatChoice(
             index=index,
-            message=ChatResponseMessage(content=content, reasoning_content=thoughts, tool_calls=calls or None),
+            message=ChatResponseMessage(
+                content=content, reasoning_content=thoughts, tool_calls=calls or None
+            ),
             logprobs=logprobs,
             finish_reason=finish,  # type: ignore[arg-type]
             stop_reason=acc.stop_reason,
@@ -366,8 +370,8 @@ class ChatStreamer:
         if self.forced:
             content, calls = "", []
             if event.finish_reason is not None:
-                content, calls = forced_tool_calls(self.body, "".join(self.texts[event.index]))
-                content = content or ""
+                forced_content, calls = forced_tool_calls(self.body, "".join(self.texts[event.index]))
+                content = forced_content or ""
         logprobs = None
         if self.body.logprobs and event.logprobs:
             top_k = self.body.top_logprobs or 0
@@ -386,7 +390,9 @@ class ChatStreamer:
         first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
         for i, call in enumerate(calls):
             deltas.extend(_call_deltas(first + i, call))
-        choices = [ChatChunkChoice(index=event.index, delta=d, logprobs=None, finish_reason=None) for d in deltas]
+        choices = [
+            ChatChunkChoice(index=event.index, delta=d, logprobs=None, finish_reason=None) for d in deltas
+        ]
         choices[0].logprobs = logprobs
         if event.finish_reason is not None:
             self._finish(choices[-1], event, parser)
@@ -418,7 +424,10 @@ class ChatStreamer:
 def _call_deltas(index: int, call: ToolCall) -> list[DeltaMessage]:
     """A tool call as OpenAI streams it: the call's header, then its arguments."""
     head = DeltaToolCall(
-        index=index, id=call.id, type="function", function=DeltaFunctionCall(name=call.function.name, arguments="")
+        index=index,
+        id=call.id,
+        type="function",
+        function=DeltaFunctionCall(name=call.function.name, arguments=""),
     )
     args = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.function.arguments))
     return [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]

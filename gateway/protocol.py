@@ -119,7 +119,9 @@ class SamplingRequest(_Request):
             if not key.isdigit() or int(key) > INT32_MAX:
                 raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
             if not -100 <= bias <= 100:
-                raise APIError(400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", param="logit_bias")
+                raise APIError(
+                    400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", param="logit_bias"
+                )
             out[int(key)] = bias
         return out
 
@@ -267,7 +269,9 @@ class ChatCompletionRequest(SamplingRequest):
     def forced_tools(self) -> bool:
         """tool_choice "required" or a named function: the output is constrained to the
         calls' JSON (structured outputs) and always parses into tool calls."""
-        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        )
 
 
 class ToolCallFunction(_Response):

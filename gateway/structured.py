@@ -17,7 +17,7 @@ from typing import Any
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
 
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def constraint(body: SamplingRequest) -> tuple[str, str, str] | None:
@@ -33,8 +33,11 @@ def constraint(body: SamplingRequest) -> tuple[str, str, str] | None:
     if so.json_object:
         set_fields.append("json_object")
     if len(set_fields) != 1:
-        raise APIError(400, "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
-                       param="structured_outputs")
+        raise APIError(
+            400,
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            param="structured_outputs",
+        )
     name = set_fields[0]
     if name == "json_":
         value = so.json_

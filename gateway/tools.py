@@ -125,5 +125,7 @@ def forced_tool_calls(body: ChatCompletionRequest, text: str) -> tuple[str | Non
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return text, []
         arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-        calls.append(ToolCall(id=new_call_id(), function=ToolCallFunction(name=item["name"], arguments=arguments)))
+        calls.append(
+            ToolCall(id=new_call_id(), function=ToolCallFunction(name=item["name"], arguments=arguments))
+        )
     return None, calls

@@ -32,7 +32,7 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
 # Parsers whose markers are special tokens: the output must be detokenized with them.
 NEEDS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral"})
 
-__all__ = ["NEEDS_SPECIAL_TOKENS", "PARSERS", "ToolParser", "parse_whole", "parser_name_for", "check_spec"]
+__all__ = ["NEEDS_SPECIAL_TOKENS", "PARSERS", "ToolParser", "check_spec", "parse_whole", "parser_name_for"]
 
 
 def _entries(spec: str) -> tuple[str | None, dict[str, str]]:
@@ -55,7 +55,9 @@ def check_spec(spec: str) -> None:
     default, per_model = _entries(spec)
     for name in [default, *per_model.values()]:
         if name is not None and name not in PARSERS:
-            raise ValueError(f"tool_call_parser: unknown parser {name!r} (known: {', '.join(sorted(PARSERS))})")
+            raise ValueError(
+                f"tool_call_parser: unknown parser {name!r} (known: {', '.join(sorted(PARSERS))})"
+            )
 
 
 def parser_name_for(spec: str, model: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
 Short = Annotated[str, Field(max_length=8)]
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     cat = "cat"
     dog = "dog"
 
@@ -55,7 +55,9 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     config = MeshConfig(
         model_dir=str(model_dir),
         gateway_port=free_port(),
@@ -128,23 +130,37 @@ def test_mixed_batch_constrained_and_not(client: openai.OpenAI, model: str) -> N
 
 def test_extras_choice_regex(client: openai.OpenAI, model: str) -> None:
     reply = client.chat.completions.create(
-        model=model, messages=MESSAGES, max_tokens=20, temperature=1.0,
+        model=model,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=1.0,
         extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
     )
     assert reply.choices[0].message.content in ("alpha", "beta")
     done = client.completions.create(
-        model=model, prompt="Code:", max_tokens=20, temperature=1.0,
+        model=model,
+        prompt="Code:",
+        max_tokens=20,
+        temperature=1.0,
         extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}},
     )
     text = done.choices[0].text
     assert len(text) == 6 and text[2] == "-" and text[3:].isdigit(), text
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_forced_tool_choice_always_parses(client: openai.OpenAI, model: str, tool_choice: object) -> None:
     reply = client.chat.completions.create(
-        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice,  # type: ignore[arg-type]
-        temperature=1.0, seed=2, max_tokens=120, parallel_tool_calls=False,
+        model=model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice=tool_choice,  # type: ignore[arg-type]
+        temperature=1.0,
+        seed=2,
+        max_tokens=120,
+        parallel_tool_calls=False,
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
@@ -169,8 +185,14 @@ def test_bad_schema_is_400_and_the_mesh_goes_on(mesh: Mesh, client: openai.OpenA
 def test_forced_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
     """The SDK's stream helper assembles the streamed call (header, then arguments)."""
     with client.chat.completions.stream(
-        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
-        parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=120,
+        model=model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=5,
+        max_tokens=120,
     ) as stream:
         final = stream.get_final_completion()
     choice = final.choices[0]

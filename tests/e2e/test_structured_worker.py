@@ -53,8 +53,13 @@ def _run(model_dir: Path, body, num_kv_blocks: int = 0):  # type: ignore[no-unty
     async def main():  # type: ignore[no-untyped-def]
         worker = WorkerProcess(
             WorkerConfig(
-                port=0, model_dir=str(model_dir), worker_id="w", block_size=4,
-                num_kv_blocks=num_kv_blocks, kv_cache_memory_mb=8, enable_prefix_caching=False,
+                port=0,
+                model_dir=str(model_dir),
+                worker_id="w",
+                block_size=4,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_mb=8,
+                enable_prefix_caching=False,
             )
         )
         await worker.start()
@@ -83,7 +88,9 @@ async def _settled_load(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-un
 
 def _all(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-untyped-def]
     requests = [
-        common_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=_sampling(10 + i, 2 if i == 4 else 1))
+        common_pb2.GenerateRequest(
+            request_id=f"r{i}", prompt_token_ids=p, sampling=_sampling(10 + i, 2 if i == 4 else 1)
+        )
         for i, p in enumerate(PROMPTS)
     ]
     return asyncio.gather(*(_generate(stub, r) for r in requests))
@@ -105,10 +112,16 @@ def test_preempted_constrained_requests_match_solo_runs_and_parse(model_dir: Pat
 
 def test_migrated_constrained_request_continues_from_its_tokens(model_dir: Path) -> None:
     async def body(stub: worker_pb2_grpc.WorkerStub) -> tuple[Tokens, Tokens]:
-        whole = await _generate(stub, common_pb2.GenerateRequest(
-            request_id="whole", prompt_token_ids=PROMPTS[0], sampling=_sampling(3)))
+        whole = await _generate(
+            stub,
+            common_pb2.GenerateRequest(
+                request_id="whole", prompt_token_ids=PROMPTS[0], sampling=_sampling(3)
+            ),
+        )
         moved = common_pb2.GenerateRequest(
-            request_id="moved", prompt_token_ids=PROMPTS[0], sampling=_sampling(3),
+            request_id="moved",
+            prompt_token_ids=PROMPTS[0],
+            sampling=_sampling(3),
             resumed=[common_pb2.ResumedOutput(index=0, token_ids=whole[0][:6])],
         )
         return whole, await _generate(stub, moved)
@@ -121,8 +134,12 @@ def test_migrated_constrained_request_continues_from_its_tokens(model_dir: Path)
 
 @pytest.mark.parametrize(
     ("kind", "spec", "field"),
-    [("json", '{"type": "bogus"}', "structured_outputs"), ("regex", "a(", "structured_outputs"),
-     ("xml", "", "structured_outputs"), ("json", "{}", "logit_bias")],
+    [
+        ("json", '{"type": "bogus"}', "structured_outputs"),
+        ("regex", "a(", "structured_outputs"),
+        ("xml", "", "structured_outputs"),
+        ("json", "{}", "logit_bias"),
+    ],
 )
 def test_bad_constraint_is_invalid_argument(model_dir: Path, kind: str, spec: str, field: str) -> None:
     async def body(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-untyped-def]
@@ -130,9 +147,12 @@ def test_bad_constraint_is_invalid_argument(model_dir: Path, kind: str, spec: st
         if field == "logit_bias":
             sampling.logit_bias[10**6] = 1.0
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _generate(stub, common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[5, 6], sampling=sampling))
-        fine = await _generate(stub, common_pb2.GenerateRequest(
-            request_id="ok", prompt_token_ids=[5, 6], sampling=_sampling(1)))
+            await _generate(
+                stub, common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[5, 6], sampling=sampling)
+            )
+        fine = await _generate(
+            stub, common_pb2.GenerateRequest(request_id="ok", prompt_token_ids=[5, 6], sampling=_sampling(1))
+        )
         return caught.value, fine
 
     (error, fine), load = _run(model_dir, body)

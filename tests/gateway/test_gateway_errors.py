@@ -45,7 +45,15 @@ def assert_error(reply: httpx.Response, status: int, param: str | None = None) -
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex"),
         ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),

@@ -181,7 +181,10 @@ def test_models_and_embeddings_conform(http: httpx.Client) -> None:
 def test_reasoning_content_in_message_and_deltas(harness) -> None:  # type: ignore[no-untyped-def]
     """deepseek_r1: output without </think> is all reasoning (the fake model never closes it)."""
     hello = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
-    with harness.gateway(reasoning_parser="deepseek_r1") as gateway, httpx.Client(base_url=gateway.url, timeout=20) as http:
+    with (
+        harness.gateway(reasoning_parser="deepseek_r1") as gateway,
+        httpx.Client(base_url=gateway.url, timeout=20) as http,
+    ):
         data = _chat(http).json()
         strict(ChatCompletion, data)
         message = data["choices"][0]["message"]

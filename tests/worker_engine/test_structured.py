@@ -162,7 +162,9 @@ def test_logit_bias_allowed_and_bad_words(engine: LLMEngine, tokenizer) -> None:
     assert biased == [77] * 6 != plain
     suppressed = SamplingParams(**base, logit_bias=((plain[0], -100.0),))  # type: ignore[arg-type]
     assert tokens(run_all(engine, [("s", prompt, suppressed)])["s"])[0] != plain[0]
-    allowed = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, allowed_token_ids=(40, 41, 42))
+    allowed = SamplingParams(
+        temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, allowed_token_ids=(40, 41, 42)
+    )
     assert set(tokens(run_all(engine, [("a", prompt, allowed)])["a"])) <= {40, 41, 42}
     word = tokenizer.decode([plain[0]]).strip()
     assert word

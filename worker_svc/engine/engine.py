@@ -190,7 +190,9 @@ class LLMEngine:
         self.requests[request_id] = request
         if sampling_params.structured is not None or sampling_params.bad_words:
             # Structured-outputs hook: scheduled once its matcher is ready (_admit_prepared).
-            future = self.grammar.prepare(sampling_params.structured, sampling_params.bad_words, resumed_output)
+            future = self.grammar.prepare(
+                sampling_params.structured, sampling_params.bad_words, resumed_output
+            )
             self._preparing.append((request, future))
             return
         self.scheduler.add(request)

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compact separators, no free whitespace: a random-weight model cannot run off into
 # endless spaces, and the output is what `json.dumps` of the object would be.
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
 
 
@@ -120,7 +120,9 @@ class GrammarBackend:
         """Matcher (advanced over ``resumed``) and bad-word token ids, on the pool."""
         return self._pool.submit(self._prepare, spec, tuple(bad_words), tuple(resumed))
 
-    def _prepare(self, spec: StructuredSpec | None, bad_words: tuple[str, ...], resumed: tuple[int, ...]) -> Prepared:
+    def _prepare(
+        self, spec: StructuredSpec | None, bad_words: tuple[str, ...], resumed: tuple[int, ...]
+    ) -> Prepared:
         matcher = None
         if spec is not None:
             matcher = self._matcher(spec.validate())
