@@ -193,3 +193,14 @@ def test_engine_keeps_stepping_while_a_grammar_is_prepared(engine: LLMEngine, to
         for out in engine.step():
             outs[out.request_id].append(out)
     _check(json.loads(tokenizer.decode(tokens(outs["json"]), skip_special_tokens=True)))
+
+
+def test_rules_leaving_the_grammar_no_token_abort_only_that_request(engine: LLMEngine) -> None:
+    """allowed_token_ids disjoint from what the grammar allows at the start ("{"): the
+    request ends (abort) instead of failing the batch; its neighbour is unaffected."""
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = tokens(run_all(engine, [("p", prompts(6)[0], plain)])["p"])
+    clash = _json(allowed_token_ids=(40, 41))
+    outs = run_all(engine, [("p", prompts(6)[0], plain), ("c", prompts(5)[0], clash)])
+    assert outs["c"][-1].finish_reason == "abort"
+    assert tokens(outs["p"]) == alone

@@ -327,19 +327,32 @@ class LLMEngine:
         for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
             request = item.request
             request.output_token_ids.append(token)
-            if request.grammar is not None:
-                # Structured outputs: the matcher sees each accepted token exactly once.
-                request.grammar.consume_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.num_generated_tokens += 1
-            self._check_stop(request, token)
+            if self._advance_grammar(request, token):
+                self._check_stop(request, token)
             outputs.append(self._output(request, [token], [logprob] if logprob is not None else None))
             if request.is_finished:
                 self.scheduler.remove(request)
                 self.requests.pop(request.request_id, None)
                 self.num_finished += 1
         return outputs
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Structured outputs hook: the matcher sees each accepted token exactly once.
+        A token it refuses (only possible when other rules, e.g. allowed_token_ids,
+        left no token the grammar allows) aborts this request, not the batch."""
+        if request.grammar is None or request.grammar.consume_token(token):
+            return True
+        log.warning(
+            "request %s: token %d violates its grammar (%s); aborted",
+            request.request_id,
+            token,
+            request.grammar.get_error()[:200],
+        )
+        request.status = RequestStatus.FINISHED_ABORTED
+        return False
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params
