@@ -230,3 +230,18 @@ def test_gemma3_vision_checkpoint_is_refused(tmp_path: Path) -> None:
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="vision-language model_type 'gemma3'"):
         _engine(tmp_path)
+
+
+@pytest.mark.slow  # ~15 s of inductor compile per model on a small CPU
+@pytest.mark.parametrize("name", ["gpt-oss", "Gemma 2"])
+def test_windowed_layers_under_torch_compile(name: str, tmp_path: Path) -> None:
+    # The compiled graph calls the paged attention as an opaque custom op that takes the
+    # softcap and sinks as arguments and reads the windows from the step's metadata.
+    case = next(c for c in CASES if c.name == name)
+    ref = _save(case, tmp_path)
+    long, short, _ = _prompts(VOCAB)
+    engine = _engine(tmp_path, compile_model=True, max_num_batched_tokens=8)
+    outs = run_all(engine, [("long", long, PARAMS), ("short", short, PARAMS)])
+    assert tokens(outs["long"]) == hf_greedy(ref, long, NEW_TOKENS)
+    assert tokens(outs["short"]) == hf_greedy(ref, short, NEW_TOKENS)
+    assert engine.runner.compile_seconds > 0
