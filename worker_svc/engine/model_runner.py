@@ -304,7 +304,8 @@ def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[li
 
 
 def _precheck_model_dir(model_dir: str) -> None:
-    """UnsupportedModelError when the checkpoint's causal LM class cannot take the paged attention."""
+    """UnsupportedModelError when the checkpoint's causal LM class cannot take the paged
+    attention or its config asks for attention it does not implement (from config.json only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     top = AutoConfig.from_pretrained(model_dir)
@@ -321,6 +322,7 @@ def _precheck_model_dir(model_dir: str) -> None:
     # A config type may map to several classes (a tuple): every candidate must qualify.
     for model_cls in found if isinstance(found, tuple) else (found,):
         check_model_class(model_cls, arch)
+    attention_spec(cfg, arch)  # config-level refusals before any weight is read
 
 
 def _eos_ids(gen_cfg: Any, cfg: Any) -> tuple[int, ...]:
