@@ -31,9 +31,9 @@ layer's ``softcap`` (tanh logit capping) and ``s_aux`` (attention sinks: one ext
 per head in the softmax denominator) arrive as keyword arguments. Such a layer runs on
 torch (prefill chunks) on every backend (:func:`_attend_dense`: SDPA for a window only,
 explicit softmax with softcap/sinks), reading only the blocks that hold its window; its
-decode rows run in the native CPU kernel (which takes window, softcap and sinks) or, on
-the torch and Triton backends, on torch too -- the Triton kernel serves plain causal
-layers only, so it is correct by construction. Keyword arguments outside :data:`KNOWN_KWARGS` are an error, never ignored.
+decode rows run in the native CPU or Triton decode kernel (both take window, softcap and
+sinks) or, on the torch backend, in :func:`_decode_layer`. Keyword arguments outside
+:data:`KNOWN_KWARGS` are an error, never ignored.
 
 Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
 :mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
@@ -294,14 +294,14 @@ def _decode(
 ) -> None:
     """Attention of the decode rows of ``q [T, H, D]`` into the same rows of ``out``.
 
-    ``layer`` (window / softcap / sinks) is served by the native CPU kernel only; the
-    torch and Triton decoders get plain layers (see :func:`_attend`)."""
+    ``layer`` (window / softcap / sinks) is served by the native CPU and Triton kernels;
+    the torch backend gets plain layers here (the others go to :func:`_decode_layer`)."""
     rows = meta.decode_token_idx
     if rows is None:
         return
     layer = layer or LayerAttention()
-    if meta.backend != "cpu" and not layer.plain:
-        raise RuntimeError(f"the {meta.backend} decode kernel serves plain causal layers only")
+    if meta.backend == "torch" and not layer.plain:
+        raise RuntimeError("the torch decode path here serves plain causal layers only (see _decode_layer)")
     if meta.backend == "torch":
         od = _decode_torch(q.index_select(0, rows), cache, meta, scale)
         out.index_copy_(0, rows, od.to(out.dtype))
@@ -317,7 +317,16 @@ def _decode(
         return
     from worker_svc.engine import triton_attention
 
-    od = triton_attention.paged_decode_attention(q.index_select(0, rows), cache, tables, lens, scale)
+    od = triton_attention.paged_decode_attention(
+        q.index_select(0, rows),
+        cache,
+        tables,
+        lens,
+        scale,
+        layer.window or 0,
+        layer.softcap or 0.0,
+        layer.sinks,
+    )
     out.index_copy_(0, rows, od.to(out.dtype))
 
 
@@ -462,7 +471,7 @@ def _attend(
     # Contiguous [T, H, D] (not q's transposed strides): the caller's reshape is then a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.decode_token_idx is not None:
-        if layer.plain or meta.backend == "cpu":
+        if layer.plain or meta.backend != "torch":
             _decode(q, cache, meta, scale, out, layer)
         else:
             rows = meta.decode_token_idx

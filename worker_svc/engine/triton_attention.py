@@ -10,10 +10,10 @@ block at a time with an online (streaming) softmax in fp32, so no padded context
 materialized. Prefill chunks stay on torch SDPA (the runner gathers their
 context), which on GPU dispatches to flash/efficient kernels anyway.
 
-The decode kernel computes plain causal attention only: layers with a sliding window,
-logit softcapping or attention sinks never reach it (``attention._attend`` sends them to
-the torch path on the same cache), so a windowed model is correct on this backend by
-construction; ``test_arch_matrix`` checks it under TRITON_INTERPRET=1.
+The decode kernel also serves per-layer attention: a sliding window (the walk starts at
+the window's first block), logit softcapping and attention sinks (one extra logit per head
+in the denominator), checked against the torch path under TRITON_INTERPRET=1 by
+``test_arch_matrix`` and ``test_triton_layers``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def backend_supported(device: torch.device, block_size: int) -> bool:
     """Whether the triton path can serve this device / block size (power-of-two blocks)."""
     on_device = device.type == "cuda" or (device.type == "cpu" and interpreting())
     return HAS_TRITON and on_device and block_size & (block_size - 1) == 0
+
+
+_NO_WINDOW = 2**30  # "no sliding window": longer than any context
 
 
 def _next_pow2(n: int) -> int:
@@ -88,6 +91,11 @@ if HAS_TRITON:
         bt_stride,
         o_stride_b,
         o_stride_h,
+        sinks_ptr,
+        window,
+        softcap,
+        HAS_SINKS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
         GROUP: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -113,15 +121,21 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for blk in range(0, num_blocks):
+        # A sliding window starts at its first key: earlier blocks are skipped. No window
+        # comes as window >= any length (no data-dependent branch in the kernel).
+        first = tl.maximum(seq_len - window, 0)
+        for blk in range(first // BLOCK_SIZE, num_blocks):
             phys = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
-            t_mask = (blk * BLOCK_SIZE + tok) < seq_len
+            pos = blk * BLOCK_SIZE + tok
+            t_mask = (pos < seq_len) & (pos >= first)
             # [BLOCK_SIZE, BLOCK_D] offsets of this block's K/V rows for kv_head.
             offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
             scores = tl.where(t_mask[None, :], scores, -float("inf"))
             # Online softmax: every visited block has >= 1 valid token, so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -130,6 +144,12 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if HAS_SINKS:  # one extra logit per head, in the denominator only
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp(sink - m_fin)
+            acc = acc * alpha[:, None]
         out = acc / l_i[:, None]
         o_offs = seq * o_stride_b + heads[:, None] * o_stride_h + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -159,11 +179,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``q [B, H, D]`` over each row's paged context -> ``[B, H, D]``.
 
     ``block_tables [B, max_blocks]`` int32 and ``seq_lens [B]`` int32 (context length
-    including the token being decoded, whose KV must already be stored).
+    including the token being decoded, whose KV must already be stored). ``window``
+    (keys ``p - window < k <= p``), ``softcap`` and ``sinks [H]`` as in
+    :mod:`worker_svc.engine.attention`; 0 / 0.0 / None mean none.
     """
     _require_triton()
     batch, heads, head_dim = q.shape
@@ -172,6 +197,7 @@ def paged_decode_attention(
         raise ValueError("KV cache must be contiguous")
     q = q.contiguous()
     out = torch.empty_like(q)
+    sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
     if batch == 0:
         return out
     launch: Any = _paged_decode_kernel[(batch, hkv)]
@@ -188,6 +214,11 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        sink_f32,
+        int(window) if window > 0 else _NO_WINDOW,
+        float(softcap) if softcap else 1.0,
+        HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=bool(softcap),
         GROUP=heads // hkv,
         NUM_KV_HEADS=hkv,
         HEAD_DIM=head_dim,
