@@ -247,3 +247,12 @@ def test_windowed_layers_under_torch_compile(name: str, tmp_path: Path) -> None:
     assert tokens(outs["long"]) == hf_greedy(ref, long, NEW_TOKENS)
     assert tokens(outs["short"]) == hf_greedy(ref, short, NEW_TOKENS)
     assert engine.runner.compile_seconds > 0
+
+
+def test_block_size_one_with_a_windowed_model(tmp_path: Path) -> None:
+    # The load probe and the window's block skipping at the smallest block size.
+    case = next(c for c in CASES if c.name == "gpt-oss")
+    ref = _save(case, tmp_path)
+    long, _, _ = _prompts(VOCAB)
+    engine = _engine(tmp_path, block_size=1, num_kv_blocks=40, max_num_batched_tokens=8)
+    assert tokens(run_all(engine, [("long", long, PARAMS)])["long"]) == hf_greedy(ref, long, NEW_TOKENS)

@@ -249,12 +249,12 @@ class ModelRunner:
         return logits
 
     def _probe_attention(self) -> None:
-        """One 2-token forward pass at load (into block 0, which no request holds yet):
+        """One 1-token forward pass at load (into block 0, which no request holds yet):
         every layer must reach the paged attention exactly once, with arguments it
         honours and the sliding window the config promised -- else refuse the model."""
         arch = self.attention.architecture
         meta = build_attention_metadata(
-            [(0, 2, [0])],
+            [(0, 1, [0])],
             self.config.block_size,
             self.kv_caches,
             self.device,
@@ -262,12 +262,10 @@ class ModelRunner:
             self.attention.layer_windows,
         )
         meta.probe = {}
-        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         try:
             with torch.inference_mode(), attention_context(meta):
-                self.model(
-                    input_ids=ids, position_ids=torch.arange(2, device=self.device)[None], use_cache=False
-                )
+                self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
         except RuntimeError as exc:
             raise UnsupportedModelError(arch, str(exc)) from exc
         layers = sorted(meta.probe)
