@@ -50,11 +50,21 @@ async def _with_worker(model_dir: Path, body):  # type: ignore[no-untyped-def]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             result = await body(stub)
-            load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-            return result, load
+            return result, await _settled_load(stub)
     finally:
         await worker.server.server.stop(0)
         await worker.close()
+
+
+async def _settled_load(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) -> worker_pb2.LoadStats:
+    """GetLoad once nothing runs (the engine refreshes its stats after its last step, so
+    a reply right after the last output may still count the request running)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        if (load.num_running == 0 and load.num_waiting == 0) or asyncio.get_running_loop().time() > deadline:
+            return load
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
