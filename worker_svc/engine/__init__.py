@@ -3,8 +3,10 @@
 Layers, bottom up: ``services.kv_hash`` (block hash scheme) -> ``block_manager``
 (paged blocks + prefix cache + KV events) -> ``scheduler`` (token-budget, chunked
 prefill, preemption) -> ``model_runner`` + ``attention`` (transformers model with a
-paged attention function; ``cpu_attention`` + ``csrc/paged_decode.c``: the native CPU
-decode kernel) -> ``sampling`` -> ``engine`` (sync step loop) ->
+paged attention function; ``arch``: per-layer attention properties -- sliding windows,
+softcap, sinks -- and the load-time refusal of models we cannot serve exactly;
+``cpu_attention`` + ``csrc/paged_decode.c``: the native CPU decode kernel) ->
+``sampling`` (+ ``structured``: grammar bitmasks) -> ``engine`` (sync step loop) ->
 ``async_engine`` (asyncio front with a dedicated engine thread). ``multimodal``: the
 language-model-only load of vision-language checkpoints and image-embedding merging.
 """
