@@ -44,6 +44,10 @@ class SchedulerConfig(ServerConfig):
     # conversation may stay where its history is cached while the loads are close).
     load_imbalance: float = 0.5
     load_imbalance_min: float = 2.0
+    # ... and so does a worker more than load_spread_min requests and load_spread times
+    # above the lightest one (SGLang's absolute + relative thresholds).
+    load_spread: float = 2.0
+    load_spread_min: float = 4.0
     # Routing decisions count as cached prefixes for this long, until KV events confirm them.
     speculative_ttl_s: float = 2.0
     # Embedding calls retried on another worker after a transport failure.
@@ -87,6 +91,8 @@ class SchedulerConfig(ServerConfig):
             raise ValueError("lease_ttl_s must be > 0 and lease_grace_s >= 0")
         if not 0 < self.load_cap <= 1:
             raise ValueError(f"load_cap must be in (0, 1], got {self.load_cap}")
+        if self.load_spread < 1 or self.load_spread_min < 0:
+            raise ValueError(f"load_spread must be >= 1 and load_spread_min >= 0, got {self.load_spread}")
         if self.load_imbalance <= 0 or self.load_imbalance_min < 0:
             raise ValueError(
                 f"load_imbalance must be > 0 and load_imbalance_min >= 0, got "

@@ -115,6 +115,10 @@ class PrefixWeights:
     # Allowed excess over the mean load: a fraction of the mean, at least `load_imbalance_min`.
     load_imbalance: float = 0.5
     load_imbalance_min: float = 2.0
+    # SGLang's rule against the lightest worker: over `load_spread` x its load (+1 each)
+    # and more than `load_spread_min` requests above it (an idle worker left idle).
+    load_spread: float = 2.0
+    load_spread_min: float = 4.0
 
 
 class PrefixAwarePolicy:
@@ -182,14 +186,20 @@ class PrefixAwarePolicy:
     def _over_cap(self, worker: WorkerState, candidates: Sequence[WorkerState]) -> bool:
         """At `load_cap` of its capacity while another candidate is below it, or (with this
         request) above the candidates' mean load by more than `load_imbalance` of the mean
-        (at least `load_imbalance_min`). When every worker is at the cap, only the relative
+        (at least `load_imbalance_min`), or above the lightest worker by more than
+        `load_spread_min` requests and `load_spread` times its load. When every worker is at the cap, only the relative
         rule applies: moving a request from one full worker to another gains nothing and
         loses its cached prefix."""
         w = self._weights
         if worker.load_fraction() >= w.load_cap and any(c.load_fraction() < w.load_cap for c in candidates):
             return True
-        mean = (sum(c.estimated_load() for c in candidates) + 1) / len(candidates)
-        return worker.estimated_load() + 1 - mean > max(w.load_imbalance * mean, w.load_imbalance_min)
+        load = worker.estimated_load()
+        loads = [c.estimated_load() for c in candidates]
+        mean = (sum(loads) + 1) / len(candidates)
+        if load + 1 - mean > max(w.load_imbalance * mean, w.load_imbalance_min):
+            return True
+        lightest = min(loads)
+        return load - lightest > w.load_spread_min and load + 1 > w.load_spread * (lightest + 1)
 
 
 def make_policy(name: str, index: PrefixIndex, weights: PrefixWeights | None = None) -> RoutingPolicy:

@@ -52,6 +52,8 @@ class Scheduler:
             config.load_cap,
             config.load_imbalance,
             config.load_imbalance_min,
+            config.load_spread,
+            config.load_spread_min,
         )
         self.policy = make_policy(config.routing_policy, self.index, weights)
         self.dispatcher = Dispatcher(

@@ -94,7 +94,9 @@ def test_load_cap_falls_back_to_least_load() -> None:
     index = PrefixIndex(speculative_ttl_s=0)
     tokens = list(range(40))
     index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
-    policy = PrefixAwarePolicy(index, PrefixWeights(prefix=10.0, load_cap=0.8, load_imbalance=10.0))
+    policy = PrefixAwarePolicy(
+        index, PrefixWeights(prefix=10.0, load_cap=0.8, load_imbalance=10.0, load_spread=10.0)
+    )
     below = [worker("hot", running=7), worker("cold", running=0)]
     assert policy.choose(request(tokens), below).worker.worker_id == "hot"
     over = [worker("hot", running=8), worker("cold", running=0)]
@@ -163,3 +165,18 @@ def test_make_policy() -> None:
     assert make_policy("round_robin", index).name == "round_robin"
     assert make_policy("least_load", index).name == "least_load"
     assert make_policy("prefix", index).name == "prefix"
+
+
+def test_an_idle_worker_is_not_left_idle_beside_a_crowded_one() -> None:
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    index.reset_worker("hot", block_hashes(tokens, BS), "e", 1)
+    # Within the mean rule (mean 23/3, hot would carry 10: 2.3 above, slack 3.8) ...
+    weights = PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=2.0)
+    ws = [worker("hot", running=9, capacity=32), worker("busy", running=11, capacity=32),
+          worker("idle", running=2, capacity=32)]  # fmt: skip
+    # ... but 7 above the idle worker and 10 > 2 x 3: the request goes there.
+    decision = PrefixAwarePolicy(index, weights).choose(request(tokens), ws)
+    assert (decision.worker.worker_id, decision.reason) == ("idle", "load_cap")
+    relaxed = PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=2.0, load_spread=10.0)
+    assert PrefixAwarePolicy(index, relaxed).choose(request(tokens), ws).worker.worker_id == "hot"
