@@ -537,6 +537,39 @@ def prediction_error(records: list[Record]) -> dict[str, float]:
             "over_predicted_share": sum(e < 0 for e in errors) / len(errors) if errors else float("nan")}  # fmt: skip
 
 
+def policy_cost(config: BenchConfig, workload: list[Conversation], rounds: int = 3) -> dict[str, float]:
+    """The prefix policy alone, in this process (no RPC, no other process's CPU): `choose`
+    (prompt hashing, index match, scoring, speculative insert) for every turn of the
+    workload, conversations interleaved as in the run, workers with random loads."""
+    from scheduler_svc.policies import PrefixAwarePolicy, RoutingRequest
+    from scheduler_svc.prefix_index import PrefixIndex
+    from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
+
+    rng = random.Random(config.seed)
+    workers = []
+    for i in range(config.workers):
+        spec = WorkerSpec(
+            f"w{i}", "addr", "decoder", MODEL_NAME, 4096, config.block_size, config.num_kv_blocks, 8
+        )
+        workers.append(WorkerState(spec, capacity=32, load=LoadSnapshot()))
+    timings: list[float] = []
+    for _ in range(rounds):
+        policy = PrefixAwarePolicy(PrefixIndex(speculative_ttl_s=3600.0))
+        histories = [list(conv.system) for conv in workload]
+        for turn in range(config.turns):
+            for index, conv in enumerate(workload):
+                histories[index].extend(conv.turns[turn])
+                for worker in workers:
+                    worker.external_load = rng.randrange(0, 12)
+                request = RoutingRequest(f"r{index}-{turn}", MODEL_NAME, list(histories[index]))
+                start = time.perf_counter()
+                policy.choose(request, workers)
+                timings.append((time.perf_counter() - start) * 1000)
+                histories[index].extend(rng.randrange(3, config.vocab) for _ in range(config.max_tokens))
+    return {"p50": percentile(timings, 50), "p99": percentile(timings, 99), "max": max(timings),
+            "count": len(timings)}  # fmt: skip
+
+
 async def warm_up(mesh: Mesh, config: BenchConfig) -> None:
     """A few unrelated requests so every worker has run its first (slow) steps."""
     rng = random.Random(-1)
@@ -741,13 +774,19 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config, sizes = sized(config, workload)
     print(f"sizes: {json.dumps(sizes)}", file=sys.stderr)
     log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
-    results = await run_all(config, workload, log_dir)
+    runs = [policy_cost(config, workload) for _ in range(3)]  # spikes of a shared host: median of 3
+    cost: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    cost["runs"] = runs
+    print(f"prefix policy in-process, ms per decision: {json.dumps(cost)}", file=sys.stderr)
+    # --repeats 0: only the sizes and the in-process policy cost.
+    results = await run_all(config, workload, log_dir) if config.repeats > 0 else {}
     report = {
         "command": "python -m bench.routing_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "note": "policies run side by side in one invocation, alternating order per repeat; "
         "figures under 'median' are medians over the repeats (shared, noisy 2-core host)",
         "config": asdict(config),
         "sizes": sizes,
+        "policy_in_process_ms": cost,
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

@@ -37,3 +37,12 @@ def test_list_flags_are_split() -> None:
 
     config, _ = parse_args(["--model-dir", "m", "--loads", "8,32", "--policies", "prefix,least_load"])
     assert (config.loads, config.policies) == (("8", "32"), ("prefix", "least_load"))
+
+
+def test_policy_cost_times_every_turn() -> None:
+    from bench.routing_bench import policy_cost
+
+    config = BenchConfig(model_dir="", workers=2, conversations=4, turns=2, system_len=32, user_len=16,
+                         max_tokens=2, num_kv_blocks=64)  # fmt: skip
+    cost = policy_cost(config, build_workload(config), rounds=1)
+    assert cost["count"] == 8 and 0 < cost["p50"] <= cost["p99"] <= cost["max"]
