@@ -245,10 +245,32 @@ def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) 
     for name in mesh.decoders:  # the other decoder must really serve (a previous test restarts)
         mesh.wait_registered(name)
     assert _first_success_after(mesh, time.monotonic()) < 30
-    victim = mesh.decoders[-1]
+    # The victim is the worker that served a request with the burst's prefix: prefix-aware
+    # routing sends the burst there (the scheduler has not yet missed its heartbeats).
+    finished = {name: mesh.worker_load(name).num_finished for name in mesh.decoders}
+    warm = httpx.post(
+        mesh.gateway_url + "/v1/chat/completions", json=chat_body("retry warm-up", max_tokens=4), timeout=30
+    )
+    assert warm.status_code == 200, warm.text
+    victim = max(mesh.decoders, key=lambda name: mesh.worker_load(name).num_finished - finished[name])
     before = _reroutes(mesh)
     mesh.kill(victim)
-    assert mesh.wait_exit(victim, 10) is not None
+    try:
+        assert mesh.wait_exit(victim, 10) is not None
+        statuses, retried = _burst_after_kill(mesh, before)
+    finally:
+        restart_s = mesh.restart(victim)
+        mesh.wait_registered(victim)
+    assert statuses == [200] * 12, statuses
+    assert retried >= 1, "no request was routed to the dead worker: the test proved nothing"
+    report(
+        f"kill -9 {victim}, then 12 requests: all served, {retried} routed again; restart {restart_s:.1f}s"
+    )
+
+
+def _burst_after_kill(mesh: SharedMesh, reroutes_before: int) -> tuple[list[int], int]:
+    """12 concurrent requests sharing the warm-up's prefix: their statuses, and how many
+    times the gateway routed a request again since `reroutes_before`."""
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as client:
@@ -263,14 +285,7 @@ def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) 
         return [r.status_code for r in replies]
 
     statuses = asyncio.run(burst())
-    assert statuses == [200] * 12, statuses
-    retried = _reroutes(mesh) - before
-    assert retried >= 1, "no request was routed to the dead worker: the test proved nothing"
-    restart_s = mesh.restart(victim)
-    mesh.wait_registered(victim)
-    report(
-        f"kill -9 {victim}, then 12 requests: all served, {retried} routed again; restart {restart_s:.1f}s"
-    )
+    return statuses, _reroutes(mesh) - reroutes_before
 
 
 SCHEDULERS = ("scheduler", "scheduler-1")
