@@ -15,9 +15,8 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
+from meshserve.v1 import common_pb2, worker_pb2_grpc
+from tests.worker_svc.worker_kit import Tokens, generate_tokens, run_worker
 
 SCHEMA = json.dumps(
     {
@@ -32,58 +31,12 @@ SCHEMA = json.dumps(
     }
 )
 PROMPTS = [[(7 * i + 13 * j) % 900 + 20 for j in range(10 + 3 * i)] for i in range(5)]
-Tokens = dict[int, list[int]]
 
 
 def _sampling(seed: int, n: int = 1) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=1.0, seed=seed, max_tokens=80, n=n, structured_kind="json", structured_spec=SCHEMA
     )
-
-
-async def _generate(stub: worker_pb2_grpc.WorkerStub, request: common_pb2.GenerateRequest) -> Tokens:
-    tokens: Tokens = {}
-    async for reply in stub.Generate(request, timeout=120):
-        for delta in reply.deltas:
-            tokens.setdefault(delta.index, []).extend(delta.token_ids)
-    return tokens
-
-
-def _run(model_dir: Path, body, num_kv_blocks: int = 0):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
-        worker = WorkerProcess(
-            WorkerConfig(
-                port=0,
-                model_dir=str(model_dir),
-                worker_id="w",
-                block_size=4,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_mb=8,
-                enable_prefix_caching=False,
-            )
-        )
-        await worker.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                result = await body(stub)
-                return result, await _settled_load(stub)
-        finally:
-            await worker.server.server.stop(0)
-            await worker.close()
-
-    return asyncio.run(main())
-
-
-async def _settled_load(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-untyped-def]
-    """GetLoad once the engine's stats snapshot (taken after each step) caught up with
-    the last request's end: a block still held after 5 s is a leak."""
-    for _ in range(50):
-        load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-        if load.num_running == 0 and load.num_free_blocks == load.num_total_blocks:
-            break
-        await asyncio.sleep(0.1)
-    return load
 
 
 def _all(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-untyped-def]
@@ -93,13 +46,13 @@ def _all(stub: worker_pb2_grpc.WorkerStub):  # type: ignore[no-untyped-def]
         )
         for i, p in enumerate(PROMPTS)
     ]
-    return asyncio.gather(*(_generate(stub, r) for r in requests))
+    return asyncio.gather(*(generate_tokens(stub, r) for r in requests))
 
 
 def test_preempted_constrained_requests_match_solo_runs_and_parse(model_dir: Path) -> None:
-    roomy, _ = _run(model_dir, _all)
+    roomy, _ = run_worker(model_dir, _all, enable_prefix_caching=False)
     # 30 blocks of 4 tokens: five requests (six sequences) of up to 22 + 80 tokens cannot all fit.
-    tight, load = _run(model_dir, _all, num_kv_blocks=30)
+    tight, load = run_worker(model_dir, _all, num_kv_blocks=30, enable_prefix_caching=False)
     assert load.num_preemptions > 0
     assert tight == roomy
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -112,7 +65,7 @@ def test_preempted_constrained_requests_match_solo_runs_and_parse(model_dir: Pat
 
 def test_migrated_constrained_request_continues_from_its_tokens(model_dir: Path) -> None:
     async def body(stub: worker_pb2_grpc.WorkerStub) -> tuple[Tokens, Tokens]:
-        whole = await _generate(
+        whole = await generate_tokens(
             stub,
             common_pb2.GenerateRequest(
                 request_id="whole", prompt_token_ids=PROMPTS[0], sampling=_sampling(3)
@@ -124,9 +77,9 @@ def test_migrated_constrained_request_continues_from_its_tokens(model_dir: Path)
             sampling=_sampling(3),
             resumed=[common_pb2.ResumedOutput(index=0, token_ids=whole[0][:6])],
         )
-        return whole, await _generate(stub, moved)
+        return whole, await generate_tokens(stub, moved)
 
-    (whole, rest), load = _run(model_dir, body)
+    (whole, rest), load = run_worker(model_dir, body, enable_prefix_caching=False)
     assert len(whole[0]) > 6
     assert whole[0][:6] + rest[0] == whole[0]
     assert load.num_free_blocks == load.num_total_blocks
@@ -147,15 +100,15 @@ def test_bad_constraint_is_invalid_argument(model_dir: Path, kind: str, spec: st
         if field == "logit_bias":
             sampling.logit_bias[10**6] = 1.0
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _generate(
+            await generate_tokens(
                 stub, common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[5, 6], sampling=sampling)
             )
-        fine = await _generate(
+        fine = await generate_tokens(
             stub, common_pb2.GenerateRequest(request_id="ok", prompt_token_ids=[5, 6], sampling=_sampling(1))
         )
         return caught.value, fine
 
-    (error, fine), load = _run(model_dir, body)
+    (error, fine), load = run_worker(model_dir, body, enable_prefix_caching=False)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert field in (error.details() or ""), error.details()
     assert fine[0]

@@ -1,0 +1,66 @@
+"""A real worker process on loopback for tests that talk to it over gRPC: start it, run a
+body against its stub, and read its load once the engine's stats have settled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_svc.config import WorkerConfig
+from worker_svc.main import WorkerProcess
+
+T = TypeVar("T")
+Tokens = dict[int, list[int]]  # sample index -> generated token ids
+
+
+async def generate_tokens(
+    stub: worker_pb2_grpc.WorkerStub, request: common_pb2.GenerateRequest, timeout: float = 120
+) -> Tokens:
+    """Every token each sample produced, over the unary `Worker.Generate` stream."""
+    tokens: Tokens = {}
+    async for reply in stub.Generate(request, timeout=timeout):
+        for delta in reply.deltas:
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+    return tokens
+
+
+async def settled_load(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) -> worker_pb2.LoadStats:
+    """GetLoad once nothing runs or waits and every block is free, or after `timeout`: the
+    engine refreshes its stats after its last step, so a reply right after the last
+    output may still count the request running (a block still held then is a leak)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        idle = load.num_running == 0 and load.num_waiting == 0
+        if (
+            idle and load.num_free_blocks == load.num_total_blocks
+        ) or asyncio.get_running_loop().time() > deadline:
+            return load
+        await asyncio.sleep(0.05)
+
+
+def run_worker(
+    model_dir: Path, body: Callable[[worker_pb2_grpc.WorkerStub], Awaitable[T]], **config: Any
+) -> tuple[T, worker_pb2.LoadStats]:
+    """Starts a worker (block size 4, 8 MB of KV unless `config` says otherwise), runs
+    `body(stub)`, and returns its result with the settled load; the worker is stopped."""
+
+    async def main() -> tuple[T, worker_pb2.LoadStats]:
+        options = {"worker_id": "w", "block_size": 4, "kv_cache_memory_mb": 8, **config}
+        worker = WorkerProcess(WorkerConfig(port=0, model_dir=str(model_dir), **options))
+        await worker.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                result = await body(stub)
+                return result, await settled_load(stub)
+        finally:
+            await worker.server.server.stop(0)
+            await worker.close()
+
+    return asyncio.run(main())
