@@ -423,9 +423,7 @@ def _validate_resumed(tokens: Sequence[int], vocab_size: int, max_tokens: int) -
         raise ValueError(
             f"resumed output has {len(tokens)} tokens: max_tokens={max_tokens} leaves none to generate"
         )
-    for tok in tokens:
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(f"resumed output contains {tok!r}, outside the vocabulary [0, {vocab_size})")
+    _check_in_vocab("resumed output", tokens, vocab_size)
 
 
 def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
@@ -433,6 +431,11 @@ def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError("prompt_token_ids must be a sequence of ints")
     if not prompt_token_ids:
         raise ValueError("prompt_token_ids must not be empty")
-    for tok in prompt_token_ids:
+    _check_in_vocab("prompt_token_ids", prompt_token_ids, vocab_size)
+
+
+def _check_in_vocab(name: str, tokens: Sequence[int], vocab_size: int) -> None:
+    """ValueError naming `name` for the first entry that is not a token id of the vocabulary."""
+    for tok in tokens:
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(f"prompt_token_ids contains {tok!r}, outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name} contains {tok!r}, outside the vocabulary [0, {vocab_size})")
