@@ -142,16 +142,19 @@ def test_requests_share_one_stream_and_steps_are_batched(tiny_model_dir: Path) -
 def test_bad_request_fails_alone_and_abort_frees_blocks(tiny_model_dir: Path) -> None:
     async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
         client = Client(stub)
-        client.send(_add("long", PROMPTS[0], max_tokens=400), _add("bad", []), _add("ok", PROMPTS[1]))
+        # "long" asks for far more tokens than it gets before the abort, so it is still
+        # running when its id is sent again (a 12-token request could finish first on a fast
+        # machine and the second add would then be a new request, not a duplicate).
+        client.send(_add("long", PROMPTS[0], max_tokens=1500), _add("bad", []), _add("ok", PROMPTS[1]))
         await client.read_until(lambda: "bad" in client.errors() and len(client.tokens("long")) >= 3)
         error = client.errors()["bad"]
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and error.param == "prompt"
-        client.send(_add("ok", PROMPTS[1]))  # the id is still running: refused, not merged
+        client.send(_add("long", PROMPTS[1]))  # the id is still running: refused, not merged
         client.send(_abort("long"))
-        await client.read_until(lambda: client.finished("long", "ok") and "ok" in client.errors())
+        await client.read_until(lambda: client.finished("long", "ok") and "long" in client.errors())
         last = client.outputs("long")[-1]
         assert last.deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
-        assert len(client.tokens("long")) < 400
+        assert len(client.tokens("long")) < 1500
         assert len(client.tokens("ok")) == MAX_TOKENS
         await _kv_idle(stub)
         client.send(None)
