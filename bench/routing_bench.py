@@ -1,7 +1,8 @@
 """Routing benchmark: prefix-aware vs round-robin vs least-load scheduling, side by side.
 
     python -m bench.routing_bench [--model-dir DIR] [--workers 2]
-        [--policies prefix,round_robin,least_load] [--loads 8,16,32 | --concurrency 8]
+        [--policies prefix,round_robin,least_load]
+        [--loads 8,16,32 | --concurrency 8 | --session-rates 2,3,4,5 --sessions 40 --think-time 0]
         [--conversations 32 --turns 5 --system-prompts 4 --system-len 256 --user-len 128]
         [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
         [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing.json]
@@ -15,6 +16,19 @@ actual cached tokens (`LeaseOutcome`). The workload: multi-turn conversations, e
 opening with one of a few shared system prompts (with `--hot-prefix-share`, that share
 of them opens with prompt 0), every turn appending a user message and the model's
 answer to the history.
+
+Two load modes:
+- closed loop (`--loads` / `--concurrency`): that many conversations in flight, a new turn
+  the moment a slot frees; the load adapts to the policy's speed.
+- open loop (`--session-rates R1,R2,..`, sessions per second): `--sessions` sessions
+  (distinct conversations; 0 = `--conversations`) start as a seeded Poisson process at
+  rate R, each sending its turns one after another (the next turn when the previous
+  answer arrived, after an optional exponential think time of mean `--think-time` s).
+  The offered load, R x turns requests/s, is the same for every policy (same arrival
+  times, same conversations): a policy that cannot serve it builds queues, one that can
+  does not. Results are keyed "rate=R"; each run adds the achieved request rate, the
+  requests the client has in flight (queued anywhere in the mesh) and live sessions,
+  and a timeline of those and of each worker's queue every 0.5 s.
 
 Sizing: the working set (distinct full KV blocks of every conversation's final history)
 is printed with the cache sizes; `--cache-fraction F` sets num_kv_blocks so that all
@@ -107,6 +121,14 @@ class BenchConfig:
     loads: tuple[str, ...] = ()
     # Sequential Route + Release calls after each run (Route cost without queueing).
     route_probes: int = 200
+    # Open loop: session arrival rates (sessions/s) to sweep; empty = closed loop.
+    session_rates: tuple[str, ...] = ()
+    # Open loop: sessions per run, each a distinct conversation (0 = `conversations`).
+    sessions: int = 0
+    # Open loop: mean think time (s, exponential) between an answer and the next turn.
+    think_time: float = 0.0
+    # Open loop: the rate of the current run (set per run from `session_rates`).
+    session_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -364,6 +386,86 @@ async def run_conversation(
         history.extend(output)
 
 
+@dataclass
+class OpenLoop:
+    """An open-loop run's schedule and client-side gauges (sampled with the workers' queues)."""
+
+    # Session start times (s after `start`) and per-session think times before each turn.
+    arrivals: list[float]
+    think: list[list[float]]
+    start: float = 0.0
+    live_sessions: int = 0
+    in_flight: int = 0
+    failed: int = 0
+
+
+def open_loop_schedule(config: BenchConfig, sessions: int) -> OpenLoop:
+    """Seeded Poisson arrivals at `config.session_rate` and exponential think times: the
+    same for every policy and repeat, so the offered load does not depend on the policy."""
+    rng = random.Random(config.seed + 7919)
+    arrivals, at = [], 0.0
+    for _ in range(sessions):
+        arrivals.append(at)
+        at += rng.expovariate(config.session_rate)
+    think = [
+        [rng.expovariate(1 / config.think_time) if config.think_time > 0 and turn else 0.0
+         for turn in range(config.turns)]
+        for _ in range(sessions)
+    ]  # fmt: skip
+    return OpenLoop(arrivals, think)
+
+
+async def run_session(
+    mesh: Mesh, conv: Conversation, index: int, config: BenchConfig, loop: OpenLoop,
+    records: list[Record],
+) -> None:  # fmt: skip
+    """One open-loop session: starts at its arrival time, then turn after turn."""
+    await asyncio.sleep(max(0.0, loop.start + loop.arrivals[index] - time.perf_counter()))
+    loop.live_sessions += 1
+    history = list(conv.system)
+    try:
+        for turn, user in enumerate(conv.turns):
+            if loop.think[index][turn] > 0:
+                await asyncio.sleep(loop.think[index][turn])
+            history.extend(user)
+            loop.in_flight += 1
+            try:
+                record, output = await send(mesh, history, config.max_tokens, f"s{index}-t{turn}")
+            except grpc.aio.AioRpcError:
+                # Rejected or timed out (overload): the user gives up, the session ends.
+                loop.failed += 1
+                return
+            finally:
+                loop.in_flight -= 1
+            records.append(record)
+            history.extend(output)
+    finally:
+        loop.live_sessions -= 1
+
+
+def open_loop_summary(
+    config: BenchConfig, loop: OpenLoop, records: list[Record], wall_s: float,
+    timeline: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """Offered vs achieved load and the client-side queue of an open-loop run."""
+    span = loop.arrivals[-1] if loop.arrivals else 0.0
+    done_in_span = sum(r.started + r.latency_s - loop.start <= span for r in records)
+    in_flight = [row["client_in_flight"] for row in timeline] or [0]
+    live = [row["live_sessions"] for row in timeline] or [0]
+    return {
+        "offered_session_rate": config.session_rate,
+        "offered_request_rate": config.session_rate * config.turns,
+        "sessions": len(loop.arrivals),
+        "arrival_span_s": span,
+        "achieved_request_rate": len(records) / wall_s if wall_s else float("nan"),
+        "request_rate_during_arrivals": done_in_span / span if span else float("nan"),
+        "drain_s": wall_s - span,
+        "failed_requests": loop.failed,
+        "client_in_flight": {"mean": statistics.fmean(in_flight), "max": max(in_flight)},
+        "live_sessions": {"mean": statistics.fmean(live), "max": max(live)},
+    }
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -492,15 +594,26 @@ def summarize(
 
 
 async def sample_queues(
-    stub: scheduler_pb2_grpc.SchedulerStub, samples: dict[str, list[int]], interval_s: float = 0.1
-) -> None:
-    """Every `interval_s`, each worker's queue (running + waiting, from its heartbeats)."""
+    stub: scheduler_pb2_grpc.SchedulerStub, samples: dict[str, list[int]], interval_s: float = 0.1,
+    loop: OpenLoop | None = None, timeline: list[dict[str, Any]] | None = None,
+    every_s: float = 0.5,
+) -> None:  # fmt: skip
+    """Every `interval_s`, each worker's queue (running + waiting, from its heartbeats);
+    with `loop`, every `every_s` a timeline row: those queues, the requests the client
+    has in flight and the live sessions."""
+    next_row = 0.0
     while True:
+        queues: dict[str, int] = {}
         with contextlib.suppress(grpc.aio.AioRpcError):
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=2)
             for status in reply.workers:
-                queue = status.load.num_running + status.load.num_waiting
+                queue = queues[status.worker.worker_id] = status.load.num_running + status.load.num_waiting
                 samples.setdefault(status.worker.worker_id, []).append(queue)
+        now = time.perf_counter() - loop.start if loop is not None else 0.0
+        if loop is not None and timeline is not None and now >= next_row:
+            next_row = now + every_s
+            timeline.append({"t": round(now, 2), "worker_queue": queues,
+                             "client_in_flight": loop.in_flight, "live_sessions": loop.live_sessions})  # fmt: skip
         await asyncio.sleep(interval_s)
 
 
@@ -604,14 +717,22 @@ async def measure(
     """One run of the workload on a ready cluster, then the Route probe."""
     before = await asyncio.to_thread(scrape, cluster.metrics_port)
     records: list[Record] = []
-    gate = asyncio.Semaphore(config.concurrency)
     samples: dict[str, list[int]] = {}
-    sampler = asyncio.create_task(sample_queues(stub, samples))
+    timeline: list[dict[str, Any]] = []
+    loop = open_loop_schedule(config, len(workload)) if config.session_rate > 0 else None
+    sampler = asyncio.create_task(sample_queues(stub, samples, loop=loop, timeline=timeline))
     cpu_before = cluster.cpu_seconds()
     start = time.perf_counter()
-    await asyncio.gather(
-        *(run_conversation(mesh, conv, i, config, gate, records) for i, conv in enumerate(workload))
-    )
+    if loop is not None:
+        loop.start = start
+        await asyncio.gather(
+            *(run_session(mesh, conv, i, config, loop, records) for i, conv in enumerate(workload))
+        )
+    else:
+        gate = asyncio.Semaphore(config.concurrency)
+        await asyncio.gather(
+            *(run_conversation(mesh, conv, i, config, gate, records) for i, conv in enumerate(workload))
+        )
     wall = time.perf_counter() - start
     sampler.cancel()
     cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
@@ -639,6 +760,10 @@ async def measure(
         reason: count - reasons_before.get(reason, 0.0) for reason, count in routing_reasons(after).items()
     }
     summary["cpu_seconds"] = cpu
+    summary["loadavg"] = os.getloadavg()
+    if loop is not None:
+        summary["open_loop"] = open_loop_summary(config, loop, records, wall, timeline)
+        summary["timeline"] = timeline
     return summary
 
 
@@ -676,20 +801,32 @@ MEDIAN_KEYS = (
     ("scheduler_overhead_ms", "mean"),
     ("request_throughput",),
     ("output_throughput",),
+    # Open loop only (skipped for closed-loop runs).
+    ("open_loop", "offered_request_rate"),
+    ("open_loop", "achieved_request_rate"),
+    ("open_loop", "request_rate_during_arrivals"),
+    ("open_loop", "drain_s"),
+    ("open_loop", "failed_requests"),
+    ("open_loop", "client_in_flight", "mean"),
+    ("open_loop", "client_in_flight", "max"),
+    ("open_loop", "live_sessions", "mean"),
 )
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Median over repeated runs of the headline metrics, keyed like "ttft_ms.p50"."""
+    """Median over repeated runs of the headline metrics, keyed like "ttft_ms.p50"
+    (a metric missing from a run, e.g. open-loop figures of a closed loop, is left out)."""
     result: dict[str, float] = {}
     for path in MEDIAN_KEYS:
         values = []
         for run in runs:
             value: Any = run
             for key in path:
-                value = value[key]
-            values.append(float(value))
-        result[".".join(path)] = statistics.median(values)
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                values.append(float(value))
+        if values and len(values) == len(runs):
+            result[".".join(path)] = statistics.median(values)
     return result
 
 
@@ -746,22 +883,26 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
 async def run_all(
     config: BenchConfig, workload: list[Conversation], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
-    """Every (load, policy) `repeats` times; per repeat the policy order alternates."""
-    loads = [int(c) for c in config.loads] or [config.concurrency]
+    """Every (load, policy) `repeats` times; per repeat the policy order alternates. A load
+    is a concurrency ("c=N", closed loop) or a session rate ("rate=R", open loop)."""
+    loads: dict[str, BenchConfig] = (
+        {f"rate={r}": replace(config, session_rate=float(r)) for r in config.session_rates}
+        if config.session_rates
+        else {f"c={c}": replace(config, concurrency=int(c)) for c in config.loads or [config.concurrency]}
+    )
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        f"c={c}": {policy: [] for policy in config.policies} for c in loads
+        load: {policy: [] for policy in config.policies} for load in loads
     }
     for repeat in range(config.repeats):
         order = config.policies if repeat % 2 == 0 else tuple(reversed(config.policies))
-        for load in loads:
+        for load, load_config in loads.items():
             for policy in order:
-                print(
-                    f"[c={load} {policy} #{repeat + 1}] starting {config.workers} workers ...",
-                    file=sys.stderr,
-                )
-                run = await run_policy(replace(config, concurrency=load), policy, workload, log_dir)
-                runs[f"c={load}"][policy].append(run)
-                print(f"[c={load} {policy} #{repeat + 1}] {json.dumps(run)}", file=sys.stderr)
+                tag = f"[{load} {policy} #{repeat + 1}]"
+                print(f"{tag} starting {config.workers} workers ...", file=sys.stderr)
+                run = await run_policy(load_config, policy, workload, log_dir)
+                runs[load][policy].append(run)
+                brief = {k: v for k, v in run.items() if k != "timeline"}
+                print(f"{tag} {json.dumps(brief)}", file=sys.stderr)
     return {
         load: {policy: {"median": medians(r), "runs": r} for policy, r in by_policy.items()}
         for load, by_policy in runs.items()
@@ -771,7 +912,17 @@ async def run_all(
 async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config, out = parse_args(argv)
     workload = build_workload(config)
+    # The caches are sized on `conversations` in both modes; an open loop sends `sessions`
+    # distinct conversations (the first `conversations` of them are the closed loop's).
     config, sizes = sized(config, workload)
+    if config.session_rates:
+        workload = build_workload(replace(config, conversations=config.sessions or config.conversations))
+        sizes["sessions"] = len(workload)
+        sizes["sessions_total_blocks"] = working_set_blocks(workload, config)
+        shared = config.system_prompts * (config.system_len // config.block_size)
+        # A session's own blocks (its history without the shared system prompt): the live
+        # working set is about live sessions x this + the system prompts.
+        sizes["own_blocks_per_session"] = (sizes["sessions_total_blocks"] - shared) / len(workload)
     print(f"sizes: {json.dumps(sizes)}", file=sys.stderr)
     log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     runs = [policy_cost(config, workload) for _ in range(3)]  # spikes of a shared host: median of 3
