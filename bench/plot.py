@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,20 @@ def _draw_routing(
     ax.legend(fontsize="small")
 
 
+def zero_latency_line(report: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Per offered rate, the request rate a mesh answering instantly would achieve on the
+    report's schedule (recomputed from its config: the arrivals are seeded)."""
+    from bench.routing_bench import BenchConfig, zero_latency_request_rate
+
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items()}
+    base = BenchConfig(**fields)
+    sessions = int(report.get("sizes", {}).get("sessions") or base.sessions or base.conversations)
+    turns = base.turns
+    rates = sorted(float(load.split("=")[1]) for load in report["results"])
+    line = [zero_latency_request_rate(replace(base, session_rate=r), sessions) for r in rates]
+    return [r * turns for r in rates], line
+
+
 def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
     """TTFT p50/p99 and throughput vs load, one colour per routing policy; an open-loop
     report gets the achieved rate and the mean queue instead of token throughput."""
@@ -161,8 +176,9 @@ def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
     axes[0].set_ylabel("TTFT (ms)")
     axes[0].set_title("TTFT vs load (median of repeats)")
     if open_loop:
-        xs = sorted({x for s in series.values() for x in s["x"]})
-        axes[1].plot(xs, xs, ":", color="gray", label="offered")
+        xs, ideal = zero_latency_line(report)
+        axes[1].plot(xs, ideal, ":", color="gray", label="a mesh answering instantly")
+        axes[1].legend(fontsize="small")
         axes[1].set_ylabel("requests/s")
         axes[1].set_title("Achieved vs offered request rate")
         axes[2].set_ylabel("requests")

@@ -443,6 +443,16 @@ async def run_session(
         loop.live_sessions -= 1
 
 
+def zero_latency_request_rate(config: BenchConfig, sessions: int) -> float:
+    """The request rate a mesh answering instantly would achieve on this schedule (all
+    requests over the last session's arrival + think times): the "keeps up" line for the
+    achieved rate, which the ramp-up and the last sessions' think times keep below
+    `session_rate x turns` even without any queue."""
+    loop = open_loop_schedule(config, sessions)
+    end = max((at + sum(think) for at, think in zip(loop.arrivals, loop.think, strict=True)), default=0.0)
+    return sessions * config.turns / end if end else float("nan")
+
+
 def open_loop_summary(
     config: BenchConfig, loop: OpenLoop, records: list[Record], wall_s: float,
     timeline: list[dict[str, Any]],
@@ -458,6 +468,7 @@ def open_loop_summary(
         "sessions": len(loop.arrivals),
         "arrival_span_s": span,
         "achieved_request_rate": len(records) / wall_s if wall_s else float("nan"),
+        "zero_latency_request_rate": zero_latency_request_rate(config, len(loop.arrivals)),
         "request_rate_during_arrivals": done_in_span / span if span else float("nan"),
         "drain_s": wall_s - span,
         "failed_requests": loop.failed,
@@ -804,6 +815,7 @@ MEDIAN_KEYS = (
     # Open loop only (skipped for closed-loop runs).
     ("open_loop", "offered_request_rate"),
     ("open_loop", "achieved_request_rate"),
+    ("open_loop", "zero_latency_request_rate"),
     ("open_loop", "request_rate_during_arrivals"),
     ("open_loop", "drain_s"),
     ("open_loop", "failed_requests"),

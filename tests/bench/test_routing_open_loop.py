@@ -158,3 +158,13 @@ def test_plot_puts_rate_reports_on_the_offered_request_rate_axis() -> None:
     assert series["open_loop.achieved_request_rate"] == [20.0, 40.0]
     closed = {"results": {"c=32": {"prefix": point(1.0)}, "c=8": {"prefix": point(2.0)}}}
     assert routing_series(closed)["prefix"]["x"] == [8, 32]
+
+
+def test_zero_latency_rate_is_the_schedule_served_instantly() -> None:
+    from bench.routing_bench import zero_latency_request_rate
+
+    cfg = config(session_rate=4.0, turns=5)
+    last = open_loop_schedule(cfg, 200).arrivals[-1]
+    assert zero_latency_request_rate(cfg, 200) == 200 * 5 / last  # close to 4 x 5 requests/s
+    thinking = config(session_rate=4.0, turns=5, think_time=2.0)
+    assert zero_latency_request_rate(thinking, 200) < 200 * 5 / last  # the last turns come later
