@@ -142,14 +142,13 @@ def _draw_routing(
 def zero_latency_line(report: dict[str, Any]) -> tuple[list[float], list[float]]:
     """Per offered rate, the request rate a mesh answering instantly would achieve on the
     report's schedule (recomputed from its config: the arrivals are seeded)."""
-    from bench.routing_bench import BenchConfig, zero_latency_request_rate
+    from bench.routing_bench import BenchConfig, session_count, zero_latency_request_rate
 
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items()}
     base = BenchConfig(**fields)
-    sessions = int(report.get("sizes", {}).get("sessions") or base.sessions or base.conversations)
     turns = base.turns
     rates = sorted(float(load.split("=")[1]) for load in report["results"])
-    line = [zero_latency_request_rate(replace(base, session_rate=r), sessions) for r in rates]
+    line = [zero_latency_request_rate(replace(base, session_rate=r), session_count(base, r)) for r in rates]
     return [r * turns for r in rates], line
 
 

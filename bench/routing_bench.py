@@ -2,7 +2,8 @@
 
     python -m bench.routing_bench [--model-dir DIR] [--workers 2]
         [--policies prefix,round_robin,least_load]
-        [--loads 8,16,32 | --concurrency 8 | --session-rates 2,3,4,5 --sessions 40 --think-time 0]
+        [--loads 8,16,32 | --concurrency 8 |
+         --session-rates 2,3,4,5 (--sessions 40 | --duration 30) --think-time 1]
         [--conversations 32 --turns 5 --system-prompts 4 --system-len 256 --user-len 128]
         [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
         [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing.json]
@@ -20,10 +21,11 @@ answer to the history.
 Two load modes:
 - closed loop (`--loads` / `--concurrency`): that many conversations in flight, a new turn
   the moment a slot frees; the load adapts to the policy's speed.
-- open loop (`--session-rates R1,R2,..`, sessions per second): `--sessions` sessions
-  (distinct conversations; 0 = `--conversations`) start as a seeded Poisson process at
-  rate R, each sending its turns one after another (the next turn when the previous
-  answer arrived, after an optional exponential think time of mean `--think-time` s).
+- open loop (`--session-rates R1,R2,..`, sessions per second): `--sessions` sessions, or
+  with `--duration D` round(R x D) of them (distinct conversations; 0 = `--conversations`)
+  start as a seeded Poisson process at rate R, each sending its turns one after another
+  (the next turn when the previous answer arrived, after an optional exponential think
+  time of mean `--think-time` s).
   The offered load, R x turns requests/s, is the same for every policy (same arrival
   times, same conversations): a policy that cannot serve it builds queues, one that can
   does not. Results are keyed "rate=R"; each run adds the achieved request rate, the
@@ -125,6 +127,9 @@ class BenchConfig:
     session_rates: tuple[str, ...] = ()
     # Open loop: sessions per run, each a distinct conversation (0 = `conversations`).
     sessions: int = 0
+    # Open loop: > 0 sends round(rate x duration) sessions instead (arrivals over ~duration s,
+    # so every rate runs about as long and reaches its steady state).
+    duration: float = 0.0
     # Open loop: mean think time (s, exponential) between an answer and the next turn.
     think_time: float = 0.0
     # Open loop: the rate of the current run (set per run from `session_rates`).
@@ -441,6 +446,13 @@ async def run_session(
             history.extend(output)
     finally:
         loop.live_sessions -= 1
+
+
+def session_count(config: BenchConfig, rate: float) -> int:
+    """Sessions of an open-loop run at `rate`: rate x duration, else `sessions`/`conversations`."""
+    if config.duration > 0:
+        return max(1, round(rate * config.duration))
+    return config.sessions or config.conversations
 
 
 def zero_latency_request_rate(config: BenchConfig, sessions: int) -> float:
@@ -911,7 +923,10 @@ async def run_all(
             for policy in order:
                 tag = f"[{load} {policy} #{repeat + 1}]"
                 print(f"{tag} starting {config.workers} workers ...", file=sys.stderr)
-                run = await run_policy(load_config, policy, workload, log_dir)
+                sessions = workload[: session_count(config, load_config.session_rate)]
+                run = await run_policy(
+                    load_config, policy, sessions if config.session_rates else workload, log_dir
+                )
                 runs[load][policy].append(run)
                 brief = {k: v for k, v in run.items() if k != "timeline"}
                 print(f"{tag} {json.dumps(brief)}", file=sys.stderr)
@@ -928,8 +943,10 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # distinct conversations (the first `conversations` of them are the closed loop's).
     config, sizes = sized(config, workload)
     if config.session_rates:
-        workload = build_workload(replace(config, conversations=config.sessions or config.conversations))
-        sizes["sessions"] = len(workload)
+        most = max(session_count(config, float(rate)) for rate in config.session_rates)
+        workload = build_workload(replace(config, conversations=most))
+        sizes["sessions"] = len(workload)  # the largest run's
+        sizes["sessions_per_rate"] = {r: session_count(config, float(r)) for r in config.session_rates}
         sizes["sessions_total_blocks"] = working_set_blocks(workload, config)
         shared = config.system_prompts * (config.system_len // config.block_size)
         # A session's own blocks (its history without the shared system prompt): the live

@@ -168,3 +168,11 @@ def test_zero_latency_rate_is_the_schedule_served_instantly() -> None:
     assert zero_latency_request_rate(cfg, 200) == 200 * 5 / last  # close to 4 x 5 requests/s
     thinking = config(session_rate=4.0, turns=5, think_time=2.0)
     assert zero_latency_request_rate(thinking, 200) < 200 * 5 / last  # the last turns come later
+
+
+def test_duration_sets_the_sessions_per_rate() -> None:
+    from bench.routing_bench import session_count
+
+    assert session_count(config(duration=30.0), 2.5) == 75
+    assert session_count(config(sessions=40), 2.5) == 40
+    assert session_count(config(), 2.5) == 2  # conversations
