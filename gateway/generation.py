@@ -193,6 +193,9 @@ class GenerationRun:
             for c in self._choices
             if c.token_ids or c.ended
         )
+        # The caller's span goes with the request: the scheduler's route span and the
+        # worker's span are its children (both streams are shared by every request).
+        tracing.inject_into(request.trace_context)
         lease = await self._route(request)
         if self._closed:
             self.upstream.release(lease)
@@ -201,7 +204,6 @@ class GenerationRun:
         request.lease_id = lease.lease_id
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
-        tracing.inject_into(request.trace_context)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._running = True
         self._stream.add(request, self)

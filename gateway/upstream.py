@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc_error
 from gateway.local_tokenizer import GatewayTokenizers
+from gateway.route_stream import RouteStream
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.rpc import open_channel
@@ -73,10 +74,19 @@ class _Replica:
         self.channel = open_channel(address, max_message_bytes)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.routes = RouteStream(self.stub, address)
         self.pending_release: list[str] = []
         # Leases released with their usage (Release.outcomes), for the scheduler's
         # predicted-vs-actual cached tokens.
         self.pending_outcomes: list[scheduler_pb2.LeaseOutcome] = []
+
+    def take_releases(self) -> scheduler_pb2.ReleaseRequest | None:
+        """The leases waiting to be released here (now handed over), or None."""
+        if not self.pending_release and not self.pending_outcomes:
+            return None
+        release = scheduler_pb2.ReleaseRequest(lease_ids=self.pending_release, outcomes=self.pending_outcomes)
+        self.pending_release, self.pending_outcomes = [], []
+        return release
 
 
 class Upstream:
@@ -101,14 +111,15 @@ class Upstream:
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
         self._release_handle: asyncio.TimerHandle | None = None
         self._usage: dict[str, scheduler_pb2.LeaseOutcome] = {}  # lease id -> outcome, until released
-        self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
-        """Releases pending leases, then closes every channel (in-flight calls are cancelled)."""
-        await self._flush_releases()
+        """Releases pending leases, then closes every stream and channel (in-flight
+        calls are cancelled)."""
+        self._flush_releases()
         await self.workers.close()
         await self._tok_channel.close()
         for replica in self._replicas:
+            await replica.routes.close()
             await replica.channel.close()
 
     # -- scheduler replicas -----------------------------------------------------------
@@ -157,20 +168,21 @@ class Upstream:
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
     ) -> Lease:
-        """A lease on the worker the scheduler picks for `request` (Scheduler.Route)."""
-        route_request = scheduler_pb2.RouteRequest(
-            request=request, exclude_worker_ids=exclude, force_encode=force_encode
+        """A lease on the worker the scheduler picks for `request`, over the replica's
+        RouteStream (`gateway.route_stream`)."""
+        message = scheduler_pb2.RouteStreamRequest(
+            route=scheduler_pb2.RouteRequest(
+                request=request, exclude_worker_ids=exclude, force_encode=force_encode
+            )
         )
 
         def call(replica: _Replica) -> Awaitable[scheduler_pb2.RouteResponse]:
-            # Leases ended since the last call ride along (fewer Release calls under load).
-            del route_request.release_lease_ids[:]
-            route_request.release_lease_ids.extend(replica.pending_release)
-            replica.pending_release = []
-            del route_request.release_outcomes[:]
-            route_request.release_outcomes.extend(replica.pending_outcomes)
-            replica.pending_outcomes = []
-            return replica.stub.Route(route_request, timeout=self.timeout)
+            # Leases ended since the last route ride along (fewer messages under load).
+            message.ClearField("release")
+            release = replica.take_releases()
+            if release is not None:
+                message.release.CopyFrom(release)
+            return replica.routes.route(message, self.timeout)
 
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
@@ -197,24 +209,16 @@ class Upstream:
 
     def _schedule_flush(self) -> None:
         self._release_handle = None
-        task = asyncio.get_running_loop().create_task(self._flush_releases())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._flush_releases()
 
-    async def _flush_releases(self) -> None:
+    def _flush_releases(self) -> None:
+        # Leases no route carried within the batch window go on their own message. When
+        # the replica is gone they are lost with its stream, and end with its workers'
+        # heartbeats (or at their TTL).
         for replica in self._replicas:
-            ids, replica.pending_release = replica.pending_release, []
-            outcomes, replica.pending_outcomes = replica.pending_outcomes, []
-            if not ids and not outcomes:
-                continue
-            try:
-                await replica.stub.Release(
-                    scheduler_pb2.ReleaseRequest(lease_ids=ids, outcomes=outcomes),
-                    timeout=HEALTH_TIMEOUT_S * 5,
-                )
-            except grpc.aio.AioRpcError as exc:
-                # The replica is gone or busy: its leases end with its workers' heartbeats.
-                log.debug("release of %d leases on %s failed: %s", len(ids), replica.address, exc.code())
+            release = replica.take_releases()
+            if release is not None:
+                replica.routes.release(release)
 
     async def call(self, component: str, awaitable: Awaitable[T]) -> T:
         """Awaits a unary call, mapping a gRPC failure to an APIError."""

@@ -18,11 +18,9 @@ async def main() -> None:
     log = setup_logging("scheduler", config.log_level)
     scheduler = Scheduler(config)
     server = GrpcServer("scheduler", config)
-    server.add_service(
-        "meshserve.v1.Scheduler",
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-        SchedulerServicer(scheduler),
-    )
+    servicer = SchedulerServicer(scheduler)
+    server.add_service("meshserve.v1.Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
+    server.on_drain(servicer.on_drain)
     await scheduler.start()
     await server.start()
     await server.set_serving(True)

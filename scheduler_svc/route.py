@@ -64,6 +64,21 @@ class RouteResult:
     predicted_cached_tokens: int
 
 
+def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
+    """The proto answer of a route (Route and RouteStream answer alike)."""
+    spec = result.decision.worker.spec
+    return scheduler_pb2.RouteResponse(
+        request_id=result.request_id,
+        lease_id=result.lease.lease_id,
+        worker_id=spec.worker_id,
+        worker_address=spec.address,
+        mm_items=result.mm_items,
+        predicted_cached_tokens=result.predicted_cached_tokens,
+        lease_ttl_ms=lease_ttl_ms,
+        reason=result.decision.reason,
+    )
+
+
 def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
     """The policy's view of a request; its block hashes use the workers' extra keys."""
     if not request.model:

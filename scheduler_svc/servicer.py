@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
 import grpc
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
-from scheduler_svc.route import Router
+from scheduler_svc.route import Router, route_response
+from scheduler_svc.route_stream import RouteStreamSession
 from scheduler_svc.scheduler import Scheduler
 from services.errors import MeshError
 from services.rpc import rpc_handler
+
+log = logging.getLogger(__name__)
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
@@ -74,6 +81,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.router = Router(scheduler)
+        self._lease_ttl_ms = int(scheduler.config.lease_ttl_s * 1000)
+        self._sessions: set[RouteStreamSession] = set()
+        self._draining = False
 
     @rpc_handler
     async def Route(
@@ -90,17 +100,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         except MeshError as exc:
             metrics.REJECTED.labels(code=exc.code.value).inc()
             raise
-        spec = result.decision.worker.spec
-        return scheduler_pb2.RouteResponse(
-            request_id=result.request_id,
-            lease_id=result.lease.lease_id,
-            worker_id=spec.worker_id,
-            worker_address=spec.address,
-            mm_items=result.mm_items,
-            predicted_cached_tokens=result.predicted_cached_tokens,
-            lease_ttl_ms=int(self.scheduler.config.lease_ttl_s * 1000),
-            reason=result.decision.reason,
-        )
+        return route_response(result, self._lease_ttl_ms)
+
+    @rpc_handler
+    async def RouteStream(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.RouteStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.RouteStreamResponse]:
+        """Route over one long-lived stream per caller (see scheduler.proto)."""
+        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining)
+        self._sessions.add(session)
+        reader = asyncio.create_task(_read_routes(request_iterator, session))
+        try:
+            async for answer in session.responses():
+                yield answer
+        finally:
+            reader.cancel()
+            session.close()
+            self._sessions.discard(session)
+
+    async def on_drain(self) -> None:
+        """Draining: route streams refuse new routes and end once theirs are answered
+        (their callers go to another replica)."""
+        self._draining = True
+        for session in self._sessions:
+            session.wake()
 
     @rpc_handler
     async def Release(
@@ -149,3 +174,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             workers=[status_to_proto(state, now) for state in self.scheduler.workers()],
             models=self.scheduler.registry.models(healthy_only=True),
         )
+
+
+async def _read_routes(
+    request_iterator: AsyncIterator[scheduler_pb2.RouteStreamRequest], session: RouteStreamSession
+) -> None:
+    """Feeds the caller's messages to the session until it half-closes or goes away."""
+    try:
+        async for message in request_iterator:
+            session.handle(message)
+    except grpc.aio.AioRpcError:  # the caller went away: the call's end closes the session
+        pass
+    except Exception:
+        log.exception("reading a RouteStream failed; its routes end")
+    finally:
+        session.input_done()

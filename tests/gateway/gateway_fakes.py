@@ -15,8 +15,9 @@ transformers.AutoTokenizer. Chat rendering is `<|role|>content\n` per message pl
 
 Fake scheduler: `Route` leases a registered fake worker (the first one in
 `route_first` order, then registration order, skipping `exclude_worker_ids` and workers
-marked down); records every RouteRequest, lease and released lease (`Release`, or
-`RouteRequest.release_lease_ids` where the contract has that field).
+marked down), on the gateway's RouteStream or a unary Route; records every RouteRequest,
+lease and released lease (a stream message's `release`, `Release`, or the unary
+`RouteRequest.release_lease_ids`).
 
 Fake worker: `GenerateStream` runs the scripted generation of each request added on
 the stream: the output text of choice i depends on keywords in the prompt (see
@@ -295,27 +296,47 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return [lease for lease, (rid, _w) in self.leases.items() if rid == request_id]
 
     async def Route(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.routes.append(scheduler_pb2.RouteRequest.FromString(request.SerializeToString()))
         # Leases a gateway hands back on its next Route (when the contract has the field).
         self.released.extend(getattr(request, "release_lease_ids", ()))
         self.released.extend(self._note_outcomes(getattr(request, "release_outcomes", ())))
+        answer = self._route(request)
+        if isinstance(answer, tuple):
+            status, message, param = answer
+            await context.abort(status, message, _param(param) if param else ())
+        return answer
+
+    async def RouteStream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The gateway's route stream: each route answered at once, in order."""
+        async for message in request_iterator:
+            if message.HasField("release"):
+                self._record_release(message.release)
+            if not message.HasField("route"):
+                continue
+            answer = self._route(message.route)
+            if isinstance(answer, tuple):
+                status, text, param = answer
+                error = scheduler_pb2.RouteError(code=_code(status), message=text, param=param)
+                yield scheduler_pb2.RouteStreamResponse(call_id=message.call_id, error=error)
+            else:
+                yield scheduler_pb2.RouteStreamResponse(call_id=message.call_id, route=answer)
+
+    def _route(self, request: Any) -> Any:
+        """The lease for one RouteRequest, or (status, message, param) when refused."""
+        self.routes.append(scheduler_pb2.RouteRequest.FromString(request.SerializeToString()))
         generate = request.request
         if not generate.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required", _param("model"))
+            return grpc.StatusCode.INVALID_ARGUMENT, "model is required", "model"
         if generate.model != MODEL:
-            message = f"model '{generate.model}' is not served by any decoder"
-            await context.abort(grpc.StatusCode.NOT_FOUND, message, _param("model"))
+            return grpc.StatusCode.NOT_FOUND, f"model '{generate.model}' is not served by any decoder", "model"
         if not generate.prompt_token_ids:
-            message = "prompt_token_ids must not be empty"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message, _param("prompt"))
+            return grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty", "prompt"
         if "OVERLOAD" in decode(list(generate.prompt_token_ids)):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scheduler queue is full")
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, "scheduler queue is full", ""
         excluded = set(request.exclude_worker_ids) | self.down
         order = [w for w in self.route_first if w in self.workers] + list(self.workers)
         worker_id = next((w for w in order if w not in excluded), None)
         if worker_id is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decoder worker")
-        assert worker_id is not None
+            return grpc.StatusCode.UNAVAILABLE, "no healthy decoder worker", ""
         request_id = generate.request_id or uuid.uuid4().hex
         lease_id = f"{self.name}-lease-{next(self._lease_ids)}"
         self.leases[lease_id] = (request_id, worker_id)
@@ -336,11 +357,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return [outcome.lease_id for outcome in outcomes]
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return scheduler_pb2.ReleaseResponse(released=self._record_release(request))
+
+    def _record_release(self, request: Any) -> int:
+        """Records a ReleaseRequest (a unary Release or a route stream's `release`);
+        returns how many of its leases were issued and not yet released."""
         ids = list(request.lease_ids) + self._note_outcomes(request.outcomes)
         self.release_calls.append(ids)
         known = [i for i in ids if i in self.leases and i not in self.released]
         self.released.extend(ids)
-        return scheduler_pb2.ReleaseResponse(released=len(known))
+        return len(known)
 
     async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request.model != EMBED_MODEL:

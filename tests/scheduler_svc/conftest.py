@@ -234,6 +234,7 @@ class RunningScheduler:
     address: str
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
+    servicer: SchedulerServicer
 
     async def stop(self) -> None:
         await self.channel.close()
@@ -306,17 +307,16 @@ async def serve_scheduler(**overrides: Any) -> RunningScheduler:
     config = SchedulerConfig(port=0, **{**FAST, **overrides})
     core = Scheduler(config)
     server = GrpcServer("scheduler-test", config)
-    server.add_service(
-        "meshserve.v1.Scheduler",
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-        SchedulerServicer(core),
-    )
+    servicer = SchedulerServicer(core)
+    server.add_service("meshserve.v1.Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
+    server.on_drain(servicer.on_drain)
     await core.start()
     port = await server.start()
     await server.set_serving(True)
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
-    return RunningScheduler(core, server, address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    return RunningScheduler(core, server, address, channel, stub, servicer)
 
 
 @pytest.fixture

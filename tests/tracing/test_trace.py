@@ -1,4 +1,4 @@
-"""One trace per request across gateway → tokenizer → scheduler (Route) → worker.
+"""One trace per request across gateway → tokenizer → scheduler (RouteStream) → worker.
 
 Every service runs in this process (real gRPC servers on loopback, real engine on a
 tiny model); spans are exported with OTLP over gRPC (BatchSpanProcessor) to a real OTLP
@@ -106,7 +106,7 @@ def _ancestors(span: SpanRecord, by_id: dict[str, SpanRecord]) -> list[str]:
 
 WANTED = {
     "gateway.chat_completions",
-    "SchedulerServicer.Route",
+    "scheduler.route",
     "worker.generate",
     "worker.decode",
 }
@@ -141,7 +141,7 @@ async def test_one_trace_links_every_service(tiny_model_dir: Path) -> None:
 
     assert len({top_parent(span) for span in trace_spans}) == 1, trace_spans
     render = _by_name(trace_spans, "TokenizerServicer.RenderChat")
-    route = _by_name(trace_spans, "SchedulerServicer.Route")
+    route = _by_name(trace_spans, "scheduler.route")
     worker = _by_name(trace_spans, "worker.generate")
     assert "gateway.chat_completions" in _ancestors(render, by_id)
     assert "gateway.chat_completions" in _ancestors(route, by_id)
