@@ -305,7 +305,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(status, message, _param(param) if param else ())
         return answer
 
-    async def RouteStream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def RouteStream(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         """The gateway's route stream: each route answered at once, in order."""
         async for message in request_iterator:
             if message.HasField("release"):
@@ -327,7 +329,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if not generate.model:
             return grpc.StatusCode.INVALID_ARGUMENT, "model is required", "model"
         if generate.model != MODEL:
-            return grpc.StatusCode.NOT_FOUND, f"model '{generate.model}' is not served by any decoder", "model"
+            return (
+                grpc.StatusCode.NOT_FOUND,
+                f"model '{generate.model}' is not served by any decoder",
+                "model",
+            )
         if not generate.prompt_token_ids:
             return grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty", "prompt"
         if "OVERLOAD" in decode(list(generate.prompt_token_ids)):
