@@ -37,8 +37,12 @@ sinks) or, on the torch backend, in :func:`_decode_layer`. Keyword arguments out
 
 Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
 :mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
-``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``triton``
-(CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
+``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``sdpa`` —
+one SDPA call per sequence over exactly its own keys, no mask: the call transformers'
+sdpa attention makes at a decode step, so bf16 results are bit-identical to it on CPU
+(padding and masks change the flash kernel's rounding; the native kernel's float32
+order differs from oneDNN's), at ~55 us per sequence and layer on the bench model;
+``triton`` (CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
 explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
 """
 
@@ -120,6 +124,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32 (triton, cpu)
     decode_table: torch.Tensor | None = None  # [Bd, max_blocks] int64 (every backend: windowed layers)
     decode_lens: torch.Tensor | None = None  # [Bd] int64
+    # sdpa backend: (packed row, sequence length, its blocks) of every decode sequence
+    decode_seqs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend: str = "torch"
     # Sliding window of each layer (None = full attention); empty = every layer full.
@@ -218,6 +224,12 @@ def _fill_decode(
         meta.decode_block_tables = table_t.to(torch.int32)
         meta.decode_seq_lens = lens_t.to(torch.int32)
         return
+    if meta.backend == "sdpa":
+        meta.decode_seqs = [
+            (row, n, table_t[i, : -(-n // block_size)])
+            for i, (row, n) in enumerate(zip(rows, lens, strict=True))
+        ]
+        return
     meta.decode_blocks = table_t.flatten()
     valid = torch.arange(max_blocks * block_size, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
     # An additive float mask is measurably faster than a bool one in CPU SDPA.
@@ -267,6 +279,26 @@ def _decode_torch(
     return out.reshape(batch, heads, head_dim)
 
 
+def _decode_sdpa(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Decode rows of ``q [T, H, D]`` into ``out``, one SDPA call per sequence over exactly
+    its keys and no mask: what transformers' sdpa attention computes at a decode step
+    (DynamicCache: ``[1, H, 1, D]`` over ``[1, Hkv, L, D]``, ``enable_gqa``). On CPU the
+    flash kernel's result depends on L and on a mask (its exp and sums split keys into
+    16-lane vectors plus a scalar tail; oneDNN's gemv order depends on L), so any padding
+    to the batch's longest sequence breaks bit parity."""
+    _, nb, bs, hkv, d = cache.shape
+    flat = cache.view(2, nb, bs * hkv * d)
+    heads = q.shape[1]
+    gqa = heads != hkv
+    for row, n, blocks in meta.decode_seqs:
+        k = flat[0].index_select(0, blocks).view(-1, hkv, d)[:n].transpose(0, 1).unsqueeze(0)
+        v = flat[1].index_select(0, blocks).view(-1, hkv, d)[:n].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q[row].view(1, heads, 1, d), k, v, scale=scale, enable_gqa=gqa)
+        out[row] = o.view(heads, d)
+
+
 def _prefill_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
@@ -300,8 +332,11 @@ def _decode(
     if rows is None:
         return
     layer = layer or LayerAttention()
-    if meta.backend == "torch" and not layer.plain:
-        raise RuntimeError("the torch decode path here serves plain causal layers only (see _decode_layer)")
+    if meta.backend in ("torch", "sdpa") and not layer.plain:
+        raise RuntimeError("the torch decode paths here serve plain causal layers only (see _decode_layer)")
+    if meta.backend == "sdpa":
+        _decode_sdpa(q, cache, meta, scale, out)
+        return
     if meta.backend == "torch":
         od = _decode_torch(q.index_select(0, rows), cache, meta, scale)
         out.index_copy_(0, rows, od.to(out.dtype))
@@ -471,7 +506,7 @@ def _attend(
     # Contiguous [T, H, D] (not q's transposed strides): the caller's reshape is then a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.decode_token_idx is not None:
-        if layer.plain or meta.backend != "torch":
+        if layer.plain or meta.backend not in ("torch", "sdpa"):
             _decode(q, cache, meta, scale, out, layer)
         else:
             rows = meta.decode_token_idx

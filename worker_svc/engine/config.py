@@ -8,7 +8,7 @@ from dataclasses import dataclass
 __all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig", "default_dtype", "parse_cpu_list"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("torch", "triton", "cpu", "auto")
+ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.scheduler import ScheduledRequest
 
-__all__ = ["ModelInfo", "ModelOutput", "ModelRunner"]
+__all__ = ["ModelInfo", "ModelOutput", "ModelRunner", "inductor_options"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -284,14 +284,33 @@ class ModelRunner:
 
         frames = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        # On CPU, freezing folds the weights into the graph as constants so inductor can
-        # prepack them for oneDNN (bench model: +40 % tok/s at batch 1, +6 % at 32). Set
-        # for our calls only (graphs compile lazily, inside them), not process-wide.
-        with inductor_config.patch(freezing=self.device.type == "cpu"):
+        # Set for our calls only (graphs compile lazily, inside them), not process-wide.
+        with inductor_config.patch(inductor_options(self.device.type, self.dtype)):
             out = self._compiled(**kwargs)
         if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
             self.compile_seconds += time.perf_counter() - start
         return out
+
+
+def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, bool]:
+    """Inductor settings of the compiled forward.
+
+    On CPU, ``freezing`` folds the weights into the graph as constants so inductor can
+    prepack them for oneDNN (bench model: +40 % tok/s at batch 1, +6 % at 32).
+
+    In bf16/fp16 the compiled graph must round like eager PyTorch, else greedy tokens leave
+    transformers' ``generate`` at near-ties: ``emulate_precision_casts`` keeps every
+    low-precision intermediate rounded as eager does (fused RMSNorm, RoPE, SiLU*mul were
+    computed in float32 throughout), and ``pattern_matcher=False`` stops the post-grad
+    fusions that fold SiLU or the residual add into the prepacked oneDNN linear (applied
+    to its float32 accumulator, before the bf16 rounding eager does). Weight prepacking
+    is a freezing pass, not a post-grad pattern: it stays, and a prepacked linear equals
+    eager ``F.linear`` bit for bit here (tests/worker_engine/test_bf16_parity.py).
+    """
+    options = {"freezing": device_type == "cpu"}
+    if dtype in (torch.bfloat16, torch.float16):
+        options.update(emulate_precision_casts=True, pattern_matcher=False)
+    return options
 
 
 def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:
