@@ -3,11 +3,13 @@ token for token, on a model whose logits are flat enough that bf16 rounding deci
 
 The session's tiny model (``conftest.tiny_model_dir``) has peaked logits on purpose, so
 it hardly ever notices a rounding difference. This one (default init 0.02, vocab 4096)
-does: on the machine where these tests were written, the native decode kernel (float32
-order differs from oneDNN's) left ``generate`` on 4 of the 8 prompts and the compiled
-graph without eager rounding (inductor fusions) on 2 of them; the padded torch decode
-path on 1. Parity holds when every op rounds as eager PyTorch does:
-``attention_backend="sdpa"`` and :func:`worker_svc.engine.model_runner.inductor_options`.
+does: on the machine where these tests were written, the native decode kernel with its
+own float32 order (before it reproduced the flash kernel's) left ``generate`` on 4 of
+the 8 prompts, the compiled graph without eager rounding (inductor fusions) on 2 of them,
+and the padded torch decode path on 1. Parity holds when every op rounds as eager
+PyTorch does: the native kernel where its exactness is verified
+(:func:`worker_svc.engine.cpu_attention.exact_bf16_verified`) or the ``sdpa`` backend
+anywhere, and :func:`worker_svc.engine.model_runner.inductor_options`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.worker_engine.conftest import run_all, tokens
-from worker_svc.engine import LLMEngine, SamplingParams
+from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention
+from worker_svc.engine.config import cpu_flags
 from worker_svc.engine.model_runner import inductor_options
 
 Factory = Callable[..., LLMEngine]
@@ -92,7 +95,9 @@ def _first_differences(
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
-def test_bf16_sdpa_backend_equals_generate_token_for_token(
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+def test_bf16_greedy_equals_generate_token_for_token(
+    backend: str,
     compile_model: bool,
     flat_model_dir: str,
     prompts_and_reference: tuple[list[list[int]], list[list[int]]],
@@ -101,11 +106,15 @@ def test_bf16_sdpa_backend_equals_generate_token_for_token(
     """All 8 prompts batched (prefill rows of several prompts and decode rows of the others
     in one step; the token budget holds every prompt whole: a chunked prefill attends
     through a masked SDPA, which rounds differently from generate's one-shot prefill)."""
+    if backend == "cpu" and cpu_attention.load() is None:
+        pytest.skip("no C compiler: native CPU attention unavailable")
+    if backend == "cpu" and not cpu_attention.exact_bf16_verified(cpu_flags()):
+        pytest.skip("the native kernel's bit-exactness is verified on avx512_bf16 CPUs without AMX only")
     prompts, reference = prompts_and_reference
     engine = make_engine(
         model_dir=flat_model_dir,
         dtype="bfloat16",
-        attention_backend="sdpa",
+        attention_backend=backend,
         compile_model=compile_model,
         max_num_batched_tokens=1024,
     )

@@ -36,12 +36,13 @@ sinks) or, on the torch backend, in :func:`_decode_layer`. Keyword arguments out
 :data:`KNOWN_KWARGS` are an error, never ignored.
 
 Decode rows (q_len == 1), by backend: ``cpu`` — the native kernel of
-:mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables;
+:mod:`worker_svc.engine.cpu_attention` reads K/V in place through the block tables (in
+bf16 with the rounding of torch's CPU flash kernel: bit-identical to SDPA where verified);
 ``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``sdpa`` —
 one SDPA call per sequence over exactly its own keys, no mask: the call transformers'
-sdpa attention makes at a decode step, so bf16 results are bit-identical to it on CPU
-(padding and masks change the flash kernel's rounding; the native kernel's float32
-order differs from oneDNN's), at ~55 us per sequence and layer on the bench model;
+sdpa attention makes at a decode step, so bf16 results are bit-identical to it on any
+CPU (padding and masks change the flash kernel's rounding), but at ~55 us per sequence
+and layer on the bench model (the native kernel: ~11 us);
 ``triton`` (CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
 explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
 """

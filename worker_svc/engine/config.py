@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig", "default_dtype", "parse_cpu_list"]
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig", "cpu_flags", "default_dtype", "parse_cpu_list"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
@@ -81,11 +81,16 @@ def default_dtype(device: str, cpu_flags: frozenset[str] | None = None) -> str:
     ``cpu_flags`` defaults to this machine's (``/proc/cpuinfo``)."""
     if device.split(":")[0] == "cuda":
         return "bfloat16"
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = _host_flags() if cpu_flags is None else cpu_flags
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (``/proc/cpuinfo``); empty where unknown."""
+    return _host_flags()
+
+
+def _host_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             return next(

@@ -6,6 +6,11 @@ Why not the torch path for decode: it gathers every sequence's blocks into a pad
 padded softmax were ~20-40 % of a c=32 step (py-spy). The kernel reads K/V in place
 through the block table, each sequence only up to its own length.
 
+bf16 plain causal layers are computed with the rounding of PyTorch's CPU flash kernel, so
+the result equals ``F.scaled_dot_product_attention`` over the sequence's keys bit for bit
+(what transformers' sdpa attention computes at a decode step: greedy bf16 parity with
+``generate``); see :func:`exact_bf16_verified` for where that is verified.
+
 Optional: without a compiler (or when the build fails) :func:`load` returns None and
 the runner keeps the torch path. The shared object is cached per source, flags and CPU
 (``-march=native``) under ``$MESHSERVE_KERNEL_CACHE`` (default ``~/.cache/meshserve``).
@@ -25,23 +30,23 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DecodeKernel", "load"]
+__all__ = ["DecodeKernel", "exact_bf16_verified", "load"]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # Not -ffast-math: linking a shared object with it pulls in crtfastmath.o, whose constructor
 # turns on flush-to-zero / denormals-are-zero for the WHOLE process that loads it (numerics
-# elsewhere change; hypothesis refuses to run). The reassociation flags that let the
-# reductions vectorize are given one by one; no -ffinite-math-only (masking uses -inf).
+# elsewhere change; hypothesis refuses to run). No reassociation (-fassociative-math,
+# -freciprocal-math) and no implicit FMA contraction either: the bf16 path reproduces the
+# flash kernel's float32 operation order exactly (csrc/paged_decode.c); the float32 path's
+# reductions still vectorize through `omp simd reduction`.
 _FLAGS = (
     "-O3",
     "-march=native",
     "-fno-math-errno",
-    "-fno-signed-zeros",
     "-fno-trapping-math",
-    "-fassociative-math",
-    "-freciprocal-math",
+    "-ffp-contract=off",
     "-fopenmp-simd",
     "-fPIC",
     "-shared",
@@ -103,6 +108,14 @@ class DecodeKernel:
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode: could not allocate the score buffer")
+
+
+def exact_bf16_verified(flags: frozenset[str]) -> bool:
+    """Whether the bf16 decode is known to equal PyTorch's CPU SDPA bit for bit on a CPU
+    with these feature flags: the kernel reproduces oneDNN's bf16 gemv order as run on
+    avx512_bf16 without AMX (torch 2.13, oneDNN 3.12; test_cpu_attention_exact.py).
+    Elsewhere the kernel is as accurate, but its rounding may differ from SDPA's."""
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 @functools.cache
