@@ -105,6 +105,8 @@ class RunResult:
     notes: str = ""
     ratio_vs_vllm: float | None = None
     samples: list[float] = field(default_factory=list)  # tok/s of every repeat (median is the row)
+    # per reference request: first position where greedy tokens leave hf_naive's (None: equal)
+    greedy_first_diff: list[int | None] | None = None
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -306,6 +308,7 @@ def bench_interleaved(
                         engine_generate_fn(engine, f"r{rep}c{c}"), workload, c, "meshserve"
                     )
                     row.greedy_match_naive = match_rate(timings, naive_ref)
+                    row.greedy_first_diff = first_differences(timings, naive_ref)
                     samples["meshserve"].append(row)
                     setup["naive_timings"] = naive_ref
                     if server is not None:
@@ -510,6 +513,18 @@ def match_rate(candidate: list[RequestTiming], reference: list[RequestTiming]) -
     """Fraction of the reference requests whose greedy tokens the candidate reproduced."""
     n = min(len(candidate), len(reference))
     return sum(candidate[i].tokens == reference[i].tokens for i in range(n)) / n if n else 0.0
+
+
+def first_differences(candidate: list[RequestTiming], reference: list[RequestTiming]) -> list[int | None]:
+    """Per reference request, the first token position where the candidate differs (None: same)."""
+    out: list[int | None] = []
+    for cand, ref in zip(candidate, reference, strict=False):
+        pairs = zip(cand.tokens, ref.tokens, strict=False)
+        diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if diff is None and len(cand.tokens) != len(ref.tokens):
+            diff = min(len(cand.tokens), len(ref.tokens))
+        out.append(diff)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
