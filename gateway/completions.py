@@ -1,6 +1,6 @@
-"""`POST /v1/completions`: RenderCompletion per prompt → context check → Route + the worker
-stream, detokenized in-process (`generation.py`) → OpenAI text completion (JSON) or
-chunks (SSE).
+"""`POST /v1/completions`: each prompt rendered in-process (the gateway's copy of the
+tokenizer, `services.completion_prompt`) → context check → Route + the worker stream,
+detokenized in-process (`generation.py`) → OpenAI text completion (JSON) or chunks (SSE).
 
 Several prompts (a list of strings or of token-id lists) run concurrently as one
 request; choice `index` is prompt index × n + choice index, as in OpenAI/vLLM.
@@ -10,6 +10,7 @@ request; choice `index` is prompt index × n + choice index, as in OpenAI/vLLM.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import Request, Response
 
 from gateway import metrics
-from gateway.errors import APIError
+from gateway.errors import APIError, from_mesh_error
 from gateway.generation import ChoiceEvent, GenerationRun
 from gateway.logprobs import completion_logprobs, resolve_strings
 from gateway.protocol import (
@@ -46,6 +47,8 @@ from gateway.serving import (
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
+from services.completion_prompt import ImageToken, completion_token_ids
+from services.errors import MeshError
 
 log = logging.getLogger(__name__)
 ROUTE = "/v1/completions"
@@ -58,29 +61,40 @@ class _Prompt:
     mm_items: list[common_pb2.MultiModalItem]
 
 
+# Text longer than this is tokenized off the event loop (a long prompt takes milliseconds).
+LONG_PROMPT_CHARS = 4096
+
+
 async def _render(
-    ctx: RequestContext, body: CompletionRequest, model: str, prompt: str | list[int]
+    ctx: RequestContext,
+    body: CompletionRequest,
+    model: str,
+    info: tokenizer_pb2.TokenizerInfo,
+    prompt: str | list[int],
 ) -> _Prompt:
-    """RenderCompletion of one prompt (plus its text when echo needs it)."""
-    upstream = ctx.upstream
-    request = tokenizer_pb2.RenderCompletionRequest(model=model, add_special_tokens=body.add_special_tokens)
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    rendered = await upstream.call(
-        TOKENIZER, upstream.tokenizer.RenderCompletion(request, timeout=upstream.timeout)
-    )
-    ids = list(rendered.prompt_token_ids)
-    text = rendered.prompt_text or (prompt if isinstance(prompt, str) else "")
-    if body.echo and not text and ids:
-        detok = tokenizer_pb2.DetokenizeRequest(model=model, token_ids=ids, skip_special_tokens=False)
-        text = (
-            await upstream.call(TOKENIZER, upstream.tokenizer.Detokenize(detok, timeout=upstream.timeout))
-        ).text
-    if not ids:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    return _Prompt(ids, text, list(rendered.mm_items))
+    """One prompt's token ids, rendered in-process with the gateway's copy of the model's
+    tokenizer (`services.completion_prompt`, as the tokenizer service renders them), plus
+    its text when echo needs it. Completion prompts are text only: no round trip."""
+    try:
+        tokenizer = await ctx.upstream.tokenizers.get(model)
+        image = ImageToken(info.image_token_id, info.image_token) if info.HasField("image_token_id") else None
+        text = prompt if isinstance(prompt, str) else None
+        render = functools.partial(
+            completion_token_ids,
+            tokenizer.tokenizer,
+            info.vocab_size,
+            image,
+            text,
+            None if isinstance(prompt, str) else prompt,
+            body.add_special_tokens,
+        )
+        ids = await asyncio.to_thread(render) if text and len(text) > LONG_PROMPT_CHARS else render()
+    except MeshError as exc:
+        raise from_mesh_error(exc, TOKENIZER) from exc
+    if not body.echo:
+        return _Prompt(ids, "", [])
+    echo = text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+    return _Prompt(ids, echo, [])
 
 
 async def start_completion(
@@ -89,7 +103,7 @@ async def start_completion(
     """Renders every prompt, checks context lengths and starts generation."""
     upstream = ctx.upstream
     info = await upstream.tokenizer_info(model)
-    prompts = await asyncio.gather(*(_render(ctx, body, model, p) for p in body.prompts()))
+    prompts = [await _render(ctx, body, model, info, p) for p in body.prompts()]
     runs = []
     for i, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(

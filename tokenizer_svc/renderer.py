@@ -18,6 +18,7 @@ from typing import Any
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from services.completion_prompt import ImageToken, check_token_ids, completion_token_ids, refuse_image_token
 from services.errors import InvalidArgument
 from services.image_preprocess import ImagePreprocessor
 from services.model_files import eos_token_ids, read_json
@@ -255,12 +256,14 @@ class Renderer:
             raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, expected str")
         return rendered
 
-    def _refuse_image_tokens(self, token_ids: Sequence[int], param: str) -> None:
+    @property
+    def image_token(self) -> ImageToken | None:
+        """The image placeholder (None for a text-only model)."""
         spec = self.image_spec
-        if spec is not None and spec.token_id in token_ids:
-            raise InvalidArgument(
-                f"{param} contains the image placeholder {spec.token!r} without an image", param=param
-            )
+        return None if spec is None else ImageToken(spec.token_id, spec.token)
+
+    def _refuse_image_tokens(self, token_ids: Sequence[int], param: str) -> None:
+        refuse_image_token(token_ids, self.image_token, param)
 
     # -- completion, tokenize, detokenize --------------------------------------------------
 
@@ -268,18 +271,10 @@ class Renderer:
         self, text: str | None = None, token_ids: Sequence[int] | None = None, add_special_tokens: bool = True
     ) -> RenderResult:
         """A completion prompt from text (tokenized) or token ids (validated, decoded)."""
-        if text is not None:
-            ids = self.encode(text, add_special_tokens)
-            prompt_text = text
-        elif token_ids is not None:
-            ids = list(token_ids)
-            self.validate_token_ids(ids, "prompt")
-            prompt_text = self.decode(ids, skip_special_tokens=False)
-        else:
-            raise InvalidArgument("prompt is required (text or token_ids)", param="prompt")
-        if not ids:
-            raise InvalidArgument("prompt must not be empty", param="prompt")
-        self._refuse_image_tokens(ids, "prompt")
+        ids = completion_token_ids(
+            self.tokenizer, self.vocab_size, self.image_token, text, token_ids, add_special_tokens
+        )
+        prompt_text = text if text is not None else self.decode(ids, skip_special_tokens=False)
         return RenderResult(ids, prompt_text)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -307,8 +302,4 @@ class Renderer:
 
     def validate_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         """Raises InvalidArgument naming `param` for an id outside [0, vocab_size)."""
-        for i, token_id in enumerate(token_ids):
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidArgument(
-                    f"{param}[{i}] = {token_id} is outside the vocabulary [0, {self.vocab_size})", param=param
-                )
+        check_token_ids(token_ids, self.vocab_size, param)

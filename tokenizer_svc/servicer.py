@@ -133,15 +133,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def GetTokenizerInfo(
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
-        """Vocabulary size, EOS ids, context length and whether a chat template exists."""
+        """Vocabulary size, EOS ids, context length, whether a chat template exists and the
+        image placeholder of a vision model."""
         renderer = self._ready(request.model)
-        return tokenizer_pb2.TokenizerInfo(
+        info = tokenizer_pb2.TokenizerInfo(
             model=self.model_name,
             vocab_size=renderer.vocab_size,
             eos_token_ids=renderer.eos_token_ids,
             max_model_len=renderer.max_model_len,
             has_chat_template=renderer.has_chat_template,
         )
+        image = renderer.image_token
+        if image is not None:
+            info.image_token_id, info.image_token = image.token_id, image.token
+        return info
 
     @rpc_handler
     async def GetTokenizer(

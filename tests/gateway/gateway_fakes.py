@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -123,6 +123,11 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    # Prompts encoded with special tokens start with BOS, like Llama's (the gateway renders
+    # completion prompts with these files).
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
     return tokenizer
 
 

@@ -22,6 +22,7 @@ from gateway.local_tokenizer import (
     files_key,
 )
 from meshserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.completion_prompt import completion_token_ids
 from services.config import ServerConfig
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import Code, InvalidArgument, MeshError
@@ -120,6 +121,23 @@ async def test_local_tokenizer_decodes_like_the_service(
                 )
                 assert mine == theirs, (text, skip, stop)
             assert "".join(_stream(local.detokenizer(prompt, skip), ids)) == remote.text
+
+
+async def test_gateway_renders_completion_prompts_like_the_service(
+    local: LocalTokenizer, service: Stub
+) -> None:
+    info = await service.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest())
+    assert not info.HasField("image_token_id")  # a text-only model
+    for text in [*TEXTS, "<s> literal special token text </s>", " "]:
+        for special in (True, False):
+            remote = await service.RenderCompletion(
+                tokenizer_pb2.RenderCompletionRequest(text=text, add_special_tokens=special)
+            )
+            mine = completion_token_ids(local.tokenizer, info.vocab_size, None, text, None, special)
+            assert mine == list(remote.prompt_token_ids), (text, special)
+    with pytest.raises(InvalidArgument) as error:
+        completion_token_ids(local.tokenizer, info.vocab_size, None, None, [1, info.vocab_size], True)
+    assert error.value.param == "prompt"
 
 
 def test_token_strings(local: LocalTokenizer, service_renderer: Renderer) -> None:

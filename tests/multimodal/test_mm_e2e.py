@@ -103,6 +103,20 @@ def test_repeated_image_is_an_encoder_cache_hit(
     assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_hits_total") == 2  # decoder reads
 
 
+def test_completion_prompt_with_the_image_placeholder_is_refused(
+    client: openai.OpenAI, refs: ReferenceBuilder
+) -> None:
+    # The gateway renders completion prompts itself: it learns the placeholder from
+    # GetTokenizerInfo and refuses it, in text or as an id, like the tokenizer service.
+    model = client.models.list().data[0].id
+    for prompt in ("look: <image> here", [1, refs.image_token, 2]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
+        body = info.value.body
+        assert isinstance(body, dict) and body.get("param") == "prompt", body
+        assert "image placeholder" in str(body.get("message")), body
+
+
 def test_small_cache_evicts_and_reencodes(mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder) -> None:
     first, second, third = png_bytes(11), png_bytes(12), png_bytes(13)
     before = metric(mesh, "encoder-0", "meshserve_encoder_items_total")
