@@ -69,15 +69,23 @@ class Dispatcher:
             detail = " other than " + ", ".join(sorted(exclude)) if exclude else ""
             raise Unavailable(f"no healthy {role} worker{detail} for model '{model}'")
 
+    def acquire_now(
+        self, request: RoutingRequest, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Lease, Decision] | None:
+        """A lease when a worker can take `request` now and nobody waits before it;
+        None when it would have to queue (then `acquire`). Errors as `acquire`."""
+        self.check_model(request.model, request.role, exclude)
+        if len(self.queue) == 0:
+            return self._place(request, exclude)
+        return None
+
     async def acquire(
         self, request: RoutingRequest, exclude: frozenset[str] = frozenset(), *, retry: bool = False
     ) -> tuple[Lease, Decision]:
         """A lease on the worker chosen for `request`, waiting in the queue if needed."""
-        self.check_model(request.model, request.role, exclude)
-        if len(self.queue) == 0:
-            placed = self._place(request, exclude)
-            if placed is not None:
-                return placed
+        placed = self.acquire_now(request, exclude)
+        if placed is not None:
+            return placed
         loop = asyncio.get_running_loop()
         waiter = Waiter(request, exclude, loop.create_future())
         self.queue.push(waiter, request.priority, request.tenant, front=retry)

@@ -24,6 +24,7 @@ from scheduler_svc import metrics
 from scheduler_svc.leases import ActiveLease
 from scheduler_svc.multimodal import EncodeCoordinator
 from scheduler_svc.policies import Decision, RoutingRequest
+from scheduler_svc.registry import Lease
 from scheduler_svc.scheduler import Scheduler
 from services.errors import InvalidArgument, Unavailable
 from services.kv_contract import request_extra_keys
@@ -125,15 +126,42 @@ class Router:
     ) -> RouteResult:
         """Admits and routes `request` (waiting in the queue while workers are full)."""
         received_at = time.perf_counter()
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        routing = routing_request(request)
+        routing = self._admit(request, exclude)
         mm_items = list(request.mm_items)
         if mm_items:  # images: encode what the encoder cache lacks (E/PD disaggregation)
             mm_items = list((await self.mm.prepare(request, force=force_encode)).mm_items)
+        lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
+        return self._issue(request, lease, decision, mm_items, received_at)
+
+    def route_now(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteResult | None:
+        """The route of a request that needs no waiting (no images to encode, a worker
+        free now, nobody queued before it), without a task or an await; None when it
+        must go through `route`. Errors as `route`."""
+        if request.mm_items:
+            return None
+        received_at = time.perf_counter()
+        routing = self._admit(request, exclude)
+        placed = self.scheduler.dispatcher.acquire_now(routing, exclude)
+        if placed is None:
+            return None
+        return self._issue(request, placed[0], placed[1], [], received_at)
+
+    def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        routing = routing_request(request)
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
-        lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
+        return routing
+
+    def _issue(
+        self,
+        request: common_pb2.GenerateRequest,
+        lease: Lease,
+        decision: Decision,
+        mm_items: list[common_pb2.MultiModalItem],
+        received_at: float,
+    ) -> RouteResult:
         block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
         predicted = predicted_cached_tokens(
             decision.matched_blocks, len(request.prompt_token_ids), block_size

@@ -11,6 +11,7 @@ the same stream. No grpc here: the servicer feeds messages in and writes answers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -56,16 +57,30 @@ class RouteStreamSession:
             )
         elif self._draining():
             self._answer_error(call_id, Code.UNAVAILABLE, "scheduler replica is draining")
-        else:
+        elif not self._route_now(call_id, request):
             self._tasks[call_id] = asyncio.get_running_loop().create_task(self._route(call_id, request))
+
+    def _route_now(self, call_id: int, request: scheduler_pb2.RouteRequest) -> bool:
+        """Answers a route that needs no waiting at once (most routes when workers have
+        room: no task, no extra loop iteration); False when it must run as a task."""
+        try:
+            with _span(request):
+                result = self._router.route_now(request.request, frozenset(request.exclude_worker_ids))
+        except Exception as exc:  # every failure is this route's answer, never the stream's
+            self._answer_failure(call_id, exc)
+            return True
+        if result is None:
+            return False
+        self._answers.put_nowait(
+            scheduler_pb2.RouteStreamResponse(
+                call_id=call_id, route=route_response(result, self._lease_ttl_ms)
+            )
+        )
+        return True
 
     async def _route(self, call_id: int, request: scheduler_pb2.RouteRequest) -> None:
         try:
-            # The caller's span comes with the request (the stream's metadata is the
-            # stream's, shared by every request on it).
-            with tracing.span_from(
-                "scheduler.route", request.request.trace_context, request_id=request.request.request_id
-            ):
+            with _span(request):
                 result = await self._router.route(
                     request.request, frozenset(request.exclude_worker_ids), request.force_encode
                 )
@@ -73,11 +88,7 @@ class RouteStreamSession:
             if call_id in self._cancelled_by_caller:  # else the stream is closing: no answer
                 self._answer_error(call_id, Code.CANCELLED, "route cancelled by the caller")
         except Exception as exc:  # every failure is this route's answer, never the stream's
-            code, text = classify(exc)
-            if code is Code.INTERNAL:
-                log.exception("route %d failed", call_id, exc_info=exc)
-            metrics.REJECTED.labels(code=code.value).inc()
-            self._answer_error(call_id, code, text, exc.param if isinstance(exc, MeshError) else None)
+            self._answer_failure(call_id, exc)
         else:
             answer = scheduler_pb2.RouteStreamResponse(
                 call_id=call_id, route=route_response(result, self._lease_ttl_ms)
@@ -87,6 +98,13 @@ class RouteStreamSession:
             self._tasks.pop(call_id, None)
             self._cancelled_by_caller.discard(call_id)
             self._end_if_done()
+
+    def _answer_failure(self, call_id: int, exc: Exception) -> None:
+        code, text = classify(exc)
+        if code is Code.INTERNAL:
+            log.exception("route %d failed", call_id, exc_info=exc)
+        metrics.REJECTED.labels(code=code.value).inc()
+        self._answer_error(call_id, code, text, exc.param if isinstance(exc, MeshError) else None)
 
     def _answer_error(self, call_id: int, code: Code, message: str, param: str | None = None) -> None:
         error = scheduler_pb2.RouteError(code=STATUS_NUMBERS[code], message=message, param=param or "")
@@ -119,3 +137,11 @@ class RouteStreamSession:
         self._input_done = True
         for task in self._tasks.values():
             task.cancel()
+
+
+def _span(request: scheduler_pb2.RouteRequest) -> contextlib.AbstractContextManager[None]:
+    # The caller's span comes with the request (the stream's metadata is the stream's,
+    # shared by every request on it).
+    return tracing.span_from(
+        "scheduler.route", request.request.trace_context, request_id=request.request.request_id
+    )
