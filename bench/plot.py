@@ -152,6 +152,12 @@ def zero_latency_line(report: dict[str, Any]) -> tuple[list[float], list[float]]
     return [r * turns for r in rates], line
 
 
+def _sessions_label(cfg: dict[str, Any], sizes: dict[str, Any]) -> str:
+    if cfg.get("duration"):
+        return f"over {cfg['duration']:g} s"
+    return f"{sizes.get('sessions', '?')} sessions"
+
+
 def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
     """TTFT p50/p99 and throughput vs load, one colour per routing policy; an open-loop
     report gets the achieved rate and the mean queue instead of token throughput."""
@@ -175,6 +181,7 @@ def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
     axes[0].set_ylabel("TTFT (ms)")
     axes[0].set_title("TTFT vs load (median of repeats)")
     if open_loop:
+        axes[0].set_yscale("log")  # light load ~100 ms, overload seconds
         xs, ideal = zero_latency_line(report)
         axes[1].plot(xs, ideal, ":", color="gray", label="a mesh answering instantly")
         axes[1].legend(fontsize="small")
@@ -187,7 +194,8 @@ def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
         axes[1].set_title("Throughput vs load")
     cfg, sizes = report.get("config", {}), report.get("sizes", {})
     mode = (
-        f"open loop, {sizes.get('sessions', '?')} sessions x {cfg.get('turns', '?')} turns, Poisson arrivals"
+        f"open loop, Poisson session arrivals ({_sessions_label(cfg, sizes)}), {cfg.get('turns', '?')} turns each, "
+        f"think time {cfg.get('think_time', 0):g} s"
         if open_loop
         else "closed loop"
     )
