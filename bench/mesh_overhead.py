@@ -82,6 +82,7 @@ async def _paired_runs(
             max_num_batched_tokens=args.max_batch_tokens,
             block_size=PAGE_SIZE,
             dtype=args.dtype,
+            cpu_affinity=args.engine_cpus,
         )
     )
     engine.start()
@@ -164,12 +165,40 @@ def summarize_pairs(rows: list[RunResult], concurrencies: list[int]) -> list[dic
     return summary
 
 
+def parse_cpus(text: str) -> set[int]:
+    """`"0"`, `"0-1,3"` → the CPU numbers (empty text: none)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def pin_relays(pids: list[int], relay_cpus: set[int], engine_cpus: set[int]) -> int:
+    """Pins every thread of `pids` to `relay_cpus`, except the engine step threads (those
+    that pinned themselves to `engine_cpus`, the engine's `cpu_affinity`): the relays and
+    the benchmark client then never take the engine's core, as with one pod per service
+    and CPU requests. Threads started later inherit their creator's CPUs. Returns how many
+    threads were pinned."""
+    pinned = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            tid = int(task.name)
+            with contextlib.suppress(ProcessLookupError):
+                if os.sched_getaffinity(tid) != engine_cpus:
+                    os.sched_setaffinity(tid, relay_cpus)
+                    pinned += 1
+    return pinned
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Starts the mesh, runs the paired repeats, returns the report."""
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
     threads = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
     threads += (("MESHSERVE_DTYPE", args.dtype),)  # the same dtype on both sides
+    if args.engine_cpus:
+        threads += (("MESHSERVE_CPU_AFFINITY", args.engine_cpus),)
     intervals = [int(k) for k in args.stream_intervals.split(",")]
     with contextlib.ExitStack() as stack:
         meshes = {}
@@ -180,6 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             meshes[f"mesh_si{k}"] = mesh
+        if args.relay_cpus:
+            pids = [os.getpid(), *(p.pid for m in meshes.values() for p in m.procs.values())]
+            pinned = pin_relays(pids, parse_cpus(args.relay_cpus), parse_cpus(args.engine_cpus))
+            print(f"pinned {pinned} relay/client threads to CPUs {args.relay_cpus}", flush=True)
         rows = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
     return {
         "model_dir": args.model_dir,
@@ -192,6 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "stream_intervals": intervals,
             "dtype": args.dtype,
+            "engine_cpus": args.engine_cpus,
+            "relay_cpus": args.relay_cpus,
         },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "summary": summarize_pairs(rows, concurrencies),
@@ -212,6 +247,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads of both systems (0: default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs of the engine step thread, both systems (e.g. 1; empty: no pinning)",
+    )
+    p.add_argument(
+        "--relay-cpus",
+        default="",
+        help="CPUs of every other thread: the mesh's relays, the worker's event loop and this client (e.g. 0)",
+    )
     p.add_argument("--dtype", default="float32", help="model dtype of both systems")
     p.add_argument("--out", default="bench/results/mesh_overhead.json")
     return p.parse_args(argv)
