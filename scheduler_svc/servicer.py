@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,9 +14,7 @@ from scheduler_svc.route import Router, route_response
 from scheduler_svc.route_stream import RouteStreamSession
 from scheduler_svc.scheduler import Scheduler
 from services.errors import MeshError
-from services.rpc import rpc_handler
-
-log = logging.getLogger(__name__)
+from services.rpc import feed_stream, rpc_handler
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
@@ -111,7 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         """Route over one long-lived stream per caller (see scheduler.proto)."""
         session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining)
         self._sessions.add(session)
-        reader = asyncio.create_task(_read_routes(request_iterator, session))
+        reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
         try:
             async for answer in session.responses():
                 yield answer
@@ -174,18 +171,3 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             workers=[status_to_proto(state, now) for state in self.scheduler.workers()],
             models=self.scheduler.registry.models(healthy_only=True),
         )
-
-
-async def _read_routes(
-    request_iterator: AsyncIterator[scheduler_pb2.RouteStreamRequest], session: RouteStreamSession
-) -> None:
-    """Feeds the caller's messages to the session until it half-closes or goes away."""
-    try:
-        async for message in request_iterator:
-            session.handle(message)
-    except grpc.aio.AioRpcError:  # the caller went away: the call's end closes the session
-        pass
-    except Exception:
-        log.exception("reading a RouteStream failed; its routes end")
-    finally:
-        session.input_done()

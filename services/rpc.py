@@ -10,7 +10,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -122,6 +122,30 @@ async def _served(method: str, context: grpc.aio.ServicerContext) -> AsyncIterat
     finally:
         INFLIGHT.exit()
         metrics.observe_rpc(method, _status_name(context), time.perf_counter() - start)
+
+
+class StreamInput(Protocol):
+    """What a bidirectional-stream servicer feeds the client's messages to."""
+
+    def handle(self, message: Any) -> None:
+        """One message from the client."""
+
+    def input_done(self) -> None:
+        """The client half-closed or went away: no more messages."""
+
+
+async def feed_stream(request_iterator: AsyncIterator[Any], session: StreamInput, method: str) -> None:
+    """Feeds the client's messages of a bidirectional stream to `session` until the
+    client half-closes or goes away (run it as a task beside the responses)."""
+    try:
+        async for message in request_iterator:
+            session.handle(message)
+    except grpc.aio.AioRpcError:  # the client went away: the call's end closes the session
+        pass
+    except Exception:
+        log.exception("reading a %s stream failed; its requests end", method)
+    finally:
+        session.input_done()
 
 
 # Clients ping idle connections this often (and servers accept it, `server_options`).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -13,14 +12,12 @@ import grpc
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
 from services.errors import InvalidArgument, NotFound, error_from_status
-from services.rpc import rpc_handler
+from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,7 +84,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         """The token path (see worker.proto): requests in, one message per engine step out."""
         session = self._session(self._draining)
-        reader = asyncio.create_task(_read_requests(request_iterator, session))
+        reader = asyncio.create_task(feed_stream(request_iterator, session, "GenerateStream"))
         try:
             async for message in session.responses():
                 yield message
@@ -160,21 +157,6 @@ async def _fetch_mm(fetcher: EmbeddingFetcher, request: common_pb2.GenerateReque
     """The prompt's image embeddings, fetched from the encoder cache (never encoded here)."""
     with tracing.span("worker.fetch_embeddings", request_id=request.request_id, items=len(request.mm_items)):
         return await fetcher.fetch(request.mm_items)
-
-
-async def _read_requests(
-    request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], session: StreamSession
-) -> None:
-    """Feeds the client's messages to the session until it half-closes or goes away."""
-    try:
-        async for message in request_iterator:
-            session.handle(message)
-    except grpc.aio.AioRpcError:  # the client went away: the call's end closes the session
-        pass
-    except Exception:
-        log.exception("reading a GenerateStream failed; its requests end")
-    finally:
-        session.input_done()
 
 
 class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):

@@ -113,7 +113,10 @@ async def test_queued_route_holds_back_no_other_and_can_be_cancelled(
     await sched.wait_for(lambda: sched.inflight("a") == 0 and not sched.lease_ids())
 
 
-async def test_half_close_cancels_waiting_routes(start_scheduler: Any, start_worker: Any) -> None:
+async def _one_held_one_queued(
+    start_scheduler: Any, start_worker: Any
+) -> tuple[RunningScheduler, Stream, scheduler_pb2.RouteStreamResponse]:
+    """A worker with one slot, a stream holding it (route 1) and route 2 queued."""
     sched = await start_scheduler(max_inflight_per_worker=1)
     await start_worker("a", sched)
     stream = Stream(sched)
@@ -121,6 +124,11 @@ async def test_half_close_cancels_waiting_routes(start_scheduler: Any, start_wor
     (held,) = await stream.read(1)
     stream.route(2, [2])
     await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    return sched, stream, held
+
+
+async def test_half_close_cancels_waiting_routes(start_scheduler: Any, start_worker: Any) -> None:
+    sched, stream, held = await _one_held_one_queued(start_scheduler, start_worker)
     stream.outgoing.put_nowait(None)
     assert await stream.ended() == grpc.StatusCode.OK
     assert 2 not in stream.answers and len(sched.core.dispatcher.queue) == 0
@@ -130,13 +138,7 @@ async def test_half_close_cancels_waiting_routes(start_scheduler: Any, start_wor
 async def test_draining_replica_refuses_new_routes_and_ends_the_stream(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    sched = await start_scheduler(max_inflight_per_worker=1)
-    await start_worker("a", sched)
-    stream = Stream(sched)
-    stream.route(1, [1])
-    (held,) = await stream.read(1)
-    stream.route(2, [2])
-    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    sched, stream, held = await _one_held_one_queued(start_scheduler, start_worker)
     await sched.servicer.on_drain()
     stream.route(3, [3])
     (refused,) = await stream.read(3)
