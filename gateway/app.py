@@ -53,6 +53,7 @@ from gateway.serving import new_id
 from gateway.upstream import TOKENIZER, Upstream
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
+from services.gc_tuning import settle_heap
 
 VERSION = "0.1.0"
 
@@ -89,6 +90,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tracing.setup_tracing("gateway", config.tracing, config.otlp_endpoint)
         upstream = Upstream(config)
         app.state.upstream = upstream
+        settle_heap()  # start-up is over: modules and app live as long as the process
         try:
             yield
         finally:

@@ -32,6 +32,7 @@ except ImportError:  # optional: plain asyncio works too
 from services import metrics, tracing
 from services.config import ServerConfig
 from services.decode_guard import DecodeGuard
+from services.gc_tuning import settle_heap
 from services.rpc import INFLIGHT, server_options
 from services.tls import TlsFiles, server_credentials
 
@@ -95,6 +96,8 @@ class GrpcServer:
         )
         for name in ["", *self._service_names]:
             await self.health.set(name, status)
+        if serving:
+            settle_heap()  # start-up is over: what lives now lives as long as the process
 
     def request_stop(self) -> None:
         self._stop.set()

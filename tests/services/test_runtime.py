@@ -110,3 +110,39 @@ async def test_health_errors_and_drain() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+_SETTLE_SCRIPT = """
+import asyncio, gc
+from services.config import ServerConfig
+from services.server import GrpcServer
+
+async def main():
+    server = GrpcServer("probe", ServerConfig(host="127.0.0.1", port=0))
+    await server.start()
+    before = (gc.get_threshold()[0], gc.get_freeze_count())
+    await server.set_serving(True)
+    after = (gc.get_threshold()[0], gc.get_freeze_count())
+    await server.server.stop(None)
+    print(before[0], before[1], after[0], after[1])
+
+asyncio.run(main())
+"""
+
+
+def test_serving_settles_the_heap_once_start_up_is_over() -> None:
+    """A service that reports SERVING freezes what start-up left alive and makes young
+    collections rarer (services/gc_tuning.py); before that the defaults hold. In a
+    fresh interpreter: the freeze is process-wide."""
+    import subprocess
+    import sys
+
+    from services.gc_tuning import GEN0_THRESHOLD
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SETTLE_SCRIPT], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    threshold_before, frozen_before, threshold_after, frozen_after = map(int, out)
+    assert threshold_before == 700 and frozen_before == 0
+    assert threshold_after == GEN0_THRESHOLD
+    assert frozen_after > 10_000  # grpc, protobuf, the servicers: all of start-up
