@@ -29,7 +29,7 @@ _BLOCK_MS = 300
 _BATCH = 1000
 # Events wait at most this long to be read in a batch; the policy meanwhile counts its own
 # recent decisions as cached (speculative_ttl_s), so routing does not miss them.
-_MIN_POLL_INTERVAL_S = 0.05
+_MIN_POLL_INTERVAL_S = 0.1
 
 
 def parse_entry(fields: dict[Any, Any]) -> KvRecord:
