@@ -5,7 +5,12 @@ per request: a stream message costs the replica about a third of a unary call's 
 (grpc-python wakes the loop once per message instead of setting up a call). Each route
 runs in its own task, because it may wait in the admission queue, and is answered when
 it completes, so a queued route holds back no other. Releases and cancellations ride on
-the same stream. No grpc here: the servicer feeds messages in and writes answers out.
+the same stream. No grpc here: the servicer feeds messages in and passes `send`, which
+writes one answer.
+
+A route that needs no waiting (most of them) is answered by the reader itself, before it
+reads the next message -- no task, no queue between reader and writer: per route that
+saves the replica a task wake-up and the caller part of the round trip.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 
 from meshserve.v1 import scheduler_pb2
 from scheduler_svc import metrics
@@ -23,23 +28,28 @@ from services.errors import STATUS_NUMBERS, Code, MeshError, classify
 
 log = logging.getLogger(__name__)
 
+Send = Callable[[scheduler_pb2.RouteStreamResponse], Awaitable[None]]
+
 
 class RouteStreamSession:
     """The routes in flight on one RouteStream and the answers waiting to be sent."""
 
-    def __init__(self, router: Router, lease_ttl_ms: int, draining: Callable[[], bool]) -> None:
+    def __init__(self, router: Router, lease_ttl_ms: int, draining: Callable[[], bool], send: Send) -> None:
         self._router = router
         self._lease_ttl_ms = lease_ttl_ms
         self._draining = draining
+        self._send = send
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._cancelled_by_caller: set[int] = set()
-        self._answers: asyncio.Queue[scheduler_pb2.RouteStreamResponse | None] = asyncio.Queue()
+        self._ready: list[scheduler_pb2.RouteStreamResponse] = []  # answered, not yet sent
+        self._sending = 0
         self._input_done = False
-        self._ended = False
+        self.ended = asyncio.Event()
 
-    def handle(self, message: scheduler_pb2.RouteStreamRequest) -> None:
+    def handle(self, message: scheduler_pb2.RouteStreamRequest) -> Awaitable[None] | None:
         """One message from the caller: releases first (they free slots the route may
-        take), then cancellations, then the route."""
+        take), then cancellations, then the route. Returns the sending of the answers
+        ready at once (the reader awaits it before reading on), or None."""
         if message.HasField("release"):
             self._router.release(list(message.release.lease_ids), message.release.outcomes)
         for call_id in message.cancel_call_ids:
@@ -49,6 +59,23 @@ class RouteStreamSession:
                 task.cancel()
         if message.HasField("route"):
             self._start(message.call_id, message.route)
+        return self._flush() if self._ready else None
+
+    async def _flush(self) -> None:
+        """Sends the answers ready now, in order."""
+        ready, self._ready = self._ready, []
+        for answer in ready:
+            await self._deliver(answer)
+
+    async def _deliver(self, answer: scheduler_pb2.RouteStreamResponse) -> None:
+        self._sending += 1
+        try:
+            await self._send(answer)
+        except Exception as exc:  # the call is over (caller gone): its end closes the session
+            log.debug("route answer %d not sent: %s", answer.call_id, exc)
+        finally:
+            self._sending -= 1
+            self._end_if_done()
 
     def _start(self, call_id: int, request: scheduler_pb2.RouteRequest) -> None:
         if call_id in self._tasks:
@@ -71,7 +98,7 @@ class RouteStreamSession:
             return True
         if result is None:
             return False
-        self._answers.put_nowait(
+        self._ready.append(
             scheduler_pb2.RouteStreamResponse(
                 call_id=call_id, route=route_response(result, self._lease_ttl_ms)
             )
@@ -79,6 +106,7 @@ class RouteStreamSession:
         return True
 
     async def _route(self, call_id: int, request: scheduler_pb2.RouteRequest) -> None:
+        """A route that waits (admission queue, image encoding); answered when done."""
         try:
             with _span(request):
                 result = await self._router.route(
@@ -93,10 +121,13 @@ class RouteStreamSession:
             answer = scheduler_pb2.RouteStreamResponse(
                 call_id=call_id, route=route_response(result, self._lease_ttl_ms)
             )
-            self._answers.put_nowait(answer)
+            self._ready.append(answer)
+        finally:
+            self._cancelled_by_caller.discard(call_id)
+        try:
+            await self._flush()
         finally:
             self._tasks.pop(call_id, None)
-            self._cancelled_by_caller.discard(call_id)
             self._end_if_done()
 
     def _answer_failure(self, call_id: int, exc: Exception) -> None:
@@ -108,7 +139,7 @@ class RouteStreamSession:
 
     def _answer_error(self, call_id: int, code: Code, message: str, param: str | None = None) -> None:
         error = scheduler_pb2.RouteError(code=STATUS_NUMBERS[code], message=message, param=param or "")
-        self._answers.put_nowait(scheduler_pb2.RouteStreamResponse(call_id=call_id, error=error))
+        self._ready.append(scheduler_pb2.RouteStreamResponse(call_id=call_id, error=error))
 
     def input_done(self) -> None:
         """The caller half-closed (or went away): routes still waiting are cancelled."""
@@ -123,14 +154,11 @@ class RouteStreamSession:
         self._end_if_done()
 
     def _end_if_done(self) -> None:
-        if not self._ended and not self._tasks and (self._input_done or self._draining()):
-            self._ended = True
-            self._answers.put_nowait(None)
-
-    async def responses(self) -> AsyncIterator[scheduler_pb2.RouteStreamResponse]:
-        """The answers, in completion order, until the stream ends."""
-        while (answer := await self._answers.get()) is not None:
-            yield answer
+        """Ends the stream (`ended`) once nothing is in flight or being sent and the
+        caller half-closed or the replica drains."""
+        idle = not self._tasks and not self._sending and not self._ready
+        if idle and (self._input_done or self._draining()):
+            self.ended.set()
 
     def close(self) -> None:
         """The call ended: nothing more is answered."""

@@ -104,14 +104,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self,
         request_iterator: AsyncIterator[scheduler_pb2.RouteStreamRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[scheduler_pb2.RouteStreamResponse]:
-        """Route over one long-lived stream per caller (see scheduler.proto)."""
-        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining)
+    ) -> None:
+        """Route over one long-lived stream per caller (see scheduler.proto). Answers are
+        written with `context.write` by whoever has them -- the reader for routes answered
+        at once, a route's task for one that waited -- one write at a time."""
+        writes = asyncio.Lock()
+
+        async def send(answer: scheduler_pb2.RouteStreamResponse) -> None:
+            async with writes:
+                await context.write(answer)
+
+        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining, send)
         self._sessions.add(session)
         reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
         try:
-            async for answer in session.responses():
-                yield answer
+            await session.ended.wait()
         finally:
             reader.cancel()
             session.close()

@@ -4,6 +4,7 @@ UNKNOWN, before any servicer code runs."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -68,6 +69,14 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
     inner_ss = handler.stream_stream
+    if not inspect.isasyncgenfunction(inner_ss):
+        # A handler that writes its responses itself (`context.write`).
+        async def stream_stream_writer(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> None:
+            await inner_ss(_checked(requests, context), context)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream_writer, parse, serialize)
 
     async def stream_stream(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext

@@ -9,7 +9,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -127,8 +127,9 @@ async def _served(method: str, context: grpc.aio.ServicerContext) -> AsyncIterat
 class StreamInput(Protocol):
     """What a bidirectional-stream servicer feeds the client's messages to."""
 
-    def handle(self, message: Any) -> None:
-        """One message from the client."""
+    def handle(self, message: Any) -> Awaitable[None] | None:
+        """One message from the client; may return an awaitable (e.g. writing answers
+        ready at once) that the reader awaits before it reads the next message."""
 
     def input_done(self) -> None:
         """The client half-closed or went away: no more messages."""
@@ -139,7 +140,9 @@ async def feed_stream(request_iterator: AsyncIterator[Any], session: StreamInput
     client half-closes or goes away (run it as a task beside the responses)."""
     try:
         async for message in request_iterator:
-            session.handle(message)
+            pending = session.handle(message)
+            if pending is not None:
+                await pending
     except grpc.aio.AioRpcError:  # the client went away: the call's end closes the session
         pass
     except Exception:
