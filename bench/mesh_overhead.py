@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import torch
 
 from bench.engine_bench import (
@@ -86,10 +86,12 @@ async def _paired_runs(
         )
     )
     engine.start()
-    limits = httpx.Limits(max_connections=max(concurrencies) + 8)
+    connector = aiohttp.TCPConnector(limit=max(concurrencies) + 8)
     rows: list[RunResult] = []
     try:
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+        ) as client:
             name = model_name(args.model_dir)
             warm = Workload(workload.prompts[:4], 4)
             await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
