@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         host=config.host,
         port=config.port,
         log_level=config.log_level.lower(),
+        access_log=config.access_log,
         timeout_graceful_shutdown=FINAL_GRACE_S,
         log_config=None,
     )
