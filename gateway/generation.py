@@ -206,7 +206,7 @@ class GenerationRun:
         request.mm_items.extend(lease.mm_items)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._running = True
-        self._stream.add(request, self)
+        await self._stream.add(request, self)
         self.worker_id = lease.worker_id
 
     async def _route(self, request: common_pb2.GenerateRequest) -> Lease:

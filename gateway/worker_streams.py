@@ -12,8 +12,8 @@ request on it with `on_stream_lost`; the next request to that worker opens a new
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
@@ -45,22 +45,27 @@ class WorkerStream:
         self.address = address
         self.closed = False
         self._sinks: dict[str, RequestSink] = {}
-        self._outgoing: asyncio.Queue[worker_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+        # Messages are written with `call.write` by whoever has one (one write at a time),
+        # not through a request iterator: no queue and no task between an add and the wire.
+        self._writes = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
         # No deadline: the stream outlives requests (each request has its own deadline).
-        self._call = stub.GenerateStream(self._requests())
+        self._call = stub.GenerateStream()
         self._reader = asyncio.create_task(self._read(), name=f"worker-stream-{worker_id}")
 
-    def add(self, request: common_pb2.GenerateRequest, sink: RequestSink) -> None:
-        """Starts `request` on the worker; its output goes to `sink`."""
+    async def add(self, request: common_pb2.GenerateRequest, sink: RequestSink) -> None:
+        """Starts `request` on the worker; its output goes to `sink` (so does the loss of
+        the stream, should the write find it broken)."""
         self._sinks[request.request_id] = sink
-        self._outgoing.put_nowait(worker_pb2.GenerateStreamRequest(add=request))
+        await self._write(worker_pb2.GenerateStreamRequest(add=request))
 
     def abort(self, request_id: str) -> None:
         """Asks the worker to abort the request (its final message still arrives)."""
         if request_id in self._sinks:
-            self._outgoing.put_nowait(
-                worker_pb2.GenerateStreamRequest(abort=common_pb2.AbortRequest(request_id=request_id))
-            )
+            message = worker_pb2.GenerateStreamRequest(abort=common_pb2.AbortRequest(request_id=request_id))
+            task = asyncio.get_running_loop().create_task(self._write(message))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def forget(self, request_id: str) -> None:
         """Aborts the request and drops its sink: nothing more is delivered for it."""
@@ -71,9 +76,13 @@ class WorkerStream:
     def num_requests(self) -> int:
         return len(self._sinks)
 
-    async def _requests(self) -> AsyncIterator[worker_pb2.GenerateStreamRequest]:
-        while (message := await self._outgoing.get()) is not None:
-            yield message
+    async def _write(self, message: worker_pb2.GenerateStreamRequest) -> None:
+        # A broken stream is the reader's to report (on_stream_lost to every sink).
+        async with self._writes:
+            if self._call.done():
+                return
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await self._call.write(message)
 
     async def _read(self) -> None:
         reason = "the worker ended the stream"
@@ -86,7 +95,6 @@ class WorkerStream:
             reason = "the gateway closed the stream"
         finally:
             self.closed = True
-            self._outgoing.put_nowait(None)  # ends the request generator too
             sinks, self._sinks = self._sinks, {}
             if sinks:
                 log.warning(
@@ -109,8 +117,7 @@ class WorkerStream:
                 sink.on_error(error)
 
     def close(self) -> None:
-        """Half-closes and cancels the call (every request on it is lost)."""
-        self._outgoing.put_nowait(None)
+        """Cancels the call (every request on it is lost)."""
         self._call.cancel()
 
 
