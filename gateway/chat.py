@@ -4,8 +4,9 @@
 Tools: with `tools` and tool_choice "auto" (or unset) the output is parsed by the
 model's tool-call parser (`--tool-call-parser`, gateway.tool_parsers: Hermes/Qwen,
 Llama 3 JSON, Mistral); finish_reason becomes "tool_calls" when a call was parsed and
-the model stopped normally; streamed calls go out as OpenAI sends them (header, then
-arguments). With `--reasoning-parser` the `<think>` section goes to `reasoning_content`
+the model stopped normally; streamed calls go out as OpenAI sends them: a header (id,
+type, name, arguments "") once the name is known, then the arguments text in fragments
+as it arrives (gateway.tool_parsers.base; a call cut short is never completed). With `--reasoning-parser` the `<think>` section goes to `reasoning_content`
 (gateway.reasoning) before tool parsing. tool_choice "required" or a
 named function is enforced with structured outputs (gateway.structured): the output is
 the calls' JSON, always parsed into tool calls (sent whole when the choice ends).
@@ -60,7 +61,7 @@ from gateway.serving import (
     sse_event,
     usage_info,
 )
-from gateway.tool_parsers import ToolParser, parse_whole
+from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
 from gateway.tools import forced_tool_calls
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
@@ -355,9 +356,9 @@ class ChatStreamer:
 
     async def on_event(self, event: ChoiceEvent) -> list[ChatCompletionChunk]:
         """The chunks of one event (none when it carries nothing to send): text and
-        reasoning first, then each tool call as OpenAI streams one (a delta with its id,
-        type, name and empty arguments, then one with the arguments); the last chunk
-        carries the finish reason."""
+        reasoning first, then the tool-call deltas as OpenAI streams them (a call's header
+        with its id, type, name and empty arguments, then its arguments fragments); the
+        last chunk carries the finish reason."""
         self.timer.on_output(len(event.token_ids))
         thoughts, text = self._split_reasoning(event)
         parser = self.parsers[event.index]
@@ -370,8 +371,9 @@ class ChatStreamer:
         if self.forced:
             content, calls = "", []
             if event.finish_reason is not None:
-                forced_content, calls = forced_tool_calls(self.body, "".join(self.texts[event.index]))
+                forced_content, forced = forced_tool_calls(self.body, "".join(self.texts[event.index]))
                 content = forced_content or ""
+                calls = [d for i, call in enumerate(forced) for d in _whole_call_deltas(i, call)]
         logprobs = None
         if self.body.logprobs and event.logprobs:
             top_k = self.body.top_logprobs or 0
@@ -387,9 +389,7 @@ class ChatStreamer:
             if content or not thoughts:
                 delta.content = content
             deltas.append(delta)
-        first = (parser.calls_emitted if parser is not None else len(calls)) - len(calls)
-        for i, call in enumerate(calls):
-            deltas.extend(_call_deltas(first + i, call))
+        deltas.extend(_call_deltas(calls))
         choices = [
             ChatChunkChoice(index=event.index, delta=d, logprobs=None, finish_reason=None) for d in deltas
         ]
@@ -413,7 +413,7 @@ class ChatStreamer:
         reason = event.finish_reason
         if self.forced and reason == "stop":
             reason = "tool_calls"
-        if parser is not None and parser.calls_emitted and reason == "stop":
+        if parser is not None and parser.calls and reason == "stop":
             reason = "tool_calls"
         choice.finish_reason = reason  # type: ignore[assignment]
         choice.stop_reason = event.stop_reason
@@ -421,13 +421,28 @@ class ChatStreamer:
             check_json_output("".join(self.texts[event.index]), self.request_id, event.index)
 
 
-def _call_deltas(index: int, call: ToolCall) -> list[DeltaMessage]:
-    """A tool call as OpenAI streams it: the call's header, then its arguments."""
-    head = DeltaToolCall(
-        index=index,
-        id=call.id,
-        type="function",
-        function=DeltaFunctionCall(name=call.function.name, arguments=""),
-    )
-    args = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.function.arguments))
-    return [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]
+def _whole_call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
+    """A complete call (forced tool choice) as a header and one arguments fragment."""
+    return [
+        ToolCallDelta(index, "", call.id, call.function.name),
+        ToolCallDelta(index, call.function.arguments),
+    ]
+
+
+def _call_deltas(calls: list[ToolCallDelta]) -> list[DeltaMessage]:
+    """Tool-call deltas as OpenAI streams them: a call's header (id, type, name,
+    arguments ""), then its arguments fragments (consecutive ones merged)."""
+    deltas: list[DeltaMessage] = []
+    last: DeltaToolCall | None = None
+    for call in calls:
+        if call.id is None and last is not None and last.index == call.index and last.id is None:
+            assert last.function is not None
+            last.function.arguments = (last.function.arguments or "") + call.arguments
+            continue
+        if call.id is not None:
+            function = DeltaFunctionCall(name=call.name, arguments="")
+            last = DeltaToolCall(index=call.index, id=call.id, type="function", function=function)
+        else:
+            last = DeltaToolCall(index=call.index, function=DeltaFunctionCall(arguments=call.arguments))
+        deltas.append(DeltaMessage(tool_calls=[last]))
+    return deltas

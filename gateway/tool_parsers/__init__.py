@@ -1,10 +1,11 @@
 """Tool-call parsers, one per model family's output format, chosen by the gateway's
 `--tool-call-parser` (one name for every model, or `model=name,...` per model).
 
-Every parser has the same streaming interface (`ToolParser`): `feed(delta)` returns
-(content to emit now, tool calls completed), `flush()` returns what is held back as
-plain text at the end of the output, `calls_emitted` counts calls so far. Text that
-turns out not to be a valid call is given back as content, never dropped.
+Every parser has the same streaming interface (`ToolParser`, gateway.tool_parsers.base):
+`feed(delta)` returns (content to emit, `ToolCallDelta`s: a call's header once its name
+is known, then its arguments text in fragments as they arrive), `finish()` the held-back
+content and last deltas at the end of the output, `calls` the calls completed so far.
+Text that turns out not to be a valid call is given back as content, never dropped.
 
 - `hermes` (alias `qwen`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks anywhere in the text (Hermes 2/3, Qwen 2.5/3).
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.tool_parsers.base import ToolParser, parse_whole
+from gateway.tool_parsers.base import ToolCallDelta, ToolParser, parse_whole
+from gateway.tool_parsers.hermes import ToolCallStreamParser
 from gateway.tool_parsers.llama3 import Llama3JsonToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
-from gateway.tools import ToolCallStreamParser
 
 PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": ToolCallStreamParser,
@@ -32,7 +33,15 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
 # Parsers whose markers are special tokens: the output must be detokenized with them.
 NEEDS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral"})
 
-__all__ = ["NEEDS_SPECIAL_TOKENS", "PARSERS", "ToolParser", "check_spec", "parse_whole", "parser_name_for"]
+__all__ = [
+    "NEEDS_SPECIAL_TOKENS",
+    "PARSERS",
+    "ToolCallDelta",
+    "ToolParser",
+    "check_spec",
+    "parse_whole",
+    "parser_name_for",
+]
 
 
 def _entries(spec: str) -> tuple[str | None, dict[str, str]]:

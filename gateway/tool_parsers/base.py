@@ -1,53 +1,67 @@
-"""The streaming interface every tool-call parser implements, and helpers they share."""
+"""The streaming interface every tool-call parser implements, and what they share.
+
+A parser turns one choice's output text, delta by delta, into content and
+`ToolCallDelta`s as OpenAI streams a call: a header (index, id, name, arguments "") as
+soon as the name is known, then the arguments text in fragments as it arrives
+(gateway.tool_parsers.json_stream: canonical json.dumps text). `calls` holds the calls
+completed so far (what the non-streamed response returns, same ids and arguments).
+
+A call that turns out invalid (bad JSON, not a call, or the output ends before it
+closes -- e.g. cut by max_tokens) is given back as content: every character since the
+last completed call, from its marker on, comes back in `feed`/`finish` content. Its
+header and argument fragments may already have been streamed; they are never completed
+(no closing fragment is invented), the call is not in `calls`, and it does not make the
+finish reason "tool_calls".
+"""
 
 from __future__ import annotations
 
-import json
-from typing import Any, Protocol
+import secrets
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.protocol import ToolCall, ToolCallFunction
-from gateway.tools import new_call_id
+from gateway.tool_parsers.json_stream import CallBuilder
+
+
+def new_call_id() -> str:
+    """An OpenAI-style tool call id, `call_<hex>`."""
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of a streamed call: the header (id and name set, arguments "") or an
+    arguments fragment of call `index`."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
 class ToolParser(Protocol):
     """Incremental tool-call parser of one choice's output."""
 
-    calls_emitted: int
+    calls: list[ToolCall]
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """Consumes a text delta: (content to emit, completed calls)."""
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        """Consumes a text delta: (content to emit, call deltas)."""
         ...
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """End of output: held-back text that is content, and calls completed only now."""
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: held-back text that is content, and the last call deltas."""
         ...
 
 
 def parse_whole(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
     """A complete output split into content (None when empty) and tool calls."""
-    content, calls = parser.feed(text)
-    tail, more = parser.finish()
-    content, calls = content + tail, calls + more
-    if not calls:
+    content, _ = parser.feed(text)
+    tail, _ = parser.finish()
+    content += tail
+    if not parser.calls:
         return text, []
-    return (content.strip() or None), calls
-
-
-def make_call(name: Any, arguments: Any) -> ToolCall | None:
-    """A ToolCall from a parsed name and arguments (object or JSON string), or None."""
-    if not isinstance(name, str) or not name:
-        return None
-    if isinstance(arguments, str):
-        try:
-            json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-        text = arguments
-    elif isinstance(arguments, dict):
-        text = json.dumps(arguments, ensure_ascii=False)
-    else:
-        return None
-    return ToolCall(id=new_call_id(), function=ToolCallFunction(name=name, arguments=text))
+    return (content.strip() or None), list(parser.calls)
 
 
 def held_prefix(text: str, marker: str) -> int:
@@ -56,3 +70,55 @@ def held_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+class CallStream:
+    """Calls under way in one parser: numbering, headers, fragments, completion."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.out: list[ToolCallDelta] = []
+        self._announced = 0
+        self._builder: CallBuilder | None = None
+        self._id = ""
+        self._index: int | None = None
+        self._sent = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether a call is under way."""
+        return self._builder is not None
+
+    def begin(self, builder: CallBuilder) -> None:
+        """Starts a call (its header goes out once its name is known)."""
+        self._builder, self._id, self._index, self._sent = builder, new_call_id(), None, 0
+        self.pump()
+
+    def pump(self) -> None:
+        """Sends what the current call has that was not sent; completes it once closed."""
+        builder = self._builder
+        if builder is None or builder.name is None:
+            return
+        if self._index is None:
+            self._index, self._announced = self._announced, self._announced + 1
+            self.out.append(ToolCallDelta(self._index, "", self._id, builder.name))
+        if len(builder.args) > self._sent:
+            text = "".join(builder.args[self._sent :])
+            self._sent = len(builder.args)
+            if text:
+                self.out.append(ToolCallDelta(self._index, text))
+        if builder.closed:
+            arguments = "".join(builder.args)
+            self.calls.append(
+                ToolCall(id=self._id, function=ToolCallFunction(name=builder.name, arguments=arguments))
+            )
+            self._builder = None
+
+    def drop(self) -> None:
+        """The current call turned out invalid: forget it (the caller keeps its text)."""
+        self._builder = None
+
+    def take(self) -> list[ToolCallDelta]:
+        """The deltas produced since the last take."""
+        out, self.out = self.out, []
+        return out

@@ -1,77 +1,111 @@
 """Llama 3.x JSON tool calls: the output IS the call(s) -- `{"name": ..., "parameters":
 {...}}`, optionally after `<|python_tag|>`, several separated by `;`. Output that starts
-otherwise is content and streams at once; output that starts like a call is held until
-the end and given back as content if it does not parse."""
+otherwise is content and streams at once; output that starts like a call is streamed as
+calls as its JSON arrives. From the first text that breaks a call on, everything since
+the last completed call is content. After the calls, `<|eot_id|>` / `<|eom_id|>` (kept
+because the output is detokenized with special tokens) are dropped; other text is content."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-
 from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import held_prefix, make_call
+from gateway.tool_parsers.base import CallStream, ToolCallDelta, held_prefix
+from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 PYTHON_TAG = "<|python_tag|>"
+END_MARKERS = ("<|eot_id|>", "<|eom_id|>")
 
 
-@dataclass
 class Llama3JsonToolParser:
-    """See module docstring."""
+    """See module docstring (the `ToolParser` interface)."""
 
-    calls_emitted: int = 0
-    _buffer: list[str] = field(default_factory=list)
-    _mode: str = "undecided"  # undecided | content | calls
+    def __init__(self) -> None:
+        self._stream = CallStream()
+        self.calls: list[ToolCall] = self._stream.calls
+        self._state = "undecided"  # undecided | between | call | tail | content
+        self._pending = ""
+        self._raw = ""  # text since the last completed call (content if the next fails)
+        self._tokens = JsonTokens()
+        self._builder = CallBuilder()
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """Consumes a text delta."""
-        if self._mode == "content":
-            return delta, []
-        self._buffer.append(delta)
-        if self._mode == "calls":
-            return "", []
-        text = "".join(self._buffer).lstrip()
-        if text.startswith(PYTHON_TAG) or text.startswith("{"):
-            self._mode = "calls"
-            return "", []
-        if not text or held_prefix(text, PYTHON_TAG) == len(text):
-            return "", []  # only whitespace or a partial python tag so far
-        self._mode = "content"
-        held, self._buffer = "".join(self._buffer), []
-        return held, []
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        """Consumes a text delta: (content, call deltas)."""
+        text = self._pending + delta
+        self._pending = ""
+        content: list[str] = []
+        while text:
+            text = getattr(self, f"_{self._state}")(text, content)
+        return "".join(content), self._stream.take()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """Parses the held calls; unparsable text comes back as content."""
-        text, self._buffer = "".join(self._buffer), []
-        if self._mode != "calls":
-            return text, []
-        calls = parse_calls(text)
-        if calls is None:
-            return text, []
-        self.calls_emitted += len(calls)
-        return "", calls
+    def _undecided(self, text: str, content: list[str]) -> str:
+        body = text.lstrip()
+        if body.startswith(PYTHON_TAG):
+            self._state, self._raw = "between", text[: len(text) - len(body) + len(PYTHON_TAG)]
+            return body[len(PYTHON_TAG) :]
+        if body.startswith("{"):
+            self._state = "between"
+            return text
+        if not body or held_prefix(body, PYTHON_TAG) == len(body):
+            self._pending = text  # only whitespace or a partial python tag so far
+            return ""
+        self._state = "content"
+        return text
 
+    def _content(self, text: str, content: list[str]) -> str:
+        content.append(text)
+        return ""
 
-def parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls of a whole output, or None when it is not only calls."""
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG) :]
-    calls = []
-    decoder = json.JSONDecoder()
-    rest = body.strip()
-    # Stops at what is not a call (e.g. <|eot_id|> when special tokens are kept).
-    while rest.startswith("{"):
+    def _between(self, text: str, content: list[str]) -> str:
+        body = text.lstrip()
+        if self.calls and body.startswith(";"):
+            body = body[1:].lstrip()
+        if not body:
+            self._pending = text
+            return ""
+        self._raw += text[: len(text) - len(body)]
+        if body.startswith("{"):
+            self._state, self._tokens, self._builder = "call", JsonTokens(), CallBuilder()
+            self._stream.begin(self._builder)
+            return body
+        if not self.calls:
+            return self._fail(body, content)
+        self._state = "tail"
+        return body
+
+    def _call(self, text: str, content: list[str]) -> str:
         try:
-            obj, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        call = make_call(obj.get("name"), obj.get("parameters", obj.get("arguments", {})))
-        if call is None:
-            return None
-        calls.append(call)
-        rest = rest[end:].strip()
-        if rest.startswith(";"):
-            rest = rest[1:].strip()
-    return calls or None
+            used, tokens = self._tokens.feed(text)
+            for token in tokens:
+                self._builder.token(*token)
+        except InvalidCall:
+            return self._fail(text, content)
+        self._raw += text[:used]
+        self._stream.pump()
+        if self._tokens.done:
+            self._state, self._raw = "between", ""
+        return text[used:]
+
+    def _fail(self, text: str, content: list[str]) -> str:
+        self._stream.drop()
+        content.append(self._raw)
+        self._state, self._raw = "content", ""
+        return text
+
+    def _tail(self, text: str, content: list[str]) -> str:
+        self._pending = text  # after the calls: held until the end (see finish)
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: held text is content; a call still open is content too."""
+        tail, state = self._pending, self._state
+        if state == "call":
+            self._stream.drop()
+            tail = self._raw + tail
+        elif state == "between" and not self.calls:
+            tail = self._raw + tail
+        elif state in ("between", "tail"):
+            stripped = tail.strip()
+            for marker in END_MARKERS:
+                stripped = stripped.removesuffix(marker).strip()
+            tail = stripped
+        self._state, self._pending, self._raw = "content", "", ""
+        return tail, self._stream.take()

@@ -1,86 +1,158 @@
 """Mistral tool calls: content, then `[TOOL_CALLS]` and either a JSON array of
-`{"name": ..., "arguments": {...}}` (v3 tokenizers) or `name[ARGS]{...}` entries, each
-after its own `[TOOL_CALLS]` (v11+). Content before the marker streams at once; from
-the marker on the text is held until the end (given back as content if it does not
-parse). The marker is a special token: the output is detokenized with special tokens."""
+`{"name": ..., "arguments": {...}}` (v3 tokenizers; a single object is accepted too) or
+`name[ARGS]{...}` entries, each after its own `[TOOL_CALLS]` (v11+). Content before the
+marker streams at once; the calls stream as their JSON arrives (the name of the v11 form
+is known at `[ARGS]`). From the first text that breaks a call on, everything since the
+last completed call (from the marker on) is content. A trailing `</s>` (the output is
+detokenized with special tokens: the marker is one) is dropped; other text is content."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import re
 
 from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import held_prefix, make_call
+from gateway.tool_parsers.base import CallStream, ToolCallDelta, held_prefix
+from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+EOS = "</s>"
+_NAME = re.compile(r"[\w.\-]*\Z")
 
 
-@dataclass
 class MistralToolParser:
-    """See module docstring."""
+    """See module docstring (the `ToolParser` interface)."""
 
-    calls_emitted: int = 0
-    _pending: str = ""
-    _held: list[str] = field(default_factory=list)
-    _in_calls: bool = False
+    def __init__(self) -> None:
+        self._stream = CallStream()
+        self.calls: list[ToolCall] = self._stream.calls
+        self._state = "text"  # text | marker | name | array | json | between | tail | content
+        self._pending = ""
+        self._raw = ""  # text since the last completed call, from the marker on
+        self._tokens = JsonTokens()
+        self._builder: CallBuilder | None = None
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """Consumes a text delta."""
-        if self._in_calls:
-            self._held.append(delta)
-            return "", []
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        """Consumes a text delta: (content, call deltas)."""
         text = self._pending + delta
+        self._pending = ""
+        content: list[str] = []
+        while text:
+            text = getattr(self, f"_{self._state}")(text, content)
+        return "".join(content), self._stream.take()
+
+    def _text(self, text: str, content: list[str]) -> str:
         start = text.find(MARKER)
-        if start >= 0:
-            self._in_calls, self._pending = True, ""
-            self._held.append(text[start:])
-            return text[:start], []
-        keep = held_prefix(text, MARKER)
-        self._pending = text[len(text) - keep :]
-        return text[: len(text) - keep], []
+        if start < 0:
+            keep = held_prefix(text, MARKER)
+            content.append(text[: len(text) - keep])
+            self._pending = text[len(text) - keep :]
+            return ""
+        content.append(text[:start])
+        self._state, self._raw = "marker", MARKER
+        return text[start + len(MARKER) :]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """Parses the held calls; unparsable text comes back as content."""
-        text, self._held, pending, self._pending = "".join(self._held), [], self._pending, ""
-        if not self._in_calls:
-            return pending, []
-        calls = parse_calls(text)
-        if calls is None:
-            return text, []
-        self.calls_emitted += len(calls)
-        return "", calls
+    def _marker(self, text: str, content: list[str]) -> str:
+        body = text.lstrip()
+        if not body:
+            self._pending = text
+            return ""
+        self._raw += text[: len(text) - len(body)]
+        self._tokens = JsonTokens()
+        if body[0] == "[":
+            self._state, self._builder = "array", None
+        elif body[0] == "{":
+            self._state, self._builder = "json", CallBuilder()
+            self._stream.begin(self._builder)
+        else:
+            self._state = "name"
+        return body
 
+    def _name(self, text: str, content: list[str]) -> str:
+        at = text.find(ARGS)
+        name = text[: len(text) - held_prefix(text, ARGS)] if at < 0 else text[:at]
+        if not _NAME.match(name.strip()) or (at >= 0 and not name.strip()):
+            return self._fail(text, content)
+        if at < 0:
+            self._pending = text  # the name so far (a partial [ARGS] included)
+            return ""
+        self._raw += text[: at + len(ARGS)]
+        self._state, self._builder = "json", CallBuilder(name=name.strip())
+        self._stream.begin(self._builder)
+        return text[at + len(ARGS) :]
 
-def parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls after the marker(s), or None when they do not parse."""
-    parts = [p.strip() for p in text.split(MARKER) if p.strip()]
-    calls: list[ToolCall] = []
-    for part in parts:
-        if ARGS in part:
-            name, args = part.split(ARGS, 1)
-            call = make_call(name.strip(), _json(args))
-            if call is None:
-                return None
-            calls.append(call)
-            continue
-        items = _json(part)
-        if isinstance(items, dict):
-            items = [items]
-        if not isinstance(items, list):
-            return None
-        for item in items:
-            call = make_call(item.get("name"), item.get("arguments", {})) if isinstance(item, dict) else None
-            if call is None:
-                return None
-            calls.append(call)
-    return calls or None
+    def _json(self, text: str, content: list[str]) -> str:
+        """One call object (or the arguments object of `name[ARGS]`)."""
+        assert self._builder is not None
+        try:
+            used, tokens = self._tokens.feed(text)
+            for token in tokens:
+                self._builder.token(*token)
+        except InvalidCall:
+            return self._fail(text, content)
+        self._raw += text[:used]
+        self._stream.pump()
+        if self._tokens.done:
+            self._state, self._raw = "between", ""
+        return text[used:]
 
+    def _array(self, text: str, content: list[str]) -> str:
+        """A JSON array of call objects, a character at a time (a call's end is exact)."""
+        for i, ch in enumerate(text):
+            try:
+                _, tokens = self._tokens.feed(ch)
+                for kind, value, depth in tokens:
+                    if self._builder is None:
+                        if kind == "{" and depth == 1:
+                            self._builder = CallBuilder(depth=1)
+                            self._stream.begin(self._builder)
+                        elif (kind, depth) not in (("[", 0), (",", 1), ("]", 0)):
+                            raise InvalidCall("the array holds something else than calls")
+                    if self._builder is not None:
+                        self._builder.token(kind, value, depth)
+            except InvalidCall:
+                return self._fail(text[i:], content)
+            self._raw += ch
+            self._stream.pump()
+            if self._builder is not None and self._builder.closed:
+                self._builder, self._raw = None, ""
+            if self._tokens.done:
+                self._state, self._raw = "between", ""
+                return text[i + 1 :]
+        return ""
 
-def _json(text: str) -> object:
-    """The JSON value at the start of `text` (what follows, e.g. an EOS token's text when
-    special tokens are kept, is ignored)."""
-    try:
-        return json.JSONDecoder().raw_decode(text.strip())[0]
-    except json.JSONDecodeError:
-        return None
+    def _between(self, text: str, content: list[str]) -> str:
+        body = text.lstrip()
+        if not body or held_prefix(body, MARKER) == len(body):
+            self._pending = text
+            return ""
+        if body.startswith(MARKER):
+            self._state, self._raw = "marker", text[: len(text) - len(body)] + MARKER
+            return body[len(MARKER) :]
+        self._state = "tail"
+        return text
+
+    def _tail(self, text: str, content: list[str]) -> str:
+        self._pending = text  # after the calls: held until the end (see finish)
+        return ""
+
+    def _content(self, text: str, content: list[str]) -> str:
+        content.append(text)
+        return ""
+
+    def _fail(self, text: str, content: list[str]) -> str:
+        self._stream.drop()
+        content.append(self._raw)
+        self._state, self._raw = "content", ""
+        return text
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: held text is content; a call still open is content too."""
+        tail, state = self._pending, self._state
+        if state in ("marker", "name", "json", "array"):
+            self._stream.drop()
+            tail = self._raw + tail
+        elif state in ("between", "tail"):
+            tail = tail.strip().removesuffix(EOS).strip()
+        self._state, self._pending, self._raw = "content", "", ""
+        return tail, self._stream.take()

@@ -238,14 +238,32 @@ def test_tools_stream(client: openai.OpenAI) -> None:
     assert content.strip() == "Let me check."
     assert "<tool_call>" not in content
     # As OpenAI streams a call: its header (id, type, name, empty arguments), then the
-    # arguments under the same index.
-    assert [c.index for c in calls] == [0, 0]
-    head, args = calls
+    # arguments in fragments under the same index, as they arrive.
+    head, *fragments = calls
+    assert {c.index for c in calls} == {0} and len(fragments) > 1
     assert head.id and head.type == "function" and head.function is not None
     assert head.function.name == "get_weather" and head.function.arguments == ""
-    assert args.id is None and args.function is not None and args.function.name is None
-    assert json.loads(args.function.arguments or "") == {"city": "Paris"}
+    assert all(f.id is None and f.function is not None and f.function.name is None for f in fragments)
+    arguments = "".join(f.function.arguments or "" for f in fragments if f.function is not None)
+    assert arguments == '{"city": "Paris"}'
     assert finish == "tool_calls"
+
+
+def test_tools_stream_assembled_by_the_sdk(client: openai.OpenAI) -> None:
+    """The openai SDK's stream helper assembles the fragments into the same call as the
+    non-streamed response (same arguments text)."""
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    messages = [{"role": "user", "content": "TOOL please"}]
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=tools) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_completion()
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=tools)  # type: ignore[arg-type]
+    calls, expected = final.choices[0].message.tool_calls or [], whole.choices[0].message.tool_calls or []
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (
+        [(c.function.name, c.function.arguments) for c in calls]
+        == [(c.function.name, c.function.arguments) for c in expected]
+        == [("get_weather", '{"city": "Paris"}')]
+    )
 
 
 def test_tool_choice_none_keeps_text(client: openai.OpenAI) -> None:

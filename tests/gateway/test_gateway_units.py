@@ -53,12 +53,12 @@ def test_stream_parser_any_split(size: int) -> None:
     parser = ToolCallStreamParser()
     content, names = "", []
     for start in range(0, len(text), size):
-        piece, calls = parser.feed(text[start : start + size])
+        piece, deltas = parser.feed(text[start : start + size])
         content += piece
-        names += [c.function.name for c in calls]
-    content += parser.flush()
+        names += [d.name for d in deltas if d.name]
+    content += parser.finish()[0]
     assert content == "Hi <tool <> tail"
-    assert names == ["f"] and parser.calls_emitted == 1
+    assert names == ["f"] and [c.function.name for c in parser.calls] == ["f"]
 
 
 def test_stream_parser_holds_back_only_possible_tag_prefixes() -> None:
