@@ -59,6 +59,31 @@ def test_compiled_forward_matches_transformers(make_engine: Factory, hf_model: L
     assert engine.runner.compile_seconds > 0
 
 
+def test_runtime_guards_keep_shape_and_input_guards_only() -> None:
+    """The compiled forward's guard filter: the step's input tensors, shapes and global
+    state are still checked (they pick the batch-1 graph); the model's modules are not."""
+    from types import SimpleNamespace
+
+    from worker_svc.engine.model_runner import runtime_guards
+
+    def entry(kind: str, value: object = None, is_global: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(guard_type=kind, value=value, is_global=is_global)
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    entries = [
+        entry("SHAPE_ENV"),
+        entry("GLOBAL_STATE"),
+        entry("GRAD_MODE"),
+        entry("TENSOR_MATCH", torch.zeros(1, 3, dtype=torch.long)),  # input_ids
+        entry("TENSOR_MATCH", param),  # a weight
+        entry("TENSOR_MATCH", torch.zeros(2), is_global=True),
+        entry("TYPE_MATCH"),
+        entry("ID_MATCH"),
+        entry("EMPTY_NN_MODULE_HOOKS_DICT"),
+    ]
+    assert runtime_guards(entries) == [True, True, True, True, False, False, False, False, False]
+
+
 def test_cpu_affinity_pins_the_stepping_thread_only(make_engine: Factory) -> None:
     available = sorted(os.sched_getaffinity(0))
     engine = make_engine(cpu_affinity=str(available[-1]))
