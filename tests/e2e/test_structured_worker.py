@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from meshserve.v1 import common_pb2, worker_pb2_grpc
+from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.worker_kit import Tokens, generate_tokens, run_worker
 
 SCHEMA = json.dumps(
@@ -112,4 +113,36 @@ def test_bad_constraint_is_invalid_argument(model_dir: Path, kind: str, spec: st
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert field in (error.details() or ""), error.details()
     assert fine[0]
+    assert load.num_free_blocks == load.num_total_blocks
+
+
+def test_grammar_failing_at_the_worker_is_the_requests_invalid_argument(model_dir: Path) -> None:
+    """A constraint that passes the cheap check but fails when the worker builds its
+    matcher (here: resumed tokens the grammar refuses) ends that request with a
+    RequestError INVALID_ARGUMENT naming the field on the GenerateStream -- not an
+    "abort" finish -- while the other request on the stream runs on; no block stays used."""
+    letters = AutoTokenizer.from_pretrained(model_dir).encode("abc", add_special_tokens=False)
+    bad = common_pb2.GenerateRequest(
+        request_id="bad",
+        prompt_token_ids=PROMPTS[0],
+        sampling=common_pb2.SamplingParams(max_tokens=8, structured_kind="regex", structured_spec="[0-9]{3}"),
+        resumed=[common_pb2.ResumedOutput(index=0, token_ids=letters)],
+    )
+    good = common_pb2.GenerateRequest(request_id="ok", prompt_token_ids=PROMPTS[1], sampling=_sampling(1))
+
+    async def body(stub: worker_pb2_grpc.WorkerStub) -> list[worker_pb2.GenerateStreamResponse]:
+        async def requests() -> AsyncIterator[worker_pb2.GenerateStreamRequest]:
+            yield worker_pb2.GenerateStreamRequest(add=bad)
+            yield worker_pb2.GenerateStreamRequest(add=good)
+
+        return [message async for message in stub.GenerateStream(requests(), timeout=120)]
+
+    messages, load = run_worker(model_dir, body, enable_prefix_caching=False)
+    errors = {e.request_id: e for m in messages for e in m.errors}
+    outputs = [o for m in messages for o in m.outputs]
+    assert set(errors) == {"bad"}
+    assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert errors["bad"].param == "structured_outputs" and "violates the grammar" in errors["bad"].message
+    assert not [o for o in outputs if o.request_id == "bad"]  # no "abort" finish
+    assert any(o.finished for o in outputs if o.request_id == "ok")
     assert load.num_free_blocks == load.num_total_blocks

@@ -305,6 +305,11 @@ class AsyncLLMEngine:
             self._fail(ids, exc)
             return
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        failed, self.engine.failed = self.engine.failed, []
+        for request_id, cause in failed:  # e.g. a grammar that did not build: the request's error
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, cause))
         for out in outputs:
             stream = (
                 self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)

@@ -109,6 +109,7 @@ class LLMEngine:
         # scheduler) while their matcher is built off this thread (structured.py).
         self.grammar = GrammarBackend(config.model_dir, self.model_info.vocab_size)
         self._preparing: list[tuple[Request, Future[Prepared]]] = []
+        self.failed: list[tuple[str, Exception]] = []  # preparations that failed, taken by the caller
 
     # ------------------------------------------------------------ requests
     def validate_request(
@@ -224,7 +225,8 @@ class LLMEngine:
 
     def _admit_prepared(self) -> None:
         """Requests whose matcher is ready enter the scheduler; a failed preparation
-        aborts its request. Waits briefly when nothing else could run (no busy loop)."""
+        ends its request with that error (``failed``, delivered by the async engine).
+        Waits briefly when nothing else could run (no busy loop)."""
         if not self._preparing:
             return
         if not self.scheduler.has_unfinished() and not self._pending:
@@ -236,12 +238,11 @@ class LLMEngine:
                 continue
             try:
                 prepared = future.result()
-            except Exception as exc:  # reported as this request's abort, the engine goes on
+            except Exception as exc:  # this request's error (in `failed`), the engine goes on
                 log.warning("request %s: structured outputs failed: %s", request.request_id, exc)
                 self.requests.pop(request.request_id, None)
                 request.status = RequestStatus.FINISHED_ABORTED
-                self.num_aborted += 1
-                self._pending.append(self._output(request, [], None))
+                self.failed.append((request.request_id, exc))
                 continue
             request.grammar, request.bad_words_ids = prepared.matcher, prepared.bad_words_ids
             self.scheduler.add(request)

@@ -5,7 +5,11 @@ regex, a list of choices or a Lark grammar). The engine never compiles on its ow
 :class:`GrammarBackend` builds each request's matcher on a small thread pool (the
 tokenizer-dependent compile of a grammar happens once; later requests with the same
 grammar get a ``deep_copy`` of the cached, untouched matcher), the request waits outside
-the scheduler until its matcher is ready, and other requests keep running meanwhile.
+the scheduler until its matcher is ready, and other requests keep running meanwhile. A
+preparation that fails there (a grammar that does not build with the tokenizer, resumed
+tokens it refuses, bad words that cannot be tokenized) is that request's INVALID_ARGUMENT
+naming the field: the engine hands it to the async engine (``LLMEngine.failed``), which
+fails the request with it (a RequestError on the GenerateStream); it never held a block.
 
 Per step the sampler asks each constrained row's matcher for the bitmask of tokens the
 grammar allows (:func:`apply_grammar_masks`); every accepted token advances the matcher
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from services.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,12 @@ class StructuredSpec:
         return grammar
 
 
+def _invalid(field: str, exc: ValueError) -> InvalidArgument:
+    """The request's INVALID_ARGUMENT naming `field` (the message starts with it)."""
+    message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
+    return InvalidArgument(message, param=field)
+
+
 def _choice_lark(spec: str) -> str:
     try:
         choices = json.loads(spec)
@@ -125,13 +137,19 @@ class GrammarBackend:
     ) -> Prepared:
         matcher = None
         if spec is not None:
-            matcher = self._matcher(spec.validate())
-            # Migration: the tokens generated on the lost worker went through a matcher
-            # there; a fresh one must see them too, once, before the next sample.
-            for position, token in enumerate(resumed):
-                if not matcher.consume_token(token):
-                    raise ValueError(f"resumed output token {token} at {position} violates the grammar")
-        return Prepared(matcher, self._bad_words_ids(bad_words))
+            try:
+                matcher = self._matcher(spec.validate())
+                # Migration: the tokens generated on the lost worker went through a matcher
+                # there; a fresh one must see them too, once, before the next sample.
+                for position, token in enumerate(resumed):
+                    if not matcher.consume_token(token):
+                        raise ValueError(f"resumed output token {token} at {position} violates the grammar")
+            except ValueError as exc:
+                raise _invalid("structured_outputs", exc) from None
+        try:
+            return Prepared(matcher, self._bad_words_ids(bad_words))
+        except ValueError as exc:
+            raise _invalid("bad_words", exc) from None
 
     def _matcher(self, grammar: str) -> Any:
         import llguidance
