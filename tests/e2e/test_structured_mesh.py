@@ -121,9 +121,13 @@ def test_mixed_batch_constrained_and_not(client: openai.OpenAI, model: str) -> N
         )
         return reply.choices[0].message.content
 
+    # All eight in flight at once (submitted together, interleaved): the worker batches
+    # constrained and unconstrained rows in the same steps.
     with ThreadPoolExecutor(8) as pool:
-        pets = list(pool.map(constrained, range(4)))
-        texts = list(pool.map(plain, range(4)))
+        pet_futures = [pool.submit(constrained, seed) for seed in range(4)]
+        text_futures = [pool.submit(plain, seed) for seed in range(4)]
+        pets = [f.result() for f in pet_futures]
+        texts = [f.result() for f in text_futures]
     assert all(isinstance(p, Pet) for p in pets)
     assert all(texts)
 
