@@ -41,6 +41,25 @@ def test_chunked_prefill_same_greedy_output(make_engine: Factory) -> None:
         assert engine.stats().num_steps > max(len(p) for p in ps) // budget
 
 
+def test_prompt_that_fits_a_later_step_is_not_split(make_engine: Factory) -> None:
+    """A prompt that does not fit the rest of this step's budget, but fits a step of the
+    running decodes alone, waits a step and is prefilled whole; only a prompt longer than
+    that is chunked."""
+    engine = make_engine(max_num_batched_tokens=48)
+    engine.add_request("a", prompts(30, seed=11)[0], GREEDY)
+    engine.add_request("b", prompts(30, seed=12)[0], GREEDY)  # 18 tokens of budget left
+    engine.step()
+    assert engine.requests["a"].num_computed_tokens == 30
+    assert engine.requests["b"].num_computed_tokens == 0  # waits: 30 <= 48 - 1 running
+    engine.step()  # a's decode + b's whole prompt
+    assert engine.requests["b"].num_computed_tokens == 30
+    engine.add_request("c", prompts(47, seed=13)[0], GREEDY)  # 47 > 48 - 2 running: chunked
+    engine.step()
+    assert engine.requests["c"].num_computed_tokens == 46  # the budget left by 2 decodes
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_prefix_reuse(make_engine: Factory) -> None:
     shared = prompts(40, seed=5)[0]
     first = [*shared, 7, 8, 9]

@@ -4,7 +4,16 @@ Each step has a budget of ``max_num_batched_tokens``. Running requests are serve
 first, in admission order: a decode needs 1 token, a request in chunked prefill needs
 the rest of its prompt (capped by the remaining budget). Then waiting requests are
 admitted by (priority desc, arrival) while budget, ``max_num_seqs`` and free blocks
-allow; their prefill is chunked to fit the remaining budget. Every scheduled request
+allow.
+
+Whole prompts when they fit: a waiting request whose uncached prompt does not fit the
+remaining budget but would fit a step holding only the running requests' decodes
+(``num_new <= max_num_batched_tokens - len(running)``) waits for a later step instead of
+being split. Only prompts too long for that are chunked (to the remaining budget). A
+split prompt is prefilled as several smaller matmuls plus attention over its cached
+part, which rounds differently from one forward over the whole prompt (bf16 greedy
+tokens then leave transformers' ``generate``); a whole prompt costs at most one step of
+delay and no throughput (the step it waits for is taken anyway). Every scheduled request
 simply advances ``num_computed_tokens`` towards ``num_tokens`` -- there is no separate
 prefill/decode phase.
 
@@ -138,7 +147,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = bm.num_cached_prefix_tokens(request)
-            num_new = min(request.num_tokens - cached, budget)
+            needed = request.num_tokens - cached
+            if budget < needed <= self.max_num_batched_tokens - len(self.running):
+                break  # fits whole in a later step: not split (module docstring)
+            num_new = min(needed, budget)
             # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
             if not bm.allocate(request, num_new):
                 break
