@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from scheduler_svc import metrics
 from scheduler_svc.admission import AdmissionQueue
 from scheduler_svc.policies import Decision, RoutingPolicy, RoutingRequest
-from scheduler_svc.registry import Lease, WorkerRegistry
+from scheduler_svc.registry import Lease, WorkerRegistry, WorkerState
 from services.errors import NotFound, Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,11 @@ class Dispatcher:
     ) -> tuple[Lease, Decision] | None:
         """A lease when a worker can take `request` now and nobody waits before it;
         None when it would have to queue (then `acquire`). Errors as `acquire`."""
-        self.check_model(request.model, request.role, exclude)
+        candidates = self.registry.candidates(request.model, request.role, exclude)
+        if not candidates:
+            self.check_model(request.model, request.role, exclude)  # raises the precise error
         if len(self.queue) == 0:
-            return self._place(request, exclude)
+            return self._place(request, exclude, candidates)
         return None
 
     async def acquire(
@@ -127,10 +129,15 @@ class Dispatcher:
             return 0
         return self.queue.drain(self._take, Waiter.group)
 
-    def _place(self, request: RoutingRequest, exclude: frozenset[str]) -> tuple[Lease, Decision] | None:
-        candidates = [
-            w for w in self.registry.candidates(request.model, request.role, exclude) if w.has_capacity()
-        ]
+    def _place(
+        self,
+        request: RoutingRequest,
+        exclude: frozenset[str],
+        routable: list[WorkerState] | None = None,
+    ) -> tuple[Lease, Decision] | None:
+        if routable is None:
+            routable = self.registry.candidates(request.model, request.role, exclude)
+        candidates = [w for w in routable if w.has_capacity()]
         if not candidates:
             return None
         started = time.perf_counter()
