@@ -9,7 +9,7 @@ type, name, arguments "") once the name is known, then the arguments text in fra
 as it arrives (gateway.tool_parsers.base; a call cut short is never completed). With `--reasoning-parser` the `<think>` section goes to `reasoning_content`
 (gateway.reasoning) before tool parsing. tool_choice "required" or a
 named function is enforced with structured outputs (gateway.structured): the output is
-the calls' JSON, always parsed into tool calls (sent whole when the choice ends).
+the calls' JSON, always parsed into tool calls (streamed the same way, gateway.tools).
 
 response_format json_object / json_schema and `structured_outputs` are enforced by the
 worker while sampling. A json_object choice that does not parse (cut by max_tokens) is
@@ -62,7 +62,7 @@ from gateway.serving import (
     usage_info,
 )
 from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
-from gateway.tools import forced_tool_calls
+from gateway.tools import forced_tool_parser
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
@@ -233,7 +233,7 @@ class ChatCollector:
         content: str | None = text
         calls: list[ToolCall] = []
         if self.body.forced_tools():
-            content, calls = forced_tool_calls(self.body, text)
+            content, calls = parse_whole(forced_tool_parser(self.body), text)
         elif self.body.tools_enabled():
             content, calls = parse_whole(new_tool_parser(self.ctx, self.model), text)
         if thoughts is not None and not content:
@@ -263,13 +263,15 @@ class ChatStreamer:
     ) -> None:
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
         self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
-        tools = body.tools_enabled()
-        self.parsers = [new_tool_parser(ctx, model) if tools else None for _ in range(body.n)]
+        tools, forced = body.tools_enabled(), body.forced_tools()
+        self.parsers: list[ToolParser | None] = [
+            forced_tool_parser(body) if forced else new_tool_parser(ctx, model) if tools else None
+            for _ in range(body.n)
+        ]
         name = ctx.config.reasoning_parser
         self.reasoners = [reasoning.ReasoningParser(name) if name else None for _ in range(body.n)]
         self.json_mode = body.response_format is not None and body.response_format.type == "json_object"
-        # Forced tool calls: the JSON is held back and sent as calls when the choice ends.
-        self.forced = body.forced_tools()
+        self.forced = forced
         self.texts: list[list[str]] = [[] for _ in range(body.n)]
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
@@ -366,14 +368,8 @@ class ChatStreamer:
         if event.finish_reason is not None and parser is not None:
             tail, more = parser.finish()
             content, calls = content + tail, calls + more
-        if self.json_mode or self.forced:
+        if self.json_mode:
             self.texts[event.index].append(event.text)
-        if self.forced:
-            content, calls = "", []
-            if event.finish_reason is not None:
-                forced_content, forced = forced_tool_calls(self.body, "".join(self.texts[event.index]))
-                content = forced_content or ""
-                calls = [d for i, call in enumerate(forced) for d in _whole_call_deltas(i, call)]
         logprobs = None
         if self.body.logprobs and event.logprobs:
             top_k = self.body.top_logprobs or 0
@@ -419,14 +415,6 @@ class ChatStreamer:
         choice.stop_reason = event.stop_reason
         if self.json_mode:
             check_json_output("".join(self.texts[event.index]), self.request_id, event.index)
-
-
-def _whole_call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
-    """A complete call (forced tool choice) as a header and one arguments fragment."""
-    return [
-        ToolCallDelta(index, "", call.id, call.function.name),
-        ToolCallDelta(index, call.function.arguments),
-    ]
 
 
 def _call_deltas(calls: list[ToolCallDelta]) -> list[DeltaMessage]:

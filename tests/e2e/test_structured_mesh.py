@@ -187,7 +187,9 @@ def test_bad_schema_is_400_and_the_mesh_goes_on(mesh: Mesh, client: openai.OpenA
 
 
 def test_forced_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
-    """The SDK's stream helper assembles the streamed call (header, then arguments)."""
+    """The SDK's stream helper assembles the streamed call (header at once, then the
+    arguments in fragments as they are generated)."""
+    fragments = []
     with client.chat.completions.stream(
         model=model,
         messages=MESSAGES,
@@ -198,9 +200,13 @@ def test_forced_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
         seed=5,
         max_tokens=120,
     ) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
         final = stream.get_final_completion()
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     assert set(json.loads(calls[0].function.arguments)) == {"city"}
+    assert "".join(fragments) == calls[0].function.arguments

@@ -11,7 +11,9 @@ import pytest
 
 from gateway import reasoning
 from gateway.config import GatewayConfig
+from gateway.protocol import ChatCompletionRequest
 from gateway.tool_parsers import PARSERS, ToolCallDelta, ToolParser, parse_whole, parser_name_for
+from gateway.tools import forced_tool_calls, forced_tool_parser
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}
 CASES = {
@@ -274,3 +276,46 @@ def test_reasoning_split(name: str, text: str, thoughts: str | None, content: st
         got_t, got_c = got_t + t, got_c + c
     t, c = parser.finish()
     assert (got_t + t or None, got_c + c or None) == (thoughts, content)
+
+
+@pytest.mark.parametrize(
+    ("choice", "text", "names"),
+    [
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            '{"city": "Paris", "days": [1, 2]}',
+            ["get_weather"],
+        ),
+        (
+            "required",
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "t", "parameters": {}}]',
+            ["get_weather", "t"],
+        ),
+    ],
+)
+def test_forced_tool_choice_streams_like_the_parsers(choice: object, text: str, names: list[str]) -> None:
+    """tool_choice named / "required" (output constrained to the calls' JSON): streamed
+    incrementally too (a named call's header before any output), same calls as whole."""
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}
+    )
+    content, calls = forced_tool_calls(body, text)
+    assert content is None and [c.function.name for c in calls] == names
+    assert all(c.function.arguments == _canonical(c.function.arguments) for c in calls)
+    for pieces in _splits(text):
+        parser = forced_tool_parser(body)
+        first, early = parser.feed(pieces[0])
+        if choice != "required":
+            assert early and early[0].name == "get_weather"  # the header at once
+        streamed, deltas = "", list(early)
+        for piece in pieces[1:]:
+            c, more = parser.feed(piece)
+            streamed, deltas = streamed + c, deltas + more
+        tail, more = parser.finish()
+        assert (first + streamed + tail).strip() == ""
+        assert [(s["name"], s["arguments"]) for s in _assemble(deltas + more).values()] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
+    cut = text[: len(text) // 2]
+    assert forced_tool_calls(body, cut) == (cut, [])
