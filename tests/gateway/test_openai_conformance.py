@@ -85,6 +85,12 @@ CHAT_BODIES = {
         "response_format": {"type": "json_object"},
     },
     "stop_string": {"stop": ["quick"]},
+    # the fake model answers '{"answer": 42}': the named function's arguments
+    "forced_tool": {
+        "messages": [{"role": "user", "content": "JSON"}],
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
 }
 
 
@@ -93,6 +99,11 @@ def test_chat_completion_conforms(http: httpx.Client, name: str) -> None:
     data = _chat(http, **CHAT_BODIES[name]).json()
     assert data["object"] == "chat.completion"
     strict(ChatCompletion, data)
+    if name in ("tools", "forced_tool"):
+        assert (
+            data["choices"][0]["finish_reason"] == "tool_calls"
+            and data["choices"][0]["message"]["tool_calls"]
+        )
 
 
 STREAM_BODIES = {
@@ -111,6 +122,14 @@ def test_chat_chunks_conform(http: httpx.Client, name: str) -> None:
         strict(ChatCompletionChunk, chunk)
     if "usage" in name:
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    if name in ("tools", "forced_tool"):  # a header, then argument fragments
+        calls = [
+            c
+            for chunk in chunks
+            for choice in chunk["choices"]
+            for c in choice["delta"].get("tool_calls") or []
+        ]
+        assert calls[0]["id"] and len(calls) > 2 and not any(c.get("id") for c in calls[1:])
 
 
 COMPLETION_BODIES = {
