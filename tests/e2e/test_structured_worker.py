@@ -3,7 +3,9 @@ real tiny model and its tokenizer: constrained seeded requests preempted (recomp
 small KV cache produce exactly what they produce alone (the matcher never advances twice)
 and stay valid; a migrated constrained request continues like an uninterrupted one (its
 resumed tokens replayed into a fresh matcher); a bad constraint is INVALID_ARGUMENT
-naming the field and the worker goes on; no KV block stays in use."""
+naming the field and the worker goes on -- refused up front, or when the matcher fails to
+build on the worker (a RequestError on the GenerateStream, not an "abort" finish); no KV
+block stays in use."""
 
 from __future__ import annotations
 
