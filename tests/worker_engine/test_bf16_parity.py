@@ -124,10 +124,12 @@ def test_bf16_greedy_equals_generate_token_for_token(
 def test_inductor_options_keep_eager_rounding_in_low_precision() -> None:
     assert inductor_options("cpu", torch.bfloat16) == {
         "freezing": True,
+        "cpp_wrapper": True,
         "emulate_precision_casts": True,
         "pattern_matcher": False,
     }
     assert inductor_options("cpu", torch.float16)["emulate_precision_casts"] is True
     # float32 is already exact with inductor's fusions (test_cpu_options): they stay on.
-    assert inductor_options("cpu", torch.float32) == {"freezing": True}
+    assert inductor_options("cpu", torch.float32) == {"freezing": True, "cpp_wrapper": True}
     assert inductor_options("cuda", torch.bfloat16)["freezing"] is False
+    assert inductor_options("cuda", torch.bfloat16)["cpp_wrapper"] is False

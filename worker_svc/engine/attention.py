@@ -465,12 +465,17 @@ def _(
     return query.new_empty((1, tokens, heads, head_dim))
 
 
+_PLAIN = LayerAttention()
+
+
 def _layer(
     meta: AttentionMetadata, layer_idx: int, kw_window: int, softcap: float, sinks: torch.Tensor | None
 ) -> LayerAttention:
     """This layer's attention: the window from the model's spec, checked against the one
     the module passed (a disagreement means the spec misread the model: refuse)."""
     window = meta.layer_windows[layer_idx] if meta.layer_windows else None
+    if window is None and not kw_window and not softcap and sinks is None:
+        return _PLAIN  # the common case, without building a dataclass per layer and step
     if kw_window and kw_window != window:
         raise RuntimeError(
             f"{ATTN_IMPL_NAME}: layer {layer_idx} passed sliding_window={kw_window} but the model's "

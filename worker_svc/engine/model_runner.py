@@ -349,8 +349,13 @@ def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, bool]:
     to its float32 accumulator, before the bf16 rounding eager does). Weight prepacking
     is a freezing pass, not a post-grad pattern: it stays, and a prepacked linear equals
     eager ``F.linear`` bit for bit here (tests/worker_engine/test_bf16_parity.py).
+
+    On CPU, ``cpp_wrapper`` generates the graph's calling code (the sequence of kernel and
+    extern-op calls) in C++ instead of Python: the same kernels, without ~2 us of Python
+    per call (bench model, batch-1 decode step: 1.43 -> 1.30 ms; +10 s compile).
     """
-    options = {"freezing": device_type == "cpu"}
+    cpu = device_type == "cpu"
+    options = {"freezing": cpu, "cpp_wrapper": cpu}
     if dtype in (torch.bfloat16, torch.float16):
         options.update(emulate_precision_casts=True, pattern_matcher=False)
     return options
