@@ -69,6 +69,9 @@ class GenerationSpec:
     priority: int
     tenant: str
     cache_salt: str = ""
+    # The request field the output constraint came from (response_format, tool_choice,
+    # structured_outputs.<kind>): a worker that refuses the constraint names this one.
+    constraint_param: str = ""
 
     def generate_request(self) -> common_pb2.GenerateRequest:
         """The request as the scheduler routes it and the worker runs it."""
@@ -275,7 +278,10 @@ class GenerationRun:
     def on_error(self, error: worker_pb2.RequestError) -> None:
         """The worker refused or failed the request."""
         self._upstream_ended()
-        mesh_error = error_from_status(error.code, error.message, error.param)
+        param = error.param
+        if param == "structured_outputs" and self.spec.constraint_param:
+            param = self.spec.constraint_param
+        mesh_error = error_from_status(error.code, error.message, param)
         retry = {Code.UNAVAILABLE: "reroute", Code.FAILED_PRECONDITION: "reencode"}.get(mesh_error.code, "")
         api_error = from_mesh_error(mesh_error, "worker")
         self._queue.put_nowait(_Failure(api_error, retry))

@@ -163,7 +163,14 @@ def generation_spec(
         priority=-body.priority,
         tenant=ctx.tenant,
         cache_salt=body.cache_salt or "",
+        constraint_param=_constraint_param(body, sampling),
     )
+
+
+def _constraint_param(body: SamplingRequest, sampling: common_pb2.SamplingParams) -> str:
+    """The request field of the body's output constraint ("" when it has none)."""
+    found = structured.constraint(body) if sampling.structured_kind else None
+    return found[2] if found is not None else ""
 
 
 def usage_info(usage: Usage) -> UsageInfo:

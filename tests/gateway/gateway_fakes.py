@@ -30,6 +30,7 @@ Prompt keywords: TOOL, JSON, SLOW (200 ticks, 20 ms per step), UNICODE (non-ASCI
 text), ENDLESS (the usual text, then a slow endless tail: only an abort or max_tokens
 ends it), CRASH (RequestError INTERNAL after 3 tokens), OVERLOAD (Route answers
 RESOURCE_EXHAUSTED), WORKER_REFUSES (RequestError INVALID_ARGUMENT naming top_k),
+GRAMMAR_REFUSED (INVALID_ARGUMENT naming structured_outputs, as a worker refusing a constraint),
 EVICTED (the first add of a request id fails FAILED_PRECONDITION, as when image
 embeddings were evicted).
 """
@@ -558,6 +559,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             return error(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
         if "WORKER_REFUSES" in prompt:
             return error(grpc.StatusCode.INVALID_ARGUMENT, "top_k: refused by the worker", "top_k")
+        if "GRAMMAR_REFUSED" in prompt:  # as the real worker names a constraint it cannot build
+            return error(
+                grpc.StatusCode.INVALID_ARGUMENT, "the grammar could not be built", "structured_outputs"
+            )
         if "EVICTED" in prompt and rid not in self._evicted:
             self._evicted.add(rid)
             return error(grpc.StatusCode.FAILED_PRECONDITION, "image embeddings were evicted")

@@ -67,3 +67,27 @@ def test_forced_tool_choice_becomes_a_schema(http: httpx.Client, harness: Harnes
     schema = json.loads(sampling.structured_spec)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "f"}
+
+
+def test_a_constraint_the_worker_refuses_names_the_clients_field(
+    http: httpx.Client, harness: Harness
+) -> None:
+    """The worker names `structured_outputs` when it cannot build a constraint; the 400
+    names the field the client used: response_format, tool_choice or structured_outputs.<kind>."""
+    schema = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": PET}}
+    cases = [
+        ("/v1/chat/completions", {"response_format": schema}, "response_format"),
+        ("/v1/chat/completions", {"tools": [tool], "tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", {"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs.regex"),
+    ]
+    for path, body, param in cases:
+        base: dict = {"model": MODEL, "max_tokens": 4}
+        if path.endswith("chat/completions"):
+            base["messages"] = [{"role": "user", "content": "GRAMMAR_REFUSED"}]
+        else:
+            base["prompt"] = "GRAMMAR_REFUSED"
+        for stream in (False, True):
+            response = http.post(path, json={**base, **body, "stream": stream})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == param, (path, stream, response.text)
