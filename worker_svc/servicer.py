@@ -81,13 +81,14 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self,
         request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        """The token path (see worker.proto): requests in, one message per engine step out."""
+    ) -> None:
+        """The token path (see worker.proto): requests in, one message per engine step out
+        (written with `context.write`: no generator layers between a step and the wire)."""
         session = self._session(self._draining)
         reader = asyncio.create_task(feed_stream(request_iterator, session, "GenerateStream"))
         try:
             async for message in session.responses():
-                yield message
+                await context.write(message)
         finally:
             reader.cancel()
             self._end(session)
