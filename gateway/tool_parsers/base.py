@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.protocol import ToolCall, ToolCallFunction
-from gateway.tool_parsers.json_stream import CallBuilder
+from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 
 def new_call_id() -> str:
@@ -122,3 +122,65 @@ class CallStream:
         """The deltas produced since the last take."""
         out, self.out = self.out, []
         return out
+
+
+class ScanningParser:
+    """What the marker/JSON parsers share: `feed` runs the parser's state methods
+    (`_<state>(text, content) -> rest of text`) until the delta is used up; a state that
+    needs more text keeps it in `_pending`. Subclasses set `_state` and `_stream`."""
+
+    _state: str
+    _pending: str
+    _stream: CallStream
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        """Consumes a text delta: (content, call deltas)."""
+        text = self._pending + delta
+        self._pending = ""
+        content: list[str] = []
+        while text:
+            text = getattr(self, f"_{self._state}")(text, content)
+        return "".join(content), self._stream.take()
+
+    def _up_to(self, marker: str, text: str, content: list[str]) -> int:
+        """The index of `marker` in `text`, what precedes it appended to content; -1 when
+        absent (then all but a possible start of the marker is content, that start held)."""
+        start = text.find(marker)
+        if start < 0:
+            keep = held_prefix(text, marker)
+            content.append(text[: len(text) - keep])
+            self._pending = text[len(text) - keep :]
+            return -1
+        content.append(text[:start])
+        return start
+
+
+class RawCallParser(ScanningParser):
+    """A ScanningParser whose failed call gives back as content every character since the
+    last completed call (`_raw`), and whose calls are JSON objects fed to a `CallBuilder`."""
+
+    _raw: str
+    _tokens: JsonTokens
+    _builder: CallBuilder | None
+
+    def _feed_call(self, text: str, content: list[str]) -> str:
+        """Feeds one call object's JSON; back to "between" once it is complete."""
+        if self._builder is None:
+            raise RuntimeError("no call is open")
+        try:
+            used, tokens = self._tokens.feed(text)
+            for token in tokens:
+                self._builder.token(*token)
+        except InvalidCall:
+            return self._fail(text, content)
+        self._raw += text[:used]
+        self._stream.pump()
+        if self._tokens.done:
+            self._state, self._raw = "between", ""
+        return text[used:]
+
+    def _fail(self, text: str, content: list[str]) -> str:
+        self._stream.drop()
+        content.append(self._raw)
+        self._state, self._raw = "content", ""
+        return text

@@ -8,14 +8,14 @@ out invalid is content, from `<tool_call>` through its `</tool_call>` (or the en
 from __future__ import annotations
 
 from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, ToolCallDelta, held_prefix
+from gateway.tool_parsers.base import CallStream, ScanningParser, ToolCallDelta
 from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 START = "<tool_call>"
 END = "</tool_call>"
 
 
-class ToolCallStreamParser:
+class ToolCallStreamParser(ScanningParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
@@ -27,23 +27,10 @@ class ToolCallStreamParser:
         self._tokens = JsonTokens()
         self._builder = CallBuilder()
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
-        """Consumes a text delta: (content, call deltas)."""
-        text = self._pending + delta
-        self._pending = ""
-        content: list[str] = []
-        while text:
-            text = getattr(self, f"_{self._state}")(text, content)
-        return "".join(content), self._stream.take()
-
     def _text(self, text: str, content: list[str]) -> str:
-        start = text.find(START)
+        start = self._up_to(START, text, content)
         if start < 0:
-            keep = held_prefix(text, START)
-            content.append(text[: len(text) - keep])
-            self._pending = text[len(text) - keep :]
             return ""
-        content.append(text[:start])
         self._state, self._raw = "json", [START]
         self._tokens, self._builder = JsonTokens(), CallBuilder()
         self._stream.begin(self._builder)

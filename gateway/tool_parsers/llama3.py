@@ -8,14 +8,14 @@ because the output is detokenized with special tokens) are dropped; other text i
 from __future__ import annotations
 
 from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, ToolCallDelta, held_prefix
-from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
+from gateway.tool_parsers.base import CallStream, RawCallParser, ToolCallDelta, held_prefix
+from gateway.tool_parsers.json_stream import CallBuilder, JsonTokens
 
 PYTHON_TAG = "<|python_tag|>"
 END_MARKERS = ("<|eot_id|>", "<|eom_id|>")
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(RawCallParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
@@ -25,16 +25,7 @@ class Llama3JsonToolParser:
         self._pending = ""
         self._raw = ""  # text since the last completed call (content if the next fails)
         self._tokens = JsonTokens()
-        self._builder = CallBuilder()
-
-    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
-        """Consumes a text delta: (content, call deltas)."""
-        text = self._pending + delta
-        self._pending = ""
-        content: list[str] = []
-        while text:
-            text = getattr(self, f"_{self._state}")(text, content)
-        return "".join(content), self._stream.take()
+        self._builder: CallBuilder | None = CallBuilder()
 
     def _undecided(self, text: str, content: list[str]) -> str:
         body = text.lstrip()
@@ -72,23 +63,7 @@ class Llama3JsonToolParser:
         return body
 
     def _call(self, text: str, content: list[str]) -> str:
-        try:
-            used, tokens = self._tokens.feed(text)
-            for token in tokens:
-                self._builder.token(*token)
-        except InvalidCall:
-            return self._fail(text, content)
-        self._raw += text[:used]
-        self._stream.pump()
-        if self._tokens.done:
-            self._state, self._raw = "between", ""
-        return text[used:]
-
-    def _fail(self, text: str, content: list[str]) -> str:
-        self._stream.drop()
-        content.append(self._raw)
-        self._state, self._raw = "content", ""
-        return text
+        return self._feed_call(text, content)
 
     def _tail(self, text: str, content: list[str]) -> str:
         self._pending = text  # after the calls: held until the end (see finish)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, ToolCallDelta, held_prefix
+from gateway.tool_parsers.base import CallStream, RawCallParser, ToolCallDelta, held_prefix
 from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 MARKER = "[TOOL_CALLS]"
@@ -20,7 +20,7 @@ EOS = "</s>"
 _NAME = re.compile(r"[\w.\-]*\Z")
 
 
-class MistralToolParser:
+class MistralToolParser(RawCallParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
@@ -32,23 +32,10 @@ class MistralToolParser:
         self._tokens = JsonTokens()
         self._builder: CallBuilder | None = None
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
-        """Consumes a text delta: (content, call deltas)."""
-        text = self._pending + delta
-        self._pending = ""
-        content: list[str] = []
-        while text:
-            text = getattr(self, f"_{self._state}")(text, content)
-        return "".join(content), self._stream.take()
-
     def _text(self, text: str, content: list[str]) -> str:
-        start = text.find(MARKER)
+        start = self._up_to(MARKER, text, content)
         if start < 0:
-            keep = held_prefix(text, MARKER)
-            content.append(text[: len(text) - keep])
-            self._pending = text[len(text) - keep :]
             return ""
-        content.append(text[:start])
         self._state, self._raw = "marker", MARKER
         return text[start + len(MARKER) :]
 
@@ -83,18 +70,7 @@ class MistralToolParser:
 
     def _json(self, text: str, content: list[str]) -> str:
         """One call object (or the arguments object of `name[ARGS]`)."""
-        assert self._builder is not None
-        try:
-            used, tokens = self._tokens.feed(text)
-            for token in tokens:
-                self._builder.token(*token)
-        except InvalidCall:
-            return self._fail(text, content)
-        self._raw += text[:used]
-        self._stream.pump()
-        if self._tokens.done:
-            self._state, self._raw = "between", ""
-        return text[used:]
+        return self._feed_call(text, content)
 
     def _array(self, text: str, content: list[str]) -> str:
         """A JSON array of call objects, a character at a time (a call's end is exact)."""
@@ -139,12 +115,6 @@ class MistralToolParser:
     def _content(self, text: str, content: list[str]) -> str:
         content.append(text)
         return ""
-
-    def _fail(self, text: str, content: list[str]) -> str:
-        self._stream.drop()
-        content.append(self._raw)
-        self._state, self._raw = "content", ""
-        return text
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """End of output: held text is content; a call still open is content too."""
