@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from worker_svc.engine import cpu_attention
 from worker_svc.engine.arch import (
@@ -118,6 +119,8 @@ class ModelRunner:
         # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
         self._compiled: Any = None
         if config.compile_model:
+            if self.dtype in (torch.bfloat16, torch.float16):
+                eager_mean_reduction()
             # Only the guards that can change between steps are checked (runtime_guards).
             options: dict[str, Any] = {"guard_filter_fn": runtime_guards}
             self._compiled = torch.compile(self.model, dynamic=True, options=options)
@@ -335,7 +338,51 @@ def runtime_guards(entries: Sequence[Any]) -> list[bool]:
     return keep
 
 
-def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, bool]:
+_EAGER_MEAN = False
+
+
+class _MeanLoweringKey(CustomGraphPass):
+    """A no-op post-grad pass whose uuid names how ``mean`` is lowered (FX cache key)."""
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "meshserve-mean-aten" if _EAGER_MEAN else "meshserve-mean-inductor"
+
+
+_MEAN_KEY = _MeanLoweringKey()
+
+
+def eager_mean_reduction() -> None:
+    """Make inductor call ATen's own ``mean`` kernel instead of generating the reduction
+    (process-wide, once; only the engine compiles in a worker).
+
+    RMSNorm's ``x.float().pow(2).mean(-1)`` summed in inductor's order differs from
+    eager's vectorized sum in the last fp32 bit for ~40 % of rows; after the bf16
+    rounding that follows, it rarely changes a value, but one of 16 bench requests left
+    bf16 ``generate`` at its 34th token through it. With ATen's kernel the compiled graph
+    sums like eager (that request then equals ``generate``; the other kernels were
+    already exact under :func:`inductor_options`).
+
+    Inductor's FX graph cache does not see this change (its key covers config, not the
+    lowering table), so :func:`inductor_options` carries :class:`_MeanLoweringKey`: graphs
+    compiled with and without the fallback never share a cache entry.
+    """
+    global _EAGER_MEAN
+    if _EAGER_MEAN:
+        return
+    from torch._inductor import decomposition, lowering
+
+    aten = torch.ops.aten
+    for op in (aten.mean.dim, aten.mean.default):
+        decomposition.decompositions.pop(op, None)
+        lowering.lowerings.pop(op, None)
+    lowering.make_fallback(aten.mean, warn=False)
+    _EAGER_MEAN = True
+
+
+def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
     """Inductor settings of the compiled forward.
 
     On CPU, ``freezing`` folds the weights into the graph as constants so inductor can
@@ -355,9 +402,10 @@ def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, bool]:
     per call (bench model, batch-1 decode step: 1.43 -> 1.30 ms; +10 s compile).
     """
     cpu = device_type == "cpu"
-    options = {"freezing": cpu, "cpp_wrapper": cpu}
+    options: dict[str, Any] = {"freezing": cpu, "cpp_wrapper": cpu}
     if dtype in (torch.bfloat16, torch.float16):
         options.update(emulate_precision_casts=True, pattern_matcher=False)
+        options["post_grad_custom_post_pass"] = _MEAN_KEY  # see eager_mean_reduction
     return options
 
 
