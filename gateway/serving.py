@@ -325,7 +325,23 @@ class TextChunkTemplate:
 
     def render(self, text: str) -> bytes:
         """The event for `text`."""
-        return self._head + pydantic_core.to_json(text) + self._tail
+        return self._head + escape_line_breaks(pydantic_core.to_json(text)) + self._tail
+
+
+# Characters that JSON leaves unescaped but that readers splitting text with Python's
+# str.splitlines (httpx's aiter_lines, for one) take for line ends: an event holding one
+# would reach such a client cut in two. JSON's own escapes mean the same text.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def escape_line_breaks(data: bytes) -> bytes:
+    """`data` (UTF-8 JSON) with U+0085, U+2028 and U+2029 written as JSON escapes, so an
+    SSE event is one line for every line splitter, not only the CR/LF of the SSE spec."""
+    if b"\xc2\x85" not in data and b"\xe2\x80" not in data:
+        return data
+    for raw, escaped in _LINE_BREAKS:
+        data = data.replace(raw, escaped)
+    return data
 
 
 def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
@@ -334,7 +350,7 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
         text = payload.model_dump_json(exclude_unset=True)
     else:
         text = json.dumps(payload, ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
+    return b"data: " + escape_line_breaks(text.encode()) + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):

@@ -23,6 +23,7 @@ TEXTS = [
     "ünïcödé 漢字 🙂",
     "\x00\x1f\x7f",
     "</script>",
+    "next\x85line \u2028sep\u2029para",
     "",
 ]
 
@@ -53,3 +54,18 @@ def test_template_renders_the_model_bytes(make: object) -> None:
 def test_a_chunk_without_the_text_is_refused() -> None:
     with pytest.raises(ValueError, match="exactly once"):
         TextChunkTemplate(lambda text: _completion("constant"))
+
+
+@pytest.mark.parametrize("make", [_chat, _completion])
+def test_every_event_is_one_line_for_a_splitlines_reader(make: object) -> None:
+    """U+0085, U+2028 and U+2029 are legal unescaped in JSON but are line ends to
+    str.splitlines readers (httpx's aiter_lines): the event escapes them, whichever
+    path builds it, and the client still reads the same text."""
+    template = TextChunkTemplate(make)  # type: ignore[arg-type]
+    for text in ("\x85", "a\u2028b", "\u2029z", "x\x85\u2028\u2029y"):
+        for event in (template.render(text), sse_event(make(text))):  # type: ignore[operator]
+            assert event.endswith(b"\n\n"), event
+            lines = event[:-2].decode().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("data: "), event
+            choice = json.loads(lines[0][6:])["choices"][0]
+            assert choice.get("text", choice.get("delta", {}).get("content")) == text
