@@ -66,6 +66,11 @@ class Lease:
     replica: int  # index of the scheduler replica that issued it (Release goes there)
 
 
+def _names(workers: scheduler_pb2.ListWorkersResponse, model: str | None) -> bool:
+    """True when the list serves `model` (any model when none is named)."""
+    return model in workers.models if model else bool(workers.models)
+
+
 class _Replica:
     """One scheduler replica: channel, stubs, and leases waiting to be released."""
 
@@ -108,6 +113,7 @@ class Upstream:
         self._workers: scheduler_pb2.ListWorkersResponse | None = None
         self._workers_at = 0.0
         self._workers_lock = asyncio.Lock()
+        self._workers_refresh: asyncio.Task[None] | None = None
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
         self._release_handle: asyncio.TimerHandle | None = None
         self._usage: dict[str, scheduler_pb2.LeaseOutcome] = {}  # lease id -> outcome, until released
@@ -116,6 +122,8 @@ class Upstream:
         """Releases pending leases, then closes every stream and channel (in-flight
         calls are cancelled)."""
         self._flush_releases()
+        if self._workers_refresh is not None:
+            self._workers_refresh.cancel()
         await self.workers.close()
         await self._tok_channel.close()
         for replica in self._replicas:
@@ -245,8 +253,20 @@ class Upstream:
             return reply
 
     async def resolve_model(self, model: str | None) -> str:
-        """The served model a request names (or the first one when omitted); 404 if unknown."""
-        models = list((await self.list_workers()).models)
+        """The served model a request names (or the first one when omitted); 404 if unknown.
+
+        A model the cached list has is answered from it at once, however old the list:
+        a stale one is refreshed in the background, never on the request's path (at a
+        request every second, waiting for ListWorkers put a scheduler round trip before
+        routing on most requests). Only a model the list lacks waits for a list at most
+        `models_cache_s` old before it is refused, so a model whose workers just
+        registered is not turned away by an old list."""
+        cached = self._workers
+        if cached is not None and _names(cached, model):
+            self._refresh_workers_in_background()
+        else:
+            cached = await self.list_workers()
+        models = list(cached.models)
         if not models:
             raise APIError(503, "no model is being served (no healthy worker yet)", code="unavailable")
         if model is None or model == "":
@@ -259,6 +279,24 @@ class Upstream:
                 code="model_not_found",
             )
         return model
+
+    def _refresh_workers_in_background(self) -> None:
+        """Starts one ListWorkers refresh when the cached list is older than
+        `models_cache_s` and none is running (a failure only logs: the next request
+        whose model the list lacks tries again, on its own path)."""
+        stale = time.monotonic() - self._workers_at >= self.config.models_cache_s
+        if not stale or self._workers_refresh is not None:
+            return
+
+        async def refresh() -> None:
+            try:
+                await self.list_workers()
+            except APIError as exc:
+                log.debug("model list refresh failed: %s", exc.message)
+            finally:
+                self._workers_refresh = None
+
+        self._workers_refresh = asyncio.get_running_loop().create_task(refresh())
 
     async def tokenizer_info(self, model: str) -> tokenizer_pb2.TokenizerInfo:
         """GetTokenizerInfo, cached per model."""

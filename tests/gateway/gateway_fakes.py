@@ -286,6 +286,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     # lease id -> LeaseOutcome the gateway released it with
     outcomes: dict[str, Any] = field(default_factory=dict)
     release_calls: list[list[str]] = field(default_factory=list)
+    # ListWorkers calls answered or waiting; while `list_workers_gate` is set to an
+    # unset Event, ListWorkers waits for it (a scheduler slow to list its workers).
+    list_workers_calls: int = 0
+    list_workers_gate: asyncio.Event | None = None
     _lease_ids: Iterator[int] = field(default_factory=itertools.count)
 
     @property
@@ -396,6 +400,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return common_pb2.EmbedResponse(embeddings=embeddings, prompt_tokens=tokens)
 
     async def ListWorkers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.list_workers_calls += 1
+        if self.list_workers_gate is not None:
+            await self.list_workers_gate.wait()
         workers = [
             scheduler_pb2.WorkerStatus(
                 worker=scheduler_pb2.WorkerDescriptor(

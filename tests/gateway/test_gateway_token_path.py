@@ -5,6 +5,7 @@ tokenizer fetched once per gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -355,3 +356,29 @@ def test_concurrent_requests_on_one_stream_get_their_own_output(harness: Harness
         else:
             assert reply["choices"][0]["message"]["content"] == expected
     assert harness.worker.streams_opened == opened
+
+
+def test_stale_model_list_is_refreshed_off_the_request_path(harness: Harness) -> None:
+    """A model the gateway's cached list serves is answered from it even when the list
+    is stale and the scheduler is slow to list its workers: the refresh runs in the
+    background. A model the list lacks still waits for a fresh list, then 404."""
+    scheduler = harness.scheduler
+    with harness.gateway(models_cache_s=0.0) as gateway:
+        assert post(gateway.url, chat(max_tokens=4))[0] == 200  # fills the cache
+        gate = asyncio.Event()
+        scheduler.list_workers_gate = gate
+        try:
+            calls = scheduler.list_workers_calls
+            # Answered while ListWorkers hangs (before: waited on it, then 503 after 5 s).
+            with httpx.Client(base_url=gateway.url, timeout=3) as http:
+                assert http.post(CHAT, json=chat(max_tokens=4)).status_code == 200
+            assert wait_for(lambda: scheduler.list_workers_calls > calls), "no background refresh"
+            with ThreadPoolExecutor(1) as pool:
+                unknown = pool.submit(post, gateway.url, {**chat(), "model": "no-such-model"})
+                harness.loop.call_soon_threadsafe(gate.set)
+                assert unknown.result(10)[0] == 404
+            # The miss listed the workers itself (after the background refresh).
+            assert scheduler.list_workers_calls >= calls + 2
+        finally:
+            scheduler.list_workers_gate = None
+            harness.loop.call_soon_threadsafe(gate.set)
