@@ -47,6 +47,9 @@ class WorkerConfig(ServerConfig):
     # values send fewer, bigger messages through the mesh: more throughput on a busy
     # machine, burstier inter-token latency. The first token and the end always go at once.
     stream_interval: int = 1
+    # KV events (the scheduler's prefix index) are gathered this long and written to Redis
+    # in one transaction (worker_svc.kv_events); 0 writes after every engine step.
+    kv_events_flush_ms: int = 20
     # Encoder cache (host:port) where encoder workers put image embeddings and decoder
     # workers fetch them by identifier; empty = this worker takes no images.
     encoder_cache_address: str = ""
@@ -66,6 +69,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.kv_events_flush_ms < 0:
+            raise ValueError("kv_events_flush_ms must be >= 0")
         if self.encoder_cache_timeout_s <= 0:
             raise ValueError("encoder_cache_timeout_s must be > 0")
         if self.role == "encoder" and not self.encoder_cache_address:

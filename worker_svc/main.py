@@ -70,7 +70,11 @@ def _descriptor(config: WorkerConfig, identity: WorkerIdentity, port: int) -> sc
 
 def _kv_publisher(config: WorkerConfig, identity: WorkerIdentity) -> KvEventPublisher | None:
     """KV events go to Redis for the scheduler's prefix index (none without Redis)."""
-    return KvEventPublisher(config.redis_url, identity.worker_id) if config.redis_url else None
+    if not config.redis_url:
+        return None
+    return KvEventPublisher(
+        config.redis_url, identity.worker_id, flush_interval_s=config.kv_events_flush_ms / 1000
+    )
 
 
 async def _start_decoder(

@@ -93,6 +93,31 @@ def test_publisher_writes_stream_set_and_cursor(private_redis: RedisServer) -> N
     again.close()
 
 
+def test_publisher_gathers_steps_into_one_transaction(private_redis: RedisServer) -> None:
+    """Events published within the flush window are written together, each run of one
+    kind as one stream entry (order kept across kinds): the block set is the same."""
+    client = redis.Redis.from_url(private_redis.url)
+    pub = KvEventPublisher(private_redis.url, "w1", flush_interval_s=1.0)
+    pub.start()
+    assert pub.wait_idle()  # the first write (resync) goes at once
+    for step in range(5):
+        pub.publish([Ev("stored", [10 + step])])
+        time.sleep(0.02)  # engine steps apart: without the window, each its own write
+    pub.publish([Ev("removed", [11])])
+    pub.publish([Ev("stored", [20]), Ev("stored", [21])])
+    assert pub.wait_idle()
+    fields = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(STREAM_KEY)]
+    assert [(f["kind"], f["hashes"]) for f in fields] == [
+        ("resync", ""),
+        ("stored", "10,11,12,13,14"),
+        ("removed", "11"),
+        ("stored", "20,21"),
+    ]
+    assert members(client, "w1") == {10, 12, 13, 14, 20, 21}
+    assert client.get(seq_key("w1")) == f"{pub.epoch}:4".encode()
+    pub.close()
+
+
 def test_publisher_survives_redis_outage(private_redis: RedisServer) -> None:
     pub = KvEventPublisher(private_redis.url, "w1", retry_interval_s=0.1)
     pub.start()
