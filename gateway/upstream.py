@@ -238,11 +238,13 @@ class Upstream:
     async def list_workers(self, max_age_s: float | None = None) -> scheduler_pb2.ListWorkersResponse:
         """The scheduler's ListWorkers, reused for `models_cache_s` (single flight)."""
         max_age = self.config.models_cache_s if max_age_s is None else max_age_s
-        if self._workers is not None and time.monotonic() - self._workers_at < max_age:
-            return self._workers
+        cached = self._fresh_workers(max_age)
+        if cached is not None:
+            return cached
         async with self._workers_lock:
-            if self._workers is not None and time.monotonic() - self._workers_at < max_age:
-                return self._workers
+            cached = self._fresh_workers(max_age)
+            if cached is not None:
+                return cached
             reply, _ = await self.on_scheduler(
                 lambda stub: stub.ListWorkers(
                     scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S * 5
@@ -251,6 +253,12 @@ class Upstream:
             )
             self._workers, self._workers_at = reply, time.monotonic()
             return reply
+
+    def _fresh_workers(self, max_age_s: float) -> scheduler_pb2.ListWorkersResponse | None:
+        """The cached worker list when it is younger than `max_age_s`, else None."""
+        if self._workers is not None and time.monotonic() - self._workers_at < max_age_s:
+            return self._workers
+        return None
 
     async def resolve_model(self, model: str | None) -> str:
         """The served model a request names (or the first one when omitted); 404 if unknown.
@@ -284,8 +292,7 @@ class Upstream:
         """Starts one ListWorkers refresh when the cached list is older than
         `models_cache_s` and none is running (a failure only logs: the next request
         whose model the list lacks tries again, on its own path)."""
-        stale = time.monotonic() - self._workers_at >= self.config.models_cache_s
-        if not stale or self._workers_refresh is not None:
+        if self._workers_refresh is not None or self._fresh_workers(self.config.models_cache_s) is not None:
             return
 
         async def refresh() -> None:
