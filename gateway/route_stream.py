@@ -6,6 +6,13 @@ completion order; releases ride on the route messages (or go alone when no route
 due). Why not a unary Route per request: on the replica a stream message costs about a
 third of a unary call's CPU, and the round trip is about half as long (bench/README.md).
 
+Grants: for the models this gateway asks them for (`want_grants`), every message says
+what it holds and has received, and the replica keeps it supplied with leases issued
+ahead of requests (scheduler.proto, LeaseGrant), while routing cannot depend on the
+request. `take_grant` hands one out: a request placed on it needs no round trip. A grant
+past its use-by time goes back unused; a broken stream drops its grants (their replica
+may be gone; it ends them as leases no worker reports).
+
 A route that fails raises the `grpc.aio.AioRpcError` the unary Route would have raised
 (same code, message and `param` metadata), so failover between replicas and the mapping
 to HTTP stay the same. A broken stream fails every route waiting on it with its error
@@ -19,6 +26,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
+from collections import deque
+from collections.abc import Iterable
 
 import grpc
 
@@ -51,6 +61,27 @@ class RouteStream:
         self._reader: asyncio.Task[None] | None = None
         self._writes = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        # model -> (use-by time, lease) of the grants held, oldest first; a model is a key
+        # once grants are wanted for it.
+        self._grants: dict[str, deque[tuple[float, scheduler_pb2.RouteResponse]]] = {}
+        self._received: dict[str, int] = {}  # model -> grants received on this call
+
+    def want_grants(self, model: str) -> None:
+        """From now on, messages ask for grants of `model`."""
+        self._grants.setdefault(model, deque())
+
+    def take_grant(self, model: str) -> tuple[scheduler_pb2.RouteResponse | None, list[str]]:
+        """A grant of `model` still within its use-by time (or None), and the lease ids
+        of grants found past it (the caller releases them)."""
+        held = self._grants.get(model)
+        expired: list[str] = []
+        now = time.monotonic()
+        while held:
+            use_by, lease = held.popleft()
+            if use_by > now:
+                return lease, expired
+            expired.append(lease.lease_id)
+        return None, expired
 
     async def route(
         self, message: scheduler_pb2.RouteStreamRequest, timeout: float
@@ -104,6 +135,9 @@ class RouteStream:
         async with self._writes:
             if call.done():
                 raise _StreamGone(self._name)
+            for model, held in self._grants.items():
+                count = message.grants[model]
+                count.held, count.received = len(held), self._received.get(model, 0)
             try:
                 await call.write(message)
             except asyncio.InvalidStateError:  # finished between the check and the write
@@ -130,6 +164,7 @@ class RouteStream:
         finally:
             if self._call is call:
                 self._call = None
+                self._drop_grants()
             pending, self._pending = self._pending, {}
             if pending:
                 log.warning(
@@ -139,7 +174,30 @@ class RouteStream:
                 if not future.done():
                     future.set_exception(error)
 
+    def surrender_grants(self) -> list[str]:
+        """The lease ids of every grant held (now given up; the caller releases them)."""
+        ids = [lease.lease_id for held in self._grants.values() for _, lease in held]
+        for held in self._grants.values():
+            held.clear()
+        return ids
+
+    def _drop_grants(self) -> None:
+        """The call ended: its grants go (a new call starts counting again)."""
+        for held in self._grants.values():
+            held.clear()
+        self._received.clear()
+
+    def _keep_grants(self, grants: Iterable[scheduler_pb2.LeaseGrant]) -> None:
+        now = time.monotonic()
+        for grant in grants:
+            self._grants.setdefault(grant.model, deque()).append(
+                (now + grant.use_within_ms / 1000, grant.lease)
+            )
+            self._received[grant.model] = self._received.get(grant.model, 0) + 1
+
     def _answer(self, answer: scheduler_pb2.RouteStreamResponse) -> None:
+        if answer.grants:
+            self._keep_grants(answer.grants)
         future = self._pending.get(answer.call_id)
         if future is None or future.done():  # the caller gave up on it
             return

@@ -121,6 +121,8 @@ class Upstream:
     async def close(self) -> None:
         """Releases pending leases, then closes every stream and channel (in-flight
         calls are cancelled)."""
+        for replica in self._replicas:  # unused grants would hold their slots until reconciled
+            replica.pending_release.extend(replica.routes.surrender_grants())
         self._flush_releases()
         if self._workers_refresh is not None:
             self._workers_refresh.cancel()
@@ -177,7 +179,13 @@ class Upstream:
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
     ) -> Lease:
         """A lease on the worker the scheduler picks for `request`, over the replica's
-        RouteStream (`gateway.route_stream`)."""
+        RouteStream (`gateway.route_stream`) -- or, for a request with nothing to exclude
+        or encode, a grant a replica issued ahead of it (no round trip)."""
+        plain = not exclude and not force_encode and not request.mm_items
+        if plain:
+            granted = self._take_grant(request.model)
+            if granted is not None:
+                return granted
         message = scheduler_pb2.RouteStreamRequest(
             route=scheduler_pb2.RouteRequest(
                 request=request, exclude_worker_ids=exclude, force_encode=force_encode
@@ -185,6 +193,8 @@ class Upstream:
         )
 
         def call(replica: _Replica) -> Awaitable[scheduler_pb2.RouteResponse]:
+            if plain:  # the answer may bring grants for the next requests
+                replica.routes.want_grants(request.model)
             # Leases ended since the last route ride along (fewer messages under load).
             message.ClearField("release")
             release = replica.take_releases()
@@ -194,6 +204,18 @@ class Upstream:
 
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
+
+    def _take_grant(self, model: str) -> Lease | None:
+        """A lease some replica granted for `model` ahead of requests, or None; grants
+        found past their use-by time go back with the next releases."""
+        for index, replica in enumerate(self._replicas):
+            grant, expired = replica.routes.take_grant(model)
+            if expired:
+                replica.pending_release.extend(expired)
+                self._schedule_release()
+            if grant is not None:
+                return Lease(grant.lease_id, grant.worker_id, grant.worker_address, [], index)
+        return None
 
     def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
         """Remembers what the worker reported for the lease's request; its release then
@@ -211,6 +233,9 @@ class Upstream:
             replica.pending_release.append(lease.lease_id)
         else:
             replica.pending_outcomes.append(outcome)
+        self._schedule_release()
+
+    def _schedule_release(self) -> None:
         if self._release_handle is None:
             loop = asyncio.get_running_loop()
             self._release_handle = loop.call_later(RELEASE_BATCH_S, self._schedule_flush)

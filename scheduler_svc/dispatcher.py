@@ -81,6 +81,26 @@ class Dispatcher:
             return self._place(request, exclude, candidates)
         return None
 
+    def grant(self, model: str) -> tuple[Lease, Decision] | None:
+        """A lease for a request of `model` not known yet (a route stream's grant), or
+        None. Only when the choice cannot depend on the request -- one candidate worker,
+        or a policy that ignores the prompt -- nobody waits in the queue (a grant must not
+        overtake them), and the chosen worker keeps a free slot besides (the last one
+        goes to a routed request, which the policy may place better)."""
+        if len(self.queue):
+            return None
+        routable = self.registry.candidates(model, "decoder")
+        if self.policy.name == "prefix" and len(routable) != 1:
+            return None
+        roomy = [w for w in routable if w.capacity - w.inflight > 1]
+        if not roomy:
+            return None
+        if self.policy.name == "prefix":
+            decision = Decision(roomy[0], "grant")
+        else:
+            decision = self.policy.choose(RoutingRequest("", model), roomy)
+        return self.registry.acquire(decision.worker), decision
+
     async def acquire(
         self, request: RoutingRequest, exclude: frozenset[str] = frozenset(), *, retry: bool = False
     ) -> tuple[Lease, Decision]:

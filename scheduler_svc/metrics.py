@@ -96,7 +96,15 @@ FAILOVERS = Counter(
     "Routes asked again by a gateway after a worker failed before the first token (outcome=rerouted)",
     ["outcome"],
 )
-LEASES = Gauge("meshserve_scheduler_leases", "Leases this replica holds (requests routed and not ended yet)")
+LEASES = Gauge(
+    "meshserve_scheduler_leases",
+    "Leases this replica holds (requests routed and not ended yet, grants not yet released)",
+)
+GRANTS = Counter(
+    "meshserve_scheduler_grants_total",
+    "Leases granted ahead of requests on route streams (a gateway places a request on one "
+    "without a route round trip; each also counts in leases until released)",
+)
 LEASES_ENDED = Counter(
     "meshserve_scheduler_leases_ended_total",
     "Leases ended, by how: released (by the gateway), reconciled (the worker no longer runs "

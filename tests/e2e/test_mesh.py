@@ -42,6 +42,7 @@ def mesh(
         kv_cache_memory_mb=64,
         embedding_model_dir=default_embedding_model_dir(),
         embedding_port=free_port(),
+        metrics_ports=(("scheduler", free_port()),),
     )
     started = Mesh(config).start(timeout=180)
     yield started
@@ -245,3 +246,35 @@ def test_killing_a_service_shows_in_health(mesh: Mesh) -> None:
         mesh.start_service(mesh.specs["tokenizer"])
         mesh.wait_healthy(60)
     assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
+
+
+def _scheduler_series(mesh: Mesh, name: str) -> float:
+    """The sum of a scheduler metric's samples (every label set)."""
+    port = dict(mesh.config.metrics_ports)["scheduler"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
+
+
+def test_sequential_requests_run_on_grants_not_routes(
+    mesh: Mesh, client: openai.OpenAI, model_name: str
+) -> None:
+    """With one decoder the scheduler grants leases ahead of requests: requests one after
+    another run on them (no route round trip before the first token), each release brings
+    the next grant, and what is left held when the requests end is the gateway's unused
+    grants (at most `route_grants`), not leaked leases."""
+    routed = _scheduler_series(mesh, "meshserve_scheduler_routed_total")
+    granted = _scheduler_series(mesh, "meshserve_scheduler_grants_total")
+    for _ in range(8):
+        reply = client.completions.create(model=model_name, prompt="grant me", max_tokens=2)
+        assert reply.choices[0].text is not None
+        time.sleep(0.1)  # the release goes back (20 ms batches) and brings the next grant
+    assert _scheduler_series(mesh, "meshserve_scheduler_routed_total") - routed <= 2
+    assert _scheduler_series(mesh, "meshserve_scheduler_grants_total") - granted >= 6
+    deadline = time.monotonic() + 10
+    while _scheduler_series(mesh, "meshserve_scheduler_leases") > 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _scheduler_series(mesh, "meshserve_scheduler_leases") <= 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -382,3 +383,56 @@ def test_stale_model_list_is_refreshed_off_the_request_path(harness: Harness) ->
         finally:
             scheduler.list_workers_gate = None
             harness.loop.call_soon_threadsafe(gate.set)
+
+
+# ------------------------------------------------------------------------ grants
+
+
+def test_requests_on_grants_skip_the_route_and_give_them_back(harness: Harness) -> None:
+    """A replica that grants leases ahead of requests: the first request routes (the
+    answer brings the grants), the next ones run on grants with no route message, the
+    releases ask for more, and every grant goes back -- used ones when their request
+    ends, unused ones when the gateway stops."""
+    scheduler = harness.scheduler
+    scheduler.grants_per_model = 2
+    try:
+        with harness.gateway() as gw:
+            before = len(scheduler.granted)
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            routes = len(scheduler.routes)
+            for i in range(3):
+                # The release of the previous request brought one more grant.
+                assert wait_for(lambda n=before + 2 + i: len(scheduler.granted) >= n)  # type: ignore[misc]
+                time.sleep(0.05)  # the grant on its way to the gateway
+                status, body = post(gw.url, chat(max_tokens=2))
+                assert status == 200, body
+            assert len(scheduler.routes) == routes, "a request with a grant at hand was routed"
+            used = [request.lease_id for request in harness.worker.requests[-3:]]
+            assert set(used) <= set(scheduler.granted) and len(set(used)) == 3
+            assert wait_for(lambda: set(used) <= set(scheduler.released))
+            held = set(scheduler.granted) - set(scheduler.released)
+            assert held, "the gateway holds no grant"
+        assert wait_for(lambda: held <= set(scheduler.released)), "unused grants kept at shutdown"
+    finally:
+        scheduler.grants_per_model = 0
+
+
+def test_grants_past_their_use_by_time_go_back_unused(harness: Harness) -> None:
+    """A grant kept longer than its use-by time is released unused, and the request that
+    found it stale routes instead."""
+    scheduler = harness.scheduler
+    scheduler.grants_per_model, scheduler.grant_use_within_ms = 1, 100
+    try:
+        with harness.gateway() as gw:
+            before = len(scheduler.granted)
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert wait_for(lambda: len(scheduler.granted) == before + 1)
+            stale = scheduler.granted[-1]
+            time.sleep(0.3)
+            routes = len(scheduler.routes)
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert len(scheduler.routes) == routes + 1
+            assert harness.worker.requests[-1].lease_id != stale
+            assert wait_for(lambda: stale in scheduler.released)
+    finally:
+        scheduler.grants_per_model, scheduler.grant_use_within_ms = 0, 60_000

@@ -148,3 +148,100 @@ async def test_draining_replica_refuses_new_routes_and_ends_the_stream(
     (queued,) = await stream.read(2)
     assert queued.HasField("route")
     assert await stream.ended() == grpc.StatusCode.OK
+
+
+def _grants(held: int = 0, received: int = 0, model: str = "m") -> dict[str, scheduler_pb2.GrantCount]:
+    return {model: scheduler_pb2.GrantCount(held=held, received=received)}
+
+
+async def test_grants_top_up_counting_those_held_and_on_the_way(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """A caller that asks for grants is kept at `route_grants` per model: grants ride on
+    the route's answer, count as leases on their worker, and are not sent twice while
+    earlier ones are still on their way; a release-only message is topped up on its own."""
+    sched = await start_scheduler(route_grants=2)
+    await start_worker("w1", sched)
+    stream = Stream(sched)
+    route = scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3], request_id="a"))
+    stream.send(call_id=1, route=route, grants=_grants())
+    (a,) = await stream.read(1)
+    assert len(a.grants) == 2 and {g.model for g in a.grants} == {"m"}
+    granted = [g.lease.lease_id for g in a.grants]
+    assert all(g.lease.worker_id == "w1" and g.lease.request_id == "" for g in a.grants)
+    assert 0 < a.grants[0].use_within_ms < sched.core.config.lease_grace_s * 1000
+    assert sched.lease_ids() == {a.route.lease_id, *granted} and sched.inflight("w1") == 3
+    # Two grants sent, none received yet: nothing more for this caller.
+    stream.route(2, [4, 5])
+    stream.send(call_id=3, route=route, grants=_grants(held=0, received=0))
+    _, again = await stream.read(2, 3)
+    assert not again.grants and sched.inflight("w1") == 5
+    # Received both, used one (held 1), released it with the two routed leases: one more
+    # grant, on a message of its own (call id 0).
+    used = [a.route.lease_id, stream.answers[2].route.lease_id, again.route.lease_id, granted[0]]
+    stream.send(release=scheduler_pb2.ReleaseRequest(lease_ids=used), grants=_grants(held=1, received=2))
+    (topped,) = await stream.read(0)
+    assert len(topped.grants) == 1 and topped.grants[0].lease.lease_id not in granted
+    assert sched.lease_ids() == {granted[1], topped.grants[0].lease.lease_id}
+    # Grants are released like leases.
+    stream.send(release=scheduler_pb2.ReleaseRequest(lease_ids=[granted[1], topped.grants[0].lease.lease_id]))
+    await sched.wait_for(lambda: sched.inflight("w1") == 0 and not sched.lease_ids())
+
+
+async def test_no_grants_when_routing_depends_on_the_request_or_room_is_short(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """Prefix routing between two workers needs the prompt: no grants. With one worker a
+    grant never takes its last free slot; nor while a route waits in the queue."""
+    sched = await start_scheduler(route_grants=2)
+    await start_worker("w1", sched, max_num_seqs=3)
+    await start_worker("w2", sched, max_num_seqs=3)
+    stream = Stream(sched)
+    route = scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3]))
+    stream.send(call_id=1, route=route, grants=_grants())
+    (two_workers,) = await stream.read(1)
+    assert two_workers.HasField("route") and not two_workers.grants
+
+    single = await start_scheduler(route_grants=2)
+    await start_worker("only", single, max_num_seqs=3)
+    stream = Stream(single)
+    stream.send(call_id=1, route=route, grants=_grants())
+    (first,) = await stream.read(1)
+    # Three slots: the route takes one, a grant one, the last stays free.
+    assert len(first.grants) == 1 and single.inflight("only") == 2
+    stream.send(call_id=2, route=route, grants=_grants(held=1, received=1))
+    stream.send(call_id=3, route=route, grants=_grants(held=1, received=1))
+    await single.wait_for(lambda: len(single.core.dispatcher.queue) == 1)
+    stream.send(
+        release=scheduler_pb2.ReleaseRequest(lease_ids=[first.grants[0].lease.lease_id]),
+        grants=_grants(received=1),
+    )
+    second, third = await stream.read(2, 3)
+    # The release admitted the queued route; with every slot taken, no grant.
+    assert second.HasField("route") and third.HasField("route")
+    assert not second.grants and not third.grants and 0 not in stream.answers
+
+    # While anybody waits in the admission queue no grant overtakes them.
+    queued = await start_scheduler(route_grants=2)
+    await start_worker("full", queued, max_num_seqs=1)
+    await start_worker("other", queued, model="x")
+    stream = Stream(queued)
+    stream.route(1, [1])
+    stream.route(2, [2])
+    await stream.read(1)
+    await queued.wait_for(lambda: len(queued.core.dispatcher.queue) == 1)
+    stream.send(
+        call_id=3,
+        route=scheduler_pb2.RouteRequest(request=generate_request([3], model="x")),
+        grants=_grants(model="x"),
+    )
+    (other,) = await stream.read(3)
+    assert other.HasField("route") and not other.grants and 0 not in stream.answers
+
+    round_robin = await start_scheduler(route_grants=1, routing_policy="round_robin")
+    await start_worker("r1", round_robin)
+    await start_worker("r2", round_robin)
+    stream = Stream(round_robin)
+    stream.send(call_id=1, route=route, grants=_grants())
+    (rr,) = await stream.read(1)
+    assert len(rr.grants) == 1  # the policy ignores the prompt: a grant is as good as a route
