@@ -60,7 +60,7 @@ class SchedulerConfig(ServerConfig):
     # Leases granted ahead of requests on each RouteStream, per model the caller routes
     # (0: none): the caller places that many requests on a worker without a route round
     # trip, while routing cannot depend on the request (scheduler.proto, LeaseGrant).
-    route_grants: int = 2
+    route_grants: int = 4
     block_size: int = 16
     kv_stream_maxlen: int = 100_000
     # Encoder cache (host:port) checked before routing requests with images; empty = the

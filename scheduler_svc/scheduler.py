@@ -67,6 +67,7 @@ class Scheduler:
         self._dirty: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._seen_version = -1
+        self._mirrored_at = -float("inf")
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -184,10 +185,15 @@ class Scheduler:
             await asyncio.sleep(interval)
 
     async def housekeep_once(self) -> None:
-        """One round of sweep, Redis sync, index expiry and gauges."""
+        """One round of sweep, Redis sync (at most once per heartbeat interval), index
+        expiry and gauges."""
         self.sweep()
         self.end_leases(self.leases.expire(), "expired")
-        if self.mirror is not None:
+        now = self.registry.now()
+        if self.mirror is not None and now - self._mirrored_at >= 0.9 * self.config.heartbeat_interval_s:
+            # Worker entries change at most once per heartbeat: syncing every sweep round
+            # (twice as often) cost the idle replica ~4 ms of CPU per second in Redis calls.
+            self._mirrored_at = now
             await self._sync_mirror()
         self.index.expire()
         metrics.QUEUE_DEPTH.set(len(self.dispatcher.queue))
