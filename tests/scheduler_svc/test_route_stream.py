@@ -245,3 +245,16 @@ async def test_no_grants_when_routing_depends_on_the_request_or_room_is_short(
     stream.send(call_id=1, route=route, grants=_grants())
     (rr,) = await stream.read(1)
     assert len(rr.grants) == 1  # the policy ignores the prompt: a grant is as good as a route
+
+
+async def test_no_grants_without_a_lease_grace_period(start_scheduler: Any, start_worker: Any) -> None:
+    """With no grace period a lease its worker does not report ends at once, so a grant
+    could not be held at all: none is issued (the caller would churn through them)."""
+    sched = await start_scheduler(route_grants=2, lease_grace_s=0)
+    await start_worker("w1", sched)
+    stream = Stream(sched)
+    stream.send(
+        call_id=1, route=scheduler_pb2.RouteRequest(request=generate_request([1, 2])), grants=_grants()
+    )
+    (answer,) = await stream.read(1)
+    assert answer.HasField("route") and not answer.grants
