@@ -38,6 +38,12 @@ class Waiter:
 
 DispatchHook = Callable[[RoutingRequest, Decision], None]
 
+# Grants only while a worker is at most this loaded (grants included). A grant holds a
+# slot until the gateway's next request takes it; near capacity that slot is one a routed
+# request waits for in the queue (measured: with grants up to the last free slot, 32
+# clients on 32 slots queued behind unused grants, TTFT +40 ms, throughput -15 %).
+GRANT_LOAD_LIMIT = 0.5
+
 
 class Dispatcher:
     """Places requests on workers: admission queue in front of a routing policy."""
@@ -85,14 +91,13 @@ class Dispatcher:
         """A lease for a request of `model` not known yet (a route stream's grant), or
         None. Only when the choice cannot depend on the request -- one candidate worker,
         or a policy that ignores the prompt -- nobody waits in the queue (a grant must not
-        overtake them), and the chosen worker keeps a free slot besides (the last one
-        goes to a routed request, which the policy may place better)."""
+        overtake them), and the worker stays at most `GRANT_LOAD_LIMIT` loaded with it."""
         if len(self.queue):
             return None
         routable = self.registry.candidates(model, "decoder")
         if self.policy.name == "prefix" and len(routable) != 1:
             return None
-        roomy = [w for w in routable if w.capacity - w.inflight > 1]
+        roomy = [w for w in routable if w.estimated_load() + 1 <= GRANT_LOAD_LIMIT * w.capacity]
         if not roomy:
             return None
         if self.policy.name == "prefix":

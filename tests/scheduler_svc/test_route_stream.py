@@ -191,8 +191,9 @@ async def test_grants_top_up_counting_those_held_and_on_the_way(
 async def test_no_grants_when_routing_depends_on_the_request_or_room_is_short(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    """Prefix routing between two workers needs the prompt: no grants. With one worker a
-    grant never takes its last free slot; nor while a route waits in the queue."""
+    """Prefix routing between two workers needs the prompt: no grants. With one worker,
+    grants only while it is at most half loaded with them; none while a route waits in
+    the queue."""
     sched = await start_scheduler(route_grants=2)
     await start_worker("w1", sched, max_num_seqs=3)
     await start_worker("w2", sched, max_num_seqs=3)
@@ -203,23 +204,24 @@ async def test_no_grants_when_routing_depends_on_the_request_or_room_is_short(
     assert two_workers.HasField("route") and not two_workers.grants
 
     single = await start_scheduler(route_grants=2)
-    await start_worker("only", single, max_num_seqs=3)
+    await start_worker("only", single, max_num_seqs=4)
     stream = Stream(single)
     stream.send(call_id=1, route=route, grants=_grants())
     (first,) = await stream.read(1)
-    # Three slots: the route takes one, a grant one, the last stays free.
+    # Four slots: the route takes one, a grant one; a second grant would pass half.
     assert len(first.grants) == 1 and single.inflight("only") == 2
     stream.send(call_id=2, route=route, grants=_grants(held=1, received=1))
     stream.send(call_id=3, route=route, grants=_grants(held=1, received=1))
+    stream.send(call_id=4, route=route, grants=_grants(held=1, received=1))
     await single.wait_for(lambda: len(single.core.dispatcher.queue) == 1)
     stream.send(
         release=scheduler_pb2.ReleaseRequest(lease_ids=[first.grants[0].lease.lease_id]),
         grants=_grants(received=1),
     )
-    second, third = await stream.read(2, 3)
+    second, third, fourth = await stream.read(2, 3, 4)
     # The release admitted the queued route; with every slot taken, no grant.
-    assert second.HasField("route") and third.HasField("route")
-    assert not second.grants and not third.grants and 0 not in stream.answers
+    assert all(a.HasField("route") and not a.grants for a in (second, third, fourth))
+    assert 0 not in stream.answers and single.inflight("only") == 4
 
     # While anybody waits in the admission queue no grant overtakes them.
     queued = await start_scheduler(route_grants=2)
