@@ -38,10 +38,10 @@ class Waiter:
 
 DispatchHook = Callable[[RoutingRequest, Decision], None]
 
-# Grants only while a worker is at most this loaded (grants included). A grant holds a
-# slot until the gateway's next request takes it; near capacity that slot is one a routed
-# request waits for in the queue (measured: with grants up to the last free slot, 32
-# clients on 32 slots queued behind unused grants, TTFT +40 ms, throughput -15 %).
+# Grants only while a worker is at most this loaded (grants included): they are a
+# low-load fast path, and grants not yet released do not count against the capacity
+# routed requests are admitted to (`WorkerState.has_capacity`), so together they may
+# take the worker past it by at most the grants outstanding.
 GRANT_LOAD_LIMIT = 0.5
 
 
@@ -104,7 +104,7 @@ class Dispatcher:
             decision = Decision(roomy[0], "grant")
         else:
             decision = self.policy.choose(RoutingRequest("", model), roomy)
-        return self.registry.acquire(decision.worker), decision
+        return self.registry.acquire(decision.worker, granted=True), decision
 
     async def acquire(
         self, request: RoutingRequest, exclude: frozenset[str] = frozenset(), *, retry: bool = False

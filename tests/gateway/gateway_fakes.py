@@ -323,8 +323,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def RouteStream(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """The gateway's route stream: each route answered at once, in order; a message
-        without a route gets the grants it asks for (topped up like the real replica's)."""
+        """The gateway's route stream: each route answered at once, in order, with the
+        grants the message asks for (topped up like the real replica's)."""
         sent: dict[str, int] = {}  # model -> grants sent on this stream
         async for message in request_iterator:
             if message.HasField("release"):
@@ -340,7 +340,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     )
                 else:
                     reply.route.CopyFrom(answer)
-            for model, count in message.grants.items() if not message.HasField("route") else ():
+            for model, count in message.grants.items():
                 on_the_way = sent.get(model, 0) - count.received
                 for _ in range(self.grants_per_model - count.held - on_the_way):
                     reply.grants.append(self._grant(model))

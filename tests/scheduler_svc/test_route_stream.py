@@ -157,32 +157,28 @@ def _grants(held: int = 0, received: int = 0, model: str = "m") -> dict[str, sch
 async def test_grants_top_up_counting_those_held_and_on_the_way(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    """A caller that asks for grants on its messages without a route is kept at
-    `route_grants` per model, on messages of their own (call id 0); grants count as
-    leases on their worker and are not sent twice while earlier ones are on their way.
-    A route's answer brings none."""
+    """A caller that asks for grants is kept at `route_grants` per model: grants ride on
+    the route's answer, count as leases on their worker, and are not sent twice while
+    earlier ones are still on their way; a release-only message is topped up on its own."""
     sched = await start_scheduler(route_grants=2)
     await start_worker("w1", sched)
     stream = Stream(sched)
     route = scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3], request_id="a"))
     stream.send(call_id=1, route=route, grants=_grants())
     (a,) = await stream.read(1)
-    assert a.HasField("route") and not a.grants and 0 not in stream.answers
-    stream.send(grants=_grants())
-    (first,) = await stream.read(0)
-    assert len(first.grants) == 2 and {g.model for g in first.grants} == {"m"}
-    granted = [g.lease.lease_id for g in first.grants]
-    assert all(g.lease.worker_id == "w1" and g.lease.request_id == "" for g in first.grants)
-    assert 0 < first.grants[0].use_within_ms < sched.core.config.lease_grace_s * 1000
+    assert len(a.grants) == 2 and {g.model for g in a.grants} == {"m"}
+    granted = [g.lease.lease_id for g in a.grants]
+    assert all(g.lease.worker_id == "w1" and g.lease.request_id == "" for g in a.grants)
+    assert 0 < a.grants[0].use_within_ms < sched.core.config.lease_grace_s * 1000
     assert sched.lease_ids() == {a.route.lease_id, *granted} and sched.inflight("w1") == 3
     # Two grants sent, none received yet: nothing more for this caller.
-    stream.send(grants=_grants(held=0, received=0))
     stream.route(2, [4, 5])
-    await stream.read(2)
-    assert stream.order.count(0) == 1 and sched.inflight("w1") == 4
-    # Received both, used one (held 1), released it with the two routed leases: one more.
-    used = [a.route.lease_id, stream.answers[2].route.lease_id, granted[0]]
-    del stream.answers[0]
+    stream.send(call_id=3, route=route, grants=_grants(held=0, received=0))
+    _, again = await stream.read(2, 3)
+    assert not again.grants and sched.inflight("w1") == 5
+    # Received both, used one (held 1), released it with the two routed leases: one more
+    # grant, on a message of its own (call id 0).
+    used = [a.route.lease_id, stream.answers[2].route.lease_id, again.route.lease_id, granted[0]]
     stream.send(release=scheduler_pb2.ReleaseRequest(lease_ids=used), grants=_grants(held=1, received=2))
     (topped,) = await stream.read(0)
     assert len(topped.grants) == 1 and topped.grants[0].lease.lease_id not in granted
@@ -192,42 +188,45 @@ async def test_grants_top_up_counting_those_held_and_on_the_way(
     await sched.wait_for(lambda: sched.inflight("w1") == 0 and not sched.lease_ids())
 
 
-async def test_no_grants_when_routing_depends_on_the_request_or_load_is_high(
+async def test_no_grants_when_routing_depends_on_the_request_or_room_is_short(
     start_scheduler: Any, start_worker: Any
 ) -> None:
     """Prefix routing between two workers needs the prompt: no grants. With one worker,
     grants only while it is at most half loaded with them; none while a route waits in
-    the queue. A policy that ignores the prompt grants between several workers."""
+    the queue."""
     sched = await start_scheduler(route_grants=2)
-    await start_worker("w1", sched)
-    await start_worker("w2", sched)
+    await start_worker("w1", sched, max_num_seqs=3)
+    await start_worker("w2", sched, max_num_seqs=3)
     stream = Stream(sched)
-    stream.send(grants=_grants())
-    stream.route(1, [1, 2, 3])
-    await stream.read(1)
-    assert 0 not in stream.answers
+    route = scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3]))
+    stream.send(call_id=1, route=route, grants=_grants())
+    (two_workers,) = await stream.read(1)
+    assert two_workers.HasField("route") and not two_workers.grants
 
     single = await start_scheduler(route_grants=2)
     await start_worker("only", single, max_num_seqs=4)
     stream = Stream(single)
-    stream.route(1, [1])
-    await stream.read(1)
-    stream.send(grants=_grants())
-    (first,) = await stream.read(0)
+    stream.send(call_id=1, route=route, grants=_grants())
+    (first,) = await stream.read(1)
     # Four slots: the route takes one, a grant one; a second grant would pass half.
     assert len(first.grants) == 1 and single.inflight("only") == 2
+    # A burst of routes behind it: the unused grant does not make any of them wait (a
+    # routed request is admitted to the capacity grants do not count against) ...
     for call_id in (2, 3, 4):
-        stream.route(call_id, [call_id])
+        stream.send(call_id=call_id, route=route, grants=_grants(held=1, received=1))
+    answers = await stream.read(2, 3, 4)
+    assert all(a.HasField("route") and not a.grants for a in answers)
+    assert single.inflight("only") == 5 and not len(single.core.dispatcher.queue)
+    # ... up to the capacity: a fifth routed request waits for a slot.
+    stream.send(call_id=5, route=route, grants=_grants(held=1, received=1))
     await single.wait_for(lambda: len(single.core.dispatcher.queue) == 1)
-    del stream.answers[0]
-    stream.send(
-        release=scheduler_pb2.ReleaseRequest(lease_ids=[first.grants[0].lease.lease_id]), grants=_grants()
-    )
-    second, third, fourth = await stream.read(2, 3, 4)
-    # The release admitted the queued route; with every slot taken, no grant.
-    stream.route(5, [5])
-    await single.wait_for(lambda: len(single.core.dispatcher.queue) == 1)
-    assert 0 not in stream.answers and single.inflight("only") == 4
+    # Releasing the grant frees no slot a routed request may take; a routed lease does.
+    stream.send(release=scheduler_pb2.ReleaseRequest(lease_ids=[first.grants[0].lease.lease_id]))
+    await single.wait_for(lambda: single.inflight("only") == 4)
+    assert len(single.core.dispatcher.queue) == 1
+    stream.send(release=scheduler_pb2.ReleaseRequest(lease_ids=[answers[0].route.lease_id]), grants=_grants())
+    (fifth,) = await stream.read(5)
+    assert fifth.HasField("route") and 0 not in stream.answers and single.inflight("only") == 4
 
     # While anybody waits in the admission queue no grant overtakes them.
     queued = await start_scheduler(route_grants=2)
@@ -238,17 +237,20 @@ async def test_no_grants_when_routing_depends_on_the_request_or_load_is_high(
     stream.route(2, [2])
     await stream.read(1)
     await queued.wait_for(lambda: len(queued.core.dispatcher.queue) == 1)
-    stream.send(grants=_grants(model="x"))
-    stream.route(3, [3], model="x")
-    await stream.read(3)
-    assert 0 not in stream.answers
+    stream.send(
+        call_id=3,
+        route=scheduler_pb2.RouteRequest(request=generate_request([3], model="x")),
+        grants=_grants(model="x"),
+    )
+    (other,) = await stream.read(3)
+    assert other.HasField("route") and not other.grants and 0 not in stream.answers
 
     round_robin = await start_scheduler(route_grants=1, routing_policy="round_robin")
     await start_worker("r1", round_robin)
     await start_worker("r2", round_robin)
     stream = Stream(round_robin)
-    stream.send(grants=_grants())
-    (rr,) = await stream.read(0)
+    stream.send(call_id=1, route=route, grants=_grants())
+    (rr,) = await stream.read(1)
     assert len(rr.grants) == 1  # the policy ignores the prompt: a grant is as good as a route
 
 
@@ -258,7 +260,8 @@ async def test_no_grants_without_a_lease_grace_period(start_scheduler: Any, star
     sched = await start_scheduler(route_grants=2, lease_grace_s=0)
     await start_worker("w1", sched)
     stream = Stream(sched)
-    stream.send(grants=_grants())
-    stream.route(1, [1, 2])
-    await stream.read(1)
-    assert 0 not in stream.answers
+    stream.send(
+        call_id=1, route=scheduler_pb2.RouteRequest(request=generate_request([1, 2])), grants=_grants()
+    )
+    (answer,) = await stream.read(1)
+    assert answer.HasField("route") and not answer.grants
