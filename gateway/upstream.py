@@ -116,7 +116,6 @@ class Upstream:
         self._workers_refresh: asyncio.Task[None] | None = None
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
         self._release_handle: asyncio.TimerHandle | None = None
-        self._leased = 0  # leases handed out and not released yet
         self._usage: dict[str, scheduler_pb2.LeaseOutcome] = {}  # lease id -> outcome, until released
 
     async def close(self) -> None:
@@ -204,7 +203,6 @@ class Upstream:
             return replica.routes.route(message, self.timeout)
 
         reply, replica = await self._on_replicas(call)
-        self._leased += 1
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
     def _take_grant(self, model: str) -> Lease | None:
@@ -216,7 +214,6 @@ class Upstream:
                 replica.pending_release.extend(expired)
                 self._schedule_release()
             if grant is not None:
-                self._leased += 1
                 return Lease(grant.lease_id, grant.worker_id, grant.worker_address, [], index)
         return None
 
@@ -228,26 +225,15 @@ class Upstream:
         )
 
     def release(self, lease: Lease) -> None:
-        """Hands a lease back to the replica that issued it (in the background), with its
-        outcome when `note_usage` recorded one: batched while other leases are out, at
-        once when this was the last one."""
+        """Hands a lease back to the replica that issued it (batched, in the background),
+        with its outcome when `note_usage` recorded one."""
         replica = self._replicas[lease.replica]
         outcome = self._usage.pop(lease.lease_id, None)
         if outcome is None:
             replica.pending_release.append(lease.lease_id)
         else:
             replica.pending_outcomes.append(outcome)
-        self._leased = max(self._leased - 1, 0)
-        if self._leased:
-            self._schedule_release()
-            return
-        # Nothing else in flight: nothing to batch with. Sent now, the release (and the
-        # grant answering it) cross while the client sends its next request, not 20 ms
-        # later in the middle of that request's prefill, on the same two cores.
-        if self._release_handle is not None:
-            self._release_handle.cancel()
-            self._release_handle = None
-        self._flush_releases()
+        self._schedule_release()
 
     def _schedule_release(self) -> None:
         if self._release_handle is None:

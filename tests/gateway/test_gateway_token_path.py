@@ -29,7 +29,6 @@ from gateway_fakes import (
     wait_for,
 )
 
-from gateway import upstream as upstream_module
 from meshserve.v1 import scheduler_pb2_grpc
 
 CHAT = "/v1/chat/completions"
@@ -437,30 +436,3 @@ def test_grants_past_their_use_by_time_go_back_unused(harness: Harness) -> None:
             assert wait_for(lambda: stale in scheduler.released)
     finally:
         scheduler.grants_per_model, scheduler.grant_use_within_ms = 0, 60_000
-
-
-def test_releases_wait_for_the_batch_only_while_other_leases_are_out(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A lease that ends while another request still runs waits for the release batch;
-    the last lease out goes back at once and takes the waiting ones along (nothing to
-    batch with; its release then crosses the client's next request, not that request's
-    prefill 20 ms later)."""
-    monkeypatch.setattr(upstream_module, "RELEASE_BATCH_S", 30.0)
-    scheduler = harness.scheduler
-    with harness.gateway() as gw, ThreadPoolExecutor(1) as pool:
-        with harness.extra_worker("slow", hold=True) as slow:
-            held = pool.submit(post, gw.url, chat(stream=True))
-            assert wait_for(lambda: bool(slow.worker.requests), timeout=10), "never reached the held worker"
-            scheduler.route_first.remove("slow")
-            status, body = post(gw.url, chat(max_tokens=2))
-            assert status == 200 and isinstance(body, dict), body
-            (lease,) = scheduler.leases_of(body["id"])
-            time.sleep(0.5)
-            assert lease not in scheduler.released, "released while another lease was out"
-            harness.kill_worker(slow)  # the held request goes on elsewhere and ends
-            assert held.result(timeout=30)[0] == 200
-        assert wait_for(lambda: lease in scheduler.released), "the last lease out did not take it along"
-        status, body = post(gw.url, chat(max_tokens=2))
-        assert status == 200 and isinstance(body, dict)
-        assert_released(scheduler, body["id"])  # alone in flight: at once, not after 30 s
