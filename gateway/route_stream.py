@@ -70,6 +70,10 @@ class RouteStream:
         """From now on, messages ask for grants of `model`."""
         self._grants.setdefault(model, deque())
 
+    def held(self, model: str) -> int:
+        """Grants of `model` held now (some may be past their use-by time)."""
+        return len(self._grants.get(model, ()))
+
     def take_grant(self, model: str) -> tuple[scheduler_pb2.RouteResponse | None, list[str]]:
         """A grant of `model` still within its use-by time (or None), and the lease ids
         of grants found past it (the caller releases them)."""

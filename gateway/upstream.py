@@ -205,6 +205,10 @@ class Upstream:
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
+    def grants_held(self, model: str) -> int:
+        """Grants of `model` this gateway holds, from every replica."""
+        return sum(replica.routes.held(model) for replica in self._replicas)
+
     def _take_grant(self, model: str) -> Lease | None:
         """A lease some replica granted for `model` ahead of requests, or None; grants
         found past their use-by time go back with the next releases."""

@@ -400,10 +400,11 @@ def test_requests_on_grants_skip_the_route_and_give_them_back(harness: Harness) 
             before = len(scheduler.granted)
             assert post(gw.url, chat(max_tokens=2))[0] == 200
             routes = len(scheduler.routes)
+            upstream = gw.app.state.upstream
             for i in range(3):
                 # The release of the previous request brought one more grant.
                 assert wait_for(lambda n=before + 2 + i: len(scheduler.granted) >= n)  # type: ignore[misc]
-                time.sleep(0.05)  # the grant on its way to the gateway
+                assert wait_for(lambda: upstream.grants_held(MODEL) >= 1), "no grant reached the gateway"
                 status, body = post(gw.url, chat(max_tokens=2))
                 assert status == 200, body
             assert len(scheduler.routes) == routes, "a request with a grant at hand was routed"
