@@ -187,8 +187,7 @@ class RouteStream:
 
     def _drop_grants(self) -> None:
         """The call ended: its grants go (a new call starts counting again)."""
-        for held in self._grants.values():
-            held.clear()
+        self.surrender_grants()
         self._received.clear()
 
     def _keep_grants(self, grants: Iterable[scheduler_pb2.LeaseGrant]) -> None:

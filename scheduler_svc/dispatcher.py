@@ -95,12 +95,12 @@ class Dispatcher:
         if len(self.queue):
             return None
         routable = self.registry.candidates(model, "decoder")
-        if self.policy.name == "prefix" and len(routable) != 1:
+        if self.policy.reads_prompt and len(routable) != 1:
             return None
         roomy = [w for w in routable if w.estimated_load() + 1 <= GRANT_LOAD_LIMIT * w.capacity]
         if not roomy:
             return None
-        if self.policy.name == "prefix":
+        if self.policy.reads_prompt:  # the only candidate: nothing to choose
             decision = Decision(roomy[0], "grant")
         else:
             decision = self.policy.choose(RoutingRequest("", model), roomy)

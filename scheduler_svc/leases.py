@@ -34,12 +34,15 @@ class ActiveLease:
     # Prompt tokens the policy expected the worker to have cached (compared with the
     # actual figure the caller may report on release).
     predicted_cached_tokens: int = 0
-    # Issued ahead of any request (a route stream's grant): no prediction to compare.
-    granted: bool = False
 
     @property
     def worker_id(self) -> str:
         return self.lease.worker.worker_id
+
+    @property
+    def granted(self) -> bool:
+        """Issued ahead of any request (a route stream's grant): no prediction to compare."""
+        return self.lease.granted
 
 
 class LeaseTable:
@@ -60,14 +63,12 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def issue(
-        self, lease: Lease, request_id: str, predicted_cached_tokens: int = 0, granted: bool = False
-    ) -> ActiveLease:
+    def issue(self, lease: Lease, request_id: str, predicted_cached_tokens: int = 0) -> ActiveLease:
         """Records a new lease and returns it."""
         now = self._clock()
         active = ActiveLease(
             f"{self._prefix}{next(self._counter)}", request_id, lease, now, now + self.ttl_s,
-            predicted_cached_tokens, granted,
+            predicted_cached_tokens,
         )  # fmt: skip
         self._leases[active.lease_id] = active
         return active

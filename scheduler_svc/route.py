@@ -153,7 +153,7 @@ class Router:
         if placed is None:
             return None
         lease, decision = placed
-        active = self.scheduler.leases.issue(lease, "", granted=True)
+        active = self.scheduler.leases.issue(lease, "")
         metrics.GRANTS.inc()
         metrics.LEASES.set(len(self.scheduler.leases))
         return RouteResult("", active, decision, [], 0)
