@@ -228,11 +228,15 @@ class Upstream:
             lease_id=lease.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
         )
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease, reusable: bool = False) -> None:
         """Hands a lease back to the replica that issued it (batched, in the background),
-        with its outcome when `note_usage` recorded one."""
+        with its outcome when `note_usage` recorded one. A `reusable` lease (its request
+        ended on the worker as it should) that was granted is kept for the next request
+        instead, while its grant allows (`RouteStream.return_grant`)."""
         replica = self._replicas[lease.replica]
         outcome = self._usage.pop(lease.lease_id, None)
+        if reusable and replica.routes.return_grant(lease.lease_id):
+            return  # a grant has no prediction for an outcome to be compared with
         if outcome is None:
             replica.pending_release.append(lease.lease_id)
         else:

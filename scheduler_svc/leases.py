@@ -4,9 +4,10 @@ The scheduler no longer sees a request's stream, so it learns that a request end
 one of three ways, whichever comes first:
 
 * the caller releases the lease (`Scheduler.Release`, sent by the gateway at the end);
-* the worker's heartbeat no longer lists the lease among the requests it runs (the
-  gateway died, or its Release was lost) -- only for leases older than a grace period,
-  since a fresh lease's request may not have reached the worker yet;
+* the worker's heartbeats have not listed the lease among the requests it runs for a
+  grace period since it was issued or last listed (the gateway died, or its Release was
+  lost). The grace covers a fresh lease whose request is on its way to the worker, and a
+  granted lease a gateway keeps between the requests it reuses it for;
 * the lease's TTL passes (a worker that never reports leases, or a lost worker).
 
 Domain code: no grpc.
@@ -34,6 +35,8 @@ class ActiveLease:
     # Prompt tokens the policy expected the worker to have cached (compared with the
     # actual figure the caller may report on release).
     predicted_cached_tokens: int = 0
+    # When its worker last reported it running (issued_at until then).
+    seen_at: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -68,7 +71,7 @@ class LeaseTable:
         now = self._clock()
         active = ActiveLease(
             f"{self._prefix}{next(self._counter)}", request_id, lease, now, now + self.ttl_s,
-            predicted_cached_tokens,
+            predicted_cached_tokens, seen_at=now,
         )  # fmt: skip
         self._leases[active.lease_id] = active
         return active
@@ -79,7 +82,7 @@ class LeaseTable:
 
     def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[ActiveLease]:
         """Renews the worker's leases it reports running (their TTL starts again) and ends
-        those older than the grace period that it no longer runs."""
+        those it has not reported for the grace period (since issued or last reported)."""
         running = set(active_ids)
         now = self._clock()
         ended = []
@@ -88,7 +91,8 @@ class LeaseTable:
                 continue
             if lease.lease_id in running:
                 lease.expires_at = now + self.ttl_s
-            elif lease.issued_at <= now - self.grace_s:
+                lease.seen_at = now
+            elif lease.seen_at <= now - self.grace_s:
                 ended.append(lease)
         return self.release(lease.lease_id for lease in ended)
 

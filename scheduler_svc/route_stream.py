@@ -18,7 +18,9 @@ ahead of any request, so the caller places its next requests with no round trip 
 (at low load the route was ~1.4 ms of a first token's latency; at 100 req/s two stream
 messages per request were most of the replica's CPU). The caller says on its messages
 what it holds and what it has received; grants ride on the answer to the message, or
-on a message of their own (call_id 0).
+on a message of their own (call_id 0). The caller may place one request after another
+on a grant for `reuse_for_ms` before releasing it (the lease's worker reports it while a
+request runs; `LeaseTable` keeps it through the gaps for the grace period).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ Send = Callable[[scheduler_pb2.RouteStreamResponse], Awaitable[None]]
 
 @dataclass(frozen=True)
 class GrantPolicy:
-    """How many leases a stream holds ahead of requests per model (0: none), and how long
+    """How many leases a stream holds ahead of requests per model (0: none), how long
     the caller may keep one unused (shorter than the lease grace period, after which a
-    lease its worker does not report ends)."""
+    lease its worker does not report ends), and how long it may reuse one for its next
+    requests (LeaseGrant.reuse_for_ms)."""
 
     per_model: int
     use_within_ms: int
+    reuse_for_ms: int = 0
 
 
 class RouteStreamSession:
@@ -109,6 +113,7 @@ class RouteStreamSession:
                         model=model,
                         lease=route_response(result, self._lease_ttl_ms),
                         use_within_ms=self._grant_policy.use_within_ms,
+                        reuse_for_ms=self._grant_policy.reuse_for_ms,
                     )
                 )
                 self._granted[model] = self._granted.get(model, 0) + 1

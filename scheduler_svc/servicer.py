@@ -82,7 +82,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         # Usable for half the grace period: a grant kept unused longer may already have
         # been ended because its worker does not report it (no grace: no grants).
         use_within_ms = int(scheduler.config.lease_grace_s * 500)
-        self._grants = GrantPolicy(scheduler.config.route_grants if use_within_ms > 0 else 0, use_within_ms)
+        self._grants = GrantPolicy(
+            scheduler.config.route_grants if use_within_ms > 0 else 0,
+            use_within_ms,
+            int(scheduler.config.grant_reuse_s * 1000),
+        )
         self._sessions: set[RouteStreamSession] = set()
         self._draining = False
 

@@ -294,6 +294,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     # whose routing needs the prompt), usable for this long; their lease ids, in order.
     grants_per_model: int = 0
     grant_use_within_ms: int = 60_000
+    grant_reuse_for_ms: int = 0  # LeaseGrant.reuse_for_ms (0: one request per grant)
     granted: list[str] = field(default_factory=list)
     _lease_ids: Iterator[int] = field(default_factory=itertools.count)
 
@@ -362,7 +363,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             worker_address=self.workers[worker_id],
             lease_ttl_ms=60_000,
         )
-        return scheduler_pb2.LeaseGrant(model=model, lease=lease, use_within_ms=self.grant_use_within_ms)
+        return scheduler_pb2.LeaseGrant(
+            model=model,
+            lease=lease,
+            use_within_ms=self.grant_use_within_ms,
+            reuse_for_ms=self.grant_reuse_for_ms,
+        )
 
     def _route(self, request: Any) -> Any:
         """The lease for one RouteRequest, or (status, message, param) when refused."""
@@ -663,7 +669,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     message="worker crashed",
                 )
                 return
-            if aborted.is_set():
+            # WORKER_ABORTS: the worker aborts the request by itself after its first token.
+            if aborted.is_set() or ("WORKER_ABORTS" in prompt and positions[0] >= 1):
                 deltas = [
                     common_pb2.SequenceDelta(index=i, finish_reason=common_pb2.FINISH_REASON_ABORT)
                     for i in range(n)

@@ -389,10 +389,11 @@ def test_stale_model_list_is_refreshed_off_the_request_path(harness: Harness) ->
 
 
 def test_requests_on_grants_skip_the_route_and_give_them_back(harness: Harness) -> None:
-    """A replica that grants leases ahead of requests: the first request routes (the
-    answer brings the grants), the next ones run on grants with no route message, the
-    releases ask for more, and every grant goes back -- used ones when their request
-    ends, unused ones when the gateway stops."""
+    """A replica that grants leases ahead of requests (one request per grant): the first
+    request routes (the answer brings the grants), the next ones run on grants with no
+    route message, the releases ask for no more, the request that finds none routes and
+    asks again, and every grant goes back -- used ones when their request ends, unused
+    ones when the gateway stops."""
     scheduler = harness.scheduler
     scheduler.grants_per_model = 2
     try:
@@ -401,21 +402,97 @@ def test_requests_on_grants_skip_the_route_and_give_them_back(harness: Harness) 
             assert post(gw.url, chat(max_tokens=2))[0] == 200
             routes = len(scheduler.routes)
             upstream = gw.app.state.upstream
-            for i in range(3):
-                # The release of the previous request brought one more grant.
-                assert wait_for(lambda n=before + 2 + i: len(scheduler.granted) >= n)  # type: ignore[misc]
-                assert wait_for(lambda: upstream.grants_held(MODEL) >= 1), "no grant reached the gateway"
+            assert wait_for(lambda: upstream.grants_held(MODEL) == 2), "no grant reached the gateway"
+            for _ in range(2):
                 status, body = post(gw.url, chat(max_tokens=2))
                 assert status == 200, body
             assert len(scheduler.routes) == routes, "a request with a grant at hand was routed"
-            used = [request.lease_id for request in harness.worker.requests[-3:]]
-            assert set(used) <= set(scheduler.granted) and len(set(used)) == 3
+            used = [request.lease_id for request in harness.worker.requests[-2:]]
+            assert set(used) <= set(scheduler.granted) and len(set(used)) == 2
             assert wait_for(lambda: set(used) <= set(scheduler.released))
+            assert len(scheduler.granted) == before + 2, "a release asked for more grants"
+            # Out of grants: the next request routes, and its route asks for more.
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert len(scheduler.routes) == routes + 1
+            assert wait_for(lambda: len(scheduler.granted) == before + 4)
             held = set(scheduler.granted) - set(scheduler.released)
             assert held, "the gateway holds no grant"
         assert wait_for(lambda: held <= set(scheduler.released)), "unused grants kept at shutdown"
     finally:
         scheduler.grants_per_model = 0
+
+
+def test_a_grant_carries_request_after_request_while_its_reuse_lasts(harness: Harness) -> None:
+    """With LeaseGrant.reuse_for_ms, a request on a grant hands the lease back to the
+    gateway, not to the scheduler: the next requests run on the same lease (the one used
+    last), with no route and no release, until the reuse time is over; then it is
+    released and the other grant takes over."""
+    scheduler = harness.scheduler
+    scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 2, 600
+    try:
+        with harness.gateway() as gw:
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            routes, granted = len(scheduler.routes), len(scheduler.granted)
+            upstream = gw.app.state.upstream
+            assert wait_for(lambda: upstream.grants_held(MODEL) == 2), "no grant reached the gateway"
+            for _ in range(3):
+                assert post(gw.url, chat(max_tokens=2))[0] == 200
+            hot = harness.worker.requests[-1].lease_id
+            assert [request.lease_id for request in harness.worker.requests[-3:]] == [hot] * 3
+            assert (len(scheduler.routes), len(scheduler.granted)) == (routes, granted)
+            time.sleep(0.2)  # no release went out for it meanwhile
+            assert hot not in scheduler.released and upstream.grants_held(MODEL) == 2
+            time.sleep(0.5)  # past its reuse time: the request on it now releases it
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert harness.worker.requests[-1].lease_id == hot
+            assert wait_for(lambda: hot in scheduler.released)
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            other = harness.worker.requests[-1].lease_id
+            assert other != hot and other in scheduler.granted
+            assert len(scheduler.routes) == routes
+    finally:
+        scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 0, 0
+
+
+def test_a_grant_whose_request_failed_is_released_not_reused(harness: Harness) -> None:
+    """A request on a grant that the worker refused (draining) or aborted by itself
+    releases the lease: the next request does not run on it again. One the gateway
+    stopped (a stop string matched) hands it back for the next request."""
+    scheduler = harness.scheduler
+    scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 3, 60_000
+    try:
+        with harness.gateway() as gw:
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            upstream = gw.app.state.upstream
+            assert wait_for(lambda: upstream.grants_held(MODEL) == 3), "no grant reached the gateway"
+            assert post(gw.url, chat(max_tokens=60, stop=["quick"]))[0] == 200
+            hot = harness.worker.requests[-1].lease_id
+            # The gateway stopped it on the worker (the worker's run ends ABORT).
+            assert harness.worker.requests[-1].request_id in harness.worker.aborted
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert harness.worker.requests[-1].lease_id == hot, "a stopped request's grant was not reused"
+            # The worker aborts the next one by itself: its lease goes back to the
+            # scheduler (the request's next attempt avoids that worker: it routes).
+            assert post(gw.url, chat("WORKER_ABORTS", max_tokens=30, stream=True))[0] == 200
+            aborted = next(
+                r.lease_id
+                for r in harness.worker.requests
+                if "WORKER_ABORTS" in decode(list(r.prompt_token_ids))
+            )
+            assert aborted == hot
+            assert wait_for(lambda: hot in scheduler.released)
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            second = harness.worker.requests[-1].lease_id
+            assert second != hot
+            # Refused by a draining worker: released too.
+            harness.worker.draining = True
+            try:
+                assert post(gw.url, chat(max_tokens=2))[0] == 503
+            finally:
+                harness.worker.draining = False
+            assert wait_for(lambda: second in scheduler.released)
+    finally:
+        scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 0, 0
 
 
 def test_grants_past_their_use_by_time_go_back_unused(harness: Harness) -> None:

@@ -160,7 +160,7 @@ async def test_grants_top_up_counting_those_held_and_on_the_way(
     """A caller that asks for grants is kept at `route_grants` per model: grants ride on
     the route's answer, count as leases on their worker, and are not sent twice while
     earlier ones are still on their way; a release-only message is topped up on its own."""
-    sched = await start_scheduler(route_grants=2)
+    sched = await start_scheduler(route_grants=2, grant_reuse_s=7.5)
     await start_worker("w1", sched)
     stream = Stream(sched)
     route = scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3], request_id="a"))
@@ -170,6 +170,7 @@ async def test_grants_top_up_counting_those_held_and_on_the_way(
     granted = [g.lease.lease_id for g in a.grants]
     assert all(g.lease.worker_id == "w1" and g.lease.request_id == "" for g in a.grants)
     assert 0 < a.grants[0].use_within_ms < sched.core.config.lease_grace_s * 1000
+    assert a.grants[0].reuse_for_ms == 7500  # the gateway may reuse each for 7.5 s
     assert sched.lease_ids() == {a.route.lease_id, *granted} and sched.inflight("w1") == 3
     # Two grants sent, none received yet: nothing more for this caller.
     stream.route(2, [4, 5])
