@@ -87,10 +87,9 @@ class RouteStream:
         self._grants.setdefault(model, deque())
 
     def held(self, model: str) -> int:
-        """Grants of `model` held now, unused (some may be past their use-by time) or on
-        a running request."""
-        in_use = sum(grant.model == model for grant in self._in_use.values())
-        return len(self._grants.get(model, ())) + in_use
+        """Grants of `model` held unused now (some may be past their use-by time); those
+        on running requests do not count: the requests in flight need theirs."""
+        return len(self._grants.get(model, ()))
 
     def take_grant(self, model: str) -> tuple[scheduler_pb2.RouteResponse | None, list[str]]:
         """The grant of `model` used last, if still within its use-by time (or None), and

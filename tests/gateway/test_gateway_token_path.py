@@ -454,6 +454,28 @@ def test_a_grant_carries_request_after_request_while_its_reuse_lasts(harness: Ha
         scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 0, 0
 
 
+def test_grants_on_running_requests_do_not_hold_back_more(harness: Harness) -> None:
+    """The grants a gateway reports as held are its unused ones: with every grant on a
+    running request, the next request routes and its route is topped up, so concurrent
+    requests are not held to `route_grants` grants between them."""
+    scheduler = harness.scheduler
+    scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 2, 60_000
+    try:
+        with harness.gateway() as gw, ThreadPoolExecutor(2) as pool:
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            upstream = gw.app.state.upstream
+            assert wait_for(lambda: upstream.grants_held(MODEL) == 2), "no grant reached the gateway"
+            granted, routes = len(scheduler.granted), len(scheduler.routes)
+            running = [pool.submit(post, gw.url, chat("SLOW", max_tokens=10)) for _ in range(2)]
+            assert wait_for(lambda: upstream.grants_held(MODEL) == 0), "the slow requests took no grant"
+            assert post(gw.url, chat(max_tokens=2))[0] == 200
+            assert len(scheduler.routes) == routes + 1
+            assert wait_for(lambda: len(scheduler.granted) == granted + 2), "the route was not topped up"
+            assert all(future.result(10)[0] == 200 for future in running)
+    finally:
+        scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 0, 0
+
+
 def test_a_grant_whose_request_failed_is_released_not_reused(harness: Harness) -> None:
     """A request on a grant that the worker refused (draining) or aborted by itself
     releases the lease: the next request does not run on it again. One the gateway
