@@ -4,9 +4,9 @@ The engine calls `KvEventPublisher.publish(events)` from its engine thread once 
 `publish` only updates an in-memory mirror of the worker's block set and queues the
 events; a background thread writes them, so an engine step never waits on Redis.
 
-The writer gathers events for `flush_interval_s` (20 ms by default) after the first one
-of a batch and writes them in one transaction, adjacent events of one kind as one stream
-entry. Why: one transaction per engine step cost the worker a Redis round trip of Python
+The writer gathers events for `flush_interval_s` (by default the worker's
+`kv_events_flush_ms`, 20 ms) after the first one of a batch and writes them in one
+transaction, adjacent events of one kind as one stream entry. Why: one transaction per engine step cost the worker a Redis round trip of Python
 work (interpreter lock included) right after the step that produced a request's first
 token, i.e. while that token was on its way to the gateway, and cost the scheduler one
 stream entry to parse per step. The scheduler reads the stream at most every 100 ms and
@@ -44,6 +44,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.kv_contract import STREAM_KEY, index_key, seq_key
+from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class KvEventPublisher:
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
         max_pending: int = 10_000,
         retry_interval_s: float = 1.0,
-        flush_interval_s: float = 0.02,
+        flush_interval_s: float = WorkerConfig.kv_events_flush_ms / 1000,
         autostart: bool = True,
     ) -> None:
         if not worker_id:
