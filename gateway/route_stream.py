@@ -105,12 +105,17 @@ class RouteStream:
         self._in_use[grant.lease.lease_id] = grant
         return grant.lease, expired
 
-    def return_grant(self, lease_id: str) -> bool:
-        """Takes back a grant whose request ended on its worker, for the next request;
-        False when it is not to be reused (not a grant of this call, or past its
-        reuse_for_ms): the caller releases it."""
+    def in_use(self, model: str) -> int:
+        """Grants of `model` placed on requests that have not ended yet."""
+        return sum(grant.model == model for grant in self._in_use.values())
+
+    def return_grant(self, lease_id: str, reusable: bool) -> bool:
+        """The request on `lease_id` ended: a `reusable` grant (the request ended on its
+        worker as it should) is taken back for the next request. False when the lease is
+        not kept (not a grant of this call, not reusable, or past its reuse_for_ms): the
+        caller releases it."""
         grant = self._in_use.pop(lease_id, None)
-        if grant is None:
+        if grant is None or not reusable:
             return False
         now = time.monotonic()
         if now >= grant.reuse_until:

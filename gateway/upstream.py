@@ -206,8 +206,12 @@ class Upstream:
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
     def grants_held(self, model: str) -> int:
-        """Grants of `model` this gateway holds, from every replica."""
+        """Grants of `model` this gateway holds unused, from every replica."""
         return sum(replica.routes.held(model) for replica in self._replicas)
+
+    def grants_in_use(self, model: str) -> int:
+        """Grants of `model` this gateway placed on requests that have not ended yet."""
+        return sum(replica.routes.in_use(model) for replica in self._replicas)
 
     def _take_grant(self, model: str) -> Lease | None:
         """A lease some replica granted for `model` ahead of requests, or None; grants
@@ -235,7 +239,7 @@ class Upstream:
         instead, while its grant allows (`RouteStream.return_grant`)."""
         replica = self._replicas[lease.replica]
         outcome = self._usage.pop(lease.lease_id, None)
-        if reusable and replica.routes.return_grant(lease.lease_id):
+        if replica.routes.return_grant(lease.lease_id, reusable):
             return  # a grant has no prediction for an outcome to be compared with
         if outcome is None:
             replica.pending_release.append(lease.lease_id)

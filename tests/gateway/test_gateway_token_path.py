@@ -513,6 +513,8 @@ def test_a_grant_whose_request_failed_is_released_not_reused(harness: Harness) -
             finally:
                 harness.worker.draining = False
             assert wait_for(lambda: second in scheduler.released)
+            # No request runs: the gateway tracks no grant as placed on one.
+            assert upstream.grants_in_use(MODEL) == 0
     finally:
         scheduler.grants_per_model, scheduler.grant_reuse_for_ms = 0, 0
 
