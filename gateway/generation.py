@@ -51,6 +51,8 @@ _FINISH_NAMES: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
+# A sequence the worker ended this way did not finish: the request failed there.
+_FAILED_REASONS = (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR)
 
 
 @dataclass(frozen=True)
@@ -244,15 +246,14 @@ class GenerationRun:
         if response.finished:
             # The worker is done with the request; one that aborted it by itself or failed
             # it (draining, an engine error) gets no next request on the same lease.
-            failed = (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR)
-            clean = all(d.finish_reason not in failed for d in response.deltas)
+            clean = all(d.finish_reason not in _FAILED_REASONS for d in response.deltas)
             self._upstream_ended(reusable=clean or self._stopping)
 
     def _on_delta(self, choice: _Choice, delta: common_pb2.SequenceDelta) -> None:
         if choice.ended:
             return
         reason = delta.finish_reason
-        if reason in (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR):
+        if reason in _FAILED_REASONS:
             # This run's own aborts drop the request's sink first: an abort that arrives
             # came from the worker (shutting down), so the request may go on elsewhere.
             retry = "reroute" if reason == common_pb2.FINISH_REASON_ABORT else ""

@@ -6,7 +6,8 @@ events; a background thread writes them, so an engine step never waits on Redis.
 
 The writer gathers events for `flush_interval_s` (by default the worker's
 `kv_events_flush_ms`, 20 ms) after the first one of a batch and writes them in one
-transaction, adjacent events of one kind as one stream entry. Why: one transaction per engine step cost the worker a Redis round trip of Python
+transaction, adjacent events of one kind as one stream entry. Why: one transaction per
+engine step cost the worker a Redis round trip of Python
 work (interpreter lock included) right after the step that produced a request's first
 token, i.e. while that token was on its way to the gateway, and cost the scheduler one
 stream entry to parse per step. The scheduler reads the stream at most every 100 ms and
