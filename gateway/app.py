@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import chat, completions
 from gateway.config import GatewayConfig
+from gateway.direct_routes import DirectRoute
 from gateway.errors import (
     APIError,
     api_error_handler,
@@ -111,7 +112,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unhandled_error_handler)
-    app.add_middleware(GatewayMiddleware, config=config, state=state)
+    direct = {path: DirectRoute.of(endpoint, response) for path, endpoint, response, _ in _GENERATION_ROUTES}
+    app.add_middleware(GatewayMiddleware, config=config, state=state, direct=direct)
     _add_generation_routes(app)
     _add_model_routes(app)
     _add_tokenizer_routes(app)
@@ -134,23 +136,24 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+# The generation endpoints: path, endpoint, response model, summary. The gateway
+# middleware serves their well-formed requests itself (gateway.direct_routes).
+_GENERATION_ROUTES: tuple[tuple[str, Any, Any, str], ...] = (
+    ("/v1/chat/completions", chat.create_chat_completion, ChatCompletionResponse, "Create a chat completion"),
+    ("/v1/completions", completions.create_completion, CompletionResponse, "Create a completion"),
+)
+
+
 def _add_generation_routes(app: FastAPI) -> None:
-    app.add_api_route(
-        "/v1/chat/completions",
-        chat.create_chat_completion,
-        methods=["POST"],
-        response_model=ChatCompletionResponse,
-        responses={200: _SSE, **_GENERATION_ERRORS},
-        summary="Create a chat completion",
-    )
-    app.add_api_route(
-        "/v1/completions",
-        completions.create_completion,
-        methods=["POST"],
-        response_model=CompletionResponse,
-        responses={200: _SSE, **_GENERATION_ERRORS},
-        summary="Create a completion",
-    )
+    for path, endpoint, response_model, summary in _GENERATION_ROUTES:
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=response_model,
+            responses={200: _SSE, **_GENERATION_ERRORS},
+            summary=summary,
+        )
     app.add_api_route(
         "/v1/embeddings",
         create_embeddings,

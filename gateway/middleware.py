@@ -1,5 +1,6 @@
 """Pure-ASGI middleware in front of every route: request metrics, drain (503),
-API keys (401), per-key rate limit (429) and the request body size limit (413).
+API keys (401), per-key rate limit (429) and the request body size limit (413). It
+hands well-formed generation requests to their endpoints itself (gateway.direct_routes).
 
 It stores the caller's tenant (`key-<sha256 prefix>` or "anonymous") and the arrival
 time in `scope["state"]`, where handlers read them as `request.state.tenant` and
@@ -12,12 +13,14 @@ import asyncio
 import hashlib
 import hmac
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.config import GatewayConfig
+from gateway.direct_routes import DirectRoute
 from gateway.errors import APIError
 from gateway.ratelimit import RateLimiter
 
@@ -105,8 +108,17 @@ def _header(scope: Scope, name: bytes) -> str | None:
 class GatewayMiddleware:
     """See the module docstring."""
 
-    def __init__(self, app: ASGIApp, config: GatewayConfig, state: GatewayState) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: GatewayConfig,
+        state: GatewayState,
+        direct: Mapping[str, DirectRoute] | None = None,
+    ) -> None:
+        """`direct`: POST routes served past FastAPI when the request is well-formed
+        (gateway.direct_routes), by path."""
         self.app = app
+        self.direct = dict(direct or {})
         self.config = config
         self.state = state
         self.limiter = RateLimiter(config.rate_limit_rps_per_key, config.rate_limit_burst)
@@ -152,10 +164,15 @@ class GatewayMiddleware:
             await error.response()(scope, receive, send)
             return
         if scope.get("method") in _BODY_METHODS:
-            buffered = await self._read_body(scope, receive, send)
-            if buffered is None:
+            body = await self._read_body(scope, receive, send)
+            if body is None:
                 return
-            receive = buffered
+            receive = _replay(body, receive)
+            route = self.direct.get(path) if scope["method"] == "POST" else None
+            parsed = route.parse(scope, body) if route is not None else None
+            if route is not None and parsed is not None:
+                await route.serve(parsed, scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     def _admit(self, scope: Scope, path: str) -> APIError | None:
@@ -202,8 +219,8 @@ class GatewayMiddleware:
                 found = tenant
         return found
 
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
-        """Buffers the body up to the limit; answers 413 (and returns None) beyond it."""
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The body, up to the limit; answers 413 (and returns None) beyond it."""
         limit = self.config.max_request_bytes
         length = _header(scope, b"content-length")
         too_large = length is not None and length.isdigit() and int(length) > limit
@@ -224,7 +241,7 @@ class GatewayMiddleware:
         if too_large:
             await _too_large(limit)(scope, receive, send)
             return None
-        return _replay(b"".join(chunks), receive)
+        return b"".join(chunks)
 
 
 async def _discard_body(receive: Receive, limit: int) -> None:

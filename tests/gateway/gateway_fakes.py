@@ -881,8 +881,14 @@ class Harness:
         """Starts `create_app(config)` under uvicorn on an ephemeral port."""
         return self.run(self._start_gateway(config))
 
+    def start_app(self, app: Any) -> RunningGateway:
+        """Serves an already built gateway app (see start_gateway)."""
+        return self.run(self._serve(app))
+
     async def _start_gateway(self, config: GatewayConfig) -> RunningGateway:
-        app = create_app(config)
+        return await self._serve(create_app(config))
+
+    async def _serve(self, app: Any) -> RunningGateway:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -1,0 +1,92 @@
+"""The generation endpoints served straight from the gateway middleware, past
+FastAPI's router, dependency solving and response wrapping.
+
+Why: at concurrency 1 those layers cost 0.2-0.35 ms of a streamed request's time to
+first token on a 2-core host (hop trace, bench/README "Session 11"), and every chunk
+of every stream went through three more `send` wrappers. Only well-formed requests are
+taken here: POST with a JSON content type and a body that parses to an object and
+validates against the endpoint's request model, exactly the requests for which FastAPI
+would call the endpoint. Anything else (a malformed body, a wrong content type) goes on
+to the FastAPI app, whose error answer stays the reference. FastAPI still declares the
+routes (OpenAPI schema, 405 for other methods).
+
+The endpoint gets what FastAPI would give it (the validated model, a Request on the
+same scope) and its result is answered the same way: a Response as is, a model
+serialized as FastAPI does (`by_alias`, every field, JSON bytes from pydantic), an
+APIError as its JSON error. Other exceptions propagate to Starlette's
+ServerErrorMiddleware, as they do from FastAPI's routes.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import APIError
+
+Endpoint = Callable[[Any, Request], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class DirectRoute:
+    """One endpoint: `endpoint(body, request)`, its request model and its response model."""
+
+    endpoint: Endpoint
+    request_model: type[pydantic.BaseModel]
+    response_adapter: pydantic.TypeAdapter[Any]
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, response_model: Any) -> DirectRoute:
+        """The route of `endpoint`, whose `body` parameter is annotated with its request model."""
+        request_model = typing.get_type_hints(endpoint)["body"]
+        return cls(endpoint, request_model, pydantic.TypeAdapter(response_model))
+
+    def parse(self, scope: Scope, body: bytes) -> pydantic.BaseModel | None:
+        """The validated request, or None when FastAPI should answer it (an error)."""
+        if not _is_json(_content_type(scope)):
+            return None
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):  # bad JSON or UTF-8; nesting too deep
+            return None
+        if not isinstance(data, dict):
+            return None
+        try:
+            return self.request_model.model_validate(data)
+        except pydantic.ValidationError:
+            return None
+
+    async def serve(self, parsed: pydantic.BaseModel, scope: Scope, receive: Receive, send: Send) -> None:
+        """Runs the endpoint and sends its answer."""
+        request = Request(scope, receive, send)
+        try:
+            result = await self.endpoint(parsed, request)
+        except APIError as exc:
+            result = exc.response()
+        if not isinstance(result, Response):
+            result = Response(
+                self.response_adapter.dump_json(result, by_alias=True), media_type="application/json"
+            )
+        await result(scope, receive, send)
+
+
+def _content_type(scope: Scope) -> str:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-type":
+            return bytes(value).decode("latin-1")
+    return ""
+
+
+def _is_json(content_type: str) -> bool:
+    """FastAPI's rule: application/json or application/*+json (no content type: not JSON)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    maintype, _, subtype = media.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
