@@ -20,7 +20,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 _VOLATILE = ("id", "created")
 
 
-def _start(harness: Harness, *, direct: bool = True, fastapi_paths: tuple[str, ...] | None = None) -> RunningGateway:
+def _start(
+    harness: Harness, *, direct: bool = True, fastapi_paths: tuple[str, ...] | None = None
+) -> RunningGateway:
     """A gateway; `direct=False` serves every request through FastAPI, `fastapi_paths`
     keeps only those generation routes in FastAPI's router."""
     from gateway.app import create_app
@@ -42,7 +44,10 @@ def _start(harness: Harness, *, direct: bool = True, fastapi_paths: tuple[str, .
 def both(harness: Harness) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     """HTTP clients of a gateway with the direct routes and of one without."""
     direct, via_fastapi = _start(harness), _start(harness, direct=False)
-    with httpx.Client(base_url=direct.url, timeout=20) as a, httpx.Client(base_url=via_fastapi.url, timeout=20) as b:
+    with (
+        httpx.Client(base_url=direct.url, timeout=20) as a,
+        httpx.Client(base_url=via_fastapi.url, timeout=20) as b,
+    ):
         yield a, b
     harness.stop_gateway(direct)
     harness.stop_gateway(via_fastapi)
@@ -72,11 +77,20 @@ def _answer(client: httpx.Client, path: str, content: bytes, headers: dict[str, 
 JSON = {"content-type": "application/json"}
 _REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "hello", "max_tokens": 5}),
-    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4, "n": 2, "echo": True, "logprobs": 2}),
+    (
+        COMPLETIONS,
+        {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4, "n": 2, "echo": True, "logprobs": 2},
+    ),
     (COMPLETIONS, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True}),
     (
         COMPLETIONS,
-        {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        {
+            "model": MODEL,
+            "prompt": "x",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     ),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}),
@@ -87,7 +101,9 @@ _REQUESTS = [
 
 
 @pytest.mark.parametrize(("path", "body"), _REQUESTS)
-def test_direct_and_fastapi_answer_alike(both: tuple[httpx.Client, httpx.Client], path: str, body: Any) -> None:
+def test_direct_and_fastapi_answer_alike(
+    both: tuple[httpx.Client, httpx.Client], path: str, body: Any
+) -> None:
     direct, via_fastapi = both
     content = json.dumps(body).encode()
     assert _answer(direct, path, content, JSON) == _answer(via_fastapi, path, content, JSON)
