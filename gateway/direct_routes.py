@@ -49,9 +49,18 @@ class DirectRoute:
         request_model = typing.get_type_hints(endpoint)["body"]
         return cls(endpoint, request_model, pydantic.TypeAdapter(response_model))
 
-    def parse(self, scope: Scope, body: bytes) -> pydantic.BaseModel | None:
-        """The validated request, or None when FastAPI should answer it (an error)."""
-        if not _is_json(_content_type(scope)):
+    async def serve(self, content_type: str, body: bytes, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answers a well-formed request and returns True; False (nothing sent) when
+        FastAPI should answer it (an error)."""
+        parsed = self._parse(content_type, body)
+        if parsed is None:
+            return False
+        await self._run(parsed, scope, receive, send)
+        return True
+
+    def _parse(self, content_type: str, body: bytes) -> pydantic.BaseModel | None:
+        """The validated request, or None when it is not well-formed."""
+        if not _is_json(content_type):
             return None
         try:
             data = json.loads(body)
@@ -64,7 +73,7 @@ class DirectRoute:
         except pydantic.ValidationError:
             return None
 
-    async def serve(self, parsed: pydantic.BaseModel, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _run(self, parsed: pydantic.BaseModel, scope: Scope, receive: Receive, send: Send) -> None:
         """Runs the endpoint and sends its answer."""
         request = Request(scope, receive, send)
         try:
@@ -76,13 +85,6 @@ class DirectRoute:
                 self.response_adapter.dump_json(result, by_alias=True), media_type="application/json"
             )
         await result(scope, receive, send)
-
-
-def _content_type(scope: Scope) -> str:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == b"content-type":
-            return bytes(value).decode("latin-1")
-    return ""
 
 
 def _is_json(content_type: str) -> bool:

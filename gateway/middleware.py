@@ -169,10 +169,10 @@ class GatewayMiddleware:
                 return
             receive = _replay(body, receive)
             route = self.direct.get(path) if scope["method"] == "POST" else None
-            parsed = route.parse(scope, body) if route is not None else None
-            if route is not None and parsed is not None:
-                await route.serve(parsed, scope, receive, send)
-                return
+            if route is not None:
+                content_type = _header(scope, b"content-type") or ""
+                if await route.serve(content_type, body, scope, receive, send):
+                    return
         await self.app(scope, receive, send)
 
     def _admit(self, scope: Scope, path: str) -> APIError | None:
