@@ -20,6 +20,7 @@ import asyncio
 import json
 import multiprocessing
 import shlex
+import socket
 import statistics
 import struct
 import sys
@@ -100,6 +101,8 @@ async def _tcp_client(port: int, messages: int, gap_s: float) -> list[float]:
             break
         except OSError:
             await asyncio.sleep(0.05)
+    else:
+        raise ConnectionError(f"no TCP server on port {port} after 5 s")
     rtts = []
     for _ in range(messages):
         start = time.perf_counter()
@@ -118,8 +121,6 @@ def _serve(transport: str, port: int) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
