@@ -13,6 +13,8 @@ import pytest
 from gateway_fakes import MODEL, Harness, RunningGateway
 from starlette.routing import Route
 
+from gateway.app import create_app
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -25,8 +27,6 @@ def _start(
 ) -> RunningGateway:
     """A gateway; `direct=False` serves every request through FastAPI, `fastapi_paths`
     keeps only those generation routes in FastAPI's router."""
-    from gateway.app import create_app
-
     app = create_app(harness.config())
     if not direct:
         middleware = next(m for m in app.user_middleware if "direct" in m.kwargs)
