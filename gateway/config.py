@@ -44,6 +44,9 @@ class GatewayConfig:
     # How long /v1/models (and the model check of every request) reuses ListWorkers.
     models_cache_s: float = 1.0
     max_grpc_message_bytes: int = 64 * 1024 * 1024
+    # Token path over the workers' TCP token streams where they offer one (false:
+    # Worker.GenerateStream calls only; the messages are the same).
+    worker_token_stream: bool = True
     # Routing again after a worker failed before the first token (excluding it).
     max_retries: int = 2
     # Mid-stream migrations per request: a worker lost after tokens were streamed is

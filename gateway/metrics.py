@@ -74,6 +74,13 @@ MIGRATIONS = Counter(
     "error, max_migrations reached)",
     ["outcome"],
 )
+WORKER_STREAMS = Counter(
+    "meshserve_gateway_worker_streams_opened_total",
+    "Streams opened to workers (one per worker, again after a break), by transport: tcp (the "
+    "worker's token stream) or grpc (Worker.GenerateStream: the worker offers no token stream, "
+    "or worker_token_stream is off)",
+    ["transport"],
+)
 
 
 class GenerationTimer:

@@ -151,8 +151,10 @@ async def feed_stream(request_iterator: AsyncIterator[Any], session: StreamInput
         session.input_done()
 
 
-# Clients ping idle connections this often (and servers accept it, `server_options`).
+# Clients ping idle connections this often (and servers accept it, `server_options`);
+# a ping not answered within PING_TIMEOUT_MS ends the connection (a hung peer).
 KEEPALIVE_TIME_MS = 10_000
+PING_TIMEOUT_MS = 5_000
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
@@ -163,10 +165,10 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
         # gRPC core times pings out after this (default 60 s, whatever keepalive_timeout
         # says): measured, a SIGSTOPped peer's stream failed 61 s after the stop, 6 s with this.
-        ("grpc.http2.ping_timeout_ms", 5_000),
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
         # Keep pinging while only the peer sends: a client that reads a long stream sends
         # no data, and the default (2 pings, then none until it does) let a hung
         # (SIGSTOPped) worker hold its streams forever.

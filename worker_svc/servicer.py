@@ -11,13 +11,14 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound, error_from_status
+from services.errors import InvalidArgument, NotFound, Unavailable, error_from_status
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
+from worker_svc.token_stream import TokenStreamServer
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,26 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self.fetcher = fetcher
         self._draining = draining
         self._sessions: set[StreamSession] = set()
+        # The token path on a plain TCP port (set by the worker process; None: not offered).
+        self.token_stream: TokenStreamServer | None = None
 
-    def _session(self, draining: Callable[[], bool]) -> StreamSession:
+    def open_session(self, draining: Callable[[], bool] | None = None) -> StreamSession:
+        """A new session on the engine (a `GenerateStream` call, a token stream
+        connection or one `Generate` call); `draining` defaults to the worker's."""
         fetch = functools.partial(_fetch_mm, self.fetcher) if self.fetcher is not None else None
         session = StreamSession(
-            self.engine, self.identity.worker_id, self.identity.model, self.stream_interval, fetch, draining
+            self.engine,
+            self.identity.worker_id,
+            self.identity.model,
+            self.stream_interval,
+            fetch,
+            self._draining if draining is None else draining,
         )
         self._sessions.add(session)
         return session
 
-    def _end(self, session: StreamSession) -> None:
+    def end_session(self, session: StreamSession) -> None:
+        """The session's call or connection ended: its requests still running are aborted."""
         session.close()
         self._sessions.discard(session)
 
@@ -84,14 +95,25 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         """The token path (see worker.proto): requests in, one message per engine step out
         (written with `context.write`: no generator layers between a step and the wire)."""
-        session = self._session(self._draining)
+        session = self.open_session()
         reader = asyncio.create_task(feed_stream(request_iterator, session, "GenerateStream"))
         try:
             async for message in session.responses():
                 await context.write(message)
         finally:
             reader.cancel()
-            self._end(session)
+            self.end_session(session)
+
+    @rpc_handler
+    async def OpenTokenStream(
+        self, request: worker_pb2.OpenTokenStreamRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenStreamEndpoint:
+        """Where this worker's TCP token stream listens and the ticket its hello must carry."""
+        if self._draining():
+            raise Unavailable(f"worker {self.identity.worker_id} is draining")
+        if self.token_stream is None:
+            return worker_pb2.TokenStreamEndpoint()
+        return worker_pb2.TokenStreamEndpoint(port=self.token_stream.port, ticket=self.token_stream.ticket)
 
     def on_drain(self) -> None:
         """The worker started draining: streams end once their requests have finished."""
@@ -108,7 +130,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """Streams one GenerateResponse per engine step that produced tokens; the last
         one carries usage and `finished`. Cancelling the call aborts the request."""
-        session = self._session(lambda: False)
+        session = self.open_session(lambda: False)
         try:
             session.add(request)
             session.input_done()
@@ -118,7 +140,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
                 for output in message.outputs:
                     yield output
         finally:
-            self._end(session)
+            self.end_session(session)
 
     @rpc_handler
     async def Abort(

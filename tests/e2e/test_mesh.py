@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from openai.types import Completion
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from scheduler_svc.config import SchedulerConfig
@@ -137,6 +138,22 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(
     assert choice.logprobs is not None and choice.logprobs.tokens is not None
     assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in expected]
     assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_token_path_runs_on_the_workers_tcp_token_stream(
+    mesh: Mesh, client: openai.OpenAI, model_name: str
+) -> None:
+    """The gateway's streams to the decoders are their TCP token streams, not the gRPC
+    GenerateStream fallback."""
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=2)
+    text = httpx.get(mesh.gateway_url + "/metrics", timeout=30).text
+    opened = {
+        sample.labels["transport"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "meshserve_gateway_worker_streams_opened_total"
+    }
+    assert opened.get("tcp", 0) >= 1 and opened.get("grpc", 0) == 0, opened
 
 
 def test_completion_and_prefix_cache_reuse(client: openai.OpenAI, model_name: str) -> None:

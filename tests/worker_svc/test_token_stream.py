@@ -1,0 +1,223 @@
+"""The token path on the worker's TCP port (`Worker.OpenTokenStream`): framed
+GenerateStream messages over a real loopback connection to a real worker process and
+engine. Same output as `Generate`, batched per engine step; a connection needs the
+ticket; pings are answered; a closed connection, a bad frame or a drain end what they
+should, and the KV blocks come back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.worker_svc.test_generate_stream import MAX_TOKENS, PROMPTS, _abort, _add, _kv_idle, _unary_tokens
+from worker_svc.config import WorkerConfig
+from worker_svc.main import WorkerProcess
+
+_HEADER = struct.Struct("<I")
+
+
+class TcpClient:
+    """One token stream connection: frames out, every message in."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.messages: list[worker_pb2.GenerateStreamResponse] = []
+        self.pongs: list[int] = []
+        self.eof = False
+
+    @classmethod
+    async def connect(cls, stub: worker_pb2_grpc.WorkerStub, ticket: bytes | None = None) -> TcpClient:
+        endpoint = await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest(), timeout=10)
+        assert endpoint.port > 0 and len(endpoint.ticket) >= 16
+        client = cls(*await asyncio.open_connection("127.0.0.1", endpoint.port))
+        hello = worker_pb2.TokenStreamHello(ticket=endpoint.ticket if ticket is None else ticket)
+        client.send(worker_pb2.GenerateStreamRequest(hello=hello))
+        return client
+
+    def send(self, *messages: worker_pb2.GenerateStreamRequest) -> None:
+        for message in messages:
+            self.send_raw(message.SerializeToString())
+
+    def send_raw(self, payload: bytes) -> None:
+        self.writer.write(_HEADER.pack(len(payload)) + payload)
+
+    async def read_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Reads messages until `done()` or the worker closes the connection."""
+        async with asyncio.timeout(timeout):
+            while not done():
+                try:
+                    (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
+                    frame = await self.reader.readexactly(size)
+                except (asyncio.IncompleteReadError, ConnectionResetError):
+                    self.eof = True
+                    return
+                message = worker_pb2.GenerateStreamResponse.FromString(frame)
+                if message.HasField("pong"):
+                    self.pongs.append(message.pong)
+                else:
+                    self.messages.append(message)
+
+    def outputs(self, request_id: str) -> list[common_pb2.GenerateResponse]:
+        return [o for m in self.messages for o in m.outputs if o.request_id == request_id]
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs(request_id) for d in o.deltas for t in d.token_ids]
+
+    def finished(self, *request_ids: str) -> bool:
+        return all(any(o.finished for o in self.outputs(r)) for r in request_ids)
+
+    def errors(self) -> dict[str, worker_pb2.RequestError]:
+        return {e.request_id: e for m in self.messages for e in m.errors}
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def _worker(
+    model_dir: Path, **config: object
+) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
+    worker = WorkerProcess(
+        WorkerConfig(
+            port=0, model_dir=str(model_dir), worker_id="ts", kv_cache_memory_mb=8, max_num_seqs=8, **config
+        )  # type: ignore[arg-type]
+    )
+    await worker.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
+            yield worker, worker_pb2_grpc.WorkerStub(channel)
+    finally:
+        await worker.server.server.stop(0)
+        await worker.close()
+
+
+def _run(
+    body: Callable[[WorkerProcess, worker_pb2_grpc.WorkerStub], Awaitable[None]], model_dir: Path
+) -> None:
+    async def main() -> None:
+        async with _worker(model_dir) as (worker, stub):
+            await body(worker, stub)
+
+    asyncio.run(main())
+
+
+def test_token_stream_output_equals_generate_and_is_batched(tiny_model_dir: Path) -> None:
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        expected = [await _unary_tokens(stub, p) for p in PROMPTS]
+        client = await TcpClient.connect(stub)
+        ids = [f"r{i}" for i in range(len(PROMPTS))]
+        client.send(*(_add(rid, p, lease_id=f"lease-{rid}") for rid, p in zip(ids, PROMPTS, strict=True)))
+        await client.read_until(lambda: bool(client.messages))
+        assert worker.decoder is not None
+        assert sorted(worker.decoder.active_lease_ids()) == [f"lease-{r}" for r in ids]
+        await client.read_until(lambda: client.finished(*ids))
+        for rid, tokens in zip(ids, expected, strict=True):
+            assert client.tokens(rid) == tokens  # greedy: the same as over gRPC
+            assert client.outputs(rid)[-1].usage.completion_tokens == MAX_TOKENS
+            assert client.outputs(rid)[0].worker_id == "ts"
+        assert max(len(m.outputs) for m in client.messages) >= 2  # one message per step
+        client.send(worker_pb2.GenerateStreamRequest(ping=41), worker_pb2.GenerateStreamRequest(ping=42))
+        await client.read_until(lambda: len(client.pongs) == 2)
+        assert client.pongs == [41, 42]
+        await client.close()
+        assert not client.eof
+
+    _run(body, tiny_model_dir)
+
+
+def test_connection_without_the_ticket_is_closed_and_runs_nothing(tiny_model_dir: Path) -> None:
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        wrong = await TcpClient.connect(stub, ticket=b"0" * 16)
+        wrong.send(_add("sneaky", PROMPTS[0], max_tokens=200))
+        await wrong.read_until(lambda: False, timeout=10)
+        assert wrong.eof and not wrong.messages
+        # No hello at all: an add first is refused the same way.
+        endpoint = await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest())
+        bare = TcpClient(*await asyncio.open_connection("127.0.0.1", endpoint.port))
+        bare.send(_add("sneaky2", PROMPTS[0], max_tokens=200))
+        await bare.read_until(lambda: False, timeout=10)
+        assert bare.eof and not bare.messages
+        load = await stub.GetLoad(worker_pb2.GetLoadRequest())
+        assert load.num_finished == 0 and load.num_running == 0 and load.num_waiting == 0
+
+    _run(body, tiny_model_dir)
+
+
+@pytest.mark.parametrize("how", ["close", "garbage", "oversized"])
+def test_connection_end_aborts_its_requests(tiny_model_dir: Path, how: str) -> None:
+    """The client closes, or sends an undecodable or oversized frame: the worker drops
+    the connection and aborts its requests (every KV block free again)."""
+
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        client = await TcpClient.connect(stub)
+        client.send(_add("a", PROMPTS[0], max_tokens=400), _add("b", PROMPTS[2], max_tokens=400))
+        await client.read_until(lambda: len(client.tokens("a")) >= 2)
+        if how == "close":
+            await client.close()
+        else:
+            if how == "garbage":
+                client.send_raw(b"\xff\xff\xff\xff not a message")
+            else:
+                client.writer.write(_HEADER.pack(65 * 1024 * 1024))  # over max_message_bytes
+            await client.read_until(lambda: False, timeout=20)
+            assert client.eof
+        load = await _kv_idle(stub, timeout=20)
+        assert load.num_running == 0
+        assert len(client.tokens("a")) < 400
+
+    _run(body, tiny_model_dir)
+
+
+def test_abort_and_bad_request_on_the_token_stream(tiny_model_dir: Path) -> None:
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        client = await TcpClient.connect(stub)
+        client.send(_add("long", PROMPTS[0], max_tokens=1500), _add("bad", []), _add("ok", PROMPTS[1]))
+        await client.read_until(lambda: "bad" in client.errors() and len(client.tokens("long")) >= 3)
+        assert client.errors()["bad"].param == "prompt"
+        client.send(_abort("long"))
+        await client.read_until(lambda: client.finished("long", "ok"))
+        assert client.outputs("long")[-1].deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert len(client.tokens("ok")) == MAX_TOKENS
+        await _kv_idle(stub)
+        await client.close()
+
+    _run(body, tiny_model_dir)
+
+
+def test_draining_worker_finishes_then_closes_and_refuses_new_streams(tiny_model_dir: Path) -> None:
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        client = await TcpClient.connect(stub)
+        client.send(_add("before", PROMPTS[0], max_tokens=40))
+        await client.read_until(lambda: bool(client.tokens("before")))
+        worker.server.draining = True
+        assert worker.decoder is not None and worker.decoder.token_stream is not None
+        worker.decoder.token_stream.stop_accepting()
+        worker.decoder.on_drain()
+        client.send(_add("after", PROMPTS[1]))
+        await client.read_until(lambda: False)  # the worker closes the connection once idle
+        assert client.eof
+        assert client.errors()["after"].code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert len(client.tokens("before")) == 40
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    _run(body, tiny_model_dir)
+
+
+def test_token_stream_off_offers_no_port(tiny_model_dir: Path) -> None:
+    async def main() -> None:
+        async with _worker(tiny_model_dir, token_stream=False) as (_, stub):
+            endpoint = await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest())
+            assert endpoint.port == 0 and not endpoint.ticket
+
+    asyncio.run(main())
