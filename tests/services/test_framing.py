@@ -37,30 +37,39 @@ def test_an_oversized_frame_ends_the_connection() -> None:
 
 def test_frames_over_a_real_connection_and_the_peer_closing() -> None:
     async def main() -> None:
+        got: list[bytes] = []
+        lost: list[str] = []
+        three, closed = asyncio.Event(), asyncio.Event()
+
+        def on_frame(frame: bytes) -> None:
+            got.append(frame)
+            if len(got) == 3:
+                three.set()
+
+        def on_lost(reason: str) -> None:
+            lost.append(reason)
+            closed.set()
+
         served: list[FrameConnection] = []
-        got, lost = _collector()[1:]
 
         def accept() -> FrameConnection:
-            conn = FrameConnection(got.append, lost.append, 1 << 20)
-            served.append(conn)
-            return conn
+            served.append(FrameConnection(on_frame, on_lost, 1 << 20))
+            return served[-1]
 
         server = await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client, _, client_lost = _collector(1 << 20)
+        client = _collector(1 << 20)[0]
         await asyncio.get_running_loop().create_connection(lambda: client, "127.0.0.1", port)
         big = bytes(range(256)) * 1024  # 256 KiB: many reads on the other side
         for payload in (b"a", big, b"z"):
             client.write(payload)
         await client.drain()
         async with asyncio.timeout(10):
-            while len(got) < 3:
-                await asyncio.sleep(0.01)
+            await three.wait()
         assert got == [b"a", big, b"z"]
         client.close("done")
         async with asyncio.timeout(10):
-            while not lost:
-                await asyncio.sleep(0.01)
+            await closed.wait()
         assert lost == ["the peer closed the connection"] and served[0].closed
         server.close()
 

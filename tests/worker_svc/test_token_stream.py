@@ -172,7 +172,7 @@ def test_connection_end_aborts_its_requests(tiny_model_dir: Path, how: str) -> N
             assert client.eof
         load = await _kv_idle(stub, timeout=20)
         assert load.num_running == 0
-        assert len(client.tokens("a")) < 400
+        assert worker.engine is not None and worker.engine.stats().num_aborted == 2  # not run to the end
 
     _run(body, tiny_model_dir)
 
