@@ -7,7 +7,9 @@ A connection must open with a `hello` carrying this worker's ticket (handed out 
 `OpenTokenStream` RPC, i.e. only to a client that can call the worker's gRPC services);
 anything else, an undecodable frame or one over the size limit closes it. `ping`s are
 answered at once from the event loop. A connection that ends aborts its requests (their
-KV blocks are freed), as a cancelled `GenerateStream` does.
+KV blocks are freed), as a cancelled `GenerateStream` does; so does one that has sent
+nothing for SILENCE_LIMIT_S (the client pings at least every KEEPALIVE_TIME_MS: a
+silent one is hung, its requests would run for nobody).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from google.protobuf.message import DecodeError
 
 from meshserve.v1 import worker_pb2
 from services.framing import FrameConnection
-from services.rpc import INFLIGHT
+from services.rpc import INFLIGHT, KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
 from worker_svc.stream_session import StreamSession
 
 log = logging.getLogger(__name__)
+
+# A client that pings every KEEPALIVE_TIME_MS and has sent nothing for this long is hung.
+SILENCE_LIMIT_S = (KEEPALIVE_TIME_MS + PING_TIMEOUT_MS) / 1000
 
 
 class _Peer:
@@ -37,8 +42,10 @@ class _Peer:
         self.conn = FrameConnection(self._on_frame, self._on_lost, owner.max_frame_bytes)
         self._session: StreamSession | None = None
         self._writer: asyncio.Task[None] | None = None
+        self.last_frame = asyncio.get_running_loop().time()
 
     def _on_frame(self, frame: bytes) -> None:
+        self.last_frame = asyncio.get_running_loop().time()
         try:
             message = worker_pb2.GenerateStreamRequest.FromString(frame)
         except DecodeError:
@@ -98,13 +105,24 @@ class TokenStreamServer:
         self.peers: set[_Peer] = set()
         self._ssl = ssl_context
         self._server: asyncio.Server | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listens on `host`:`port` (0: any free port); returns the bound port."""
         self._server = await asyncio.get_running_loop().create_server(self._accept, host, port, ssl=self._ssl)
         self.port = int(self._server.sockets[0].getsockname()[1])
+        self._watch()
         log.info("token stream listening on %s:%d%s", host, self.port, " (TLS)" if self._ssl else "")
         return self.port
+
+    def _watch(self) -> None:
+        """Every few seconds: closes the connections of clients silent for too long."""
+        loop = asyncio.get_running_loop()
+        for peer in list(self.peers):
+            if loop.time() - peer.last_frame > SILENCE_LIMIT_S:
+                log.warning("token stream: client silent for %.0f s (hung?); closing", SILENCE_LIMIT_S)
+                peer.conn.abort(f"the client sent nothing for {SILENCE_LIMIT_S:g} s")
+        self._watchdog = loop.call_later(min(SILENCE_LIMIT_S / 3, 5.0), self._watch)
 
     def _accept(self) -> FrameConnection:
         peer = _Peer(self)
@@ -119,6 +137,8 @@ class TokenStreamServer:
     async def close(self) -> None:
         """Closes the listener and every connection (their requests are aborted)."""
         self.stop_accepting()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for peer in list(self.peers):
             peer.conn.abort("the worker stopped")
         self.peers.clear()

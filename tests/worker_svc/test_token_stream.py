@@ -17,6 +17,7 @@ import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.test_generate_stream import MAX_TOKENS, PROMPTS, _abort, _add, _kv_idle, _unary_tokens
+from worker_svc import token_stream
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -221,3 +222,29 @@ def test_token_stream_off_offers_no_port(tiny_model_dir: Path) -> None:
             assert endpoint.port == 0 and not endpoint.ticket
 
     asyncio.run(main())
+
+
+def test_a_silent_client_is_dropped_and_a_pinging_one_is_not(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends nothing (not even pings) for SILENCE_LIMIT_S is hung: the
+    worker closes its connection and aborts its requests; pings keep a connection open."""
+    monkeypatch.setattr(token_stream, "SILENCE_LIMIT_S", 0.6)
+
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        assert worker.engine is not None
+        pinging, silent = await TcpClient.connect(stub), await TcpClient.connect(stub)
+        pinging.send(_add("kept", PROMPTS[1], max_tokens=1500))
+        silent.send(_add("dropped", PROMPTS[0], max_tokens=1500))
+        await silent.read_until(lambda: bool(silent.tokens("dropped")))
+        for i in range(12):  # 1.2 s: twice the limit
+            pinging.send(worker_pb2.GenerateStreamRequest(ping=i))
+            await asyncio.sleep(0.1)
+        await silent.read_until(lambda: False, timeout=10)
+        assert silent.eof
+        await pinging.read_until(lambda: len(pinging.pongs) == 12, timeout=10)
+        assert not pinging.eof and pinging.tokens("kept")
+        assert worker.engine.stats().num_aborted == 1  # "dropped" only
+        await pinging.close()
+
+    _run(body, tiny_model_dir)
