@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,10 +13,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.worker_streams import WorkerStreams
+from meshserve.v1 import common_pb2, worker_pb2
 from services import tls
 from services.config import ServerConfig
 from services.rpc import check_health
 from services.server import GrpcServer
+from worker_svc.config import WorkerConfig
+from worker_svc.main import WorkerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -124,3 +130,72 @@ async def test_mutual_tls_between_services(certs: Path, client_env: None) -> Non
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
     finally:
         await server.server.stop(0)
+
+
+async def test_token_stream_uses_mutual_tls(certs: Path, client_env: None, tiny_model_dir: Path) -> None:
+    """A TLS worker's TCP token stream is TLS too, with the same certificates: the
+    gateway's stream (client certificate from the env) gets output; a plaintext client
+    and one without a client certificate get no further than the handshake."""
+    worker = WorkerProcess(
+        WorkerConfig(
+            port=0,
+            model_dir=str(tiny_model_dir),
+            worker_id="tls",
+            kv_cache_memory_mb=8,
+            tls_cert=str(certs / "server.pem"),
+            tls_key=str(certs / "server.key"),
+            tls_ca=str(certs / "ca.pem"),
+        )
+    )
+    await worker.start()
+    streams = WorkerStreams(1 << 20)
+    try:
+        assert worker.decoder is not None and worker.decoder.token_stream is not None
+        token_port = worker.decoder.token_stream.port
+        stream = streams.get("tls", f"127.0.0.1:{worker.server.port}")
+        sink = _Sink()
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        await stream.add(
+            common_pb2.GenerateRequest(request_id="t", prompt_token_ids=[5, 6, 7], sampling=sampling), sink
+        )
+        async with asyncio.timeout(60):
+            await sink.done.wait()
+        assert len(sink.tokens) == 5 and not sink.lost
+        assert len(worker.decoder.token_stream.peers) == 1  # over the token stream, not gRPC
+        # Plaintext: the server expects a TLS ClientHello and drops the connection.
+        reader, writer = await asyncio.open_connection("127.0.0.1", token_port)
+        writer.write(b"\x00\x00\x00\x02hi")
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""
+        writer.close()
+        # TLS without a client certificate: the handshake (or the first read) fails.
+        anonymous = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+            async with asyncio.timeout(10):
+                reader, writer = await asyncio.open_connection("127.0.0.1", token_port, ssl=anonymous)
+                writer.write(b"\x00\x00\x00\x02hi")
+                await reader.readexactly(1)
+    finally:
+        await streams.close()
+        await worker.server.server.stop(0)
+        await worker.close()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.lost = ""
+        self.done = asyncio.Event()
+
+    def on_output(self, response: common_pb2.GenerateResponse) -> None:
+        self.tokens += [t for d in response.deltas for t in d.token_ids]
+        if response.finished:
+            self.done.set()
+
+    def on_error(self, error: worker_pb2.RequestError) -> None:
+        self.lost = error.message
+        self.done.set()
+
+    def on_stream_lost(self, reason: str) -> None:
+        self.lost = reason
+        self.done.set()
