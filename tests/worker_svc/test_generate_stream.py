@@ -170,6 +170,7 @@ def test_client_going_away_aborts_its_requests(tiny_model_dir: Path) -> None:
         client.call.cancel()
         load = await _kv_idle(stub)
         assert load.num_running == 0
+        assert worker.engine is not None and worker.engine.stats().num_aborted == 2  # not run to the end
 
     run(body, tiny_model_dir)
 
