@@ -37,10 +37,12 @@ def _abort(request_id: str) -> worker_pb2.GenerateStreamRequest:
 
 
 @contextlib.asynccontextmanager
-async def running_worker(model_dir: Path) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
-    worker = WorkerProcess(
-        WorkerConfig(port=0, model_dir=str(model_dir), worker_id="ws", kv_cache_memory_mb=8, max_num_seqs=8)
-    )
+async def running_worker(
+    model_dir: Path, **config: object
+) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
+    """A worker process in this process (`config` adds WorkerConfig fields) and a stub."""
+    settings: dict[str, object] = {"worker_id": "ws", "kv_cache_memory_mb": 8, "max_num_seqs": 8} | config
+    worker = WorkerProcess(WorkerConfig(port=0, model_dir=str(model_dir), **settings))  # type: ignore[arg-type]
     await worker.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
@@ -50,12 +52,31 @@ async def running_worker(model_dir: Path) -> AsyncIterator[tuple[WorkerProcess, 
         await worker.close()
 
 
-class Client:
+class StreamMessages:
+    """The messages a token path client received, by request."""
+
+    def __init__(self) -> None:
+        self.messages: list[worker_pb2.GenerateStreamResponse] = []
+
+    def outputs(self, request_id: str) -> list[common_pb2.GenerateResponse]:
+        return [o for m in self.messages for o in m.outputs if o.request_id == request_id]
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs(request_id) for d in o.deltas for t in d.token_ids]
+
+    def finished(self, *request_ids: str) -> bool:
+        return all(any(o.finished for o in self.outputs(r)) for r in request_ids)
+
+    def errors(self) -> dict[str, worker_pb2.RequestError]:
+        return {e.request_id: e for m in self.messages for e in m.errors}
+
+
+class Client(StreamMessages):
     """One GenerateStream call: send messages, collect every response."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        super().__init__()
         self.outgoing: asyncio.Queue[worker_pb2.GenerateStreamRequest | None] = asyncio.Queue()
-        self.messages: list[worker_pb2.GenerateStreamResponse] = []
         self.call = stub.GenerateStream(self._requests())
 
     async def _requests(self) -> AsyncIterator[worker_pb2.GenerateStreamRequest]:
@@ -73,18 +94,6 @@ class Client:
                 if message is grpc.aio.EOF:
                     return
                 self.messages.append(message)
-
-    def outputs(self, request_id: str) -> list[common_pb2.GenerateResponse]:
-        return [o for m in self.messages for o in m.outputs if o.request_id == request_id]
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs(request_id) for d in o.deltas for t in d.token_ids]
-
-    def finished(self, *request_ids: str) -> bool:
-        return all(any(o.finished for o in self.outputs(r)) for r in request_ids)
-
-    def errors(self) -> dict[str, worker_pb2.RequestError]:
-        return {e.request_id: e for m in self.messages for e in m.errors}
 
 
 async def _unary_tokens(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> list[int]:

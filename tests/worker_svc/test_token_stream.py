@@ -9,27 +9,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker_svc.test_generate_stream import MAX_TOKENS, PROMPTS, _abort, _add, _kv_idle, _unary_tokens
+from tests.worker_svc.test_generate_stream import (
+    MAX_TOKENS,
+    PROMPTS,
+    StreamMessages,
+    _abort,
+    _add,
+    _kv_idle,
+    _unary_tokens,
+    run,
+    running_worker,
+)
 from worker_svc import token_stream
-from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
 _HEADER = struct.Struct("<I")
 
 
-class TcpClient:
+class TcpClient(StreamMessages):
     """One token stream connection: frames out, every message in."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super().__init__()
         self.reader, self.writer = reader, writer
-        self.messages: list[worker_pb2.GenerateStreamResponse] = []
         self.pongs: list[int] = []
         self.eof = False
 
@@ -65,50 +74,10 @@ class TcpClient:
                 else:
                     self.messages.append(message)
 
-    def outputs(self, request_id: str) -> list[common_pb2.GenerateResponse]:
-        return [o for m in self.messages for o in m.outputs if o.request_id == request_id]
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs(request_id) for d in o.deltas for t in d.token_ids]
-
-    def finished(self, *request_ids: str) -> bool:
-        return all(any(o.finished for o in self.outputs(r)) for r in request_ids)
-
-    def errors(self) -> dict[str, worker_pb2.RequestError]:
-        return {e.request_id: e for m in self.messages for e in m.errors}
-
     async def close(self) -> None:
         self.writer.close()
         with contextlib.suppress(ConnectionError):
             await self.writer.wait_closed()
-
-
-@contextlib.asynccontextmanager
-async def _worker(
-    model_dir: Path, **config: object
-) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
-    worker = WorkerProcess(
-        WorkerConfig(
-            port=0, model_dir=str(model_dir), worker_id="ts", kv_cache_memory_mb=8, max_num_seqs=8, **config
-        )  # type: ignore[arg-type]
-    )
-    await worker.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
-            yield worker, worker_pb2_grpc.WorkerStub(channel)
-    finally:
-        await worker.server.server.stop(0)
-        await worker.close()
-
-
-def _run(
-    body: Callable[[WorkerProcess, worker_pb2_grpc.WorkerStub], Awaitable[None]], model_dir: Path
-) -> None:
-    async def main() -> None:
-        async with _worker(model_dir) as (worker, stub):
-            await body(worker, stub)
-
-    asyncio.run(main())
 
 
 def test_token_stream_output_equals_generate_and_is_batched(tiny_model_dir: Path) -> None:
@@ -124,7 +93,7 @@ def test_token_stream_output_equals_generate_and_is_batched(tiny_model_dir: Path
         for rid, tokens in zip(ids, expected, strict=True):
             assert client.tokens(rid) == tokens  # greedy: the same as over gRPC
             assert client.outputs(rid)[-1].usage.completion_tokens == MAX_TOKENS
-            assert client.outputs(rid)[0].worker_id == "ts"
+            assert client.outputs(rid)[0].worker_id == "ws"
         assert max(len(m.outputs) for m in client.messages) >= 2  # one message per step
         client.send(worker_pb2.GenerateStreamRequest(ping=41), worker_pb2.GenerateStreamRequest(ping=42))
         await client.read_until(lambda: len(client.pongs) == 2)
@@ -132,7 +101,7 @@ def test_token_stream_output_equals_generate_and_is_batched(tiny_model_dir: Path
         await client.close()
         assert not client.eof
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
 
 
 def test_connection_without_the_ticket_is_closed_and_runs_nothing(tiny_model_dir: Path) -> None:
@@ -150,7 +119,7 @@ def test_connection_without_the_ticket_is_closed_and_runs_nothing(tiny_model_dir
         load = await stub.GetLoad(worker_pb2.GetLoadRequest())
         assert load.num_finished == 0 and load.num_running == 0 and load.num_waiting == 0
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
 
 
 @pytest.mark.parametrize("how", ["close", "garbage", "oversized"])
@@ -175,7 +144,7 @@ def test_connection_end_aborts_its_requests(tiny_model_dir: Path, how: str) -> N
         assert load.num_running == 0
         assert worker.engine is not None and worker.engine.stats().num_aborted == 2  # not run to the end
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
 
 
 def test_abort_and_bad_request_on_the_token_stream(tiny_model_dir: Path) -> None:
@@ -191,7 +160,7 @@ def test_abort_and_bad_request_on_the_token_stream(tiny_model_dir: Path) -> None
         await _kv_idle(stub)
         await client.close()
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
 
 
 def test_draining_worker_finishes_then_closes_and_refuses_new_streams(tiny_model_dir: Path) -> None:
@@ -212,12 +181,12 @@ def test_draining_worker_finishes_then_closes_and_refuses_new_streams(tiny_model
             await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest())
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
 
 
 def test_token_stream_off_offers_no_port(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with _worker(tiny_model_dir, token_stream=False) as (_, stub):
+        async with running_worker(tiny_model_dir, token_stream=False) as (_, stub):
             endpoint = await stub.OpenTokenStream(worker_pb2.OpenTokenStreamRequest())
             assert endpoint.port == 0 and not endpoint.ticket
 
@@ -247,4 +216,4 @@ def test_a_silent_client_is_dropped_and_a_pinging_one_is_not(
         assert worker.engine.stats().num_aborted == 1  # "dropped" only
         await pinging.close()
 
-    _run(body, tiny_model_dir)
+    run(body, tiny_model_dir)
