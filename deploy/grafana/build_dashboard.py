@@ -259,6 +259,11 @@ def build() -> dict[str, Any]:
                 "expr": f"sum by (outcome) (rate(meshserve_gateway_migrations_total{{{NS}}}[{RATE}]))",
                 "legendFormat": "mid-stream migration {{outcome}}",
             },
+            {
+                # Streams (re)opened to workers: bursts mean broken streams; grpc = fallback.
+                "expr": f"sum by (transport) (rate(meshserve_gateway_worker_streams_opened_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "worker stream opened ({{transport}})",
+            },
         ],
         unit="reqps",
     )
