@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from gateway import metrics
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tls
-from services.framing import FrameConnection, client_ssl_context
+from services.framing import FrameConnection
 from services.rpc import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS, open_channel
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class _TcpLink:
     ) -> _TcpLink:
         """Connects, says hello with the endpoint's ticket and sends the first ping."""
         link = cls(dispatch, busy, max_message_bytes)
-        context = client_ssl_context(tls.client_files())
+        context = tls.client_ssl_context(tls.client_files())
         connecting = link._loop.create_connection(
             lambda: link.conn, host, endpoint.port, ssl=context, server_hostname=host if context else None
         )

@@ -13,15 +13,9 @@ per send in C-core; a frame read here is parsed in the event loop's own `data_re
 from __future__ import annotations
 
 import asyncio
-import logging
-import ssl
 import struct
 from collections.abc import Callable
 from typing import cast
-
-from services import tls
-
-log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<I")
 
@@ -116,27 +110,3 @@ class FrameConnection(asyncio.Protocol):
         self.closed = True
         if self._transport is not None:
             self._transport.abort()
-
-
-def server_ssl_context(files: tls.TlsFiles) -> ssl.SSLContext | None:
-    """The TLS context of a token stream server, from the same files as its gRPC server
-    (None = plaintext); with a CA, clients must present a certificate it signed."""
-    if not files.cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(files.cert, files.key)
-    if files.ca:
-        context.load_verify_locations(files.ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-def client_ssl_context(files: tls.TlsFiles) -> ssl.SSLContext | None:
-    """The TLS context of a token stream client, as its gRPC channels' (None = plaintext):
-    the server is verified against the CA; the client's certificate goes with it."""
-    if not files.ca:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=files.ca)
-    if files.cert:
-        context.load_cert_chain(files.cert, files.key)
-    return context

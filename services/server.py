@@ -34,7 +34,7 @@ from services.config import ServerConfig
 from services.decode_guard import DecodeGuard
 from services.gc_tuning import settle_heap
 from services.rpc import INFLIGHT, server_options
-from services.tls import TlsFiles, server_credentials
+from services.tls import server_credentials, server_files
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ class GrpcServer:
         tracing.setup_tracing(self.name, self.config.tracing, self.config.otlp_endpoint)
         reflection.enable_server_reflection(self._service_names, self.server)
         address = f"{self.config.host}:{self.config.port}"
-        files = TlsFiles(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
-        credentials = server_credentials(files)
+        credentials = server_credentials(server_files(self.config))
         if credentials is None:
             self.port = self.server.add_insecure_port(address)
         else:

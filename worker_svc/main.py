@@ -15,10 +15,9 @@ import torch
 from meshserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
 from services.encoder_cache_client import EncoderCacheClient
-from services.framing import server_ssl_context
 from services.log import setup_logging
 from services.server import GrpcServer
-from services.tls import TlsFiles
+from services.tls import server_files, server_ssl_context
 from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import EmbeddingModel
@@ -106,9 +105,9 @@ async def _start_decoder(
 
 async def _start_token_stream(config: WorkerConfig, servicer: DecoderServicer) -> TokenStreamServer:
     """The token path on a plain TCP port, TLS like the gRPC server."""
-    files = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
+    context = server_ssl_context(server_files(config))
     token_stream = TokenStreamServer(
-        servicer.open_session, servicer.end_session, config.max_message_bytes, server_ssl_context(files)
+        servicer.open_session, servicer.end_session, config.max_message_bytes, context
     )
     await token_stream.start(config.host, config.token_port)
     return token_stream
