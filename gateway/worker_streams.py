@@ -89,7 +89,7 @@ class _GrpcLink:
             async for message in self._call:
                 self._dispatch(message)
         except grpc.aio.AioRpcError as exc:
-            return f"{exc.code().name}: {exc.details() or 'connection lost'}"
+            return _rpc_failure(exc)
         return "the worker ended the stream"
 
     def close(self) -> None:
@@ -182,6 +182,11 @@ class _TcpLink:
             self._ended.set_result(reason)
 
 
+def _rpc_failure(exc: grpc.aio.AioRpcError) -> str:
+    """Why a stream failed, from the gRPC error that ended or prevented it."""
+    return f"{exc.code().name}: {exc.details() or 'connection lost'}"
+
+
 def _host(address: str) -> str:
     """The host of `host:port` (brackets of an IPv6 literal removed)."""
     return address.rsplit(":", 1)[0].strip("[]")
@@ -233,9 +238,6 @@ class WorkerStream:
     def num_requests(self) -> int:
         return len(self._sinks)
 
-    def _has_requests(self) -> bool:
-        return bool(self._sinks)
-
     async def _write(self, message: worker_pb2.GenerateStreamRequest) -> None:
         # A broken stream is the reader's to report (on_stream_lost to every sink).
         if self._link is None:
@@ -255,7 +257,7 @@ class WorkerStream:
                     raise
             else:
                 if endpoint.port:
-                    host, busy = _host(self.address), self._has_requests
+                    host, busy = _host(self.address), lambda: self.num_requests > 0
                     return await _TcpLink.connect(host, endpoint, self._dispatch, busy, max_message_bytes)
         return _GrpcLink(stub, self._dispatch)
 
@@ -267,7 +269,7 @@ class WorkerStream:
             self._opened.set()
             reason = await self._link.run()
         except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details() or 'connection lost'}"
+            reason = _rpc_failure(exc)
         except (OSError, TimeoutError) as exc:
             reason = f"UNAVAILABLE: cannot connect the token stream: {exc!r}"
         except asyncio.CancelledError:
