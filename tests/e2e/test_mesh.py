@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 from openai.types import Completion
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from scheduler_svc.config import SchedulerConfig
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
+from tests.reliability.meshkit import metric_value
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import default_embedding_model_dir
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
@@ -146,14 +146,9 @@ def test_the_token_path_runs_on_the_workers_tcp_token_stream(
     """The gateway's streams to the decoders are their TCP token streams, not the gRPC
     GenerateStream fallback."""
     client.completions.create(model=model_name, prompt="Hello", max_tokens=2)
-    text = httpx.get(mesh.gateway_url + "/metrics", timeout=30).text
-    opened = {
-        sample.labels["transport"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "meshserve_gateway_worker_streams_opened_total"
-    }
-    assert opened.get("tcp", 0) >= 1 and opened.get("grpc", 0) == 0, opened
+    port, name = int(mesh.gateway_url.rsplit(":", 1)[1]), "meshserve_gateway_worker_streams_opened_total"
+    opened = {transport: metric_value(port, name, transport=transport) for transport in ("tcp", "grpc")}
+    assert opened["tcp"] >= 1 and opened["grpc"] == 0, opened
 
 
 def test_completion_and_prefix_cache_reuse(client: openai.OpenAI, model_name: str) -> None:
