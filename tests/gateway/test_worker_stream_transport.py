@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,9 @@ from gateway import worker_streams
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.test_generate_stream import PROMPTS, _add, _unary_tokens
+from tests.worker_svc.test_token_stream import _HEADER
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
-
-_HEADER = struct.Struct("<I")
 
 
 class Sink:

@@ -14,11 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.worker_streams import WorkerStreams
-from meshserve.v1 import common_pb2, worker_pb2
+from meshserve.v1 import common_pb2
 from services import tls
 from services.config import ServerConfig
 from services.rpc import check_health
 from services.server import GrpcServer
+from tests.gateway.test_worker_stream_transport import Sink
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -153,13 +154,13 @@ async def test_token_stream_uses_mutual_tls(certs: Path, client_env: None, tiny_
         assert worker.decoder is not None and worker.decoder.token_stream is not None
         token_port = worker.decoder.token_stream.port
         stream = streams.get("tls", f"127.0.0.1:{worker.server.port}")
-        sink = _Sink()
+        sink = Sink()
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         await stream.add(
             common_pb2.GenerateRequest(request_id="t", prompt_token_ids=[5, 6, 7], sampling=sampling), sink
         )
         async with asyncio.timeout(60):
-            await sink.done.wait()
+            await sink.ended.wait()
         assert len(sink.tokens) == 5 and not sink.lost
         assert len(worker.decoder.token_stream.peers) == 1  # over the token stream, not gRPC
         # Plaintext: the server expects a TLS ClientHello and drops the connection.
@@ -179,23 +180,3 @@ async def test_token_stream_uses_mutual_tls(certs: Path, client_env: None, tiny_
         await streams.close()
         await worker.server.server.stop(0)
         await worker.close()
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.lost = ""
-        self.done = asyncio.Event()
-
-    def on_output(self, response: common_pb2.GenerateResponse) -> None:
-        self.tokens += [t for d in response.deltas for t in d.token_ids]
-        if response.finished:
-            self.done.set()
-
-    def on_error(self, error: worker_pb2.RequestError) -> None:
-        self.lost = error.message
-        self.done.set()
-
-    def on_stream_lost(self, reason: str) -> None:
-        self.lost = reason
-        self.done.set()
