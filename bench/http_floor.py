@@ -26,18 +26,17 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import shlex
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import uvicorn
 import uvloop
+
+from bench.report import save
 
 _WARMUP = 20
 _EVENT = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
@@ -177,12 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.repeats < 1 or args.requests < 1:
         raise SystemExit("--repeats and --requests must be >= 1")
-    report: dict[str, Any] = {
-        "command": "python -m bench.http_floor " + shlex.join(sys.argv[1:] if argv is None else argv)
-    }
-    report.update(run(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report = save("bench.http_floor", argv, run(args), args.out)
     for row in report["summary"]:
         print(
             f"gap {row['gap_ms']:g} ms: raw server {row['raw_ttft_ms_median']:.3f} ms, "

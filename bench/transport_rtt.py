@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
-import shlex
 import socket
 import statistics
 import struct
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
 import uvloop
 
+from bench.report import save
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 _WARMUP = 20
@@ -176,12 +173,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     args = parse_args(argv)
-    report: dict[str, Any] = {
-        "command": "python -m bench.transport_rtt " + shlex.join(sys.argv[1:] if argv is None else argv)
-    }
-    report.update(run(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report = save("bench.transport_rtt", argv, run(args), args.out)
     for row in report["summary"]:
         print(
             f"gap {row['gap_ms']:g} ms: gRPC {row['grpc_rtt_ms_median']:.3f} ms, "
