@@ -29,9 +29,7 @@ import asyncio
 import contextlib
 import json
 import os
-import shlex
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -50,6 +48,7 @@ from bench.engine_bench import (
     run_generate_workload,
 )
 from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
+from bench.report import save
 from services.launcher import Mesh
 from worker_svc.engine import AsyncLLMEngine, EngineConfig
 
@@ -271,13 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    report = {
-        "command": "python -m bench.mesh_overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
-    }
-    report.update(run(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report = save("bench.mesh_overhead", argv, run(args), args.out)
     for s in report["summary"]:
         print(
             f"c={s['concurrency']} {s['system']}: in-process {s['in_process_tok_per_s_median']:.0f} tok/s, "
@@ -285,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"(pairs {', '.join(f'{o:+.1%}' for o in s['paired_overheads'])}); relay CPU "
             f"{s['relay_cpu_ms_per_token_median']:.3f} ms/token; TTFT p50 +{s['ttft_p50_added_ms_median']:.1f} ms"
         )
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -19,18 +19,16 @@ import argparse
 import asyncio
 import json
 import random
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.mesh_client import model_name, running_mesh
 from bench.mesh_overhead import cpu_by_service
+from bench.report import save
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
@@ -153,15 +151,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     args = parse_args(argv)
-    report = {
-        "command": "python -m bench.scheduler_cost " + shlex.join(sys.argv[1:] if argv is None else argv)
-    }
-    report.update(run(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report = save("bench.scheduler_cost", argv, run(args), args.out)
     print(json.dumps(report["summary"]))
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
