@@ -88,7 +88,12 @@ async def _start_decoder(
     engine.start()
     fetcher = _embedding_fetcher(config, identity, engine)
     servicer = DecoderServicer(
-        engine, identity, fetcher, stream_interval=config.stream_interval, draining=lambda: server.draining
+        engine,
+        identity,
+        fetcher,
+        stream_interval=config.stream_interval,
+        draining=lambda: server.draining,
+        inline_max=config.inline_output_max,
     )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     if config.token_stream:

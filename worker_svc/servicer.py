@@ -54,12 +54,16 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         fetcher: EmbeddingFetcher | None = None,
         stream_interval: int = 1,
         draining: Callable[[], bool] = lambda: False,
+        inline_max: int = 0,
     ) -> None:
         self.engine = engine
         self.identity = identity
         # Tokens per sequence gathered into one stream message after the first (vLLM's
         # --stream-interval): fewer messages on the way to the client.
         self.stream_interval = stream_interval
+        # A token stream's step with at most this many outputs is written from the engine
+        # thread (StreamSession, WorkerConfig.inline_output_max).
+        self.inline_max = inline_max
         # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
         self.fetcher = fetcher
         self._draining = draining
@@ -78,6 +82,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self.stream_interval,
             fetch,
             self._draining if draining is None else draining,
+            self.inline_max,
         )
         self._sessions.add(session)
         return session

@@ -39,7 +39,8 @@ class _Peer:
 
     def __init__(self, owner: TokenStreamServer) -> None:
         self._owner = owner
-        self.conn = FrameConnection(self._on_frame, self._on_lost, owner.max_frame_bytes)
+        # Plaintext connections may be written from the engine thread (StreamSession.write_to).
+        self.conn = FrameConnection(self._on_frame, self._on_lost, owner.max_frame_bytes, thread_writes=True)
         self._session: StreamSession | None = None
         self._writer: asyncio.Task[None] | None = None
         self.last_frame = asyncio.get_running_loop().time()
@@ -72,9 +73,7 @@ class _Peer:
     async def _write(self, session: StreamSession) -> None:
         """The session's messages out until it ends (drain, or the client went away)."""
         try:
-            async for message in session.responses():
-                self.conn.write(message.SerializeToString())
-                await self.conn.drain()
+            await session.write_to(self.conn)
             self.conn.close("the worker ended the stream")
         finally:
             self._owner.end_session(session)

@@ -5,6 +5,7 @@ too; a frame over the limit ends the connection."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from services.framing import HEADER, FrameConnection
 
@@ -71,6 +72,88 @@ def test_frames_over_a_real_connection_and_the_peer_closing() -> None:
         async with asyncio.timeout(10):
             await closed.wait()
         assert lost == ["the peer closed the connection"] and served[0].closed
+        server.close()
+
+    asyncio.run(main())
+
+
+class _Pair:
+    """A served connection (`server`, thread writes as asked) and its client, whose
+    frames land in `got`; `arrived(n)` waits for n of them."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self._more = asyncio.Event()
+        self.client = FrameConnection(self._on_frame, lambda r: None, 1 << 20)
+        self.client_transport: asyncio.BaseTransport | None = None
+
+    def _on_frame(self, frame: bytes) -> None:
+        self.got.append(frame)
+        self._more.set()
+
+    @classmethod
+    async def open(cls, thread_writes: bool) -> tuple[_Pair, FrameConnection, asyncio.Server]:
+        loop = asyncio.get_running_loop()
+        pair, accepted = cls(), asyncio.Event()
+        server_conn = FrameConnection(lambda f: None, lambda r: None, 1 << 20, thread_writes=thread_writes)
+        real_made = server_conn.connection_made
+
+        def made(transport: asyncio.BaseTransport) -> None:
+            real_made(transport)
+            accepted.set()
+
+        server_conn.connection_made = made  # type: ignore[method-assign]
+        server = await loop.create_server(lambda: server_conn, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pair.client_transport, _ = await loop.create_connection(lambda: pair.client, "127.0.0.1", port)
+        async with asyncio.timeout(10):
+            await accepted.wait()
+        return pair, server_conn, server
+
+    async def arrived(self, count: int, timeout: float = 30) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.got) < count:
+                self._more.clear()
+                await self._more.wait()
+
+
+def test_writes_from_another_thread_stay_whole_and_in_order() -> None:
+    """`write_from_thread` sends straight to the socket while nothing is queued; once the
+    peer stops reading, its frames are handed to the loop, and a loop write made
+    meanwhile goes after them: every frame arrives whole, in the order written."""
+
+    async def main() -> None:
+        pair, conn, server = await _Pair.open(thread_writes=True)
+        assert conn.thread_writable and pair.client_transport is not None
+        expected = [b"L1", *(b"T%03d" % i + bytes(64 * 1024) for i in range(200)), b"L2"]
+        pair.client_transport.pause_reading()  # 13 MB do not fit the socket buffers: a hand-off
+        conn.write(expected[0])
+        # The loop waits for the thread without running: what the socket does not take
+        # stays handed off, and the loop's next write must queue behind it.
+        writer = threading.Thread(target=lambda: [conn.write_from_thread(f) for f in expected[1:-1]])
+        writer.start()
+        writer.join()
+        assert conn._handoff
+        conn.write(expected[-1])
+        pair.client_transport.resume_reading()
+        await pair.arrived(len(expected))
+        assert [f[:4] for f in pair.got] == [f[:4] for f in expected]
+        assert pair.got == expected
+        pair.client.close("done")
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_thread_writes_takes_none() -> None:
+    async def main() -> None:
+        pair, conn, server = await _Pair.open(thread_writes=False)
+        assert not conn.thread_writable
+        conn.write_from_thread(b"dropped")
+        conn.write(b"kept")
+        await pair.arrived(1, timeout=10)
+        assert pair.got == [b"kept"]
+        pair.client.close("done")
         server.close()
 
     asyncio.run(main())

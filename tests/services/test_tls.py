@@ -163,6 +163,8 @@ async def test_token_stream_uses_mutual_tls(certs: Path, client_env: None, tiny_
             await sink.ended.wait()
         assert len(sink.tokens) == 5 and not sink.lost
         assert len(worker.decoder.token_stream.peers) == 1  # over the token stream, not gRPC
+        # The engine thread writes only plaintext connections (raw bytes would break TLS).
+        assert not next(iter(worker.decoder.token_stream.peers)).conn.thread_writable
         # Plaintext: the server expects a TLS ClientHello and drops the connection.
         reader, writer = await asyncio.open_connection("127.0.0.1", token_port)
         writer.write(b"\x00\x00\x00\x02hi")

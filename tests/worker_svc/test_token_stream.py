@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.framing import FrameConnection
 from tests.worker_svc.test_generate_stream import (
     MAX_TOKENS,
     PROMPTS,
@@ -217,3 +219,67 @@ def test_a_silent_client_is_dropped_and_a_pinging_one_is_not(
         await pinging.close()
 
     run(body, tiny_model_dir)
+
+
+def test_small_steps_are_written_from_the_engine_thread_in_order(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with at most `inline_output_max` outputs for the connection is written by
+    the engine thread itself; bigger ones go through the event loop. Requests whose
+    steps switch between the two paths still get every token, in order."""
+    writers: list[tuple[str, int]] = []  # (writing thread, outputs in the frame) per message
+
+    def spy(write: Callable[[FrameConnection, bytes], None]) -> Callable[[FrameConnection, bytes], None]:
+        def spied(self: FrameConnection, payload: bytes) -> None:
+            message = worker_pb2.GenerateStreamResponse.FromString(payload)
+            if message.outputs:
+                writers.append((threading.current_thread().name, len(message.outputs)))
+            write(self, payload)
+
+        return spied
+
+    monkeypatch.setattr(FrameConnection, "write", spy(FrameConnection.write))
+    monkeypatch.setattr(FrameConnection, "write_from_thread", spy(FrameConnection.write_from_thread))
+    lengths = [3, 6, 9, 12]  # 4, then 3, 2 and 1 requests left in the batch
+
+    async def main() -> None:
+        async with running_worker(tiny_model_dir, inline_output_max=2) as (_, stub):
+            expected = [await _unary_tokens(stub, p) for p in PROMPTS]
+            writers.clear()
+            client = await TcpClient.connect(stub)
+            ids = [f"r{i}" for i in range(len(PROMPTS))]
+            client.send(*(_add(rid, p, n) for rid, p, n in zip(ids, PROMPTS, lengths, strict=True)))
+            await client.read_until(lambda: client.finished(*ids))
+            for rid, tokens, n in zip(ids, expected, lengths, strict=True):
+                assert client.tokens(rid) == tokens[:n]
+            await client.close()
+
+    asyncio.run(main())
+    engine_thread = {n for name, n in writers if name == "meshserve-engine"}
+    loop_thread = {n for name, n in writers if name != "meshserve-engine"}
+    assert engine_thread and max(engine_thread) <= 2  # the small steps, from the engine thread
+    assert loop_thread and max(loop_thread) > 2  # the big ones through the loop
+
+
+def test_inline_output_max_0_writes_every_step_from_the_loop(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    write = FrameConnection.write_from_thread
+
+    def spied(self: FrameConnection, payload: bytes) -> None:
+        threads.append(threading.current_thread().name)
+        write(self, payload)
+
+    monkeypatch.setattr(FrameConnection, "write_from_thread", spied)
+
+    async def main() -> None:
+        async with running_worker(tiny_model_dir, inline_output_max=0) as (_, stub):
+            client = await TcpClient.connect(stub)
+            client.send(_add("one", PROMPTS[0]))
+            await client.read_until(lambda: client.finished("one"))
+            assert len(client.tokens("one")) == MAX_TOKENS
+            await client.close()
+
+    asyncio.run(main())
+    assert threads == []
