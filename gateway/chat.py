@@ -148,10 +148,9 @@ async def create_chat_completion(
         handed_off = False
         try:
             if body.stream:
-                await cancel_on_disconnect(request, multi.peek())
                 streamer = ChatStreamer(ctx, body, request_id, model, multi)
                 handed_off = True
-                return SSEResponse(streamer.stream(), on_close=multi.close)
+                return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())
             collector = ChatCollector(ctx, body, request_id, model, multi)
             return await cancel_on_disconnect(request, collector.collect())
         except ClientDisconnected:
@@ -276,38 +275,43 @@ class ChatStreamer:
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
-        self._templates: dict[int, TextChunkTemplate] = {}
+        # Built now, before the first token (the stream is created during the prefill):
+        # the role chunks, and the content templates of the choices without parsers.
+        plain = not (self.continuous_usage or body.logprobs or self.json_mode or self.forced)
+        self._templates = {
+            index: self._template(index)
+            for index in range(body.n)
+            if plain and self.parsers[index] is None and self.reasoners[index] is None
+        }
+        # (With running usage a role chunk is built when sent: the usage is that moment's.)
+        self._role_events = [] if self.continuous_usage else [self._role_event(i) for i in range(body.n)]
+
+    def _template(self, index: int) -> TextChunkTemplate:
+        return TextChunkTemplate(
+            lambda text: self.chunk(
+                [
+                    ChatChunkChoice(
+                        index=index, delta=DeltaMessage(content=text), logprobs=None, finish_reason=None
+                    )
+                ]
+            )
+        )
+
+    def _role_event(self, index: int) -> bytes:
+        delta = DeltaMessage(role="assistant", content="")
+        return sse_event(
+            self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)])
+        )
 
     def _plain(self, event: ChoiceEvent) -> bytes | None:
         """The event of a content-only chunk through a template (the hot path), or None
         when the event needs the full chunk (tools, JSON mode, logprobs, finish, usage)."""
-        if (
-            event.finish_reason is not None
-            or self.continuous_usage
-            or self.body.logprobs
-            or self.json_mode
-            or self.forced
-            or self.parsers[event.index] is not None
-            or self.reasoners[event.index] is not None
-        ):
+        template = self._templates.get(event.index)
+        if event.finish_reason is not None or template is None:
             return None
         self.timer.on_output(len(event.token_ids))
         if not event.text:
             return b""
-        template = self._templates.get(event.index)
-        if template is None:
-            template = self._templates[event.index] = TextChunkTemplate(
-                lambda text: self.chunk(
-                    [
-                        ChatChunkChoice(
-                            index=event.index,
-                            delta=DeltaMessage(content=text),
-                            logprobs=None,
-                            finish_reason=None,
-                        )
-                    ]
-                )
-            )
         return template.render(event.text)
 
     def chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
@@ -324,11 +328,8 @@ class ChatStreamer:
     async def stream(self) -> AsyncIterator[bytes]:
         """The SSE body: role chunks, content chunks, optional usage chunk, [DONE]."""
         try:
-            for index in range(self.body.n):
-                delta = DeltaMessage(role="assistant", content="")
-                yield sse_event(
-                    self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)])
-                )
+            # Every choice's role chunk in one write.
+            yield b"".join(self._role_events or [self._role_event(i) for i in range(self.body.n)])
             async for event in self.multi.events():
                 plain = self._plain(event)
                 if plain is not None:

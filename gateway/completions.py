@@ -130,10 +130,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         handed_off = False
         try:
             if body.stream:
-                await cancel_on_disconnect(request, multi.peek())
                 streamer = CompletionStreamer(ctx, body, request_id, model, multi, echoes)
                 handed_off = True
-                return SSEResponse(streamer.stream(), on_close=multi.close)
+                return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())
             collector = CompletionCollector(ctx, body, request_id, model, multi, echoes)
             return await cancel_on_disconnect(request, collector.collect())
         except ClientDisconnected:
@@ -224,24 +223,30 @@ class CompletionStreamer:
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
-        self._templates: dict[int, TextChunkTemplate] = {}
+        # Built now, before the first token (the stream is created during the prefill).
+        self._templates = (
+            {}
+            if self.continuous_usage or body.logprobs is not None
+            else {index: self._template(index) for index in range(len(echoes))}
+        )
+
+    def _template(self, index: int) -> TextChunkTemplate:
+        return TextChunkTemplate(
+            lambda text: self.chunk(
+                CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)
+            )
+        )
 
     def _plain(self, event: ChoiceEvent) -> bytes | None:
         """The event of a text-only chunk through a template (the hot path), or None when
         the event needs the full chunk (logprobs, finish, running usage)."""
-        if event.finish_reason is not None or self.continuous_usage or self.body.logprobs is not None:
+        template = self._templates.get(event.index)
+        if event.finish_reason is not None or template is None:
             return None
         self.timer.on_output(len(event.token_ids))
         self.offsets[event.index] += len(event.text)
         if not event.text:
             return b""
-        template = self._templates.get(event.index)
-        if template is None:
-            template = self._templates[event.index] = TextChunkTemplate(
-                lambda text: self.chunk(
-                    CompletionChoice(index=event.index, text=text, logprobs=None, finish_reason=None)
-                )
-            )
         return template.render(event.text)
 
     def chunk(self, choice: CompletionChoice | None) -> CompletionChunk:
