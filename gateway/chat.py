@@ -148,6 +148,8 @@ async def create_chat_completion(
         handed_off = False
         try:
             if body.stream:
+                # On the worker first; the stream is built during the prefill.
+                await cancel_on_disconnect(request, multi.begin())
                 streamer = ChatStreamer(ctx, body, request_id, model, multi)
                 handed_off = True
                 return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())

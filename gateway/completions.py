@@ -130,6 +130,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         handed_off = False
         try:
             if body.stream:
+                # On the worker first; the stream is built during the prefill.
+                await cancel_on_disconnect(request, multi.begin())
                 streamer = CompletionStreamer(ctx, body, request_id, model, multi, echoes)
                 handed_off = True
                 return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())

@@ -161,6 +161,7 @@ class GenerationRun:
         self._running = False  # the worker runs the request (its last message is due)
         self._stopping = False  # every choice ended here: the worker's run is aborted on purpose
         self._closed = False
+        self._begun = False
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -305,10 +306,18 @@ class GenerationRun:
 
     # -- the consumer side ------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Per-choice events until every choice has ended; raises APIError on failure."""
+    async def begin(self) -> None:
+        """Routes the request and puts it on the worker's stream (once; `events` calls it
+        if nobody has); raises APIError when it cannot be routed."""
+        if self._begun:
+            return
+        self._begun = True
         self._choices = await self._new_choices()
         await self._submit()
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Per-choice events until every choice has ended; raises APIError on failure."""
+        await self.begin()
         # Counted on this side: `on_output` marks a choice ended before its last event
         # has been taken from the queue.
         unfinished = self.spec.n

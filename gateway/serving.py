@@ -234,6 +234,14 @@ class MultiRun:
             queue.put_nowait((offset, APIError(500, f"internal error: {type(exc).__name__}")))
         queue.put_nowait((offset, None))
 
+    async def begin(self) -> None:
+        """Puts every run's request on its worker's stream (raising APIError when one
+        cannot be routed): what a streamed response builds next is built meanwhile."""
+        if len(self.runs) == 1:
+            await self.runs[0].begin()
+        else:
+            await asyncio.gather(*(run.begin() for run in self.runs))
+
     async def peek(self) -> None:
         """Waits for the first event with output (raising APIError on early failures)."""
         if self._iter is None:
