@@ -16,6 +16,14 @@ Reported per concurrency and mesh: the median tok/s of each system, every paired
 overhead (1 - mesh/in-process of the same repeat) and their median, and TTFT / TPOT
 medians.
 
+With `--ttft-rounds R`, the TTFT the mesh adds at concurrency 1 is also measured in
+short alternating blocks (`ttft_interleaved` in the report): R rounds, each running
+`--ttft-block` sequential requests (8) through every system in a shuffled order, so
+the two systems sample the host's speed within seconds of each other rather than a
+minute apart (at c=1 a 128-request run lasts ~70 s, and the host's forward speed moves
+by up to 20 % between adjacent runs: bench/README "Session 14"). Reported: the median
+over rounds of the difference of block TTFT medians, and each system's median.
+
 Both systems get the same engine settings (`max_num_seqs`, token budget, page size)
 and the same torch thread count (the machine's default unless `--threads`, passed to
 the worker as MESHSERVE_NUM_THREADS). Each run uses its own cache salt, so no run
@@ -27,10 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +51,7 @@ import torch
 from bench.engine_bench import (
     DEFAULT_MODEL_DIR,
     PAGE_SIZE,
+    GenerateFn,
     RunResult,
     Workload,
     engine_generate_fn,
@@ -70,7 +81,7 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
 
 async def _paired_runs(
     args: argparse.Namespace, workload: Workload, concurrencies: list[int], meshes: dict[str, Mesh]
-) -> list[RunResult]:
+) -> tuple[list[RunResult], dict[str, Any]]:
     """Alternates the in-process run and each mesh's run; returns every row in run order.
     `meshes` maps a system name (mesh_si1, ...) to its running mesh. Mesh rows carry, in
     `notes`, the CPU milliseconds per output token each process spent during the run."""
@@ -87,6 +98,7 @@ async def _paired_runs(
     engine.start()
     connector = aiohttp.TCPConnector(limit=max(concurrencies) + 8)
     rows: list[RunResult] = []
+    interleaved: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=600)
@@ -115,9 +127,57 @@ async def _paired_runs(
                         rows.append(row)
                         line += f" {system} {row.output_tok_per_s:.0f}"
                     print(line + " tok/s", flush=True)
+            if args.ttft_rounds:
+                systems: dict[str, Callable[[str], GenerateFn]] = {
+                    "in_process": lambda s: engine_generate_fn(engine, s)
+                }
+                for system, mesh in meshes.items():
+                    systems[system] = functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
+                interleaved = await interleaved_ttft(
+                    systems, workload, args.ttft_rounds, args.ttft_block, args.seed
+                )
     finally:
         await engine.shutdown()
-    return rows
+    return rows, interleaved
+
+
+async def interleaved_ttft(
+    systems: dict[str, Callable[[str], GenerateFn]], workload: Workload, rounds: int, block: int, seed: int
+) -> dict[str, Any]:
+    """TTFT at concurrency 1 in alternating blocks (see the module doc). `systems` maps a
+    name to a GenerateFn factory taking a cache salt; "in_process" is the reference."""
+    order = random.Random(seed)
+    medians: dict[str, list[float]] = {name: [] for name in systems}
+    for r in range(rounds):
+        names = list(systems)
+        order.shuffle(names)
+        prompts = [workload.prompts[(r * block + i) % len(workload.prompts)] for i in range(block)]
+        for name in names:
+            generate = systems[name](f"ttft-{name}-{r}")
+            row, _ = await run_generate_workload(
+                generate, Workload(prompts, workload.output_len), 1, name, f"t{r}"
+            )
+            medians[name].append(row.ttft_ms["p50"])
+    reference = medians.pop("in_process")
+    report: dict[str, Any] = {
+        "rounds": rounds,
+        "block": block,
+        "in_process_ttft_block_p50_ms_median": statistics.median(reference),
+    }
+    for name, values in medians.items():
+        added = [m - i for i, m in zip(reference, values, strict=True)]
+        report[name] = {
+            "ttft_block_p50_ms_median": statistics.median(values),
+            "ttft_added_ms_median": statistics.median(added),
+            "ttft_added_ms_quartiles": statistics.quantiles(added, n=4) if len(added) > 1 else added,
+            "rounds_at_or_under_3ms": sum(a <= 3.0 for a in added),
+        }
+        print(
+            f"interleaved c=1 {name}: TTFT added median {report[name]['ttft_added_ms_median']:+.2f} ms "
+            f"over {rounds} rounds of {block} (quartiles {', '.join(f'{q:+.2f}' for q in report[name]['ttft_added_ms_quartiles'])})",
+            flush=True,
+        )
+    return report
 
 
 # Processes of the mesh that relay rather than compute: everything but the workers,
@@ -214,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pids = [os.getpid(), *(p.pid for m in meshes.values() for p in m.procs.values())]
             pinned = pin_relays(pids, parse_cpus(args.relay_cpus), parse_cpus(args.engine_cpus))
             print(f"pinned {pinned} relay/client threads to CPUs {args.relay_cpus}", flush=True)
-        rows = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
+        rows, interleaved = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
     return {
         "model_dir": args.model_dir,
         "workload": {
@@ -231,6 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "summary": summarize_pairs(rows, concurrencies),
+        "ttft_interleaved": interleaved,
         "runs": [asdict(r) for r in rows],
     }
 
@@ -259,6 +320,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CPUs of every other thread: the mesh's relays, the worker's event loop and this client (e.g. 0)",
     )
     p.add_argument("--dtype", default="float32", help="model dtype of both systems")
+    p.add_argument(
+        "--ttft-rounds", type=int, default=0, help="rounds of the interleaved c=1 TTFT measure (0: off)"
+    )
+    p.add_argument("--ttft-block", type=int, default=8, help="sequential requests per system and round")
     p.add_argument("--out", default="bench/results/mesh_overhead.json")
     return p.parse_args(argv)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from bench.engine_bench import RunResult
+from bench import mesh_overhead
+from bench.engine_bench import RunResult, Workload
 from bench.mesh_overhead import summarize_pairs
 
 
@@ -61,3 +63,27 @@ def test_each_mesh_is_paired_with_the_same_in_process_runs() -> None:
     by_system = {s["system"]: s for s in summarize_pairs(rows, [32])}
     assert by_system["mesh_si1"]["overhead_median"] == pytest.approx(0.5)
     assert by_system["mesh_si8"]["overhead_median"] == pytest.approx(0.1)
+
+
+def test_interleaved_ttft_pairs_blocks_of_the_same_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round r's mesh block is compared with round r's in-process block; systems run in
+    a shuffled order per round, each block with its own cache salt and prompts."""
+    calls: list[tuple[int, str, str, int]] = []  # (round, system, salt, first prompt token)
+
+    async def fake_run(generate, workload, concurrency, system, id_prefix):  # type: ignore[no-untyped-def]
+        round_ = int(id_prefix[1:])
+        calls.append((round_, system, generate, workload.prompts[0][0]))
+        ttft = 10.0 if system == "in_process" else 10.0 + round_  # round r: the mesh adds r ms
+        return RunResult(system, concurrency, 2, 8, 1.0, 8.0, {"p50": ttft}, {"p50": 1.0}), []
+
+    monkeypatch.setattr(mesh_overhead, "run_generate_workload", fake_run)
+    systems = {"in_process": lambda salt: salt, "mesh_si1": lambda salt: salt}
+    workload = Workload([[i] for i in range(16)], 4)
+    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=7, block=2, seed=0))  # type: ignore[arg-type]
+    assert report["mesh_si1"]["ttft_added_ms_median"] == pytest.approx(3.0)  # median of 0..6
+    assert report["mesh_si1"]["rounds_at_or_under_3ms"] == 4
+    assert report["in_process_ttft_block_p50_ms_median"] == 10.0
+    first_each_round = [next(s for r, s, _, _ in calls if r == round_) for round_ in range(7)]
+    assert set(first_each_round) == {"in_process", "mesh_si1"}  # the order is shuffled
+    assert len({salt for _, _, salt, _ in calls}) == 14  # no block reuses another's cache
+    assert [p for r, s, _, p in calls if s == "mesh_si1"] == [(2 * r) % 16 for r in range(7)]

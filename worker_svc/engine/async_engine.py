@@ -294,7 +294,7 @@ class AsyncLLMEngine:
 
     def _handle_add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(
+            self.engine.add_validated_request(  # validated by `submit`
                 cmd.request_id,
                 cmd.prompt_token_ids,
                 cmd.params,

@@ -172,6 +172,22 @@ class LLMEngine:
         self.validate_request(
             request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
         )
+        self.add_validated_request(
+            request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
+        )
+
+    def add_validated_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        extra_keys: tuple[str, ...] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
+        resumed_output: Sequence[int] = (),
+    ) -> None:
+        """`add_request` for a request `validate_request` has already passed (the async
+        front validates in the caller's thread, off the engine thread's path to its step)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         generator = None
