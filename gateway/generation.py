@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
+from gateway.local_tokenizer import LocalTokenizer
 from gateway.upstream import TOKENIZER, Lease, Upstream
 from gateway.worker_streams import WorkerStream
 from meshserve.v1 import common_pb2, worker_pb2
@@ -151,6 +152,7 @@ class GenerationRun:
         self.worker_id = ""
         self._queue: asyncio.Queue[ChoiceEvent | _Failure | _UpstreamDone] = asyncio.Queue()
         self._choices: list[_Choice] = []
+        self._tokenizer: LocalTokenizer | None = None
         self._lease: Lease | None = None
         self._stream: WorkerStream | None = None
         self._attempt_worker = ""
@@ -172,16 +174,22 @@ class GenerationRun:
 
     # -- routing and submission -----------------------------------------------------
 
-    async def _new_choices(self) -> list[_Choice]:
-        """One detokenizing `_Choice` per sample (the tokenizer comes from the cache)."""
+    async def _get_tokenizer(self) -> LocalTokenizer:
+        """The model's tokenizer (fetched from the tokenizer service once per model)."""
         try:
-            tokenizer = await self.upstream.tokenizers.get(self.spec.model)
+            return await self.upstream.tokenizers.get(self.spec.model)
         except MeshError as exc:
             raise from_mesh_error(exc, TOKENIZER) from exc
-        return [
+
+    def _ensure_choices(self) -> None:
+        """One detokenizing `_Choice` per sample, made once the request is on its way
+        to the worker (or when its first output comes, should that be sooner)."""
+        if self._choices or self._tokenizer is None:
+            return
+        self._choices = [
             _Choice(
                 i,
-                tokenizer.detokenizer(
+                self._tokenizer.detokenizer(
                     self.spec.prompt_ids,
                     self.spec.skip_special_tokens,
                     self.spec.stop,
@@ -233,6 +241,7 @@ class GenerationRun:
 
     def on_output(self, response: common_pb2.GenerateResponse) -> None:
         """One engine step's output of this request: detokenize, queue events."""
+        self._ensure_choices()
         if response.worker_id:
             self.worker_id = response.worker_id
         if response.HasField("usage"):
@@ -312,8 +321,9 @@ class GenerationRun:
         if self._begun:
             return
         self._begun = True
-        self._choices = await self._new_choices()
+        self._tokenizer = await self._get_tokenizer()
         await self._submit()
+        self._ensure_choices()  # after the add: off the path to the worker
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Per-choice events until every choice has ended; raises APIError on failure."""
