@@ -130,8 +130,16 @@ class FrameConnection(asyncio.Protocol):
 
     @property
     def thread_writable(self) -> bool:
-        """`write_from_thread` may be used (a plaintext connection, still open)."""
-        return self._sock is not None
+        """`write_from_thread` would send at once: a plaintext connection, open, with
+        nothing queued (a peer that does not keep up gets the loop's path, which waits
+        on `drain`)."""
+        transport = self._transport
+        return (
+            self._sock is not None
+            and not self._handoff
+            and transport is not None
+            and not transport.get_write_buffer_size()
+        )
 
     def write_from_thread(self, payload: bytes) -> None:
         """Writes one frame from a thread other than the event loop's: straight to the

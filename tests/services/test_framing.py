@@ -134,11 +134,13 @@ def test_writes_from_another_thread_stay_whole_and_in_order() -> None:
         writer.start()
         writer.join()
         assert conn._handoff
+        assert not conn.thread_writable  # while anything is queued, steps take the loop's path
         conn.write(expected[-1])
         pair.client_transport.resume_reading()
         await pair.arrived(len(expected))
         assert [f[:4] for f in pair.got] == [f[:4] for f in expected]
         assert pair.got == expected
+        assert conn.thread_writable  # all sent: the engine thread may write again
         pair.client.close("done")
         server.close()
 
