@@ -371,7 +371,7 @@ class SSEResponse(StreamingResponse):
     it is answered with its own HTTP status (not as an event of a 200 stream), and once
     the first token arrives only the writes are left on its way to the client -- the
     handler's return, this response and its stream (templates, role chunks) were built
-    during the prefill (at concurrency 1: ~0.25 ms less time to first token on a 2-core
+    during the prefill (at concurrency 1: ~0.2 ms less time to first token on a 2-core
     host, bench/README "Session 14")."""
 
     media_type = "text/event-stream"
