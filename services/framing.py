@@ -123,23 +123,23 @@ class FrameConnection(asyncio.Protocol):
         with self._write_lock:
             if self._transport is None or self.closed:
                 return
+            frame = HEADER.pack(len(payload)) + payload
             if self._handoff:  # frames from another thread go first
-                self._handoff.append(HEADER.pack(len(payload)) + payload)
+                self._handoff.append(frame)
             else:
-                self._transport.write(HEADER.pack(len(payload)) + payload)
+                self._transport.write(frame)
 
     @property
     def thread_writable(self) -> bool:
         """`write_from_thread` would send at once: a plaintext connection, open, with
         nothing queued (a peer that does not keep up gets the loop's path, which waits
         on `drain`)."""
+        return self._sock is not None and self._nothing_queued()
+
+    def _nothing_queued(self) -> bool:
+        """No frame waits in the hand-off or in the transport's buffer."""
         transport = self._transport
-        return (
-            self._sock is not None
-            and not self._handoff
-            and transport is not None
-            and not transport.get_write_buffer_size()
-        )
+        return not self._handoff and transport is not None and not transport.get_write_buffer_size()
 
     def write_from_thread(self, payload: bytes) -> None:
         """Writes one frame from a thread other than the event loop's: straight to the
@@ -149,7 +149,7 @@ class FrameConnection(asyncio.Protocol):
             if self._sock is None or self._transport is None or self._loop is None:
                 return  # closed (or not a plaintext connection): dropped, as `write` does
             sent = 0
-            if not self._handoff and not self._transport.get_write_buffer_size():
+            if self._nothing_queued():
                 try:
                     sent = self._sock.send(frame)
                 except BlockingIOError:
