@@ -50,7 +50,6 @@ from gateway.serving import (
     ClientDisconnected,
     MultiRun,
     RequestContext,
-    SSEResponse,
     TextChunkTemplate,
     cancel_on_disconnect,
     generation_spec,
@@ -59,6 +58,7 @@ from gateway.serving import (
     resolve_max_tokens,
     sampling_params,
     sse_event,
+    streamed,
     usage_info,
 )
 from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
@@ -148,11 +148,11 @@ async def create_chat_completion(
         handed_off = False
         try:
             if body.stream:
-                # On the worker first; the stream is built during the prefill.
-                await cancel_on_disconnect(request, multi.begin())
-                streamer = ChatStreamer(ctx, body, request_id, model, multi)
+                response = await streamed(
+                    request, multi, lambda: ChatStreamer(ctx, body, request_id, model, multi).stream()
+                )
                 handed_off = True
-                return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())
+                return response
             collector = ChatCollector(ctx, body, request_id, model, multi)
             return await cancel_on_disconnect(request, collector.collect())
         except ClientDisconnected:

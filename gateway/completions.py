@@ -33,7 +33,6 @@ from gateway.serving import (
     ClientDisconnected,
     MultiRun,
     RequestContext,
-    SSEResponse,
     TextChunkTemplate,
     cancel_on_disconnect,
     generation_spec,
@@ -42,6 +41,7 @@ from gateway.serving import (
     resolve_max_tokens,
     sampling_params,
     sse_event,
+    streamed,
     usage_info,
 )
 from gateway.upstream import TOKENIZER
@@ -130,11 +130,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         handed_off = False
         try:
             if body.stream:
-                # On the worker first; the stream is built during the prefill.
-                await cancel_on_disconnect(request, multi.begin())
-                streamer = CompletionStreamer(ctx, body, request_id, model, multi, echoes)
+                response = await streamed(
+                    request,
+                    multi,
+                    lambda: CompletionStreamer(ctx, body, request_id, model, multi, echoes).stream(),
+                )
                 handed_off = True
-                return SSEResponse(streamer.stream(), on_close=multi.close, ready=multi.peek())
+                return response
             collector = CompletionCollector(ctx, body, request_id, model, multi, echoes)
             return await cancel_on_disconnect(request, collector.collect())
         except ClientDisconnected:

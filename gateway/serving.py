@@ -280,6 +280,16 @@ class MultiRun:
             run.close()
 
 
+async def streamed(
+    request: Request, multi: MultiRun, make_stream: Callable[[], AsyncIterator[bytes]]
+) -> SSEResponse:
+    """The SSE response of a streamed generation: the requests go on their workers first
+    (a disconnect meanwhile raises ClientDisconnected), then the stream is built during
+    the prefill and the response waits for the first output (`SSEResponse` `ready`)."""
+    await cancel_on_disconnect(request, multi.begin())
+    return SSEResponse(make_stream(), on_close=multi.close, ready=multi.peek())
+
+
 class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
