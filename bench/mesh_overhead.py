@@ -23,6 +23,13 @@ the two systems sample the host's speed within seconds of each other rather than
 minute apart (at c=1 a 128-request run lasts ~70 s, and the host's forward speed moves
 by up to 20 % between adjacent runs: bench/README "Session 14"). Reported: the median
 over rounds of the difference of block TTFT medians, and each system's median.
+`--ttft-instances K` runs that measure over K in-process engines and K meshes of each
+interval, all up at once (one of each is the pair the throughput runs use): a round
+runs a block on every instance in a shuffled order, and a system's value for the round
+is the mean over its instances. Two instances of the same system differ by up to ~1 ms
+of c=1 TTFT for the whole of their life on this host (memory layout of the weights and
+threads: bench/README "Session 15"), a bias as large as the effect measured that one
+instance of each cannot average out.
 
 Both systems get the same engine settings (`max_num_seqs`, token budget, page size)
 and the same torch thread count (the machine's default unless `--threads`, passed to
@@ -40,7 +47,7 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -79,16 +86,17 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
     return {name: _cpu_seconds(pid) for name, pid in pids.items()}
 
 
-async def _paired_runs(
-    args: argparse.Namespace, workload: Workload, concurrencies: list[int], meshes: dict[str, Mesh]
-) -> tuple[list[RunResult], dict[str, Any]]:
-    """Alternates the in-process run and each mesh's run; returns every row in run order.
-    `meshes` maps a system name (mesh_si1, ...) to its running mesh. Mesh rows carry, in
-    `notes`, the CPU milliseconds per output token each process spent during the run."""
+def _instances(args: argparse.Namespace) -> int:
+    """Instances of each system: several only for the interleaved TTFT measure."""
+    return max(1, args.ttft_instances) if args.ttft_rounds else 1
+
+
+def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine:
+    """An in-process engine with the mesh's settings, started."""
     engine = AsyncLLMEngine(
         EngineConfig(
             model_dir=args.model_dir,
-            max_num_seqs=max(concurrencies),
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=args.max_batch_tokens,
             block_size=PAGE_SIZE,
             dtype=args.dtype,
@@ -96,6 +104,22 @@ async def _paired_runs(
         )
     )
     engine.start()
+    return engine
+
+
+async def _paired_runs(
+    args: argparse.Namespace,
+    workload: Workload,
+    concurrencies: list[int],
+    meshes: dict[str, list[Mesh]],
+) -> tuple[list[RunResult], dict[str, Any]]:
+    """Alternates the in-process run and each mesh's run; returns every row in run order.
+    `meshes` maps a system name (mesh_si1, ...) to its running meshes: the first one
+    takes part in the throughput runs, all of them in the interleaved TTFT measure. Mesh
+    rows carry, in `notes`, the CPU milliseconds per output token each process spent
+    during the run."""
+    engines = [_start_engine(args, max(concurrencies)) for _ in range(_instances(args))]
+    engine = engines[0]
     connector = aiohttp.TCPConnector(limit=max(concurrencies) + 8)
     rows: list[RunResult] = []
     interleaved: dict[str, Any] = {}
@@ -105,8 +129,9 @@ async def _paired_runs(
         ) as client:
             name = model_name(args.model_dir)
             warm = Workload(workload.prompts[:4], 4)
-            await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
-            for mesh in meshes.values():
+            for instance in engines:
+                await run_generate_workload(engine_generate_fn(instance, "warm"), warm, 4, "warmup")
+            for mesh in (m for instances in meshes.values() for m in instances):
                 fn = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
                 await run_generate_workload(fn, warm, 4, "warmup")
             for repeat in range(args.repeats):
@@ -116,7 +141,7 @@ async def _paired_runs(
                     row, _ = await run_generate_workload(local, workload, c, "in_process")
                     rows.append(row)
                     line = f"repeat {repeat} c={c}: in_process {row.output_tok_per_s:.0f}"
-                    for system, mesh in meshes.items():
+                    for system, (mesh, *_) in meshes.items():
                         remote = gateway_generate_fn(client, mesh.gateway_url, name, f"{system}-{salt}")
                         before = cpu_by_service(mesh)
                         row, _ = await run_generate_workload(remote, workload, c, system)
@@ -128,46 +153,68 @@ async def _paired_runs(
                         line += f" {system} {row.output_tok_per_s:.0f}"
                     print(line + " tok/s", flush=True)
             if args.ttft_rounds:
-                systems: dict[str, Callable[[str], GenerateFn]] = {
-                    "in_process": lambda s: engine_generate_fn(engine, s)
+                systems: dict[str, list[Callable[[str], GenerateFn]]] = {
+                    "in_process": [functools.partial(engine_generate_fn, instance) for instance in engines]
                 }
-                for system, mesh in meshes.items():
-                    systems[system] = functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
+                for system, instances in meshes.items():
+                    systems[system] = [
+                        functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
+                        for mesh in instances
+                    ]
                 interleaved = await interleaved_ttft(
                     systems, workload, args.ttft_rounds, args.ttft_block, args.seed
                 )
     finally:
-        await engine.shutdown()
+        for instance in engines:
+            await instance.shutdown()
     return rows, interleaved
 
 
 async def interleaved_ttft(
-    systems: dict[str, Callable[[str], GenerateFn]], workload: Workload, rounds: int, block: int, seed: int
+    systems: Mapping[str, Sequence[Callable[[str], GenerateFn]]],
+    workload: Workload,
+    rounds: int,
+    block: int,
+    seed: int,
 ) -> dict[str, Any]:
     """TTFT at concurrency 1 in alternating blocks (see the module doc). `systems` maps a
-    name to a GenerateFn factory taking a cache salt; "in_process" is the reference."""
+    name to its instances, each a GenerateFn factory taking a cache salt; "in_process" is
+    the reference. A system's value for a round is the mean of its instances' block
+    medians."""
     order = random.Random(seed)
-    medians: dict[str, list[float]] = {name: [] for name in systems}
+    blocks: dict[tuple[str, int], list[float]] = {
+        (name, i): [] for name, instances in systems.items() for i in range(len(instances))
+    }
     for r in range(rounds):
-        names = list(systems)
-        order.shuffle(names)
+        keys = list(blocks)
+        order.shuffle(keys)
         prompts = [workload.prompts[(r * block + i) % len(workload.prompts)] for i in range(block)]
-        for name in names:
-            generate = systems[name](f"ttft-{name}-{r}")
+        for name, i in keys:
+            generate = systems[name][i](f"ttft-{name}-{i}-{r}")
             row, _ = await run_generate_workload(
                 generate, Workload(prompts, workload.output_len), 1, name, f"t{r}"
             )
-            medians[name].append(row.ttft_ms["p50"])
+            blocks[name, i].append(row.ttft_ms["p50"])
+    medians = {
+        name: [statistics.fmean(v) for v in zip(*(blocks[name, i] for i in range(len(inst))), strict=True)]
+        for name, inst in systems.items()
+    }
+    instance_medians = {
+        name: [statistics.median(blocks[name, i]) for i in range(len(inst))] for name, inst in systems.items()
+    }
     reference = medians.pop("in_process")
     report: dict[str, Any] = {
         "rounds": rounds,
         "block": block,
+        "instances": {name: len(inst) for name, inst in systems.items()},
         "in_process_ttft_block_p50_ms_median": statistics.median(reference),
+        "in_process_instance_ttft_block_p50_ms_medians": instance_medians.pop("in_process"),
     }
     for name, values in medians.items():
         added = [m - i for i, m in zip(reference, values, strict=True)]
         report[name] = {
             "ttft_block_p50_ms_median": statistics.median(values),
+            "instance_ttft_block_p50_ms_medians": instance_medians[name],
             "ttft_added_ms_median": statistics.median(added),
             "ttft_added_ms_quartiles": statistics.quantiles(added, n=4) if len(added) > 1 else added,
             "rounds_at_or_under_3ms": sum(a <= 3.0 for a in added),
@@ -256,22 +303,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Starts the mesh, runs the paired repeats, returns the report."""
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workload = make_workload(args.model_dir, args.num_requests, args.prompt_len, args.output_len, args.seed)
-    threads = (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    threads: tuple[tuple[str, str], ...] = (
+        (("MESHSERVE_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    )
     threads += (("MESHSERVE_DTYPE", args.dtype),)  # the same dtype on both sides
     if args.engine_cpus:
         threads += (("MESHSERVE_CPU_AFFINITY", args.engine_cpus),)
     intervals = [int(k) for k in args.stream_intervals.split(",")]
     with contextlib.ExitStack() as stack:
-        meshes = {}
+        meshes: dict[str, list[Mesh]] = {}
+        per_interval = _instances(args)
         for k in intervals:
-            mesh = stack.enter_context(
-                running_mesh(
-                    args.model_dir, max(concurrencies), args.max_batch_tokens, threads, stream_interval=k
+            meshes[f"mesh_si{k}"] = [
+                stack.enter_context(
+                    running_mesh(
+                        args.model_dir, max(concurrencies), args.max_batch_tokens, threads, stream_interval=k
+                    )
                 )
-            )
-            meshes[f"mesh_si{k}"] = mesh
+                for _ in range(per_interval)
+            ]
         if args.relay_cpus:
-            pids = [os.getpid(), *(p.pid for m in meshes.values() for p in m.procs.values())]
+            pids = [os.getpid(), *(p.pid for ms in meshes.values() for m in ms for p in m.procs.values())]
             pinned = pin_relays(pids, parse_cpus(args.relay_cpus), parse_cpus(args.engine_cpus))
             print(f"pinned {pinned} relay/client threads to CPUs {args.relay_cpus}", flush=True)
         rows, interleaved = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
@@ -285,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch_tokens": args.max_batch_tokens,
             "repeats": args.repeats,
             "stream_intervals": intervals,
+            "ttft_instances": per_interval,
             "dtype": args.dtype,
             "engine_cpus": args.engine_cpus,
             "relay_cpus": args.relay_cpus,
@@ -324,6 +377,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--ttft-rounds", type=int, default=0, help="rounds of the interleaved c=1 TTFT measure (0: off)"
     )
     p.add_argument("--ttft-block", type=int, default=8, help="sequential requests per system and round")
+    p.add_argument(
+        "--ttft-instances",
+        type=int,
+        default=1,
+        help="in-process engines and meshes per interval in the interleaved TTFT measure",
+    )
     p.add_argument("--out", default="bench/results/mesh_overhead.json")
     return p.parse_args(argv)
 

@@ -77,7 +77,7 @@ def test_interleaved_ttft_pairs_blocks_of_the_same_round(monkeypatch: pytest.Mon
         return RunResult(system, concurrency, 2, 8, 1.0, 8.0, {"p50": ttft}, {"p50": 1.0}), []
 
     monkeypatch.setattr(mesh_overhead, "run_generate_workload", fake_run)
-    systems = {"in_process": lambda salt: salt, "mesh_si1": lambda salt: salt}
+    systems = {"in_process": [lambda salt: salt], "mesh_si1": [lambda salt: salt]}
     workload = Workload([[i] for i in range(16)], 4)
     report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=7, block=2, seed=0))  # type: ignore[arg-type]
     assert report["mesh_si1"]["ttft_added_ms_median"] == pytest.approx(3.0)  # median of 0..6
@@ -87,3 +87,28 @@ def test_interleaved_ttft_pairs_blocks_of_the_same_round(monkeypatch: pytest.Mon
     assert set(first_each_round) == {"in_process", "mesh_si1"}  # the order is shuffled
     assert len({salt for _, _, salt, _ in calls}) == 14  # no block reuses another's cache
     assert [p for r, s, _, p in calls if s == "mesh_si1"] == [(2 * r) % 16 for r in range(7)]
+
+
+def test_interleaved_ttft_averages_the_instances_of_a_system(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several instances per system, a round's value is the mean of the instances'
+    block medians; every instance runs a block every round, and each is reported."""
+    ttfts = {"in-0": 10.0, "in-1": 14.0, "mesh-0": 13.0, "mesh-1": 19.0, "mesh-2": 22.0}
+    calls: list[tuple[int, str]] = []
+
+    async def fake_run(generate, workload, concurrency, system, id_prefix):  # type: ignore[no-untyped-def]
+        calls.append((int(id_prefix[1:]), generate))
+        return RunResult(system, concurrency, 2, 8, 1.0, 8.0, {"p50": ttfts[generate]}, {"p50": 1.0}), []
+
+    monkeypatch.setattr(mesh_overhead, "run_generate_workload", fake_run)
+    systems = {
+        "in_process": [lambda salt, i=i: f"in-{i}" for i in range(2)],
+        "mesh_si1": [lambda salt, i=i: f"mesh-{i}" for i in range(3)],
+    }
+    workload = Workload([[i] for i in range(16)], 4)
+    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=4, block=2, seed=0))  # type: ignore[arg-type]
+    assert report["instances"] == {"in_process": 2, "mesh_si1": 3}
+    assert report["in_process_ttft_block_p50_ms_median"] == pytest.approx(12.0)
+    assert report["in_process_instance_ttft_block_p50_ms_medians"] == [10.0, 14.0]
+    assert report["mesh_si1"]["instance_ttft_block_p50_ms_medians"] == [13.0, 19.0, 22.0]
+    assert report["mesh_si1"]["ttft_added_ms_median"] == pytest.approx(6.0)  # mean 18 - mean 12
+    assert sorted(calls) == sorted((r, name) for r in range(4) for name in ttfts)
