@@ -24,9 +24,10 @@ minute apart (at c=1 a 128-request run lasts ~70 s, and the host's forward speed
 by up to 20 % between adjacent runs: bench/README "Session 14"). Reported: the median
 over rounds of the difference of block TTFT medians, and each system's median.
 `--ttft-instances K` runs that measure over K in-process engines and K meshes of each
-interval, all up at once (one of each is the pair the throughput runs use): a round
-runs a block on every instance in a shuffled order, and a system's value for the round
-is the mean over its instances. Two instances of the same system differ by up to ~1 ms
+interval, all up at once (the throughput runs' mesh and K-1 more, started after those
+runs so that idle meshes do not run beside them): a round runs a block on every
+instance in a shuffled order, and a system's value for the round is the mean over its
+instances. Two instances of the same system differ by up to ~1 ms
 of c=1 TTFT for the whole of their life on this host (memory layout of the weights and
 threads: bench/README "Session 15"), a bias as large as the effect measured that one
 instance of each cannot average out.
@@ -86,11 +87,6 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
     return {name: _cpu_seconds(pid) for name, pid in pids.items()}
 
 
-def _instances(args: argparse.Namespace) -> int:
-    """Instances of each system: several only for the interleaved TTFT measure."""
-    return max(1, args.ttft_instances) if args.ttft_rounds else 1
-
-
 def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine:
     """An in-process engine with the mesh's settings, started."""
     engine = AsyncLLMEngine(
@@ -108,32 +104,20 @@ def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine
 
 
 async def _paired_runs(
-    args: argparse.Namespace,
-    workload: Workload,
-    concurrencies: list[int],
-    meshes: dict[str, list[Mesh]],
-) -> tuple[list[RunResult], dict[str, Any]]:
+    args: argparse.Namespace, workload: Workload, concurrencies: list[int], meshes: dict[str, Mesh]
+) -> list[RunResult]:
     """Alternates the in-process run and each mesh's run; returns every row in run order.
-    `meshes` maps a system name (mesh_si1, ...) to its running meshes: the first one
-    takes part in the throughput runs, all of them in the interleaved TTFT measure. Mesh
-    rows carry, in `notes`, the CPU milliseconds per output token each process spent
-    during the run."""
-    engines = [_start_engine(args, max(concurrencies)) for _ in range(_instances(args))]
-    engine = engines[0]
+    `meshes` maps a system name (mesh_si1, ...) to its running mesh. Mesh rows carry, in
+    `notes`, the CPU milliseconds per output token each process spent during the run."""
+    engine = _start_engine(args, max(concurrencies))
     connector = aiohttp.TCPConnector(limit=max(concurrencies) + 8)
     rows: list[RunResult] = []
-    interleaved: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=600)
         ) as client:
             name = model_name(args.model_dir)
-            warm = Workload(workload.prompts[:4], 4)
-            for instance in engines:
-                await run_generate_workload(engine_generate_fn(instance, "warm"), warm, 4, "warmup")
-            for mesh in (m for instances in meshes.values() for m in instances):
-                fn = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
-                await run_generate_workload(fn, warm, 4, "warmup")
+            await _warm_up(client, name, workload, [engine], list(meshes.values()))
             for repeat in range(args.repeats):
                 for c in concurrencies:
                     salt = f"r{repeat}-c{c}"
@@ -141,7 +125,7 @@ async def _paired_runs(
                     row, _ = await run_generate_workload(local, workload, c, "in_process")
                     rows.append(row)
                     line = f"repeat {repeat} c={c}: in_process {row.output_tok_per_s:.0f}"
-                    for system, (mesh, *_) in meshes.items():
+                    for system, mesh in meshes.items():
                         remote = gateway_generate_fn(client, mesh.gateway_url, name, f"{system}-{salt}")
                         before = cpu_by_service(mesh)
                         row, _ = await run_generate_workload(remote, workload, c, system)
@@ -152,22 +136,49 @@ async def _paired_runs(
                         rows.append(row)
                         line += f" {system} {row.output_tok_per_s:.0f}"
                     print(line + " tok/s", flush=True)
-            if args.ttft_rounds:
-                systems: dict[str, list[Callable[[str], GenerateFn]]] = {
-                    "in_process": [functools.partial(engine_generate_fn, instance) for instance in engines]
-                }
-                for system, instances in meshes.items():
-                    systems[system] = [
-                        functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
-                        for mesh in instances
-                    ]
-                interleaved = await interleaved_ttft(
-                    systems, workload, args.ttft_rounds, args.ttft_block, args.seed
-                )
     finally:
-        for instance in engines:
-            await instance.shutdown()
-    return rows, interleaved
+        await engine.shutdown()
+    return rows
+
+
+async def _warm_up(
+    client: aiohttp.ClientSession,
+    name: str,
+    workload: Workload,
+    engines: Sequence[AsyncLLMEngine],
+    meshes: Sequence[Mesh],
+) -> None:
+    """A few short requests through every engine and mesh before anything is timed."""
+    warm = Workload(workload.prompts[:4], 4)
+    for engine in engines:
+        await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
+    for mesh in meshes:
+        fn = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
+        await run_generate_workload(fn, warm, 4, "warmup")
+
+
+async def _interleaved_runs(
+    args: argparse.Namespace, workload: Workload, max_num_seqs: int, meshes: dict[str, list[Mesh]]
+) -> dict[str, Any]:
+    """The interleaved c=1 TTFT measure over `--ttft-instances` fresh in-process engines
+    and every mesh of `meshes` (system name -> its instances)."""
+    engines = [_start_engine(args, max_num_seqs) for _ in range(len(next(iter(meshes.values()))))]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+            name = model_name(args.model_dir)
+            await _warm_up(client, name, workload, engines, [m for ms in meshes.values() for m in ms])
+            systems: dict[str, list[Callable[[str], GenerateFn]]] = {
+                "in_process": [functools.partial(engine_generate_fn, engine) for engine in engines]
+            }
+            for system, instances in meshes.items():
+                systems[system] = [
+                    functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
+                    for mesh in instances
+                ]
+            return await interleaved_ttft(systems, workload, args.ttft_rounds, args.ttft_block, args.seed)
+    finally:
+        for engine in engines:
+            await engine.shutdown()
 
 
 async def interleaved_ttft(
@@ -312,21 +323,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     intervals = [int(k) for k in args.stream_intervals.split(",")]
     with contextlib.ExitStack() as stack:
         meshes: dict[str, list[Mesh]] = {}
-        per_interval = _instances(args)
-        for k in intervals:
-            meshes[f"mesh_si{k}"] = [
-                stack.enter_context(
-                    running_mesh(
-                        args.model_dir, max(concurrencies), args.max_batch_tokens, threads, stream_interval=k
+
+        def start_meshes(count: int) -> None:
+            for k in intervals:
+                for _ in range(count):
+                    meshes.setdefault(f"mesh_si{k}", []).append(
+                        stack.enter_context(
+                            running_mesh(
+                                args.model_dir,
+                                max(concurrencies),
+                                args.max_batch_tokens,
+                                threads,
+                                stream_interval=k,
+                            )
+                        )
                     )
-                )
-                for _ in range(per_interval)
-            ]
-        if args.relay_cpus:
-            pids = [os.getpid(), *(p.pid for ms in meshes.values() for m in ms for p in m.procs.values())]
-            pinned = pin_relays(pids, parse_cpus(args.relay_cpus), parse_cpus(args.engine_cpus))
-            print(f"pinned {pinned} relay/client threads to CPUs {args.relay_cpus}", flush=True)
-        rows, interleaved = asyncio.run(_paired_runs(args, workload, concurrencies, meshes))
+            if args.relay_cpus:
+                pids = [os.getpid(), *(p.pid for ms in meshes.values() for m in ms for p in m.procs.values())]
+                pinned = pin_relays(pids, parse_cpus(args.relay_cpus), parse_cpus(args.engine_cpus))
+                print(f"pinned {pinned} relay/client threads to CPUs {args.relay_cpus}", flush=True)
+
+        start_meshes(1)
+        first = {system: instances[0] for system, instances in meshes.items()}
+        rows = asyncio.run(_paired_runs(args, workload, concurrencies, first))
+        interleaved: dict[str, Any] = {}
+        if args.ttft_rounds:
+            # The other instances only now: idle meshes beside the throughput runs would
+            # take CPU from them (heartbeats, load reports, model-list refreshes).
+            start_meshes(max(1, args.ttft_instances) - 1)
+            interleaved = asyncio.run(_interleaved_runs(args, workload, max(concurrencies), meshes))
     return {
         "model_dir": args.model_dir,
         "workload": {
@@ -337,7 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch_tokens": args.max_batch_tokens,
             "repeats": args.repeats,
             "stream_intervals": intervals,
-            "ttft_instances": per_interval,
+            "ttft_instances": max(1, args.ttft_instances),
             "dtype": args.dtype,
             "engine_cpus": args.engine_cpus,
             "relay_cpus": args.relay_cpus,
