@@ -47,18 +47,17 @@ from gateway.protocol import (
 )
 from gateway.serving import (
     SSE_DONE,
-    ClientDisconnected,
+    Generation,
     MultiRun,
     RequestContext,
     TextChunkTemplate,
-    cancel_on_disconnect,
     generation_spec,
     new_id,
     request_context,
     resolve_max_tokens,
+    respond,
     sampling_params,
     sse_event,
-    streamed,
     usage_info,
 )
 from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
@@ -143,23 +142,17 @@ async def create_chat_completion(
     body.check(ctx.config.max_n)
     model = await ctx.upstream.resolve_model(body.model)
     request_id = new_id("chatcmpl")
-    with tracing.span("gateway.chat_completions", model=model, request_id=request_id):
+
+    async def start() -> Generation:
         multi = await start_chat(ctx, body, model, request_id)
-        handed_off = False
-        try:
-            if body.stream:
-                response = await streamed(
-                    request, multi, lambda: ChatStreamer(ctx, body, request_id, model, multi).stream()
-                )
-                handed_off = True
-                return response
-            collector = ChatCollector(ctx, body, request_id, model, multi)
-            return await cancel_on_disconnect(request, collector.collect())
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            if not handed_off:
-                multi.close()
+        return Generation(
+            multi,
+            stream=lambda: ChatStreamer(ctx, body, request_id, model, multi).stream(),
+            collect=lambda: ChatCollector(ctx, body, request_id, model, multi).collect(),
+        )
+
+    span = tracing.PhaseSpan("gateway.chat_completions", model=model, request_id=request_id)
+    return await respond(request, span, start, body.stream)
 
 
 def tool_parser_name(ctx: RequestContext, model: str) -> str:

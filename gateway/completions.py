@@ -30,18 +30,17 @@ from gateway.protocol import (
 )
 from gateway.serving import (
     SSE_DONE,
-    ClientDisconnected,
+    Generation,
     MultiRun,
     RequestContext,
     TextChunkTemplate,
-    cancel_on_disconnect,
     generation_spec,
     new_id,
     request_context,
     resolve_max_tokens,
+    respond,
     sampling_params,
     sse_event,
-    streamed,
     usage_info,
 )
 from gateway.upstream import TOKENIZER
@@ -124,26 +123,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
     body.check(ctx.config.max_n)
     model = await ctx.upstream.resolve_model(body.model)
     request_id = new_id("cmpl")
-    with tracing.span("gateway.completions", model=model, request_id=request_id):
+
+    async def start() -> Generation:
         multi, prompts = await start_completion(ctx, body, model, request_id)
         echoes = [p.text if body.echo else "" for p in prompts for _ in range(body.n)]
-        handed_off = False
-        try:
-            if body.stream:
-                response = await streamed(
-                    request,
-                    multi,
-                    lambda: CompletionStreamer(ctx, body, request_id, model, multi, echoes).stream(),
-                )
-                handed_off = True
-                return response
-            collector = CompletionCollector(ctx, body, request_id, model, multi, echoes)
-            return await cancel_on_disconnect(request, collector.collect())
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            if not handed_off:
-                multi.close()
+        return Generation(
+            multi,
+            stream=lambda: CompletionStreamer(ctx, body, request_id, model, multi, echoes).stream(),
+            collect=lambda: CompletionCollector(ctx, body, request_id, model, multi, echoes).collect(),
+        )
+
+    span = tracing.PhaseSpan("gateway.completions", model=model, request_id=request_id)
+    return await respond(request, span, start, body.stream)
 
 
 @dataclass

@@ -12,10 +12,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pydantic_core
-from fastapi import Request
+from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -28,8 +28,10 @@ from gateway.middleware import ANONYMOUS
 from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.upstream import Upstream
 from meshserve.v1 import common_pb2
+from services import tracing
 
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
 log = logging.getLogger(__name__)
 
 # Sampling fields forwarded only when the client set them.
@@ -280,14 +282,49 @@ class MultiRun:
             run.close()
 
 
-async def streamed(
-    request: Request, multi: MultiRun, make_stream: Callable[[], AsyncIterator[bytes]]
-) -> SSEResponse:
+@dataclass(frozen=True)
+class Generation(Generic[R]):
+    """A generation endpoint's request, started: its runs, and how to answer it."""
+
+    multi: MultiRun
+    stream: Callable[[], AsyncIterator[bytes]]  # the SSE events of a streamed answer
+    collect: Callable[[], Awaitable[R]]  # the whole answer of a non-streamed one
+
+
+async def respond(
+    request: Request, span: tracing.PhaseSpan, start: Callable[[], Awaitable[Generation[R]]], stream: bool
+) -> R | Response:
+    """Answers a generation request under `span`, which covers it to its last byte: a
+    streamed answer (`streamed`) ends it when the response ends, however it ends; any
+    other answer (collected, error, client gone) when this returns or raises."""
+    handed_off = False
+    try:
+        with span.current():
+            generation = await start()
+            try:
+                if stream:
+                    response = await streamed(request, generation, span)
+                    handed_off = True
+                    return response
+                return await cancel_on_disconnect(request, generation.collect())
+            except ClientDisconnected:
+                return Response(status_code=499)
+            finally:
+                if not handed_off:
+                    generation.multi.close()
+    finally:
+        if not handed_off:
+            span.end()
+
+
+async def streamed(request: Request, generation: Generation[R], span: tracing.PhaseSpan) -> SSEResponse:
     """The SSE response of a streamed generation: the requests go on their workers first
     (a disconnect meanwhile raises ClientDisconnected), then the stream is built during
-    the prefill and the response waits for the first output (`SSEResponse` `ready`)."""
+    the prefill and the response waits for the first output (`SSEResponse` `ready`).
+    The response runs under `span` and ends it."""
+    multi = generation.multi
     await cancel_on_disconnect(request, multi.begin())
-    return SSEResponse(make_stream(), on_close=multi.close, ready=multi.peek())
+    return SSEResponse(generation.stream(), on_close=multi.close, ready=multi.peek(), span=span)
 
 
 class ClientDisconnected(Exception):
@@ -391,10 +428,14 @@ class SSEResponse(StreamingResponse):
         content: AsyncIterator[bytes],
         on_close: Callable[[], None],
         ready: Awaitable[None] | None = None,
+        span: tracing.PhaseSpan | None = None,
     ) -> None:
+        """`span`: the request's span, current while the response runs (a route made for
+        a mid-stream migration is its child) and ended after `on_close`."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
         self._ready = ready
+        self._span = span if span is not None else tracing.PhaseSpan.none()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Waits for `ready`, then streams until the body ends or the client disconnects,
@@ -402,13 +443,15 @@ class SSEResponse(StreamingResponse):
         disconnect listener in an anyio task group per response under uvicorn's ASGI
         2.3; one watcher task does the same here for less.)"""
         try:
-            await _until_disconnect(receive, self._respond(scope, receive, send))
+            with self._span.current():
+                await _until_disconnect(receive, self._respond(scope, receive, send))
         except (ClientDisconnected, OSError):
             pass  # the client went away: nothing more to send
         finally:
             if self._ready is not None and inspect.iscoroutine(self._ready):
                 self._ready.close()  # never awaited (the client left at once): no warning
             self._on_close()
+            self._span.end()
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._ready is not None:

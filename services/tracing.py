@@ -207,6 +207,11 @@ class PhaseSpan:
         self._ended = False
 
     @classmethod
+    def none(cls) -> PhaseSpan:
+        """A PhaseSpan that records nothing (as every PhaseSpan when tracing is off)."""
+        return cls._of(None)
+
+    @classmethod
     def _of(cls, span_: trace.Span | None) -> PhaseSpan:
         phase = cls.__new__(cls)
         phase._span = span_
@@ -228,6 +233,17 @@ class PhaseSpan:
             return PhaseSpan._of(None)
         parent = trace.set_span_in_context(self._span, otel_context.Context())
         return PhaseSpan._of(tracer().start_span(name, context=parent, attributes=attributes))
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Makes this span the current one inside the block (spans started there and the
+        trace context sent from there take it as parent; an exception is recorded on it)
+        without ending it: for a span that outlives the code that opened it."""
+        if self._span is None:
+            yield
+            return
+        with trace.use_span(self._span, end_on_exit=False):
+            yield
 
     def end(self, **attributes: Any) -> None:
         """Ends the span (once; later calls do nothing), adding `attributes` first."""

@@ -39,6 +39,8 @@ class SpanRecord:
     service: str  # the resource's service.name
     kind: int  # opentelemetry.proto.trace.v1.Span.SpanKind (SERVER = 2)
     attributes: dict[str, Any]
+    start_ns: int = 0  # unix nanoseconds
+    end_ns: int = 0
 
 
 def _value(value: common_pb2.AnyValue) -> Any:
@@ -73,6 +75,8 @@ def _record(span: trace_pb2.Span, service: str) -> SpanRecord:
         service=service,
         kind=span.kind,
         attributes=_attributes(span.attributes),
+        start_ns=span.start_time_unix_nano,
+        end_ns=span.end_time_unix_nano,
     )
 
 

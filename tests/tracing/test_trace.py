@@ -150,3 +150,32 @@ async def test_one_trace_links_every_service(tiny_model_dir: Path) -> None:
     assert "gateway.chat_completions" in _ancestors(worker, by_id)
     for phase in ("worker.prefill", "worker.decode"):
         assert _ancestors(_by_name(trace_spans, phase), by_id)[0] == "worker.generate"
+
+
+async def test_the_gateway_span_of_a_streamed_request_covers_it_to_the_end(tiny_model_dir: Path) -> None:
+    """A streamed chat completion's gateway span ends when its response ends (after the
+    worker's decode), not when the handler hands the response over to the server."""
+    async with otlp_receiver() as rx, otlp_tracing(rx):
+        async with _mesh(tiny_model_dir) as url:
+            rx.clear()
+            body = {
+                "model": tiny_model_dir.name,
+                "max_tokens": 8,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hello"}],
+            }
+            async with (
+                httpx.AsyncClient(timeout=60) as client,
+                client.stream("POST", url + "/v1/chat/completions", json=body) as reply,
+            ):
+                assert reply.status_code == 200
+                events = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            await tracing.flush_tracing()
+            spans = await rx.wait_for(lambda got: WANTED <= {r.name for r in got}, timeout_s=15)
+    gateway = _by_name(spans, "gateway.chat_completions")
+    by_id = {s.span_id: s for s in spans if s.trace_id == gateway.trace_id}
+    decode = _by_name(list(by_id.values()), "worker.decode")
+    assert "gateway.chat_completions" in _ancestors(decode, by_id)
+    assert gateway.start_ns <= decode.start_ns
+    assert gateway.end_ns >= decode.end_ns, "the gateway span ended before the worker's decode"
