@@ -294,7 +294,7 @@ class AsyncLLMEngine:
 
     def _handle_add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_validated_request(  # validated by `submit`
+            self.engine.add_request(
                 cmd.request_id,
                 cmd.prompt_token_ids,
                 cmd.params,
@@ -302,6 +302,7 @@ class AsyncLLMEngine:
                 cmd.extra_keys,
                 cmd.mm_inputs,
                 cmd.resumed_output,
+                validated=True,  # by `submit`
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})

@@ -160,6 +160,8 @@ class LLMEngine:
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
         resumed_output: Sequence[int] = (),
+        *,
+        validated: bool = False,
     ) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
@@ -167,27 +169,15 @@ class LLMEngine:
         identifiers are mixed into the block hashes (``mm:<identifier>`` extra keys).
         ``resumed_output`` is output the request already produced elsewhere (mid-stream
         migration): it is computed like a preempted request's, counts as output (max/min
-        tokens, penalties, seeded draws) and is not sent again.
+        tokens, penalties, seeded draws) and is not sent again. ``validated``: the caller
+        has already run `validate_request` on it (the async front does, in the caller's
+        thread, off the engine thread's path to its step); only the checks that need the
+        engine's state are left.
         """
-        self.validate_request(
-            request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
-        )
-        self.add_validated_request(
-            request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
-        )
-
-    def add_validated_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: int = 0,
-        extra_keys: tuple[str, ...] = (),
-        mm_inputs: Sequence[MultiModalInput] = (),
-        resumed_output: Sequence[int] = (),
-    ) -> None:
-        """`add_request` for a request `validate_request` has already passed (the async
-        front validates in the caller's thread, off the engine thread's path to its step)."""
+        if not validated:
+            self.validate_request(
+                request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
+            )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         generator = None
