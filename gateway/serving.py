@@ -297,6 +297,7 @@ async def respond(
     """Answers a generation request under `span`, which covers it to its last byte: a
     streamed answer (`streamed`) ends it when the response ends, however it ends; any
     other answer (collected, error, client gone) when this returns or raises."""
+    generation: Generation[R] | None = None
     handed_off = False
     try:
         with span.current():
@@ -307,13 +308,12 @@ async def respond(
                     handed_off = True
                     return response
                 return await cancel_on_disconnect(request, generation.collect())
-            except ClientDisconnected:
+            except ClientDisconnected:  # inside the span's block: not recorded as its error
                 return Response(status_code=499)
-            finally:
-                if not handed_off:
-                    generation.multi.close()
     finally:
         if not handed_off:
+            if generation is not None:
+                generation.multi.close()
             span.end()
 
 
@@ -324,7 +324,7 @@ async def streamed(request: Request, generation: Generation[R], span: tracing.Ph
     The response runs under `span` and ends it."""
     multi = generation.multi
     await cancel_on_disconnect(request, multi.begin())
-    return SSEResponse(generation.stream(), on_close=multi.close, ready=multi.peek(), span=span)
+    return SSEResponse(generation.stream(), on_close=multi.close, span=span, ready=multi.peek())
 
 
 class ClientDisconnected(Exception):
@@ -427,15 +427,15 @@ class SSEResponse(StreamingResponse):
         self,
         content: AsyncIterator[bytes],
         on_close: Callable[[], None],
+        span: tracing.PhaseSpan,
         ready: Awaitable[None] | None = None,
-        span: tracing.PhaseSpan | None = None,
     ) -> None:
         """`span`: the request's span, current while the response runs (a route made for
         a mid-stream migration is its child) and ended after `on_close`."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._span = span
         self._ready = ready
-        self._span = span if span is not None else tracing.PhaseSpan.none()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Waits for `ready`, then streams until the body ends or the client disconnects,

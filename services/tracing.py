@@ -207,11 +207,6 @@ class PhaseSpan:
         self._ended = False
 
     @classmethod
-    def none(cls) -> PhaseSpan:
-        """A PhaseSpan that records nothing (as every PhaseSpan when tracing is off)."""
-        return cls._of(None)
-
-    @classmethod
     def _of(cls, span_: trace.Span | None) -> PhaseSpan:
         phase = cls.__new__(cls)
         phase._span = span_
