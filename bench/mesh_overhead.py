@@ -206,14 +206,14 @@ async def interleaved_ttft(
                 generate, Workload(prompts, workload.output_len), 1, name, f"t{r}"
             )
             blocks[name, i].append(row.ttft_ms["p50"])
-    medians = {
+    per_round = {  # a system's value in each round: the mean of its instances' block medians
         name: [statistics.fmean(v) for v in zip(*(blocks[name, i] for i in range(len(inst))), strict=True)]
         for name, inst in systems.items()
     }
     instance_medians = {
         name: [statistics.median(blocks[name, i]) for i in range(len(inst))] for name, inst in systems.items()
     }
-    reference = medians.pop("in_process")
+    reference = per_round.pop("in_process")
     report: dict[str, Any] = {
         "rounds": rounds,
         "block": block,
@@ -221,7 +221,7 @@ async def interleaved_ttft(
         "in_process_ttft_block_p50_ms_median": statistics.median(reference),
         "in_process_instance_ttft_block_p50_ms_medians": instance_medians.pop("in_process"),
     }
-    for name, values in medians.items():
+    for name, values in per_round.items():
         added = [m - i for i, m in zip(reference, values, strict=True)]
         report[name] = {
             "ttft_block_p50_ms_median": statistics.median(values),
