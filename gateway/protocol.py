@@ -8,7 +8,7 @@ raises `APIError` with the offending `param`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -426,9 +426,11 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [[int(p) for p in prompt if isinstance(p, int)]]
-        return [p for p in prompt if isinstance(p, str | list)]
+        # Validated: a list is all ints (one prompt of token ids), all strings or all
+        # lists; its first entry says which, without a pass over every token.
+        if prompt and isinstance(prompt[0], int):
+            return [cast(list[int], list(prompt))]
+        return cast(list[str | list[int]], list(prompt))
 
     def check(self, max_n: int) -> None:
         """Cross-field validation; raises APIError naming the field."""

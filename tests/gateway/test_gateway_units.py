@@ -23,6 +23,7 @@ from gateway_fakes import (
 
 from gateway.errors import APIError, from_mesh_error
 from gateway.local_tokenizer import LocalTokenizer
+from gateway.protocol import CompletionRequest
 from gateway.ratelimit import RateLimiter
 from gateway.serving import resolve_max_tokens
 from gateway.tools import ToolCallStreamParser, parse_tool_calls
@@ -90,6 +91,26 @@ def test_resolve_max_tokens() -> None:
         resolve_max_tokens(100, None, 100, 256, "prompt")
     assert info.value.param == "prompt"
     assert resolve_max_tokens(10, None, 0, 256, "prompt") == 256  # unknown limit
+
+
+def test_completion_prompt_forms() -> None:
+    """Each accepted `prompt` form gives its prompts whole: one list of token ids is one
+    prompt; a list of strings or of id lists is one prompt per entry; a mixed list is
+    refused by validation."""
+
+    def prompts(prompt: object) -> list[str | list[int]]:
+        return CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts()
+
+    ids = list(range(300))
+    assert prompts("hi") == ["hi"]
+    assert prompts(ids) == [ids]
+    assert prompts([0]) == [[0]]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[1, 2], [3]]) == [[1, 2], [3]]
+    assert prompts([]) == []
+    for mixed in ([1, "a"], [[1], "a"], [1, [2]], [-1]):
+        with pytest.raises(ValueError):
+            prompts(mixed)
 
 
 def test_mesh_error_mapping() -> None:

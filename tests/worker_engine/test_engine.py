@@ -215,15 +215,16 @@ def test_add_request_validation(make_engine: Factory) -> None:
         engine.add_request("x", [5] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         engine.add_request("x", [], SamplingParams())
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request("x", [VOCAB], SamplingParams())
+    for bad in ([VOCAB], [5, -1], [5, True], [5, 2.0], [5, "7"]):
+        with pytest.raises(ValueError, match="prompt_token_ids contains"):
+            engine.add_request("x", bad, SamplingParams())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request("x", [5], SamplingParams(temperature=math.nan))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("", [5], SamplingParams())
     with pytest.raises(ValueError, match="extra_keys"):
         engine.add_request("x", [5], SamplingParams(), extra_keys=["a"])  # type: ignore[arg-type]
-    engine.add_request("x", [5], SamplingParams(max_tokens=1))
+    engine.add_request("x", [5, VOCAB - 1], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("x", [5], SamplingParams())
     assert [o.finished for o in engine.step()] == [True]
