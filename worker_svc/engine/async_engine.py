@@ -1,7 +1,8 @@
 """asyncio front for :class:`LLMEngine`.
 
 Threading model: the engine (all torch work) lives in ONE dedicated thread, so the
-event loop never blocks on a forward pass. The loop talks to it through a thread-safe
+event loop never blocks on a forward pass; it is built on a short-lived thread of its
+own, so that no other long-lived thread keeps an OpenMP pool (`_build_on_own_thread`). The loop talks to it through a thread-safe
 command queue (add / abort / stop); the engine thread sleeps on that queue while it has
 no work and otherwise alternates "drain commands, step once". Outputs travel back with
 ``loop.call_soon_threadsafe`` -- one callback per loop per step, which hands every
@@ -99,6 +100,36 @@ class _Stop:
 _Command = _Add | _Abort | _Stop
 
 
+def _build_on_own_thread(
+    config: EngineConfig, on_kv_events: Callable[[list[KvEvent]], None] | None
+) -> LLMEngine:
+    """Builds the engine (model load, KV cache) on a thread that ends once it is built.
+
+    Why: libgomp keeps an OpenMP thread pool for every thread that ever ran a parallel
+    region, for as long as that thread lives. Built on the caller's thread (the main
+    thread, an executor's), the engine leaves such a pool behind beside the engine
+    thread's, libgomp then manages more threads than there are CPUs and cuts every
+    barrier's spin to ~100 iterations (its "throttled" spin): the engine thread sleeps in
+    a futex and is woken at almost every op of a forward. A pool of a thread that ended
+    is freed. bench/README "Session 17": the engine thread's sleeps per step, and what
+    building it here gained."""
+    built: list[LLMEngine] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(LLMEngine(config, on_kv_events))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failed.append(exc)
+
+    builder = threading.Thread(target=build, name="meshserve-engine-build")
+    builder.start()
+    builder.join()
+    if failed:
+        raise failed[0]
+    return built[0]
+
+
 class AsyncLLMEngine:
     """Thread-backed asyncio wrapper: ``async for out in engine.generate(...)``."""
 
@@ -112,7 +143,7 @@ class AsyncLLMEngine:
         if engine is None:
             if config is None:
                 raise ValueError("config is required when no engine is given")
-            engine = LLMEngine(config, on_kv_events)
+            engine = _build_on_own_thread(config, on_kv_events)
         self.engine = engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
