@@ -2,16 +2,15 @@
 on multimodal items and `Put`s each item's embeddings into the encoder cache under
 `cache_key(model, identifier)`, where decoder workers fetch them.
 
-Encodes run one at a time on a dedicated thread (the model is not shared between
-threads); requests wait their turn in its queue, which is the encoder queue time
-(`meshserve_encoder_queue_seconds`).
+Encodes run one at a time on the role's torch thread (`TorchThread`, the thread the
+model was built on; the embeddings' bytes are made there too); requests wait their turn
+in its queue, which is the encoder queue time (`meshserve_encoder_queue_seconds`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -22,6 +21,7 @@ from services.encoder_cache_client import CachedTensor, EncoderCacheClient, cach
 from services.errors import InvalidArgument, NotFound
 from services.rpc import rpc_handler
 from worker_svc.encoder import EncodeInput, VisionEncoder, tensor_bytes
+from worker_svc.torch_thread import TorchThread
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 QUEUE_TIME = Histogram(
@@ -43,6 +43,7 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
         encoder: VisionEncoder,
+        thread: TorchThread,
         cache: EncoderCacheClient,
         model: str,
         role: str = "encoder",
@@ -53,7 +54,7 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
         self.model = model
         self.role = role
         self.max_items = max_items
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshserve-encoder")
+        self._thread = thread  # the encoder's model was built on it
         self._waiting = 0
         self._running = 0
         self._finished = 0  # items encoded since start
@@ -77,14 +78,10 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
         """Encodes the items and stores their embeddings in the encoder cache."""
         inputs = self._inputs(request)
         self._waiting += 1
-        loop = asyncio.get_running_loop()
         try:
-            outputs, seconds = await loop.run_in_executor(
-                self._executor, self._encode, inputs, time.perf_counter()
-            )
+            stored, seconds = await self._thread.run(self._encode, inputs, time.perf_counter())
         except ValueError as exc:
             raise InvalidArgument(str(exc), param="items") from exc
-        stored = [self._cached(item, tensor) for item, tensor in zip(inputs, outputs, strict=True)]
         await asyncio.gather(*(self.cache.put(entry) for entry in stored))
         per_item = seconds / len(inputs)
         return worker_pb2.EncodeResponse(
@@ -99,8 +96,10 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
             ]
         )
 
-    def _encode(self, inputs: list[EncodeInput], queued_at: float) -> tuple[list[torch.Tensor], float]:
-        """Runs on the encoder thread: (embeddings, seconds spent encoding)."""
+    def _encode(self, inputs: list[EncodeInput], queued_at: float) -> tuple[list[CachedTensor], float]:
+        """Runs on the encoder thread: (the embeddings as cache entries, seconds spent
+        encoding). The entries' bytes are made here: a dtype cast or copy of a large
+        tensor is a parallel region, which belongs on this thread (TorchThread)."""
         start = time.perf_counter()
         QUEUE_TIME.observe(start - queued_at)
         self._waiting -= 1
@@ -113,7 +112,7 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
         ENCODE_TIME.observe(seconds)
         ITEMS.inc(len(inputs))
         self._finished += len(inputs)
-        return outputs, seconds
+        return [self._cached(item, tensor) for item, tensor in zip(inputs, outputs, strict=True)], seconds
 
     def _cached(self, item: EncodeInput, tensor: torch.Tensor) -> CachedTensor:
         dtype, shape, data = tensor_bytes(tensor)
@@ -139,5 +138,5 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
 
     async def close(self) -> None:
         """Stops the encoder thread and closes the cache channel."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._thread.shutdown()
         await self.cache.close()

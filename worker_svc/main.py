@@ -30,6 +30,7 @@ from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
 from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
 from worker_svc.token_stream import TokenStreamServer
+from worker_svc.torch_thread import TorchThread
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,16 @@ def _embedding_fetcher(
     """Image embeddings come from the encoder cache; without one the decoder takes text only."""
     if not config.encoder_cache_address:
         return None
-    runner = engine.engine.runner
-    hidden = engine.model_info.hidden_size
-    return EmbeddingFetcher(_cache_client(config), identity.model, hidden, runner.dtype, runner.device)
+    return EmbeddingFetcher(_cache_client(config), identity.model, engine.model_info.hidden_size)
 
 
 async def _start_encoder(
     config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer
 ) -> EncoderServicer:
     """Encoder role: vision tower + projector only; embeddings go to the encoder cache."""
-    encoder = await asyncio.to_thread(VisionEncoder, config.model_dir, config.device, config.dtype)
-    servicer = EncoderServicer(encoder, _cache_client(config), identity.model, identity.role)
+    thread = TorchThread("meshserve-encoder")
+    encoder = await thread.run(VisionEncoder, config.model_dir, config.device, config.dtype)
+    servicer = EncoderServicer(encoder, thread, _cache_client(config), identity.model, identity.role)
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     return servicer
 
@@ -163,6 +163,7 @@ class WorkerProcess:
         self.server = GrpcServer(f"worker-{self.identity.worker_id}", config)
         self.engine: AsyncLLMEngine | None = None
         self.encoder: EncoderServicer | None = None
+        self.embedding: EmbeddingServicer | None = None
         self.link: SchedulerLink | None = None
         self.publisher: KvEventPublisher | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -178,10 +179,11 @@ class WorkerProcess:
             self.decoder = decoder
             return lambda: worker_metrics.record(load_stats(engine))
         if config.role == "embedding":
-            model = await asyncio.to_thread(EmbeddingModel, config.model_dir, config.device)
-            embed = EmbeddingServicer(model, identity)
-            server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, embed)
-            return embed.load
+            thread = TorchThread("meshserve-embedding")
+            model = await thread.run(EmbeddingModel, config.model_dir, config.device)
+            self.embedding = EmbeddingServicer(model, thread, identity)
+            server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, self.embedding)
+            return self.embedding.load
         if config.role == "encoder":
             self.encoder = await _start_encoder(config, identity, server)
             return self.encoder.load
@@ -229,6 +231,8 @@ class WorkerProcess:
             await asyncio.to_thread(self.publisher.close)
         if self.encoder is not None:
             await self.encoder.close()
+        if self.embedding is not None:
+            self.embedding.thread.shutdown()
 
 
 async def main(argv: Sequence[str]) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import torch
-
 from meshserve.v1 import common_pb2
 from services.encoder_cache_client import CachedTensor, EmbeddingsMissing, EncoderCacheClient, cache_key
 from services.errors import InvalidArgument
@@ -22,21 +20,18 @@ from worker_svc.engine.multimodal import MultiModalInput
 
 
 class EmbeddingFetcher:
-    """`GenerateRequest.mm_items` → engine `MultiModalInput`s, fetched from the encoder cache."""
+    """`GenerateRequest.mm_items` → engine `MultiModalInput`s, fetched from the encoder cache.
 
-    def __init__(
-        self,
-        cache: EncoderCacheClient,
-        model: str,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    The embeddings are handed over in the dtype the cache holds them in, on the CPU: the
+    engine moves them to its dtype and device on its own thread when it merges them
+    (`multimodal.merge_mm_rows`). A conversion here, on the event loop's thread, would be
+    a parallel region there, and an OpenMP pool left on a second long-lived thread slows
+    every forward after it (async_engine._build_on_own_thread)."""
+
+    def __init__(self, cache: EncoderCacheClient, model: str, hidden_size: int) -> None:
         self.cache = cache
         self.model = model
         self.hidden_size = hidden_size
-        self.dtype = dtype
-        self.device = torch.device(device)
 
     async def fetch(self, items: Sequence[common_pb2.MultiModalItem]) -> list[MultiModalInput]:
         """Embeddings of every item, in order (one cache read per distinct identifier)."""
@@ -60,4 +55,4 @@ class EmbeddingFetcher:
                 param="mm_items",
             )
         tensor = tensor_from_bytes(cached.dtype, cached.shape, cached.data)
-        return MultiModalInput(item.identifier, item.offset, item.length, tensor.to(self.device, self.dtype))
+        return MultiModalInput(item.identifier, item.offset, item.length, tensor)

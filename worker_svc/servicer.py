@@ -19,6 +19,7 @@ from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
 from worker_svc.token_stream import TokenStreamServer
+from worker_svc.torch_thread import TorchThread
 
 
 @dataclass(frozen=True)
@@ -188,10 +189,14 @@ async def _fetch_mm(fetcher: EmbeddingFetcher, request: common_pb2.GenerateReque
 
 
 class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
-    """Embedding role: pooled sentence embeddings, one request at a time per thread."""
+    """Embedding role: pooled sentence embeddings, one request at a time on the role's
+    torch thread (the one its model was built on: `TorchThread`)."""
 
-    def __init__(self, model: EmbeddingModel, identity: WorkerIdentity, max_batch: int = 256) -> None:
+    def __init__(
+        self, model: EmbeddingModel, thread: TorchThread, identity: WorkerIdentity, max_batch: int = 256
+    ) -> None:
         self.model = model
+        self.thread = thread
         self.identity = identity
         self.max_batch = max_batch
         self._running = 0
@@ -208,7 +213,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"input must hold 1..{self.max_batch} items", param="input")
         self._running += 1
         try:
-            result = await asyncio.to_thread(
+            result = await self.thread.run(
                 self.model.embed, list(request.inputs), request.normalize, request.truncate_prompt_tokens
             )
         finally:

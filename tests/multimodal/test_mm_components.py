@@ -119,14 +119,24 @@ async def test_decoder_fetches_embeddings_by_identifier(cache_client: EncoderCac
     embeddings = torch.randn(16, 64)
     dtype, shape, data = tensor_bytes(embeddings)  # 4 KB: several 1000-byte chunks
     await cache_client.put(CachedTensor(cache_key("vlm", "img-1"), dtype, shape, data))
-    fetcher = EmbeddingFetcher(cache_client, "vlm", 64, torch.float32)
+    fetcher = EmbeddingFetcher(cache_client, "vlm", 64)
     item = common_pb2.MultiModalItem(identifier="img-1", offset=3, length=16)
     (got,) = await fetcher.fetch([item])
     assert (got.identifier, got.offset, got.length) == ("img-1", 3, 16)
     assert torch.equal(got.embeddings, embeddings)
-    other_model = EmbeddingFetcher(cache_client, "other", 64, torch.float32)
+    other_model = EmbeddingFetcher(cache_client, "other", 64)
     with pytest.raises(EmbeddingsMissing) as missing:
         await other_model.fetch([item])  # embeddings are per model
     assert missing.value.code is Code.FAILED_PRECONDITION
     with pytest.raises(InvalidArgument, match="shape"):
         await fetcher.fetch([common_pb2.MultiModalItem(identifier="img-1", offset=0, length=8)])
+
+
+async def test_decoder_hands_embeddings_over_in_the_caches_dtype(cache_client: EncoderCacheClient) -> None:
+    """No cast on the event loop's thread: the engine casts on its own (merge_mm_rows)."""
+    embeddings = torch.randn(16, 64).to(torch.bfloat16)
+    await cache_client.put(CachedTensor(cache_key("vlm", "img-bf16"), *tensor_bytes(embeddings)))
+    fetcher = EmbeddingFetcher(cache_client, "vlm", 64)
+    (got,) = await fetcher.fetch([common_pb2.MultiModalItem(identifier="img-bf16", offset=0, length=16)])
+    assert got.embeddings.dtype == torch.bfloat16
+    assert torch.equal(got.embeddings, embeddings)
