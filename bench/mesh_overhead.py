@@ -30,7 +30,9 @@ instance in a shuffled order, and a system's value for the round is the mean ove
 instances. Two instances of the same system differ by up to ~1 ms
 of c=1 TTFT for the whole of their life on this host (memory layout of the weights and
 threads: bench/README "Session 15"), a bias as large as the effect measured that one
-instance of each cannot average out.
+instance of each cannot average out. Each in-process instance of that measure runs in a
+process of its own (`bench.engine_child`), as each mesh's worker does: engines sharing
+one process slow each other's OpenMP barriers (bench/README "Session 17").
 
 Both systems get the same engine settings (`max_num_seqs`, token budget, page size)
 and the same torch thread count (the machine's default unless `--threads`, passed to
@@ -48,7 +50,7 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ from bench.engine_bench import (
     make_workload,
     run_generate_workload,
 )
+from bench.engine_child import EngineChild
 from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
 from bench.report import save
 from services.launcher import Mesh
@@ -87,18 +90,21 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
     return {name: _cpu_seconds(pid) for name, pid in pids.items()}
 
 
+def engine_settings(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
+    """The in-process engine's configuration: the mesh's settings."""
+    return EngineConfig(
+        model_dir=args.model_dir,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_batch_tokens,
+        block_size=PAGE_SIZE,
+        dtype=args.dtype,
+        cpu_affinity=args.engine_cpus,
+    )
+
+
 def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine:
     """An in-process engine with the mesh's settings, started."""
-    engine = AsyncLLMEngine(
-        EngineConfig(
-            model_dir=args.model_dir,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=args.max_batch_tokens,
-            block_size=PAGE_SIZE,
-            dtype=args.dtype,
-            cpu_affinity=args.engine_cpus,
-        )
-    )
+    engine = AsyncLLMEngine(engine_settings(args, max_num_seqs))
     engine.start()
     return engine
 
@@ -160,38 +166,55 @@ async def _warm_up(
 async def _interleaved_runs(
     args: argparse.Namespace, workload: Workload, max_num_seqs: int, meshes: dict[str, list[Mesh]]
 ) -> dict[str, Any]:
-    """The interleaved c=1 TTFT measure over `--ttft-instances` fresh in-process engines
-    and every mesh of `meshes` (system name -> its instances)."""
-    engines = [_start_engine(args, max_num_seqs) for _ in range(len(next(iter(meshes.values()))))]
+    """The interleaved c=1 TTFT measure over `--ttft-instances` in-process engines, each in
+    a process of its own (`EngineChild`: several engines in one process slow each other
+    down), and every mesh of `meshes` (system name -> its instances)."""
+    count = len(next(iter(meshes.values())))
+    children = [EngineChild(engine_settings(args, max_num_seqs), args.threads) for _ in range(count)]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
             name = model_name(args.model_dir)
-            await _warm_up(client, name, workload, engines, [m for ms in meshes.values() for m in ms])
-            systems: dict[str, list[Callable[[str], GenerateFn]]] = {
-                "in_process": [functools.partial(engine_generate_fn, engine) for engine in engines]
-            }
+            await _warm_up(client, name, workload, [], [m for ms in meshes.values() for m in ms])
+            warm = Workload(workload.prompts[:4], 4)
+            for child in children:
+                await child.run_block(warm, "warm", "warm")
+            systems: dict[str, list[BlockRunner]] = {"in_process": [child.run_block for child in children]}
             for system, instances in meshes.items():
                 systems[system] = [
-                    functools.partial(gateway_generate_fn, client, mesh.gateway_url, name)
+                    generate_block(functools.partial(gateway_generate_fn, client, mesh.gateway_url, name))
                     for mesh in instances
                 ]
             return await interleaved_ttft(systems, workload, args.ttft_rounds, args.ttft_block, args.seed)
     finally:
-        for engine in engines:
-            await engine.shutdown()
+        for child in children:
+            child.close()
+
+
+# Runs a block of requests at concurrency 1 (its workload, cache salt and request id
+# prefix) and returns the block's TTFT p50 in ms.
+BlockRunner = Callable[[Workload, str, str], Awaitable[float]]
+
+
+def generate_block(make_generate: Callable[[str], GenerateFn]) -> BlockRunner:
+    """A BlockRunner over a GenerateFn factory (taking the cache salt), in this process."""
+
+    async def run(workload: Workload, salt: str, id_prefix: str) -> float:
+        row, _ = await run_generate_workload(make_generate(salt), workload, 1, "block", id_prefix)
+        return row.ttft_ms["p50"]
+
+    return run
 
 
 async def interleaved_ttft(
-    systems: Mapping[str, Sequence[Callable[[str], GenerateFn]]],
+    systems: Mapping[str, Sequence[BlockRunner]],
     workload: Workload,
     rounds: int,
     block: int,
     seed: int,
 ) -> dict[str, Any]:
     """TTFT at concurrency 1 in alternating blocks (see the module doc). `systems` maps a
-    name to its instances, each a GenerateFn factory taking a cache salt; "in_process" is
-    the reference. A system's value for a round is the mean of its instances' block
-    medians."""
+    name to its instances, each a BlockRunner; "in_process" is the reference. A system's
+    value for a round is the mean of its instances' block medians."""
     order = random.Random(seed)
     blocks: dict[tuple[str, int], list[float]] = {
         (name, i): [] for name, instances in systems.items() for i in range(len(instances))
@@ -201,11 +224,10 @@ async def interleaved_ttft(
         order.shuffle(keys)
         prompts = [workload.prompts[(r * block + i) % len(workload.prompts)] for i in range(block)]
         for name, i in keys:
-            generate = systems[name][i](f"ttft-{name}-{i}-{r}")
-            row, _ = await run_generate_workload(
-                generate, Workload(prompts, workload.output_len), 1, name, f"t{r}"
+            ttft = await systems[name][i](
+                Workload(prompts, workload.output_len), f"ttft-{name}-{i}-{r}", f"t{r}"
             )
-            blocks[name, i].append(row.ttft_ms["p50"])
+            blocks[name, i].append(ttft)
     per_round = {  # a system's value in each round: the mean of its instances' block medians
         name: [statistics.fmean(v) for v in zip(*(blocks[name, i] for i in range(len(inst))), strict=True)]
         for name, inst in systems.items()

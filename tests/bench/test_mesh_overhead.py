@@ -65,21 +65,22 @@ def test_each_mesh_is_paired_with_the_same_in_process_runs() -> None:
     assert by_system["mesh_si8"]["overhead_median"] == pytest.approx(0.1)
 
 
-def test_interleaved_ttft_pairs_blocks_of_the_same_round(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interleaved_ttft_pairs_blocks_of_the_same_round() -> None:
     """Round r's mesh block is compared with round r's in-process block; systems run in
     a shuffled order per round, each block with its own cache salt and prompts."""
     calls: list[tuple[int, str, str, int]] = []  # (round, system, salt, first prompt token)
 
-    async def fake_run(generate, workload, concurrency, system, id_prefix):  # type: ignore[no-untyped-def]
-        round_ = int(id_prefix[1:])
-        calls.append((round_, system, generate, workload.prompts[0][0]))
-        ttft = 10.0 if system == "in_process" else 10.0 + round_  # round r: the mesh adds r ms
-        return RunResult(system, concurrency, 2, 8, 1.0, 8.0, {"p50": ttft}, {"p50": 1.0}), []
+    def runner(system: str) -> mesh_overhead.BlockRunner:
+        async def run(workload: Workload, salt: str, id_prefix: str) -> float:
+            round_ = int(id_prefix[1:])
+            calls.append((round_, system, salt, workload.prompts[0][0]))
+            return 10.0 if system == "in_process" else 10.0 + round_  # round r: the mesh adds r ms
 
-    monkeypatch.setattr(mesh_overhead, "run_generate_workload", fake_run)
-    systems = {"in_process": [lambda salt: salt], "mesh_si1": [lambda salt: salt]}
+        return run
+
+    systems = {"in_process": [runner("in_process")], "mesh_si1": [runner("mesh_si1")]}
     workload = Workload([[i] for i in range(16)], 4)
-    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=7, block=2, seed=0))  # type: ignore[arg-type]
+    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=7, block=2, seed=0))
     assert report["mesh_si1"]["ttft_added_ms_median"] == pytest.approx(3.0)  # median of 0..6
     assert report["mesh_si1"]["rounds_at_or_under_3ms"] == 4
     assert report["in_process_ttft_block_p50_ms_median"] == 10.0
@@ -89,23 +90,25 @@ def test_interleaved_ttft_pairs_blocks_of_the_same_round(monkeypatch: pytest.Mon
     assert [p for r, s, _, p in calls if s == "mesh_si1"] == [(2 * r) % 16 for r in range(7)]
 
 
-def test_interleaved_ttft_averages_the_instances_of_a_system(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interleaved_ttft_averages_the_instances_of_a_system() -> None:
     """With several instances per system, a round's value is the mean of the instances'
     block medians; every instance runs a block every round, and each is reported."""
     ttfts = {"in-0": 10.0, "in-1": 14.0, "mesh-0": 13.0, "mesh-1": 19.0, "mesh-2": 22.0}
     calls: list[tuple[int, str]] = []
 
-    async def fake_run(generate, workload, concurrency, system, id_prefix):  # type: ignore[no-untyped-def]
-        calls.append((int(id_prefix[1:]), generate))
-        return RunResult(system, concurrency, 2, 8, 1.0, 8.0, {"p50": ttfts[generate]}, {"p50": 1.0}), []
+    def runner(instance: str) -> mesh_overhead.BlockRunner:
+        async def run(workload: Workload, salt: str, id_prefix: str) -> float:
+            calls.append((int(id_prefix[1:]), instance))
+            return ttfts[instance]
 
-    monkeypatch.setattr(mesh_overhead, "run_generate_workload", fake_run)
+        return run
+
     systems = {
-        "in_process": [lambda salt, i=i: f"in-{i}" for i in range(2)],
-        "mesh_si1": [lambda salt, i=i: f"mesh-{i}" for i in range(3)],
+        "in_process": [runner(f"in-{i}") for i in range(2)],
+        "mesh_si1": [runner(f"mesh-{i}") for i in range(3)],
     }
     workload = Workload([[i] for i in range(16)], 4)
-    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=4, block=2, seed=0))  # type: ignore[arg-type]
+    report = asyncio.run(mesh_overhead.interleaved_ttft(systems, workload, rounds=4, block=2, seed=0))
     assert report["instances"] == {"in_process": 2, "mesh_si1": 3}
     assert report["in_process_ttft_block_p50_ms_median"] == pytest.approx(12.0)
     assert report["in_process_instance_ttft_block_p50_ms_medians"] == [10.0, 14.0]
