@@ -189,16 +189,19 @@ def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
     return generate
 
 
-def engine_config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
-    """The in-process engine's configuration for this run."""
+def engine_config(
+    args: argparse.Namespace, max_num_seqs: int, compile_model: bool = False, cpu_affinity: str = ""
+) -> EngineConfig:
+    """The in-process engine's configuration for a run: the model, dtype and token budget
+    of `args`, the benchmarks' page size."""
     return EngineConfig(
         model_dir=args.model_dir,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_batch_tokens,
         block_size=PAGE_SIZE,
         dtype=args.dtype,
-        compile_model=args.compile,
-        cpu_affinity=args.cpu_affinity,
+        compile_model=compile_model,
+        cpu_affinity=cpu_affinity,
     )
 
 
@@ -285,7 +288,7 @@ def bench_interleaved(
     if setup["vllm_skipped"] is None:
         log_path = os.path.join(tempfile.mkdtemp(prefix="meshserve-bench-vllm-"), "vllm.log")
         server = VllmServer(args.vllm_venv, args.model_dir, dtype, log_path)
-    engine = AsyncLLMEngine(engine_config(args, max(concurrencies)))
+    engine = AsyncLLMEngine(engine_config(args, max(concurrencies), args.compile, args.cpu_affinity))
     naive_n = min(args.naive_requests, args.num_requests)
     naive_ref: list[RequestTiming] = []
 

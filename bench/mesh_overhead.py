@@ -60,10 +60,10 @@ import torch
 
 from bench.engine_bench import (
     DEFAULT_MODEL_DIR,
-    PAGE_SIZE,
     GenerateFn,
     RunResult,
     Workload,
+    engine_config,
     engine_generate_fn,
     make_workload,
     run_generate_workload,
@@ -92,14 +92,7 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
 
 def engine_settings(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
     """The in-process engine's configuration: the mesh's settings."""
-    return EngineConfig(
-        model_dir=args.model_dir,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_batch_tokens,
-        block_size=PAGE_SIZE,
-        dtype=args.dtype,
-        cpu_affinity=args.engine_cpus,
-    )
+    return engine_config(args, max_num_seqs, cpu_affinity=args.engine_cpus)
 
 
 def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine:

@@ -2,7 +2,8 @@
 
 Threading model: the engine (all torch work) lives in ONE dedicated thread, so the
 event loop never blocks on a forward pass; it is built on a short-lived thread of its
-own, so that no other long-lived thread keeps an OpenMP pool (`_build_on_own_thread`). The loop talks to it through a thread-safe
+own, so that no other long-lived thread keeps an OpenMP pool (`_build_on_own_thread`).
+The loop talks to it through a thread-safe
 command queue (add / abort / stop); the engine thread sleeps on that queue while it has
 no work and otherwise alternates "drain commands, step once". Outputs travel back with
 ``loop.call_soon_threadsafe`` -- one callback per loop per step, which hands every
