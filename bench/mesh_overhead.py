@@ -146,11 +146,15 @@ async def _warm_up(
     workload: Workload,
     engines: Sequence[AsyncLLMEngine],
     meshes: Sequence[Mesh],
+    children: Sequence[EngineChild] = (),
 ) -> None:
-    """A few short requests through every engine and mesh before anything is timed."""
+    """A few short requests through every engine, engine child and mesh before anything
+    is timed (a child runs them one at a time)."""
     warm = Workload(workload.prompts[:4], 4)
     for engine in engines:
         await run_generate_workload(engine_generate_fn(engine, "warm"), warm, 4, "warmup")
+    for child in children:
+        await child.run_block(warm, "warm", "warm")
     for mesh in meshes:
         fn = gateway_generate_fn(client, mesh.gateway_url, name, "warm")
         await run_generate_workload(fn, warm, 4, "warmup")
@@ -167,10 +171,7 @@ async def _interleaved_runs(
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
             name = model_name(args.model_dir)
-            await _warm_up(client, name, workload, [], [m for ms in meshes.values() for m in ms])
-            warm = Workload(workload.prompts[:4], 4)
-            for child in children:
-                await child.run_block(warm, "warm", "warm")
+            await _warm_up(client, name, workload, [], [m for ms in meshes.values() for m in ms], children)
             systems: dict[str, list[BlockRunner]] = {"in_process": [child.run_block for child in children]}
             for system, instances in meshes.items():
                 systems[system] = [

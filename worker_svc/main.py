@@ -232,7 +232,7 @@ class WorkerProcess:
         if self.encoder is not None:
             await self.encoder.close()
         if self.embedding is not None:
-            self.embedding.thread.shutdown()
+            self.embedding.close()
 
 
 async def main(argv: Sequence[str]) -> None:

@@ -196,7 +196,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
         self, model: EmbeddingModel, thread: TorchThread, identity: WorkerIdentity, max_batch: int = 256
     ) -> None:
         self.model = model
-        self.thread = thread
+        self._thread = thread
         self.identity = identity
         self.max_batch = max_batch
         self._running = 0
@@ -213,7 +213,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"input must hold 1..{self.max_batch} items", param="input")
         self._running += 1
         try:
-            result = await self.thread.run(
+            result = await self._thread.run(
                 self.model.embed, list(request.inputs), request.normalize, request.truncate_prompt_tokens
             )
         finally:
@@ -240,3 +240,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ModelInfo(
             model=self.identity.model, role=self.identity.role, max_model_len=self.model.max_len
         )
+
+    def close(self) -> None:
+        """Stops the torch thread once its current call returns."""
+        self._thread.shutdown()

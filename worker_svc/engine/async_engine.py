@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -114,21 +115,9 @@ def _build_on_own_thread(
     a futex and is woken at almost every op of a forward. A pool of a thread that ended
     is freed. bench/README "Session 17": the engine thread's sleeps per step, and what
     building it here gained."""
-    built: list[LLMEngine] = []
-    failed: list[BaseException] = []
-
-    def build() -> None:
-        try:
-            built.append(LLMEngine(config, on_kv_events))
-        except BaseException as exc:  # re-raised on the caller's thread
-            failed.append(exc)
-
-    builder = threading.Thread(target=build, name="meshserve-engine-build")
-    builder.start()
-    builder.join()
-    if failed:
-        raise failed[0]
-    return built[0]
+    # Leaving the `with` joins the executor's one thread: it has ended, its pool with it.
+    with ThreadPoolExecutor(1, thread_name_prefix="meshserve-engine-build") as builder:
+        return builder.submit(LLMEngine, config, on_kv_events).result()
 
 
 class AsyncLLMEngine:
