@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.config import ServerConfig
-from worker_svc.engine.config import default_dtype, parse_cpu_list
+from worker_svc.engine.config import THREAD_PRIORITIES, default_dtype, parse_cpu_list
 
 ROLES = ("decoder", "embedding", "encoder")
 
@@ -43,6 +43,11 @@ class WorkerConfig(ServerConfig):
     compile_model: bool = False
     # CPUs for the engine's step thread, e.g. "0" or "0-1,4" (empty: not pinned).
     cpu_affinity: str = ""
+    # Scheduling class of the engine's step thread and its OpenMP workers: "idle"
+    # (SCHED_IDLE: the worker's event loop, and relays sharing its CPUs, preempt the
+    # forward at once), "normal", or "auto" (idle on CPU, normal on CUDA). Idle starves
+    # the engine under a CPU-bound neighbour on the same CPUs and cgroup (EngineConfig).
+    engine_priority: str = "auto"
     # Stream every N-th token per sequence after the first (1 = every token). Larger
     # values send fewer, bigger messages through the mesh: more throughput on a busy
     # machine, burstier inter-token latency. The first token and the end always go at once.
@@ -71,6 +76,10 @@ class WorkerConfig(ServerConfig):
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", default_dtype(self.device))
         parse_cpu_list(self.cpu_affinity)
+        if self.engine_priority not in THREAD_PRIORITIES:
+            raise ValueError(
+                f"engine_priority must be one of {', '.join(THREAD_PRIORITIES)}, got {self.engine_priority!r}"
+            )
         if not self.model_dir:
             raise ValueError("model_dir is required (--model-dir)")
         if self.role not in ROLES:

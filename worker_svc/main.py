@@ -52,6 +52,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         attention_backend=config.attention_backend,
         compile_model=config.compile_model,
         cpu_affinity=config.cpu_affinity,
+        thread_priority=config.engine_priority,
     )
 
 

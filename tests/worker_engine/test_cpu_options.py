@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from worker_svc.engine.config import cpu_flags, default_dtype, parse_cpu_list
+from worker_svc.engine.config import cpu_flags, default_dtype, parse_cpu_list, resolved_thread_priority
 
 Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -108,6 +108,22 @@ def test_cpu_affinity_pins_the_stepping_thread_only(make_engine: Factory) -> Non
 def test_cpu_affinity_is_validated(text: str) -> None:
     with pytest.raises(ValueError, match="cpu_affinity"):
         EngineConfig(model_dir="/x", cpu_affinity=text)
+
+
+@pytest.mark.parametrize("value", ["low", "", "IDLE", None])
+def test_thread_priority_is_validated(value: object) -> None:
+    with pytest.raises(ValueError, match="thread_priority"):
+        EngineConfig(model_dir="/x", thread_priority=value)  # type: ignore[arg-type]
+
+
+def test_auto_thread_priority_is_idle_on_cpu_only() -> None:
+    def resolved(device: str, priority: str = "auto") -> str:
+        return resolved_thread_priority(EngineConfig(model_dir="/x", device=device, thread_priority=priority))
+
+    assert resolved("cpu") == "idle"
+    assert resolved("cuda") == resolved("cuda:1") == "normal"
+    assert resolved("cpu", "normal") == "normal"
+    assert resolved("cuda", "idle") == "idle"
 
 
 def test_parse_cpu_list() -> None:

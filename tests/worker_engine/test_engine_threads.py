@@ -71,3 +71,67 @@ def test_a_failed_build_raises_on_the_callers_thread(tmp_path: Path) -> None:
     """What the builder thread raised reaches the caller, as a build on its own thread would."""
     with pytest.raises(ValueError, match="Unrecognized model"):  # an empty model directory
         AsyncLLMEngine(EngineConfig(model_dir=str(tmp_path), dtype="float32"))
+
+
+# Runs one request through an AsyncLLMEngine with the given thread_priority and prints the
+# scheduling policy (field 41 of /proc/<tid>/stat) of: the caller's thread, the engine's
+# step thread, and every thread the run started that Python did not (the OpenMP workers
+# of the step thread's forward).
+_PRIORITY_PROBE = r"""
+import asyncio, os, sys, threading
+import torch
+torch.set_num_threads(2)
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+
+def policy(tid):
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[38])
+
+def foreign():
+    return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+async def main():
+    before = foreign()
+    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", thread_priority=sys.argv[2]))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    async for _ in engine.generate("r", list(range(5, 69)), params):
+        pass
+    step = next(t for t in threading.enumerate() if t.name == "meshserve-engine")
+    print(policy(threading.get_native_id()), policy(step.native_id), sorted(policy(t) for t in foreign() - before))
+    await engine.shutdown()
+
+asyncio.run(main())
+"""
+
+_SCHED_IDLE = 5
+
+
+def _policies(model_dir: str, priority: str) -> tuple[int, int, list[int]]:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PRIORITY_PROBE, model_dir, priority],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    caller, step, workers = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    return int(caller), int(step), [int(p) for p in workers.strip("[]").split(",") if p.strip()]
+
+
+def test_idle_priority_covers_the_forward_and_nothing_else(tiny_model_dir: str) -> None:
+    """ "auto" on CPU: the step thread and the OpenMP workers of its forward run at
+    SCHED_IDLE (so the relays sharing their CPUs preempt them at once); the caller's
+    thread keeps its class."""
+    caller, step, workers = _policies(tiny_model_dir, "auto")
+    assert caller == os.SCHED_OTHER
+    assert step == _SCHED_IDLE
+    assert workers and set(workers) == {_SCHED_IDLE}, workers
+
+
+def test_normal_priority_leaves_the_engine_threads_alone(tiny_model_dir: str) -> None:
+    caller, step, workers = _policies(tiny_model_dir, "normal")
+    assert (caller, step) == (os.SCHED_OTHER, os.SCHED_OTHER)
+    assert workers and set(workers) == {os.SCHED_OTHER}, workers

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from worker_svc.engine.block_manager import KvEvent
-from worker_svc.engine.config import EngineConfig
+from worker_svc.engine.config import EngineConfig, resolved_thread_priority
 from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
 from worker_svc.engine.model_runner import ModelInfo
 from worker_svc.engine.multimodal import MultiModalInput
@@ -118,6 +119,17 @@ def _build_on_own_thread(
     # Leaving the `with` joins the executor's one thread: it has ended, its pool with it.
     with ThreadPoolExecutor(1, thread_name_prefix="meshserve-engine-build") as builder:
         return builder.submit(LLMEngine, config, on_kv_events).result()
+
+
+def _lower_to_idle_priority() -> None:
+    """Puts the calling thread in SCHED_IDLE. Threads it starts later inherit the policy
+    -- the OpenMP workers libgomp creates at the thread's first parallel region among
+    them -- so the whole forward yields its CPUs to any other thread at once
+    (`resolved_thread_priority` says why). Linux lets any thread lower itself to it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp profile forbids it
+        log.warning("engine thread priority 'idle' not applied: %s", exc)
 
 
 class AsyncLLMEngine:
@@ -279,6 +291,9 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------ engine thread
     def _run(self) -> None:
+        # Before the first forward: the thread's OpenMP pool, made then, inherits it.
+        if resolved_thread_priority(self.engine.config) == "idle":
+            _lower_to_idle_priority()
         try:
             while True:
                 if not self._drain_commands(block=not self.engine.has_unfinished()):

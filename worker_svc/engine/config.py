@@ -5,10 +5,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "EngineConfig", "cpu_flags", "default_dtype", "parse_cpu_list"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DTYPES",
+    "THREAD_PRIORITIES",
+    "EngineConfig",
+    "cpu_flags",
+    "default_dtype",
+    "parse_cpu_list",
+    "resolved_thread_priority",
+]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
+THREAD_PRIORITIES = ("auto", "normal", "idle")
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,10 @@ class EngineConfig:
     batch; the first steps of each new shape class pay the compile time).
     ``cpu_affinity`` (e.g. ``"0"`` or ``"0-1,4"``; empty = no pinning) pins the thread
     that runs ``step()`` to those CPUs.
+    ``thread_priority`` is the scheduling class of :class:`AsyncLLMEngine`'s step thread
+    and its OpenMP workers: ``"idle"`` (Linux ``SCHED_IDLE``: any other runnable thread
+    on their CPUs takes the CPU from them at once), ``"normal"``, or ``"auto"`` (idle on
+    CPU, normal on CUDA). See :func:`resolved_thread_priority`.
     """
 
     model_dir: str
@@ -38,6 +52,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     compile_model: bool = False
     cpu_affinity: str = ""
+    thread_priority: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -63,10 +78,31 @@ class EngineConfig:
         if not isinstance(self.compile_model, bool):
             raise ValueError("compile_model must be a bool")
         parse_cpu_list(self.cpu_affinity)
+        if self.thread_priority not in THREAD_PRIORITIES:
+            raise ValueError(
+                f"thread_priority must be one of {THREAD_PRIORITIES}, got {self.thread_priority!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+
+
+def resolved_thread_priority(config: EngineConfig) -> str:
+    """ "idle" or "normal": what ``config.thread_priority`` means on its device.
+
+    Why idle on CPU: the forward's OpenMP threads fill every CPU they are given and wait
+    for each other at every barrier, while the processes that carry its tokens (the
+    worker's event loop, the gateway, the client) wake for a fraction of a millisecond
+    per step. At normal priority the kernel (EEVDF) often lets a woken one wait for the
+    next tick, up to 4 ms, behind a forward thread; at SCHED_IDLE it preempts the forward
+    at once (bench/README "Session 18"). The price: the engine gets only what the other
+    threads on its CPUs leave, so a CPU-bound neighbour on the same CPUs and in the same
+    cgroup starves it -- give it CPUs of its own, or "normal". On CUDA the step thread
+    launches kernels and must not wait behind anything: normal."""
+    if config.thread_priority != "auto":
+        return config.thread_priority
+    return "idle" if config.device.split(":")[0] == "cpu" else "normal"
 
 
 def _positive_int(name: str, value: object) -> None:
