@@ -202,6 +202,7 @@ def engine_config(
         dtype=args.dtype,
         compile_model=compile_model,
         cpu_affinity=cpu_affinity,
+        thread_priority=getattr(args, "engine_priority", "auto"),
     )
 
 

@@ -73,6 +73,7 @@ from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
 from bench.report import save
 from services.launcher import Mesh
 from worker_svc.engine import AsyncLLMEngine, EngineConfig
+from worker_svc.engine.config import THREAD_PRIORITIES
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -336,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads += (("MESHSERVE_DTYPE", args.dtype),)  # the same dtype on both sides
     if args.engine_cpus:
         threads += (("MESHSERVE_CPU_AFFINITY", args.engine_cpus),)
+    threads += (("MESHSERVE_ENGINE_PRIORITY", args.engine_priority),)  # the same on both sides
     intervals = [int(k) for k in args.stream_intervals.split(",")]
     with contextlib.ExitStack() as stack:
         meshes: dict[str, list[Mesh]] = {}
@@ -382,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "engine_cpus": args.engine_cpus,
             "relay_cpus": args.relay_cpus,
+            "engine_priority": args.engine_priority,
         },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "summary": summarize_pairs(rows, concurrencies),
@@ -407,6 +410,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine-cpus",
         default="",
         help="CPUs of the engine step thread, both systems (e.g. 1; empty: no pinning)",
+    )
+    p.add_argument(
+        "--engine-priority",
+        default="auto",
+        choices=THREAD_PRIORITIES,
+        help="scheduling class of the engine's threads, both systems (EngineConfig.thread_priority)",
     )
     p.add_argument(
         "--relay-cpus",
