@@ -42,11 +42,12 @@ print(len(foreign_threads() - before))
 """
 
 
-def _pool_threads_left(model_dir: str, where: str) -> int:
+def _run_probe(probe: str, *args: str) -> str:
+    """Runs `probe` in a fresh interpreter; the last line it printed."""
     # OpenBLAS (numpy's, scipy's) starts server threads of its own at import: not OpenMP's.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE, model_dir, where],
+        [sys.executable, "-c", probe, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -54,7 +55,11 @@ def _pool_threads_left(model_dir: str, where: str) -> int:
         timeout=120,
         check=True,
     )
-    return int(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _pool_threads_left(model_dir: str, where: str) -> int:
+    return int(_run_probe(_PROBE, model_dir, where))
 
 
 def test_building_on_the_callers_thread_leaves_a_pool(tiny_model_dir: str) -> None:
@@ -107,17 +112,7 @@ _SCHED_IDLE = 5
 
 
 def _policies(model_dir: str, priority: str) -> tuple[int, int, list[int]]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PRIORITY_PROBE, model_dir, priority],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    caller, step, workers = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    caller, step, workers = _run_probe(_PRIORITY_PROBE, model_dir, priority).split(" ", 2)
     return int(caller), int(step), [int(p) for p in workers.strip("[]").split(",") if p.strip()]
 
 
