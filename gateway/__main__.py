@@ -12,6 +12,7 @@ import asyncio
 import logging
 import sys
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -66,17 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(GatewayConfig, sys.argv[1:] if argv is None else argv, prog="python -m gateway")
     setup_logging("gateway", config.log_level)
     app = create_app(config)
-    server_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level.lower(),
-        access_log=config.access_log,
-        timeout_graceful_shutdown=FINAL_GRACE_S,
-        log_config=None,
-    )
-    server = GatewayServer(server_config, app.state.gateway, config.drain_timeout_s)
+    server = GatewayServer(server_config(app, config), app.state.gateway, config.drain_timeout_s)
     server.run()
+
+
+def server_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for the gateway `app` (`overrides`: test harnesses' own)."""
+    settings: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "log_level": config.log_level.lower(),
+        "access_log": config.access_log,
+        "timeout_keep_alive": config.keep_alive_timeout_s,
+        "timeout_graceful_shutdown": FINAL_GRACE_S,
+        "log_config": None,
+    }
+    return uvicorn.Config(app, **(settings | overrides))
 
 
 if __name__ == "__main__":

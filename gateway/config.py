@@ -43,6 +43,12 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     # How long /v1/models (and the model check of every request) reuses ListWorkers.
     models_cache_s: float = 1.0
+    # How long an idle HTTP keep-alive connection stays open. Longer than the idle timeouts
+    # of the clients and load balancers in front (aiohttp's pool 15 s, AWS ALB 60 s): when
+    # the server closes first, a client may send its next request on the closing
+    # connection, and a POST is not retried (uvicorn's own default, 5 s, did so to a
+    # benchmark's aiohttp client). nginx's default, 75 s.
+    keep_alive_timeout_s: int = 75
     max_grpc_message_bytes: int = 64 * 1024 * 1024
     # Token path over the workers' TCP token streams where they offer one (false:
     # Worker.GenerateStream calls only; the messages are the same).
@@ -81,6 +87,8 @@ class GatewayConfig:
             raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
         if self.drain_timeout_s < 0 or self.models_cache_s < 0:
             raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
+        if self.keep_alive_timeout_s < 1:
+            raise ValueError("keep_alive_timeout_s must be >= 1")
         if self.max_retries < 0 or self.max_migrations < 0:
             raise ValueError("max_retries and max_migrations must be >= 0")
         if not [a for a in self.scheduler_address.split(",") if a.strip()]:

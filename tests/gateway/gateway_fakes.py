@@ -59,6 +59,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from gateway.__main__ import server_config
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from meshserve.v1 import (
@@ -886,15 +887,17 @@ class Harness:
         return self.run(self._serve(app))
 
     async def _start_gateway(self, config: GatewayConfig) -> RunningGateway:
-        return await self._serve(create_app(config))
+        return await self._serve(create_app(config), config)
 
-    async def _serve(self, app: Any) -> RunningGateway:
+    async def _serve(self, app: Any, config: GatewayConfig | None = None) -> RunningGateway:
+        """Serves `app` with the gateway's own uvicorn settings for `config` (uvicorn's
+        defaults without one), quieter and with a short final grace."""
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = _QuietServer(
-            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
-        )
+        quiet = {"log_level": "warning", "lifespan": "on", "timeout_graceful_shutdown": 1}
+        settings = uvicorn.Config(app, **quiet) if config is None else server_config(app, config, **quiet)
+        server = _QuietServer(settings)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -129,3 +131,45 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _open_after_idle(url: str, idle_s: float) -> bool:
+    """Answers one keep-alive GET on a raw connection, leaves it idle `idle_s`, and tells
+    whether the gateway still holds it open (no EOF waiting on it)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += conn.recv(65536)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
+        while len(body) < length:
+            body += conn.recv(65536)
+        time.sleep(idle_s)
+        conn.setblocking(False)
+        try:
+            return conn.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            return True
+
+
+def test_keep_alive_timeout_is_the_gateways(harness: Harness) -> None:
+    """Idle keep-alive connections stay open `keep_alive_timeout_s`: by default longer than
+    uvicorn's own 5 s, which closed connections that clients' pools (aiohttp: 15 s) still
+    reused, failing the POST sent on one."""
+    short = harness.start_gateway(harness.config(keep_alive_timeout_s=1))
+    default = harness.start_gateway(harness.config())
+    try:
+        assert not _open_after_idle(short.url, 2.0)
+        assert _open_after_idle(default.url, 5.5)
+    finally:
+        harness.stop_gateway(short)
+        harness.stop_gateway(default)
