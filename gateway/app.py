@@ -247,7 +247,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
     """Embeddings of text inputs via the scheduler's Embed."""
     upstream = _upstream(request)
     texts = body.texts()
-    model = await upstream.resolve_model(body.model)
+    model = await upstream.resolve_model(body.model, role="embedding")
     embed = common_pb2.EmbedRequest(
         request_id=new_id("embd"),
         model=model,

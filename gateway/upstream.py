@@ -71,6 +71,14 @@ def _names(workers: scheduler_pb2.ListWorkersResponse, model: str | None) -> boo
     return model in workers.models if model else bool(workers.models)
 
 
+def _first_model_of(workers: scheduler_pb2.ListWorkersResponse, role: str) -> str | None:
+    """The model of the first healthy, not draining worker of `role` in the list."""
+    for status in workers.workers:
+        if status.worker.role == role and status.healthy and not status.draining:
+            return status.worker.model
+    return None
+
+
 class _Replica:
     """One scheduler replica: channel, stubs, and leases waiting to be released."""
 
@@ -297,8 +305,11 @@ class Upstream:
             return self._workers
         return None
 
-    async def resolve_model(self, model: str | None) -> str:
-        """The served model a request names (or the first one when omitted); 404 if unknown.
+    async def resolve_model(self, model: str | None, role: str = "decoder") -> str:
+        """The served model a request names -- or, when it names none, the first model a
+        healthy worker of `role` serves (a mesh serving an embedding model beside its
+        language model must not answer a completion with the embedding model); 404 if
+        unknown.
 
         A model the cached list has is answered from it at once, however old the list:
         a stale one is refreshed in the background, never on the request's path (at a
@@ -315,7 +326,10 @@ class Upstream:
         if not models:
             raise APIError(503, "no model is being served (no healthy worker yet)", code="unavailable")
         if model is None or model == "":
-            return models[0]
+            default = _first_model_of(cached, role)
+            if default is None:
+                raise APIError(503, f"no {role} worker is serving a model yet", code="unavailable")
+            return default
         if model not in models:
             raise APIError(
                 404,

@@ -291,6 +291,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     # unset Event, ListWorkers waits for it (a scheduler slow to list its workers).
     list_workers_calls: int = 0
     list_workers_gate: asyncio.Event | None = None
+    # ListWorkers lists the embedding worker and its model first (as a real scheduler may).
+    embedding_first: bool = False
     # Grants kept per model on a route stream that asks for them (0: none, as a replica
     # whose routing needs the prompt), usable for this long; their lease ids, in order.
     grants_per_model: int = 0
@@ -456,13 +458,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             )
             for worker_id, address in self.workers.items()
         ]
-        workers.append(
-            scheduler_pb2.WorkerStatus(
-                worker=scheduler_pb2.WorkerDescriptor(worker_id="emb-0", role="embedding", model=EMBED_MODEL),
-                healthy=True,
-            )
+        embedding = scheduler_pb2.WorkerStatus(
+            worker=scheduler_pb2.WorkerDescriptor(worker_id="emb-0", role="embedding", model=EMBED_MODEL),
+            healthy=True,
         )
-        return scheduler_pb2.ListWorkersResponse(workers=workers, models=[MODEL, EMBED_MODEL])
+        if self.embedding_first:
+            return scheduler_pb2.ListWorkersResponse(
+                workers=[embedding, *workers], models=[EMBED_MODEL, MODEL]
+            )
+        return scheduler_pb2.ListWorkersResponse(workers=[*workers, embedding], models=[MODEL, EMBED_MODEL])
 
 
 # -------------------------------------------------------------------------- worker

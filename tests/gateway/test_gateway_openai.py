@@ -472,3 +472,26 @@ def test_requests_share_one_stream_per_worker(client: openai.OpenAI, harness: Ha
     for _ in range(3):
         client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=2)
     assert harness.worker.streams_opened == opened
+
+
+def test_a_request_without_model_gets_a_model_of_its_kind(harness: Harness) -> None:
+    """With the embedding model listed first (as `make serve`'s scheduler lists it), a
+    completion or chat naming no model runs on the language model, embeddings on the
+    embedding model (the first listed model used to answer a completion with 404)."""
+    harness.scheduler.embedding_first = True
+    gw = harness.start_gateway(harness.config())
+    try:
+        with httpx.Client(base_url=gw.url, timeout=20) as http:
+            completion = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["model"] == MODEL
+            chat = http.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            assert chat.status_code == 200 and chat.json()["model"] == MODEL, chat.text
+            embedding = http.post("/v1/embeddings", json={"input": "hi"})
+            assert embedding.status_code == 200 and embedding.json()["model"] == EMBED_MODEL, embedding.text
+    finally:
+        harness.scheduler.embedding_first = False
+        harness.stop_gateway(gw)
