@@ -190,7 +190,11 @@ def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
 
 
 def engine_config(
-    args: argparse.Namespace, max_num_seqs: int, compile_model: bool = False, cpu_affinity: str = ""
+    args: argparse.Namespace,
+    max_num_seqs: int,
+    compile_model: bool = False,
+    cpu_affinity: str = "",
+    thread_priority: str = "auto",
 ) -> EngineConfig:
     """The in-process engine's configuration for a run: the model, dtype and token budget
     of `args`, the benchmarks' page size."""
@@ -202,7 +206,7 @@ def engine_config(
         dtype=args.dtype,
         compile_model=compile_model,
         cpu_affinity=cpu_affinity,
-        thread_priority=getattr(args, "engine_priority", "auto"),
+        thread_priority=thread_priority,
     )
 
 

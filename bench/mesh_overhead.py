@@ -93,7 +93,9 @@ def cpu_by_service(mesh: Mesh) -> dict[str, float]:
 
 def engine_settings(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
     """The in-process engine's configuration: the mesh's settings."""
-    return engine_config(args, max_num_seqs, cpu_affinity=args.engine_cpus)
+    return engine_config(
+        args, max_num_seqs, cpu_affinity=args.engine_cpus, thread_priority=args.engine_priority
+    )
 
 
 def _start_engine(args: argparse.Namespace, max_num_seqs: int) -> AsyncLLMEngine:
