@@ -21,7 +21,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from scheduler_svc import metrics
 from scheduler_svc.prefix_index import ApplyResult, KvRecord, PrefixIndex
-from services.kv_contract import INDEX_KEY_PREFIX, SEQ_KEY_PREFIX, STREAM_KEY
+from services.kv_contract import INDEX_KEY_PREFIX, SEQ_KEY_PREFIX, STREAM_KEY, SUBSCRIBER_POLL_INTERVAL_MS
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _BLOCK_MS = 300
 _BATCH = 1000
 # Events wait at most this long to be read in a batch; the policy meanwhile counts its own
 # recent decisions as cached (speculative_ttl_s), so routing does not miss them.
-_MIN_POLL_INTERVAL_S = 0.1
+_MIN_POLL_INTERVAL_S = SUBSCRIBER_POLL_INTERVAL_MS / 1000
 
 
 def parse_entry(fields: dict[Any, Any]) -> KvRecord:

@@ -17,6 +17,7 @@ __all__ = [
     "INDEX_KEY_PREFIX",
     "SEQ_KEY_PREFIX",
     "STREAM_KEY",
+    "SUBSCRIBER_POLL_INTERVAL_MS",
     "MultiModalKey",
     "index_key",
     "request_extra_keys",
@@ -30,6 +31,13 @@ STREAM_KEY = "meshserve:kv-events"
 INDEX_KEY_PREFIX = "meshserve:kv-index:"
 # ... and the stream id of the last event folded into that set.
 SEQ_KEY_PREFIX = "meshserve:kv-seq:"
+# The scheduler reads the stream at most this often, and a worker gathers its events
+# this long by default before it writes them (`kv_events_flush_ms`): written more often,
+# they would cost the worker's writer thread and Redis a transaction each (at c=32 on 2
+# vCPUs, 20 ms cost 3x the CPU of 100 ms, bench/README "Session 19") and reach the
+# scheduler no sooner than its next read. Its own routing decisions count as cached
+# meanwhile (`PrefixIndex` speculative entries, 2 s).
+SUBSCRIBER_POLL_INTERVAL_MS = 100
 
 
 class MultiModalKey(Protocol):

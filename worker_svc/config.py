@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.config import ServerConfig
+from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
 from worker_svc.engine.config import THREAD_PRIORITIES, default_dtype, parse_cpu_list
 
 ROLES = ("decoder", "embedding", "encoder")
@@ -63,8 +64,9 @@ class WorkerConfig(ServerConfig):
     # serialization overlaps the next forward. 0: always through the loop.
     inline_output_max: int = 8
     # KV events (the scheduler's prefix index) are gathered this long and written to Redis
-    # in one transaction (worker_svc.kv_events); 0 writes after every engine step.
-    kv_events_flush_ms: int = 20
+    # in one transaction (worker_svc.kv_events); 0 writes after every engine step. By
+    # default as long as the scheduler waits between two reads of them.
+    kv_events_flush_ms: int = SUBSCRIBER_POLL_INTERVAL_MS
     # Encoder cache (host:port) where encoder workers put image embeddings and decoder
     # workers fetch them by identifier; empty = this worker takes no images.
     encoder_cache_address: str = ""

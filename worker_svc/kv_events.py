@@ -5,13 +5,15 @@ The engine calls `KvEventPublisher.publish(events)` from its engine thread once 
 events; a background thread writes them, so an engine step never waits on Redis.
 
 The writer gathers events for `flush_interval_s` (by default the worker's
-`kv_events_flush_ms`, 20 ms) after the first one of a batch and writes them in one
+`kv_events_flush_ms`, 100 ms) after the first one of a batch and writes them in one
 transaction, adjacent events of one kind as one stream entry. Why: one transaction per
 engine step cost the worker a Redis round trip of Python
 work (interpreter lock included) right after the step that produced a request's first
 token, i.e. while that token was on its way to the gateway, and cost the scheduler one
-stream entry to parse per step. The scheduler reads the stream at most every 100 ms and
-counts its own recent decisions as cached meanwhile, so 20 ms more do not change routing.
+stream entry to parse per step. The scheduler reads the stream at most every 100 ms
+(`services.kv_contract.SUBSCRIBER_POLL_INTERVAL_MS`) and counts its own recent decisions
+as cached meanwhile, so gathering as long does not change routing; gathering 20 ms cost
+the writer thread and Redis three times the CPU at c=32 (bench/README "Session 19").
 
 Redis layout (shared with `scheduler_svc.kv_subscriber`):
 
@@ -155,17 +157,24 @@ class KvEventPublisher:
         with self._cond:
             for event in batch:
                 self._fold(event)
+            # The writer waits for a first event, then gathers for the flush interval
+            # waiting only for a resync or a stop: it is woken for those, not for every
+            # step's events (a wake-up per step is a thread switch and an interpreter-lock
+            # hand-off taken from the engine thread, for nothing).
+            wake = not self._pending
             if self._needs_resync:
                 # The next write rewrites the whole set from the mirror anyway.
+                wake = False
                 if self._redis_down:
                     self._count_dropped(len(batch))
             elif len(self._pending) + len(batch) > self._max_pending:
                 self._count_dropped(len(self._pending) + len(batch))
                 self._pending.clear()
-                self._needs_resync = True
+                self._needs_resync = wake = True
             else:
                 self._pending.extend(batch)
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
         """True once everything published so far has been written (tests, shutdown)."""

@@ -4,6 +4,7 @@ prefix routing fed by events, Redis outages, registry shared by scheduler replic
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +116,32 @@ def test_publisher_gathers_steps_into_one_transaction(private_redis: RedisServer
     ]
     assert members(client, "w1") == {10, 12, 13, 14, 20, 21}
     assert client.get(seq_key("w1")) == f"{pub.epoch}:4".encode()
+    pub.close()
+
+
+def test_publisher_wakes_its_writer_once_per_batch(private_redis: RedisServer) -> None:
+    """Steps published while the writer gathers a batch do not wake it: a wake-up per
+    engine step is a thread switch and an interpreter-lock hand-off taken from the engine
+    thread for nothing (the writer waits out its window anyway)."""
+    notified: list[int] = []  # notify() calls made by publish (the writer's own are its thread's)
+
+    class CountingCondition(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            if threading.current_thread() is threading.main_thread():
+                notified.append(n)
+            super().notify(n)
+
+    pub = KvEventPublisher(private_redis.url, "w1", flush_interval_s=1.0, autostart=False)
+    pub._cond = CountingCondition()  # the publisher's only lock: publish() notifies through it
+    pub.start()
+    assert pub.wait_idle()
+    notified.clear()
+    for step in range(5):
+        pub.publish([Ev("stored", [10 + step])])
+        time.sleep(0.02)
+    assert pub.wait_idle()
+    assert len(notified) == 1  # the batch's first step
+    assert members(redis.Redis.from_url(private_redis.url), "w1") == {10, 11, 12, 13, 14}
     pub.close()
 
 
