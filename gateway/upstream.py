@@ -66,9 +66,10 @@ class Lease:
     replica: int  # index of the scheduler replica that issued it (Release goes there)
 
 
-def _names(workers: scheduler_pb2.ListWorkersResponse, model: str | None) -> bool:
-    """True when the list serves `model` (any model when none is named)."""
-    return model in workers.models if model else bool(workers.models)
+def _answers(workers: scheduler_pb2.ListWorkersResponse, model: str | None, role: str) -> bool:
+    """True when the list can answer a request for `model`: it serves the model, or,
+    when none is named, a healthy worker of `role` serves one."""
+    return model in workers.models if model else _first_model_of(workers, role) is not None
 
 
 def _first_model_of(workers: scheduler_pb2.ListWorkersResponse, role: str) -> str | None:
@@ -316,9 +317,10 @@ class Upstream:
         request every second, waiting for ListWorkers put a scheduler round trip before
         routing on most requests). Only a model the list lacks waits for a list at most
         `models_cache_s` old before it is refused, so a model whose workers just
-        registered is not turned away by an old list."""
+        registered is not turned away by an old list; so does a request naming no model
+        when the list has no healthy worker of `role` (only other kinds of workers)."""
         cached = self._workers
-        if cached is not None and _names(cached, model):
+        if cached is not None and _answers(cached, model, role):
             self._refresh_workers_in_background()
         else:
             cached = await self.list_workers()

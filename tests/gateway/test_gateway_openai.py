@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import time
 
 import httpx
 import openai
@@ -472,6 +473,27 @@ def test_requests_share_one_stream_per_worker(client: openai.OpenAI, harness: Ha
     for _ in range(3):
         client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=2)
     assert harness.worker.streams_opened == opened
+
+
+def test_a_request_without_model_is_not_refused_on_a_stale_list(harness: Harness) -> None:
+    """A request naming no model, while the cached worker list has only workers of
+    another kind healthy (decoders down, the embedding worker up), asks for a list at most
+    `models_cache_s` old before it answers 503: once the decoders are back, the first
+    completion runs (it used to be answered from the stale list while a refresh ran)."""
+    harness.scheduler.down.update(harness.scheduler.workers)
+    gw = harness.start_gateway(harness.config(models_cache_s=0.2))
+    try:
+        with httpx.Client(base_url=gw.url, timeout=20) as http:
+            refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            harness.scheduler.down.clear()
+            time.sleep(0.3)  # the cached list is older than models_cache_s now
+            completion = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["model"] == MODEL
+    finally:
+        harness.scheduler.down.clear()
+        harness.stop_gateway(gw)
 
 
 def test_a_request_without_model_gets_a_model_of_its_kind(harness: Harness) -> None:
