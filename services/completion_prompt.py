@@ -24,15 +24,19 @@ class ImageToken:
     token: str
 
 
-def first_outside_vocab(tokens: Sequence[object], vocab_size: int) -> tuple[int, object] | None:
+def first_outside_vocab(
+    tokens: Sequence[object], vocab_size: int, *, ints: bool = False
+) -> tuple[int, object] | None:
     """(index, entry) of the first entry of `tokens` that is not a token id of a
     vocabulary of `vocab_size` (an int in [0, vocab_size); a bool is not one), or None.
-    The gateway's, the tokenizer service's and the engine's check."""
+    The gateway's, the tokenizer service's and the engine's check. With `ints` the
+    entries are ints by construction (a validated request, a protobuf field) and only
+    their range is checked: half the cost (4096 ids: ~110 instead of ~200 µs)."""
     # The common case in C loops (a 4096-token prompt, warm: 192 instead of 255 µs); the
     # loop finds the offender (and lets int subclasses other than bool through).
     if not tokens:
         return None
-    if set(map(type, tokens)) == {int}:
+    if ints or set(map(type, tokens)) == {int}:
         ids = cast(Sequence[int], tokens)
         if min(ids) >= 0 and max(ids) < vocab_size:
             return None
@@ -43,8 +47,9 @@ def first_outside_vocab(tokens: Sequence[object], vocab_size: int) -> tuple[int,
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
-    """Raises InvalidArgument naming `param` for an id outside [0, vocab_size)."""
-    bad = first_outside_vocab(token_ids, vocab_size)
+    """Raises InvalidArgument naming `param` for an id outside [0, vocab_size) (`token_ids`
+    are ints: a validated request's, a protobuf field's, a tokenizer's output)."""
+    bad = first_outside_vocab(token_ids, vocab_size, ints=True)
     if bad is not None:
         index, token_id = bad
         raise InvalidArgument(

@@ -28,6 +28,12 @@ def test_first_outside_vocab(tokens: list[object], expected: tuple[int, object] 
     assert first_outside_vocab(tokens, VOCAB) == expected
 
 
+def test_ints_are_checked_for_their_range_only() -> None:
+    assert first_outside_vocab([0, 5, VOCAB - 1], VOCAB, ints=True) is None
+    assert first_outside_vocab([5, VOCAB + 3, -2], VOCAB, ints=True) == (1, VOCAB + 3)
+    assert first_outside_vocab([-1, 5], VOCAB, ints=True) == (0, -1)
+
+
 def test_check_token_ids_names_the_field_and_position() -> None:
     check_token_ids(list(range(VOCAB)), VOCAB, "prompt")
     with pytest.raises(
