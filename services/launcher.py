@@ -29,14 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import httpx
 
+from services import ports
 from services.redis_client import RedisServer
 from services.rpc import check_health
 
 log = logging.getLogger("meshserve.launcher")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,50 +102,54 @@ class BackoffPolicy:
         return min(self.max_s, self.initial_s * self.factor**exponent)
 
 
+def _opt(default: T, help: str) -> T:
+    """A launcher option: its default and the help `--help` shows."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """What to start: the model, how many workers per role, where to listen."""
 
-    model_dir: str
-    embedding_model_dir: str = ""
+    model_dir: str = _opt("", "the decoder model: a Hugging Face model directory (required)")
+    embedding_model_dir: str = _opt(
+        "",
+        "the embedding model's directory (default: all-MiniLM-L6-v2 when installed; 'none': no embedding worker)",
+    )
     # all-MiniLM-L6-v2 ships in a folder named "model": serve it under its real name.
-    embedding_model_name: str = "all-MiniLM-L6-v2"
-    host: str = "127.0.0.1"
-    gateway_port: int = DEFAULT_PORTS["gateway"]
-    tokenizer_port: int = DEFAULT_PORTS["tokenizer"]
-    scheduler_port: int = DEFAULT_PORTS["scheduler"]
-    encoder_cache_port: int = DEFAULT_PORTS["encoder-cache"]
-    decoder_base_port: int = DEFAULT_PORTS["decoder"]
-    embedding_port: int = DEFAULT_PORTS["embedding"]
-    encoder_base_port: int = DEFAULT_PORTS["encoder"]
-    num_decoders: int = 1
-    # Scheduler replicas, on consecutive ports from scheduler_port, share their state
-    # through Redis; the gateway and every worker get the list of all of them.
-    num_schedulers: int = 1
-    # Encoder workers (vision tower + projector of a multimodal model): with one or more,
-    # the encoder cache starts too and the scheduler and workers are pointed at it.
-    num_encoders: int = 0
-    encoder_cache_capacity_mb: int = 1024
-    redis_url: str = ""
-    api_keys: str = ""
-    routing_policy: str = "prefix"
-    log_dir: str = ".cache/logs"
-    kv_cache_memory_mb: int = 256
-    max_num_seqs: int = 64
-    # Decoder workers stream every N-th token after the first (worker --stream-interval).
-    stream_interval: int = 1
-    served_model_name: str = ""
-    # Start only these components, comma-separated (e.g. "scheduler,tokenizer"; "" = all):
-    # the others can then run by hand, e.g. under a debugger, on their usual ports.
-    only: str = ""
-    # Supervision (`up`): restart delays double from restart_backoff_s up to
-    # restart_backoff_max_s, and start over once a service ran restart_reset_s.
-    restart_backoff_s: float = 0.5
-    restart_backoff_max_s: float = 10.0
-    restart_reset_s: float = 30.0
-    # On stop, each service gets SIGTERM and this long to drain before SIGKILL (longer than
-    # the services' default drain timeout of 30 s, so that a drain is never cut short).
-    stop_timeout_s: float = 40.0
+    embedding_model_name: str = _opt("all-MiniLM-L6-v2", "the embedding model's name in the API")
+    host: str = _opt("127.0.0.1", "the address every service listens on")
+    gateway_port: int = _opt(DEFAULT_PORTS["gateway"], "the gateway's HTTP port")
+    tokenizer_port: int = _opt(DEFAULT_PORTS["tokenizer"], "the tokenizer service's gRPC port")
+    scheduler_port: int = _opt(DEFAULT_PORTS["scheduler"], "the first scheduler replica's gRPC port")
+    encoder_cache_port: int = _opt(DEFAULT_PORTS["encoder-cache"], "the encoder cache's gRPC port")
+    decoder_base_port: int = _opt(DEFAULT_PORTS["decoder"], "decoder i listens on this port + i")
+    embedding_port: int = _opt(DEFAULT_PORTS["embedding"], "the embedding worker's gRPC port")
+    encoder_base_port: int = _opt(DEFAULT_PORTS["encoder"], "encoder i listens on this port + i")
+    num_decoders: int = _opt(1, "decoder workers")
+    num_schedulers: int = _opt(
+        1, "scheduler replicas on consecutive ports from --scheduler-port, sharing their state in Redis"
+    )
+    num_encoders: int = _opt(
+        0, "encoder workers of a multimodal model; with one or more the encoder cache starts too"
+    )
+    encoder_cache_capacity_mb: int = _opt(1024, "the encoder cache's capacity in MiB")
+    redis_url: str = _opt("", "an existing Redis (default: the launcher starts its own redis-server)")
+    api_keys: str = _opt("", "comma-separated API keys the gateway accepts (default: none needed)")
+    routing_policy: str = _opt("prefix", "the scheduler's routing policy")
+    log_dir: str = _opt(".cache/logs", "each service's output goes to LOG_DIR/NAME.log")
+    kv_cache_memory_mb: int = _opt(256, "each decoder's KV cache in MiB")
+    max_num_seqs: int = _opt(64, "the most sequences a decoder runs at once")
+    stream_interval: int = _opt(1, "decoders stream every N-th token after the first")
+    served_model_name: str = _opt("", "the model's name in the API (default: the model directory's name)")
+    only: str = _opt(
+        "", "start only these components, comma-separated (e.g. scheduler,tokenizer); run the others by hand"
+    )
+    restart_backoff_s: float = _opt(0.5, "first delay before restarting a service that exited")
+    restart_backoff_max_s: float = _opt(10.0, "restart delays double up to this")
+    restart_reset_s: float = _opt(30.0, "a service that ran this long restarts after the first delay again")
+    # Longer than the services' default drain timeout of 30 s, so that a drain is never cut short.
+    stop_timeout_s: float = _opt(40.0, "on stop, SIGKILL a service still draining after this long")
     # Set on every service, over the launcher's own values (e.g. MESHSERVE_STREAM_INTERVAL).
     extra_env: tuple[tuple[str, str], ...] = ()
     # Prometheus /metrics port per service name (e.g. ("encoder-0", 9102)); none by default.
@@ -328,6 +334,16 @@ def _check_ports(specs: Sequence[ServiceSpec]) -> None:
         owner[spec.port] = spec.name
 
 
+def check_ports_free(specs: Sequence[ServiceSpec], host: str) -> None:
+    """RuntimeError naming every port a service would listen on that another process holds:
+    a launch beside a running mesh fails at once instead of restarting services that cannot bind."""
+    taken = [
+        f"port {s.port} ({s.name}) is in use by {who}" for s in specs if (who := ports.busy(host, s.port))
+    ]
+    if taken:
+        raise RuntimeError("; ".join(taken))
+
+
 def _encoder_cache_specs(config: MeshConfig) -> list[ServiceSpec]:
     """The encoder cache, started when there are encoder workers."""
     if config.num_encoders <= 0:
@@ -401,6 +417,7 @@ class Mesh:
     def start(self, timeout: float = 180.0, should_stop: Callable[[], bool] = _never) -> Mesh:
         """Starts Redis (unless `redis_url`) and every service, and waits until all are
         healthy or `should_stop()`; RuntimeError if a service exits, TimeoutError."""
+        check_ports_free(service_specs(self.config, ""), self.config.host)
         redis_url = self.config.redis_url
         if not redis_url:
             self.redis = LauncherRedis(self.own_sessions)  # assigned first: stop() cleans up a failed start
@@ -431,15 +448,22 @@ class Mesh:
     def wait_healthy(self, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
         """Waits until every service is healthy (or `should_stop()` turns true)."""
         deadline = time.monotonic() + timeout
-        pending = list(self.specs.values())
+        pending = list(self.specs)
         while pending and not should_stop():
             self._check_alive()
-            pending = [s for s in pending if not asyncio.run(_healthy(s))]
+            pending = [name for name in pending if not self.serving(name)]
             if pending and time.monotonic() > deadline:
-                names = ", ".join(s.name for s in pending)
+                names = ", ".join(pending)
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {names} (logs in {self.log_dir})")
             if pending:
                 time.sleep(0.3)
+
+    def serving(self, name: str) -> bool:
+        """True when the process the mesh started as `name` listens on its port and reports
+        healthy: a health answer from another process on that port (a second mesh's service)
+        does not count."""
+        spec, proc = self.specs[name], self.procs[name]
+        return ports.listens(proc.pid, spec.port) and asyncio.run(_healthy(spec))
 
     def _check_alive(self) -> None:
         for name, proc in self.procs.items():
@@ -535,7 +559,7 @@ class ServiceChild:
         return self.mesh.procs[self.name].pid
 
     def healthy(self) -> bool:
-        return asyncio.run(_healthy(self.mesh.specs[self.name]))
+        return self.mesh.serving(self.name)
 
 
 class RedisChild:
@@ -697,7 +721,8 @@ def _parse(argv: Sequence[str]) -> MeshConfig:
         if f.name in ("extra_env", "metrics_ports"):
             continue
         default = getattr(defaults, f.name)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default)
+        help = f"{f.metadata['help']} (default: {default!r})"
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=help)
     args = vars(parser.parse_args(argv))
     args.pop("command")
     if not args["model_dir"]:

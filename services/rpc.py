@@ -189,6 +189,10 @@ def server_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC sets SO_REUSEPORT by default: a second server on a port already served would bind
+        # and silently take half its connections (a second mesh's scheduler, a restarted replica
+        # beside a stuck one). Off, the second server fails to start, naming the port.
+        ("grpc.so_reuseport", 0),
     ]
 
 

@@ -11,6 +11,7 @@ SIGTERM / Ctrl-C stop everything with exit code 0 and no traceback. The full-mes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -25,9 +26,20 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import BackoffPolicy, Supervisor, describe_exit
+from services import ports
+from services.config import ServerConfig
+from services.launcher import (
+    BackoffPolicy,
+    Mesh,
+    MeshConfig,
+    ServiceChild,
+    ServiceSpec,
+    Supervisor,
+    describe_exit,
+)
 from services.redis_client import free_port
 from services.rpc import check_health
+from services.server import GrpcServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -415,3 +427,79 @@ def test_full_mesh_tokenizer_kill9_is_restarted_and_sigterm_stops_everything(
 
     run.proc.send_signal(signal.SIGTERM)
     _assert_clean_stop(run, run.wait_exit(120))
+
+
+# ------------------------------------------------------------------ the launcher's own ports
+
+
+def test_a_busy_port_fails_the_launch_at_once_naming_the_port_and_its_holder(
+    launch: Callable[..., LauncherRun],
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        run = launch("--model-dir", "unused", "--only", "scheduler", "--scheduler-port", str(port))
+        code = run.wait_exit(30)
+    assert code == 1, run.output
+    assert time.monotonic() - started < 30
+    assert f"port {port} (scheduler) is in use by pid {os.getpid()}" in run.output
+    assert not run.all_pids(), "nothing may start beside a busy port"
+
+
+def test_a_health_answer_from_another_process_on_the_port_is_not_the_service_serving(
+    tmp_path: Path,
+) -> None:
+    """A second mesh's launcher reached the first mesh's service on the same port and took it
+    for its own: readiness counts only the process the mesh started."""
+
+    async def serve_other() -> tuple[GrpcServer, int]:
+        other = GrpcServer("other-mesh", ServerConfig(host="127.0.0.1", port=0))
+        port = await other.start()
+        await other.set_serving(True)
+        return other, port
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    other, port = asyncio.run_coroutine_threadsafe(serve_other(), loop).result(10)
+    mesh = Mesh(MeshConfig(model_dir="unused", log_dir=str(tmp_path)))
+    mesh.specs["scheduler"] = ServiceSpec("scheduler", "scheduler_svc", port)
+    mesh.procs["scheduler"] = subprocess.Popen(["sleep", "30"])  # started, but it cannot bind
+    try:
+        assert _serving(f"127.0.0.1:{port}"), "the other process answers SERVING on the port"
+        assert not mesh.serving("scheduler")
+        assert not ServiceChild(mesh, "scheduler").healthy(), (
+            "no 'serving again' for a service that cannot bind"
+        )
+    finally:
+        mesh.procs["scheduler"].kill()
+        mesh.procs["scheduler"].wait()
+        asyncio.run_coroutine_threadsafe(other.server.stop(None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_ports_knows_who_listens() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.listen()
+        assert ports.listens(os.getpid(), port)
+        assert ports.listeners(port) == [os.getpid()]
+        assert f"pid {os.getpid()} (" in (ports.busy("127.0.0.1", port) or "")
+    assert not ports.listens(os.getpid(), port)
+    assert ports.busy("127.0.0.1", port) is None
+
+
+def test_every_launcher_option_has_a_help_string() -> None:
+    for f in dataclasses.fields(MeshConfig):
+        if f.name not in ("extra_env", "metrics_ports"):
+            assert f.metadata.get("help"), f.name
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "the gateway's HTTP port (default: 8000)" in " ".join(out.split())

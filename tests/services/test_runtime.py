@@ -146,3 +146,16 @@ def test_serving_settles_the_heap_once_start_up_is_over() -> None:
     assert threshold_before == 700 and frozen_before == 0
     assert threshold_after == GEN0_THRESHOLD
     assert frozen_after > 10_000  # grpc, protobuf, the servicers: all of start-up
+
+
+async def test_a_second_server_on_a_served_port_fails_to_start() -> None:
+    """gRPC's default SO_REUSEPORT would let it bind and take half the first one's connections."""
+    first = GrpcServer("first", ServerConfig(host="127.0.0.1", port=0))
+    port = await first.start()
+    second = GrpcServer("second", ServerConfig(host="127.0.0.1", port=port))
+    try:
+        with pytest.raises(RuntimeError, match=str(port)):
+            await second.start()
+    finally:
+        await second.server.stop(None)
+        await first.server.stop(None)
