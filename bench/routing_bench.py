@@ -83,7 +83,7 @@ from services.redis_client import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
-DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"  # `make model`
+DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"  # `make model`
 TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
 OVERHEAD_METRIC = "meshserve_scheduler_overhead_seconds"
 POLICY_METRIC = "meshserve_scheduler_policy_seconds"

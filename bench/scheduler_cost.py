@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """CLI."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", default=".cache/models/meshserve-tiny-llama")
+    p.add_argument("--model-dir", default=".cache/models/smollm2-135m-instruct")
     p.add_argument("--rate", type=float, default=100.0, help="requests per second (Poisson arrivals)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per repeat")
     p.add_argument("--prompt-len", type=int, default=32)

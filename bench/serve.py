@@ -1,6 +1,6 @@
 """Load generator for OpenAI-compatible servers, in the spirit of `vllm bench serve`.
 
-    python -m bench.serve --base-url http://127.0.0.1:8000 --model meshserve-tiny-llama \\
+    python -m bench.serve --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
         --endpoint chat --dataset random --num-prompts 200 --max-concurrency 16 --out results.json
 
 Every request streams (SSE, `stream_options.include_usage`) with `ignore_eos: true` and

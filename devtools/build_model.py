@@ -1,19 +1,19 @@
-"""Build meshserve's default model: a small Llama-architecture causal LM, fully offline.
+"""Build the random-weight test models: a Llama-architecture causal LM in seconds, fully offline.
 
 Usage::
 
-    python -m devtools.build_model --out DIR [--steps N] [--seed S] [--tiny]
+    python -m devtools.build_model --out DIR [--seed S] [--tiny]
 
 The build trains a byte-level BPE tokenizer on English text found on this machine (docstrings of
-Python's standard library, plus license texts under ``/usr/share`` when present), initialises a
-``LlamaForCausalLM`` and trains it briefly on the same text, part of it rendered as ChatML
-dialogues, so that greedy decoding yields English-like words and chat replies end with
-``<|im_end|>``. The result is a standard Hugging Face model directory (``save_pretrained``) that
-``AutoModelForCausalLM`` / ``AutoTokenizer`` load without network access.
+Python's standard library, plus license texts under ``/usr/share`` when present) and initialises a
+``LlamaForCausalLM`` with random weights sized for it. Its greedy output is deterministic noise: tests
+compare it token for token with transformers' own ``generate``; what a real model answers is tested on
+the default model (:mod:`devtools.default_model`). The result is a standard Hugging Face model
+directory (``save_pretrained``) with a ChatML chat template (tools, multimodal parts, tool calls).
 
 The directory is written atomically: everything goes to ``DIR.tmp`` first, which is then renamed to
 ``DIR``, so an interrupted build never leaves a directory with a ``config.json`` but no weights.
-``--tiny`` skips training and builds a much smaller model for unit tests.
+``--tiny`` builds a much smaller model (64 hidden, 2 layers, vocab 1000).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import ast
 import importlib
 import inspect
 import json
-import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -43,11 +41,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
-DEFAULT_STEPS = 120
-SEQ_LEN = 128
-BATCH_SIZE = 16
 SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # ChatML with tools, multimodal content parts and assistant tool calls. Only standard Jinja and the
 # `tojson` filter, so it renders in transformers' sandboxed `apply_chat_template`. Every output goes
@@ -151,7 +145,6 @@ class BuildSpec:
     """Everything that determines a build's output."""
 
     out: Path
-    steps: int
     seed: int
     vocab_size: int
     corpus_chars: int
@@ -168,17 +161,12 @@ def parse_args(argv: Sequence[str] | None = None) -> BuildSpec:
         prog="python -m devtools.build_model", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="output model directory")
-    parser.add_argument(
-        "--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}; 0 with --tiny)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--tiny", action="store_true", help="untrained, very small model for unit tests")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    parser.add_argument("--tiny", action="store_true", help="a much smaller model (64 hidden, 2 layers)")
     args = parser.parse_args(argv)
     if args.tiny:
-        steps = 0 if args.steps is None else args.steps
-        return BuildSpec(args.out, steps, args.seed, 1000, 200_000, TINY_SHAPE)
-    steps = DEFAULT_STEPS if args.steps is None else args.steps
-    return BuildSpec(args.out, steps, args.seed, 4096, 1_500_000, FULL_SHAPE)
+        return BuildSpec(args.out, args.seed, 1000, 200_000, TINY_SHAPE)
+    return BuildSpec(args.out, args.seed, 4096, 1_500_000, FULL_SHAPE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,59 +292,6 @@ def train_tokenizer(corpus: Sequence[str], vocab_size: int) -> PreTrainedTokeniz
 
 
 # --------------------------------------------------------------------------------------------------
-# Training data
-# --------------------------------------------------------------------------------------------------
-
-
-def _sentences(paragraph: str) -> list[str]:
-    """Split a paragraph into sentences (good enough for docstring prose)."""
-    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", paragraph) if s]
-
-
-def make_dialogues(
-    corpus: Sequence[str], rng: random.Random, fraction: float = 0.35
-) -> list[list[dict[str, str]]]:
-    """Turn about ``fraction`` of the corpus sentences into one-turn chats (user: first half of the
-    sentence, assistant: its continuation), some of them with a system prompt."""
-    dialogues: list[list[dict[str, str]]] = []
-    for paragraph in corpus:
-        for sentence in _sentences(paragraph):
-            words = sentence.split()
-            if not 6 <= len(words) <= 48 or rng.random() >= fraction:
-                continue
-            cut = len(words) // 2
-            chat = [
-                {"role": "user", "content": " ".join(words[:cut])},
-                {"role": "assistant", "content": " ".join(words[cut:])},
-            ]
-            if rng.random() < 0.3:
-                chat.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
-            dialogues.append(chat)
-    return dialogues
-
-
-def build_token_stream(tokenizer: PreTrainedTokenizerFast, corpus: Sequence[str], seed: int) -> torch.Tensor:
-    """Tokenize plain paragraphs and ChatML dialogues, shuffled, each followed by ``<|endoftext|>``."""
-    rng = random.Random(seed)
-    chats = [str(tokenizer.apply_chat_template(chat, tokenize=False)) for chat in make_dialogues(corpus, rng)]
-    documents = [*corpus, *chats]
-    rng.shuffle(documents)
-    encodings = tokenizer.backend_tokenizer.encode_batch(documents, add_special_tokens=False)
-    eot = token_id(tokenizer, ENDOFTEXT)
-    ids: list[int] = []
-    for encoding in encodings:
-        ids.extend(encoding.ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def sample_batch(stream: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw ``BATCH_SIZE`` random windows of ``SEQ_LEN`` tokens from the token stream."""
-    starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH_SIZE,), generator=generator)
-    return torch.stack([stream[s : s + SEQ_LEN] for s in starts.tolist()])
-
-
-# --------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------
 
@@ -394,42 +329,6 @@ def make_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int)
         pad_token_id=config.pad_token_id,
     )
     return model
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Linear warmup over the first 10% of steps, then cosine decay to 10% of the peak rate."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def train(model: LlamaForCausalLM, stream: torch.Tensor, steps: int, seed: int) -> float:
-    """Train with AdamW on next-token prediction; return the mean loss of the last 10 steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
-    generator = torch.Generator().manual_seed(seed)
-    log_every = max(1, steps // 10)
-    losses: list[float] = []
-    model.train()
-    start = time.monotonic()
-    for step in range(steps):
-        batch = sample_batch(stream, generator)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.item()))
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            recent = sum(losses[-log_every:]) / len(losses[-log_every:])
-            elapsed = time.monotonic() - start
-            print(f"  step {step + 1:4d}/{steps}  loss {recent:.3f}  ({elapsed:.1f}s)", flush=True)
-    model.eval()
-    tail = losses[-10:]
-    return sum(tail) / len(tail) if tail else float("nan")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -488,27 +387,16 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def build(spec: BuildSpec) -> float:
-    """Run the whole build described by ``spec``; return the final training loss (NaN if untrained)."""
+def build(spec: BuildSpec) -> None:
+    """Run the whole build described by ``spec``."""
     start = time.monotonic()
     torch.set_num_threads(cpu_count())
     corpus = collect_corpus(spec.corpus_chars)
-    print(f"corpus: {len(corpus)} paragraphs, {sum(map(len, corpus))} chars", flush=True)
     tokenizer = train_tokenizer(corpus, spec.vocab_size)
-    print(f"tokenizer: vocab {len(tokenizer)} ({time.monotonic() - start:.1f}s)", flush=True)
     model = make_model(tokenizer, spec.shape, spec.seed)
-    loss = float("nan")
-    if spec.steps > 0:
-        stream = build_token_stream(tokenizer, corpus, spec.seed)
-        params = sum(p.numel() for p in model.parameters())
-        print(f"training: {params / 1e6:.2f}M params, {len(stream)} tokens, {spec.steps} steps", flush=True)
-        loss = train(model, stream, spec.steps, spec.seed)
-    final_loss = None if math.isnan(loss) else round(loss, 4)
-    info: dict[str, object] = {"seed": spec.seed, "steps": spec.steps, "final_loss": final_loss}
-    info["corpus_chars"] = sum(map(len, corpus))
+    info: dict[str, object] = {"seed": spec.seed, "corpus_chars": sum(map(len, corpus)), "weights": "random"}
     write_atomically(model, tokenizer, spec.out, info)
-    print(f"wrote {spec.out} in {time.monotonic() - start:.1f}s (final loss {loss:.3f})", flush=True)
-    return loss
+    print(f"wrote {spec.out} in {time.monotonic() - start:.1f}s", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

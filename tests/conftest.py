@@ -13,7 +13,7 @@ import pytest
 from services.redis_client import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-tiny-llama"
+DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 
 
 def _build(out: Path, *extra: str) -> Path:
@@ -25,13 +25,24 @@ def _build(out: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model (`make model` builds it; built here if missing)."""
+    """A random-weight Llama with a trained tokenizer and ChatML template, built in seconds: the model
+    of every test not about what a real model answers (`MESHSERVE_TEST_MODEL_DIR` overrides it)."""
     configured = os.environ.get("MESHSERVE_TEST_MODEL_DIR")
     if configured:
         return Path(configured)
-    if (DEFAULT_MODEL_DIR / "config.json").is_file():
-        return DEFAULT_MODEL_DIR
-    return _build(DEFAULT_MODEL_DIR)
+    return _build(tmp_path_factory.mktemp("models") / "test-llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model, SmolLM2-135M-Instruct (`make model` builds it; built here if missing)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "devtools.default_model", "--out", str(DEFAULT_MODEL_DIR)],
+            check=True,
+            cwd=ROOT,
+        )
+    return DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="session")

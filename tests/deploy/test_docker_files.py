@@ -83,9 +83,9 @@ def test_bases_and_torch(dockerfile: tuple[str, list[tuple[str, str]], str]) -> 
 def test_stubs_and_models_match_the_chart(dockerfile: tuple[str, list[tuple[str, str]], str]) -> None:
     name, _, text = dockerfile
     assert "scripts/gen_proto.sh" in text and (ROOT / "scripts" / "gen_proto.sh").is_file()
-    assert (ROOT / "devtools" / "build_model.py").is_file()
+    assert (ROOT / "devtools" / "default_model.py").is_file()
     model_dir = VALUES["model"]["dir"]
-    assert f"python -m devtools.build_model --out {model_dir}" in text, name
+    assert f"python -m devtools.default_model --out {model_dir}" in text, name
     embedding_dir = VALUES["embeddingModel"]["dir"]
     assert f'ln -s "$emb" {embedding_dir}' in text, name
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}

@@ -1,0 +1,102 @@
+"""The real default model (SmolLM2-135M-Instruct, `make model`) through the whole mesh with the official
+openai client: what a new user sees first. These are the tests that fail when the model answers noise
+(e.g. a random-weight model swapped in), so they assert what the answer says, not only its shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import RedisServer, free_port
+
+CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city's name"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    default_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    config = MeshConfig(
+        model_dir=str(default_model_dir),
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        decoder_base_port=free_port(),
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
+        kv_cache_memory_mb=64,
+        embedding_model_dir="",
+    )
+    started = Mesh(config).start(timeout=240)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir: Path) -> str:
+    return default_model_dir.name
+
+
+def test_the_capital_of_france_is_paris(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model, messages=CAPITAL_QUESTION, max_tokens=24, temperature=0
+    )
+    choice = reply.choices[0]
+    assert "Paris" in (choice.message.content or ""), choice.message.content
+    assert choice.finish_reason == "stop", "the model ends its answer with <|im_end|>"
+
+
+def test_json_schema_answer_parses_and_says_paris(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.parse(
+        model=model, messages=CAPITAL_QUESTION, response_format=Capital, max_tokens=48, temperature=0
+    )
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Capital), reply.choices[0].message.content
+    assert parsed.capital == "Paris" and parsed.country.lower() == "france", parsed
+
+
+def test_forced_tool_call_has_valid_arguments_naming_the_city(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=48,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.message.tool_calls, choice.message
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert "Paris" in json.loads(call.function.arguments)["city"], call.function.arguments
