@@ -141,6 +141,10 @@ class MeshConfig:
     kv_cache_memory_mb: int = _opt(256, "each decoder's KV cache in MiB")
     max_num_seqs: int = _opt(64, "the most sequences a decoder runs at once")
     stream_interval: int = _opt(1, "decoders stream every N-th token after the first")
+    generation_config: str = _opt(
+        "auto",
+        "'auto': unset sampling fields take the model's generation_config.json defaults; 'vllm': ignore it",
+    )
     served_model_name: str = _opt("", "the model's name in the API (default: the model directory's name)")
     only: str = _opt(
         "", "start only these components, comma-separated (e.g. scheduler,tokenizer); run the others by hand"
@@ -251,6 +255,7 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
                     "MESHSERVE_KV_CACHE_MEMORY_MB": str(config.kv_cache_memory_mb),
                     "MESHSERVE_MAX_NUM_SEQS": str(config.max_num_seqs),
                     "MESHSERVE_STREAM_INTERVAL": str(config.stream_interval),
+                    "MESHSERVE_GENERATION_CONFIG": config.generation_config,
                     **_encoder_cache_env(config),
                 },
             )

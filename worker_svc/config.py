@@ -32,6 +32,9 @@ class WorkerConfig(ServerConfig):
     max_num_batched_tokens: int = 512
     max_model_len: int = 0
     enable_prefix_caching: bool = True
+    # "auto": a request's unset sampling fields take the model's generation_config.json
+    # defaults (vLLM's --generation-config auto); "vllm": the engine's own defaults.
+    generation_config: str = "auto"
     # "auto": bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32;
     # resolved here so every role (decoder, encoder) gets a concrete dtype. The default stays
     # float32: bf16 results depend on batch composition (seeded sampling under preemption

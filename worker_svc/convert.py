@@ -44,11 +44,16 @@ def num_samples(sampling: common_pb2.SamplingParams, max_n: int = 64) -> int:
 
 
 def sampling_params(
-    sampling: common_pb2.SamplingParams, prompt_len: int, max_model_len: int, sample_index: int = 0
+    sampling: common_pb2.SamplingParams,
+    prompt_len: int,
+    max_model_len: int,
+    sample_index: int = 0,
+    defaults: Sequence[tuple[str, float]] = (),
 ) -> SamplingParams:
-    """Engine params from the proto: unset fields keep engine defaults, except
-    max_tokens, which defaults to the rest of the context window (as vLLM does)."""
-    kwargs: dict[str, Any] = {}
+    """Engine params from the proto: unset fields take ``defaults`` (the model's generation
+    config, ``ModelInfo.sampling_defaults``), else the engine's own, except max_tokens,
+    which defaults to the rest of the context window (as vLLM does)."""
+    kwargs: dict[str, Any] = dict(defaults)
     for name in _OPTIONAL_FIELDS:
         if sampling.HasField(name):
             kwargs[name] = getattr(sampling, name)

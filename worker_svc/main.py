@@ -53,6 +53,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         compile_model=config.compile_model,
         cpu_affinity=config.cpu_affinity,
         thread_priority=config.engine_priority,
+        generation_config=config.generation_config,
     )
 
 

@@ -278,11 +278,16 @@ class StreamSession:
     def _start(self, request: common_pb2.GenerateRequest, mm_inputs: list[MultiModalInput]) -> None:
         n = convert.num_samples(request.sampling)
         prompt = list(request.prompt_token_ids)
-        max_len = self.engine.model_info.max_model_len
+        info = self.engine.model_info
         resumed = convert.resumed_outputs(request.resumed, n)
         # Choices that ended before a migration are not run again.
         live = [i for i in range(n) if not (i in resumed and resumed[i].finished)]
-        params = {i: convert.sampling_params(request.sampling, len(prompt), max_len, i) for i in live}
+        params = {
+            i: convert.sampling_params(
+                request.sampling, len(prompt), info.max_model_len, i, info.sampling_defaults
+            )
+            for i in live
+        }
         all_ids = convert.child_ids(request.request_id, n)
         ids = [all_ids[i] for i in live]
         run = RequestRun(

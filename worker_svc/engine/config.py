@@ -19,6 +19,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
 THREAD_PRIORITIES = ("auto", "normal", "idle")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class EngineConfig:
     batch; the first steps of each new shape class pay the compile time).
     ``cpu_affinity`` (e.g. ``"0"`` or ``"0-1,4"``; empty = no pinning) pins the thread
     that runs ``step()`` to those CPUs.
+    ``generation_config``: ``"auto"`` takes the sampling defaults of the model's
+    ``generation_config.json`` for the fields a request leaves unset (vLLM's
+    ``--generation-config auto``); ``"vllm"`` ignores them (the engine's own defaults).
     ``thread_priority`` is the scheduling class of :class:`AsyncLLMEngine`'s step thread
     and its OpenMP workers: ``"idle"`` (Linux ``SCHED_IDLE``: any other runnable thread
     on their CPUs takes the CPU from them at once), ``"normal"``, or ``"auto"`` (idle on
@@ -53,6 +57,7 @@ class EngineConfig:
     compile_model: bool = False
     cpu_affinity: str = ""
     thread_priority: str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -81,6 +86,10 @@ class EngineConfig:
         if self.thread_priority not in THREAD_PRIORITIES:
             raise ValueError(
                 f"thread_priority must be one of {THREAD_PRIORITIES}, got {self.thread_priority!r}"
+            )
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

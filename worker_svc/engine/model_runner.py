@@ -28,6 +28,7 @@ from worker_svc.engine.attention import (
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
+from worker_svc.engine.sampling import SamplingParams
 from worker_svc.engine.scheduler import ScheduledRequest
 
 __all__ = ["ModelInfo", "ModelOutput", "ModelRunner", "inductor_options", "runtime_guards"]
@@ -51,6 +52,27 @@ class ModelInfo:
     attention_backend: str
     hidden_size: int = 0
     dtype: str = "float32"
+    # Sampling defaults of the model's generation_config.json (EngineConfig.generation_config).
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+
+
+# The generation_config.json fields a request's unset sampling fields default to, as vLLM's
+# --generation-config auto takes them (max_new_tokens aside: the gateway always sets max_tokens).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(gen_cfg: Any) -> tuple[tuple[str, float], ...]:
+    """The fields of ``GENERATION_DEFAULT_FIELDS`` that the model's generation config sets to other
+    than transformers' defaults; ValueError naming the field when one is out of range."""
+    if gen_cfg is None:
+        return ()
+    diff = gen_cfg.to_diff_dict()
+    found = tuple((name, diff[name]) for name in GENERATION_DEFAULT_FIELDS if diff.get(name) is not None)
+    try:
+        SamplingParams(**dict(found)).validate()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the model's generation_config.json: {exc}") from None
+    return found
 
 
 @dataclass
@@ -158,6 +180,7 @@ class ModelRunner:
             attention_backend=self._resolve_backend(),
             hidden_size=int(cfg.hidden_size),
             dtype=self.dtype_name,
+            sampling_defaults=sampling_defaults(gen_cfg) if self.config.generation_config == "auto" else (),
         )
 
     def _resolve_backend(self) -> str:

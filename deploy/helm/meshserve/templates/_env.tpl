@@ -136,6 +136,8 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
   value: {{ include "meshserve.scalar" (.v.maxNumSeqs | default 64) | quote }}
 - name: MESHSERVE_STREAM_INTERVAL
   value: {{ include "meshserve.scalar" (.v.streamInterval | default 1) | quote }}
+- name: MESHSERVE_GENERATION_CONFIG
+  value: {{ .v.generationConfig | default "auto" | quote }}
 - name: MESHSERVE_TOKEN_STREAM
   value: {{ ternary "true" "false" (ne .v.tokenStream false) | quote }}
 - name: MESHSERVE_TOKEN_PORT
