@@ -73,17 +73,6 @@ def server_ssl_context(files: TlsFiles) -> ssl.SSLContext | None:
     return context
 
 
-def client_ssl_context(files: TlsFiles) -> ssl.SSLContext | None:
-    """`channel_credentials` for a plain TCP client (the gateway's token streams): None =
-    plaintext; the server is verified against the CA, the client's certificate goes with it."""
-    if not files.ca:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=files.ca)
-    if files.cert:
-        context.load_cert_chain(files.cert, files.key)
-    return context
-
-
 def server_files(config: ServerConfig) -> TlsFiles:
     """A server's TLS settings (its --tls-* flags / MESHSERVE_TLS_*)."""
     return TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
