@@ -11,7 +11,7 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound, error_from_status
+from services.errors import InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
@@ -43,9 +43,8 @@ def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
 
 
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
-    """Runs generation requests on the worker's engine: `GenerateStream` (the token path,
-    many requests per call, batched per engine step) and `Generate` (one request per
-    call); both are a `StreamSession` underneath."""
+    """Runs generation requests on the worker's engine: `GenerateStream`, the token path
+    (many requests per call, batched per engine step, a `StreamSession` each)."""
 
     def __init__(
         self,
@@ -65,9 +64,8 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self._draining = draining
         self._sessions: set[StreamSession] = set()
 
-    def open_session(self, draining: Callable[[], bool] | None = None) -> StreamSession:
-        """A new session on the engine (a `GenerateStream` call or one `Generate`
-        call); `draining` defaults to the worker's."""
+    def open_session(self) -> StreamSession:
+        """A new session on the engine (one `GenerateStream` call)."""
         fetch = functools.partial(_fetch_mm, self.fetcher) if self.fetcher is not None else None
         session = StreamSession(
             self.engine,
@@ -75,7 +73,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self.identity.model,
             self.stream_interval,
             fetch,
-            self._draining if draining is None else draining,
+            self._draining,
         )
         self._sessions.add(session)
         return session
@@ -110,37 +108,6 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     def active_lease_ids(self) -> list[str]:
         """Leases of every request running on this worker (heartbeats report them)."""
         return [lease for session in self._sessions for lease in session.active_lease_ids()]
-
-    @rpc_handler
-    async def Generate(
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Streams one GenerateResponse per engine step that produced tokens; the last
-        one carries usage and `finished`. Cancelling the call aborts the request."""
-        session = self.open_session(lambda: False)
-        try:
-            session.add(request)
-            session.input_done()
-            async for message in session.responses():
-                for error in message.errors:
-                    raise error_from_status(error.code, error.message, error.param)
-                for output in message.outputs:
-                    yield output
-        finally:
-            self.end_session(session)
-
-    @rpc_handler
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        """Aborts a request (all its samples) on whichever stream runs it; its KV blocks
-        are freed at once."""
-        found = False
-        for session in self._sessions:
-            if request.request_id in session.runs:
-                session.abort(request.request_id)
-                found = True
-        return common_pb2.AbortResponse(found=found)
 
     @rpc_handler
     async def GetLoad(

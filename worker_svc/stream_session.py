@@ -5,9 +5,9 @@ The client (a gateway process) adds and aborts requests; each request's parallel
 run as engine requests whose outputs arrive through `AsyncLLMEngine.submit` sinks. The
 engine hands every output of one step to this loop in one callback, so the sender wakes
 once per step and puts the new output of every request that is due into ONE
-`GenerateStreamResponse`. `stream_interval` applies per request as on the unary
-Generate path (`Outbox`): the first tokens go at once (TTFT), then one message per
-`interval` tokens of a sequence, the end at once.
+`GenerateStreamResponse`. `stream_interval` applies per request (`Outbox`): the first
+tokens go at once (TTFT), then one message per `interval` tokens of a sequence, the end
+at once.
 
 A request-level failure (bad input, engine error) goes out as a `RequestError`; the
 stream and its other requests go on. When the client goes away every request still

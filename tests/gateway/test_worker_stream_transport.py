@@ -10,7 +10,7 @@ import grpc
 
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker_svc.test_generate_stream import PROMPTS, _add, _unary_tokens
+from tests.worker_svc.test_generate_stream import PROMPTS, _add, _solo_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -49,7 +49,7 @@ def test_stream_output_and_reuse(tiny_model_dir: Path) -> None:
         address = f"127.0.0.1:{worker.server.port}"
         try:
             async with grpc.aio.insecure_channel(address) as channel:
-                expected = [await _unary_tokens(worker_pb2_grpc.WorkerStub(channel), p) for p in PROMPTS[:2]]
+                expected = [await _solo_tokens(worker_pb2_grpc.WorkerStub(channel), p) for p in PROMPTS[:2]]
             stream = streams.get("wt", address)
             sinks = [Sink(), Sink()]
             for i, sink in enumerate(sinks):

@@ -48,7 +48,7 @@ async def test_half_closed_stream_waits_for_a_request_still_fetching_images(engi
     session = StreamSession(engine, "w", "", 1, slow_fetch)
     session.add(_request("a"))
     session.add(_request("a"))  # the id is taken while its images are fetched
-    session.input_done()  # e.g. the unary Generate: the stream must not end before "a" runs
+    session.input_done()  # the client half-closed: the stream must not end before "a" runs
     messages = await _collect(session)
     outputs = [o for m in messages for o in m.outputs]
     assert outputs and outputs[-1].finished and outputs[-1].usage.completion_tokens == 4
