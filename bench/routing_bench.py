@@ -12,7 +12,7 @@ For every (load, policy) a fresh cluster is started -- a redis-server, `python -
 scheduler_svc --routing-policy P` and `--workers` decoder processes (`python -m
 worker_svc`) -- and the same seeded workload is sent as token ids the way the gateway
 sends it: `Scheduler.Route` (admission + routing, a lease on one worker), then the
-request on that worker (`Worker.Generate`), then `Scheduler.Release` carrying the
+request on that worker (`Worker.GenerateStream`), then `Scheduler.Release` carrying the
 actual cached tokens (`LeaseOutcome`). The workload: multi-turn conversations, each
 opening with one of a few shared system prompts (with `--hot-prefix-share`, that share
 of them opens with prompt 0), every turn appending a user message and the model's
@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,7 @@ import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer, free_port
 
@@ -345,10 +345,29 @@ class Mesh:
             await channel.close()
 
 
+async def _generate_one(
+    stub: worker_pb2_grpc.WorkerStub, request: common_pb2.GenerateRequest
+) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """The request alone on a Worker.GenerateStream (half-closed after the add): its
+    responses up to the finished one; a RequestError raises."""
+    call = stub.GenerateStream(timeout=600)
+    try:
+        await call.write(worker_pb2.GenerateStreamRequest(add=request))
+        await call.done_writing()
+        async for message in call:
+            for error in message.errors:
+                raise RuntimeError(f"request {error.request_id} failed ({error.code}): {error.message}")
+            for output in message.outputs:
+                yield output
+    finally:
+        call.cancel()
+
+
 async def send(
     mesh: Mesh, prompt: Sequence[int], max_tokens: int, request_id: str
 ) -> tuple[Record, list[int]]:
-    """Route, Worker.Generate on the routed worker, Release; the record and the tokens."""
+    """Route, the request on the routed worker's GenerateStream, Release; the record and
+    the tokens."""
     request = _request(prompt, max_tokens, request_id)
     start = time.perf_counter()
     route = await mesh.scheduler.Route(scheduler_pb2.RouteRequest(request=request), timeout=600)
@@ -358,7 +377,7 @@ async def send(
     output: list[int] = []
     last: Any = None
     try:
-        async for response in mesh.worker(route.worker_address).Generate(request, timeout=600):
+        async for response in _generate_one(mesh.worker(route.worker_address), request):
             new = [t for delta in response.deltas if delta.index == 0 for t in delta.token_ids]
             if new and not output:
                 ttft = time.perf_counter() - start

@@ -1,6 +1,7 @@
 """Round trip of one small worker-stream message: gRPC (grpc.aio bidi stream,
 `Worker.GenerateStream`) vs a length-prefixed protobuf frame on a plain asyncio TCP
-stream (what the token stream, `Worker.OpenTokenStream`, uses since session 12).
+stream (the framed token stream the worker once offered, since removed: the token path is
+`Worker.GenerateStream` only).
 
     python -m bench.transport_rtt [--messages 400 --gaps-ms 0,20 --repeats 3]
         --out bench/results/transport_rtt.json

@@ -50,9 +50,6 @@ class GatewayConfig:
     # benchmark's aiohttp client). nginx's default, 75 s.
     keep_alive_timeout_s: int = 75
     max_grpc_message_bytes: int = 64 * 1024 * 1024
-    # Token path over the workers' TCP token streams where they offer one (false:
-    # Worker.GenerateStream calls only; the messages are the same).
-    worker_token_stream: bool = True
     # Routing again after a worker failed before the first token (excluding it).
     max_retries: int = 2
     # Mid-stream migrations per request: a worker lost after tokens were streamed is

@@ -76,10 +76,7 @@ MIGRATIONS = Counter(
 )
 WORKER_STREAMS = Counter(
     "meshserve_gateway_worker_streams_opened_total",
-    "Streams opened to workers (one per worker, again after a break), by transport: tcp (the "
-    "worker's token stream) or grpc (Worker.GenerateStream: the worker offers no token stream, "
-    "or worker_token_stream is off)",
-    ["transport"],
+    "Worker.GenerateStream calls opened to workers (one per worker, again after a break)",
 )
 
 

@@ -116,7 +116,7 @@ class Upstream:
         addresses = [a.strip() for a in config.scheduler_address.split(",") if a.strip()]
         self._replicas = [_Replica(a, config.max_grpc_message_bytes) for a in addresses]
         self._next_replica = itertools.cycle(range(len(self._replicas)))
-        self.workers = WorkerStreams(config.max_grpc_message_bytes, config.worker_token_stream)
+        self.workers = WorkerStreams(config.max_grpc_message_bytes)
         cache_root = Path(config.tokenizer_cache_dir or Path(tempfile.gettempdir()) / "meshserve-tokenizers")
         self.tokenizers = GatewayTokenizers(self.tokenizer, cache_root, self.timeout)
         self._workers: scheduler_pb2.ListWorkersResponse | None = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,31 +56,6 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(
         root_certificates=_read(files.ca), private_key=_read(files.key), certificate_chain=_read(files.cert)
     )
-
-
-def server_ssl_context(files: TlsFiles) -> ssl.SSLContext | None:
-    """`server_credentials` for a plain TCP server (a decoder's token stream,
-    services.framing): None = plaintext; with a CA, clients must present a certificate
-    it signed."""
-    if not files.cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(files.cert, files.key)
-    if files.ca:
-        context.load_verify_locations(files.ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-def client_ssl_context(files: TlsFiles) -> ssl.SSLContext | None:
-    """`channel_credentials` for a plain TCP client (the gateway's token streams): None =
-    plaintext; the server is verified against the CA, the client's certificate goes with it."""
-    if not files.ca:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=files.ca)
-    if files.cert:
-        context.load_cert_chain(files.cert, files.key)
-    return context
 
 
 def server_files(config: ServerConfig) -> TlsFiles:

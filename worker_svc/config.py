@@ -56,16 +56,6 @@ class WorkerConfig(ServerConfig):
     # values send fewer, bigger messages through the mesh: more throughput on a busy
     # machine, burstier inter-token latency. The first token and the end always go at once.
     stream_interval: int = 1
-    # The token path on a plain TCP port beside the gRPC one (Worker.OpenTokenStream):
-    # one thread wake-up per message instead of gRPC's three. Off: GenerateStream only.
-    token_stream: bool = True
-    # Its port on `host` (0: any free port, fine where nothing filters pod-to-pod traffic).
-    token_port: int = 0
-    # An engine step with at most this many outputs for one plaintext token stream is
-    # written to it from the engine thread, without waking the event loop first (the
-    # first token leaves ~0.4 ms sooner); bigger steps go through the loop, where their
-    # serialization overlaps the next forward. 0: always through the loop.
-    inline_output_max: int = 8
     # KV events (the scheduler's prefix index) are gathered this long and written to Redis
     # in one transaction (worker_svc.kv_events); 0 writes after every engine step. By
     # default as long as the scheduler waits between two reads of them.
@@ -93,10 +83,6 @@ class WorkerConfig(ServerConfig):
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
-        if self.inline_output_max < 0:
-            raise ValueError("inline_output_max must be >= 0")
-        if not 0 <= self.token_port <= 65535:
-            raise ValueError("token_port must be in 0..65535")
         if self.kv_events_flush_ms < 0:
             raise ValueError("kv_events_flush_ms must be >= 0")
         if self.encoder_cache_timeout_s <= 0:

@@ -17,7 +17,6 @@ from services.config import load_config
 from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
 from services.server import GrpcServer
-from services.tls import server_files, server_ssl_context
 from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import EmbeddingModel
@@ -29,7 +28,6 @@ from worker_svc.kv_events import KvEventPublisher
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
 from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
-from worker_svc.token_stream import TokenStreamServer
 from worker_svc.torch_thread import TorchThread
 
 log = logging.getLogger(__name__)
@@ -96,29 +94,14 @@ async def _start_decoder(
         fetcher,
         stream_interval=config.stream_interval,
         draining=lambda: server.draining,
-        inline_max=config.inline_output_max,
     )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
-    if config.token_stream:
-        servicer.token_stream = await _start_token_stream(config, servicer)
 
     async def end_streams() -> None:
-        if servicer.token_stream is not None:
-            servicer.token_stream.stop_accepting()
         servicer.on_drain()
 
     server.on_drain(end_streams)
     return engine, servicer
-
-
-async def _start_token_stream(config: WorkerConfig, servicer: DecoderServicer) -> TokenStreamServer:
-    """The token path on a plain TCP port, TLS like the gRPC server."""
-    context = server_ssl_context(server_files(config))
-    token_stream = TokenStreamServer(
-        servicer.open_session, servicer.end_session, config.max_message_bytes, context
-    )
-    await token_stream.start(config.host, config.token_port)
-    return token_stream
 
 
 def _cache_client(config: WorkerConfig) -> EncoderCacheClient:
@@ -224,8 +207,6 @@ class WorkerProcess:
             self._refresher.cancel()
         if self.link is not None:
             await self.link.close()
-        if self.decoder is not None and self.decoder.token_stream is not None:
-            await self.decoder.token_stream.close()
         if self.engine is not None:
             await self.engine.shutdown()
         if self.publisher is not None:

@@ -11,14 +11,13 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound, Unavailable, error_from_status
+from services.errors import InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
-from worker_svc.token_stream import TokenStreamServer
 from worker_svc.torch_thread import TorchThread
 
 
@@ -44,9 +43,8 @@ def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
 
 
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
-    """Runs generation requests on the worker's engine: `GenerateStream` (the token path,
-    many requests per call, batched per engine step) and `Generate` (one request per
-    call); both are a `StreamSession` underneath."""
+    """Runs generation requests on the worker's engine: `GenerateStream`, the token path
+    (many requests per call, batched per engine step, a `StreamSession` each)."""
 
     def __init__(
         self,
@@ -55,26 +53,19 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         fetcher: EmbeddingFetcher | None = None,
         stream_interval: int = 1,
         draining: Callable[[], bool] = lambda: False,
-        inline_max: int = 0,
     ) -> None:
         self.engine = engine
         self.identity = identity
         # Tokens per sequence gathered into one stream message after the first (vLLM's
         # --stream-interval): fewer messages on the way to the client.
         self.stream_interval = stream_interval
-        # A token stream's step with at most this many outputs is written from the engine
-        # thread (StreamSession, WorkerConfig.inline_output_max).
-        self.inline_max = inline_max
         # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
         self.fetcher = fetcher
         self._draining = draining
         self._sessions: set[StreamSession] = set()
-        # The token path on a plain TCP port (set by the worker process; None: not offered).
-        self.token_stream: TokenStreamServer | None = None
 
-    def open_session(self, draining: Callable[[], bool] | None = None) -> StreamSession:
-        """A new session on the engine (a `GenerateStream` call, a token stream
-        connection or one `Generate` call); `draining` defaults to the worker's."""
+    def open_session(self) -> StreamSession:
+        """A new session on the engine (one `GenerateStream` call)."""
         fetch = functools.partial(_fetch_mm, self.fetcher) if self.fetcher is not None else None
         session = StreamSession(
             self.engine,
@@ -82,14 +73,13 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self.identity.model,
             self.stream_interval,
             fetch,
-            self._draining if draining is None else draining,
-            self.inline_max,
+            self._draining,
         )
         self._sessions.add(session)
         return session
 
     def end_session(self, session: StreamSession) -> None:
-        """The session's call or connection ended: its requests still running are aborted."""
+        """The session's call ended: its requests still running are aborted."""
         session.close()
         self._sessions.discard(session)
 
@@ -110,17 +100,6 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             reader.cancel()
             self.end_session(session)
 
-    @rpc_handler
-    async def OpenTokenStream(
-        self, request: worker_pb2.OpenTokenStreamRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.TokenStreamEndpoint:
-        """Where this worker's TCP token stream listens and the ticket its hello must carry."""
-        if self._draining():
-            raise Unavailable(f"worker {self.identity.worker_id} is draining")
-        if self.token_stream is None:
-            return worker_pb2.TokenStreamEndpoint()
-        return worker_pb2.TokenStreamEndpoint(port=self.token_stream.port, ticket=self.token_stream.ticket)
-
     def on_drain(self) -> None:
         """The worker started draining: streams end once their requests have finished."""
         for session in self._sessions:
@@ -129,37 +108,6 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     def active_lease_ids(self) -> list[str]:
         """Leases of every request running on this worker (heartbeats report them)."""
         return [lease for session in self._sessions for lease in session.active_lease_ids()]
-
-    @rpc_handler
-    async def Generate(
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Streams one GenerateResponse per engine step that produced tokens; the last
-        one carries usage and `finished`. Cancelling the call aborts the request."""
-        session = self.open_session(lambda: False)
-        try:
-            session.add(request)
-            session.input_done()
-            async for message in session.responses():
-                for error in message.errors:
-                    raise error_from_status(error.code, error.message, error.param)
-                for output in message.outputs:
-                    yield output
-        finally:
-            self.end_session(session)
-
-    @rpc_handler
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        """Aborts a request (all its samples) on whichever stream runs it; its KV blocks
-        are freed at once."""
-        found = False
-        for session in self._sessions:
-            if request.request_id in session.runs:
-                session.abort(request.request_id)
-                found = True
-        return common_pb2.AbortResponse(found=found)
 
     @rpc_handler
     async def GetLoad(

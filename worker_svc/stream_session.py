@@ -5,33 +5,26 @@ The client (a gateway process) adds and aborts requests; each request's parallel
 run as engine requests whose outputs arrive through `AsyncLLMEngine.submit` sinks. The
 engine hands every output of one step to this loop in one callback, so the sender wakes
 once per step and puts the new output of every request that is due into ONE
-`GenerateStreamResponse`. `stream_interval` applies per request as on the unary
-Generate path (`Outbox`): the first tokens go at once (TTFT), then one message per
-`interval` tokens of a sequence, the end at once.
+`GenerateStreamResponse`. `stream_interval` applies per request (`Outbox`): the first
+tokens go at once (TTFT), then one message per `interval` tokens of a sequence, the end
+at once.
 
 A request-level failure (bad input, engine error) goes out as a `RequestError`; the
 stream and its other requests go on. When the client goes away every request still
 running is aborted, so its KV blocks are freed at once.
 
-The session is the engine's `StepConsumer` for its requests. On a connection that can
-be written from another thread (the plaintext TCP token stream, `write_to`), a step
-with at most `inline_max` outputs for the session is taken on the engine thread and its
-message written there, straight after the step: the event loop's wake-up (~0.3-0.4 ms
-on a 2-core VM) is off the path of the first token. Larger steps, and every step while
-an earlier one still waits for the loop, take the loop as before, so the work of
-serializing a big batch overlaps the next forward and messages keep their order. The
-session's state is guarded by one lock for that.
+Everything here runs on the event loop, the sinks included: the engine thread only
+hands over a step's `RequestOutput`s (vLLM's output processor pattern), and the
+protobuf messages are built here, overlapping the engine's next forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
@@ -54,23 +47,6 @@ from worker_svc.engine.multimodal import MultiModalInput
 log = logging.getLogger(__name__)
 
 FetchMm = Callable[[common_pb2.GenerateRequest], Awaitable[list[MultiModalInput]]]
-
-
-class Connection(Protocol):
-    """Where `StreamSession.write_to` sends messages (services.framing.FrameConnection)."""
-
-    @property
-    def thread_writable(self) -> bool:
-        """`write_from_thread` may be used now."""
-
-    def write(self, payload: bytes) -> None:
-        """Writes one message (event loop)."""
-
-    def write_from_thread(self, payload: bytes) -> None:
-        """Writes one message from another thread, in order with `write`."""
-
-    async def drain(self) -> None:
-        """Waits while the peer does not read."""
 
 
 class Outbox:
@@ -171,9 +147,7 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
 
 
 class StreamSession:
-    """The requests of one GenerateStream call (or token stream connection) and the
-    messages it sends. Methods are called on the event loop, except `inline` and `step`
-    (the engine's `StepConsumer` calls); every one of them holds `_lock`."""
+    """The requests of one GenerateStream call and the messages it sends."""
 
     def __init__(
         self,
@@ -183,7 +157,6 @@ class StreamSession:
         stream_interval: int,
         fetch_mm: FetchMm | None,
         draining: Callable[[], bool] = lambda: False,
-        inline_max: int = 0,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -191,14 +164,6 @@ class StreamSession:
         self.stream_interval = stream_interval
         self._fetch_mm = fetch_mm
         self._draining = draining
-        # Steps with at most this many outputs for the session are written from the
-        # engine thread when `write_to` has a connection that allows it (0: never).
-        self._inline_max = inline_max
-        self._conn: Connection | None = None
-        self._loop_steps = 0  # steps handed to the loop and not delivered there yet
-        self._lock = threading.RLock()
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self.runs: dict[str, RequestRun] = {}
         self._ready: dict[str, RequestRun] = {}
         self._errors: list[worker_pb2.RequestError] = []
@@ -225,24 +190,23 @@ class StreamSession:
 
     def add(self, request: common_pb2.GenerateRequest) -> None:
         """Starts a request, or queues a RequestError for it."""
-        with self._lock:
-            try:
-                self._validate(request)
-                if self._draining():
-                    raise Unavailable(f"worker {self.worker_id} is draining")
-                if not request.mm_items:
-                    self._start(request, [])
-                    return
-                if self._fetch_mm is None:
-                    raise Unavailable(
-                        "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
-                    )
-                # Marked now, not when the task runs: the id is taken, and a half-closed
-                # stream must not end before the request has started.
-                self._fetching.add(request.request_id)
-                self._spawn(self._add_mm(request, self._fetch_mm))
-            except Exception as exc:
-                self._fail(request.request_id, exc)
+        try:
+            self._validate(request)
+            if self._draining():
+                raise Unavailable(f"worker {self.worker_id} is draining")
+            if not request.mm_items:
+                self._start(request, [])
+                return
+            if self._fetch_mm is None:
+                raise Unavailable(
+                    "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
+                )
+            # Marked now, not when the task runs: the id is taken, and a half-closed
+            # stream must not end before the request has started.
+            self._fetching.add(request.request_id)
+            self._spawn(self._add_mm(request, self._fetch_mm))
+        except Exception as exc:
+            self._fail(request.request_id, exc)
 
     async def _add_mm(self, request: common_pb2.GenerateRequest, fetch: FetchMm) -> None:
         """Fetches the request's image embeddings, then starts it (unless aborted meanwhile)."""
@@ -253,16 +217,15 @@ class StreamSession:
             mm_inputs = await fetch(request)
         except Exception as exc:
             error = exc
-        with self._lock:
-            if request_id not in self._fetching:  # aborted while fetching: already answered
-                return
-            self._fetching.discard(request_id)
-            try:
-                if error is not None:
-                    raise error
-                self._start(request, mm_inputs)
-            except Exception as exc:
-                self._fail(request_id, exc)
+        if request_id not in self._fetching:  # aborted while fetching: already answered
+            return
+        self._fetching.discard(request_id)
+        try:
+            if error is not None:
+                raise error
+            self._start(request, mm_inputs)
+        except Exception as exc:
+            self._fail(request_id, exc)
 
     def _validate(self, request: common_pb2.GenerateRequest) -> None:
         if not request.request_id:
@@ -309,14 +272,13 @@ class StreamSession:
                 done = resumed[index].token_ids if index in resumed else ()
                 sink = self._sink(run, index)
                 self.engine.submit(
-                    child, prompt, params[index], sink, request.priority, keys, mm_inputs, done, self
+                    child, prompt, params[index], sink, request.priority, keys, mm_inputs, done
                 )
         except Exception:
             self._drop(run)
             raise
 
     def _sink(self, run: RequestRun, index: int) -> Callable[[RequestOutput | BaseException], None]:
-        # Called inside `step`, on the loop or on the engine thread (the lock is held).
         def sink(item: RequestOutput | BaseException) -> None:
             if isinstance(item, BaseException):
                 if not run.failed:  # one error per request, whichever sample failed first
@@ -328,21 +290,21 @@ class StreamSession:
                 return
             run.on_output(index, item)
             self._ready[run.request.request_id] = run
+            self._wake.set()
 
         return sink
 
     def abort(self, request_id: str) -> None:
         """Aborts a request: its samples end with finish_reason ABORT, blocks freed."""
-        with self._lock:
-            if request_id in self._fetching:
-                self._fetching.discard(request_id)
-                self._fail(request_id, Aborted("aborted while its image embeddings were being fetched"))
-                return
-            run = self.runs.get(request_id)
-            if run is None:
-                return
-            for child in run.child_ids:
-                self.engine.abort(child)
+        if request_id in self._fetching:
+            self._fetching.discard(request_id)
+            self._fail(request_id, Aborted("aborted while its image embeddings were being fetched"))
+            return
+        run = self.runs.get(request_id)
+        if run is None:
+            return
+        for child in run.child_ids:
+            self.engine.abort(child)
 
     def _drop(self, run: RequestRun) -> None:
         run.end_spans()
@@ -353,48 +315,7 @@ class StreamSession:
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         self._errors.append(request_error(request_id, exc))
-        self._wake_loop()
-
-    def _wake_loop(self) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._wake.set()
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                self._loop.call_soon_threadsafe(self._wake.set)
-
-    # -- the engine's StepConsumer --------------------------------------------------
-
-    def inline(self, count: int) -> bool:
-        """Engine thread: take this step's `count` outputs there (see the module doc)."""
-        with self._lock:
-            conn = self._conn
-            if (
-                conn is not None
-                and not self._loop_steps
-                and count <= self._inline_max
-                and conn.thread_writable
-            ):
-                return True
-            self._loop_steps += 1
-            return False
-
-    @contextlib.contextmanager
-    def step(self, inline: bool) -> Iterator[None]:
-        """One step's outputs go to the sinks inside this block; then its message is
-        written (inline) or the loop's sender woken."""
-        with self._lock:
-            try:
-                yield
-            finally:
-                if not inline:
-                    self._loop_steps -= 1
-                    self._wake.set()
-                elif self._conn is None:  # the connection ended meanwhile
-                    self._wake_loop()
-                else:
-                    self._send(self._conn.write_from_thread)
-                    if self._ended():
-                        self._wake_loop()
+        self._wake.set()
 
     # -- messages out -------------------------------------------------------------
 
@@ -404,35 +325,11 @@ class StreamSession:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                message = self._collect()
-                ended = self._ended()
+            message = self._collect()
             if message.outputs or message.errors:
                 yield message
-            if ended:
+            if not self.runs and not self._fetching and (self._input_done or self._draining()):
                 return
-
-    async def write_to(self, conn: Connection) -> None:
-        """Sends the session's messages on `conn` until the stream ends (as `responses`),
-        from the loop and, for small steps, from the engine thread (see the module doc)."""
-        self._conn = conn
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            with self._lock:
-                self._send(conn.write)
-                ended = self._ended()
-            if ended:
-                return
-            await conn.drain()
-
-    def _send(self, write: Callable[[bytes], None]) -> None:
-        message = self._collect()
-        if message.outputs or message.errors:
-            write(message.SerializeToString())
-
-    def _ended(self) -> bool:
-        return not self.runs and not self._fetching and (self._input_done or self._draining())
 
     def _collect(self) -> worker_pb2.GenerateStreamResponse:
         message = worker_pb2.GenerateStreamResponse(errors=self._errors)
@@ -452,17 +349,14 @@ class StreamSession:
 
     def close(self) -> None:
         """The call ended: abort every request still running (blocks freed at once)."""
-        with self._lock:
-            self._conn = None
-            for run in list(self.runs.values()):
-                self._drop(run)
+        for run in list(self.runs.values()):
+            self._drop(run)
         for task in self._tasks:
             task.cancel()
 
     def active_lease_ids(self) -> list[str]:
         """Leases of the requests running on this stream (for heartbeats)."""
-        with self._lock:
-            return [run.request.lease_id for run in self.runs.values() if run.request.lease_id]
+        return [run.request.lease_id for run in self.runs.values() if run.request.lease_id]
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

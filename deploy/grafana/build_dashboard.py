@@ -260,9 +260,9 @@ def build() -> dict[str, Any]:
                 "legendFormat": "mid-stream migration {{outcome}}",
             },
             {
-                # Streams (re)opened to workers: bursts mean broken streams; grpc = fallback.
-                "expr": f"sum by (transport) (rate(meshserve_gateway_worker_streams_opened_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "worker stream opened ({{transport}})",
+                # Streams (re)opened to workers: bursts mean broken streams.
+                "expr": f"sum(rate(meshserve_gateway_worker_streams_opened_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "worker stream opened",
             },
         ],
         unit="reqps",

@@ -255,18 +255,12 @@ def test_ports_match_the_launcher(
         assert chart_ports.get(component) == port, f"values.yaml ports.{component} != DEFAULT_PORTS"
 
 
-def test_decoders_declare_their_token_stream_port(any_render: Rendered) -> None:
-    """The decoder's TCP token stream (Worker.OpenTokenStream) listens on a declared port
-    that its env names; no other workload has one."""
+def test_decoders_serve_the_token_path_on_their_grpc_port(any_render: Rendered) -> None:
+    """The token path is Worker.GenerateStream on the gRPC port: no workload declares a
+    second serving port (only metrics beside it)."""
     for component, deployment in meshserve_deployments(any_render).items():
-        ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
-        if component == "decoder":
-            assert ports["token"] == 50062 and ports["token"] != main_port(deployment)
-            env = env_of(deployment)
-            assert env["MESHSERVE_TOKEN_PORT"]["value"] == "50062"
-            assert env["MESHSERVE_TOKEN_STREAM"]["value"] == "true"
-        else:
-            assert "token" not in ports, component
+        ports = {p["name"] for p in container(deployment)["ports"]}
+        assert ports <= {"grpc", "http", "metrics"}, (component, ports)
 
 
 def test_env_covers_everything_the_launcher_passes(

@@ -1,4 +1,4 @@
-"""Structured outputs at the worker, through the real `Worker.Generate` on loopback with the
+"""Structured outputs at the worker, through the real `Worker.GenerateStream` on loopback with the
 real tiny model and its tokenizer: constrained seeded requests preempted (recompute) on a
 small KV cache produce exactly what they produce alone (the matcher never advances twice)
 and stay valid; a migrated constrained request continues like an uninterrupted one (its
@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker_svc.worker_kit import Tokens, generate_tokens, run_worker
+from tests.worker_svc.worker_kit import RequestFailed, Tokens, generate_tokens, run_worker
 
 SCHEMA = json.dumps(
     {
@@ -102,7 +102,7 @@ def test_bad_constraint_is_invalid_argument(model_dir: Path, kind: str, spec: st
         sampling = common_pb2.SamplingParams(max_tokens=8, structured_kind=kind, structured_spec=spec)
         if field == "logit_bias":
             sampling.logit_bias[10**6] = 1.0
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(RequestFailed) as caught:
             await generate_tokens(
                 stub, common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[5, 6], sampling=sampling)
             )

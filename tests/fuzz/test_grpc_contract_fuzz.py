@@ -87,10 +87,6 @@ def _sp(**kw: Any) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**kw)
 
 
-def _worker(request: common_pb2.GenerateRequest) -> Call:
-    return lambda ch: _stream(worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=CALL_TIMEOUT_S))
-
-
 def _route(request: scheduler_pb2.RouteRequest) -> Call:
     """Scheduler.Route; a lease it grants is released at once (none may leak)."""
 
@@ -253,29 +249,8 @@ SAMPLING_CASES: list[tuple[str, common_pb2.GenerateRequest]] = [
 
 
 def _cases() -> list[Case]:
-    cases: list[Case] = []
-    for name, request in SAMPLING_CASES:
-        cases.append(Case(f"worker-generate-{name}", "decoder-0", _worker(request)))
-    cases += [
-        Case("worker-generate-no-request-id", "decoder-0", _worker(_gen(request_id="", sampling=_sp()))),
-        Case(
-            "worker-generate-unknown-model",
-            "decoder-0",
-            _worker(_gen(model="nope", sampling=_sp())),
-            NOT_FOUND,
-        ),
-        Case(
-            "worker-generate-mm-item-outside-prompt",
-            "decoder-0",
-            _worker(
-                _gen(
-                    sampling=_sp(),
-                    mm_items=[
-                        common_pb2.MultiModalItem(identifier="x", modality="image", offset=-5, length=10**9)
-                    ],
-                )
-            ),
-        ),
+    # The worker's bad requests: GENERATE_STREAM_CASES (answered on the stream).
+    cases: list[Case] = [
         # Scheduler.Route
         Case("scheduler-route-empty-request", "scheduler", _route(scheduler_pb2.RouteRequest())),
         Case("scheduler-route-no-model", "scheduler", _routed(_gen(model="", sampling=_sp()))),
@@ -556,7 +531,7 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
         ("tokenizer", "/meshserve.v1.Tokenizer/RenderChat", _field(2, b"[\xc3(]")),
         ("scheduler", "/meshserve.v1.Scheduler/Route", b"\xff\xff\xff\xff"),
         ("scheduler", "/meshserve.v1.Scheduler/Release", _field(1, b"lease-\xc3(")),
-        ("decoder-0", "/meshserve.v1.Worker/Abort", _field(1, b"\x80\x80")),
+        ("decoder-0", "/meshserve.v1.Worker/Embed", _field(1, b"\x80\x80")),
     ],
     ids=["tokenize-utf8", "render-chat-utf8", "route-corrupt-wire", "release-utf8", "worker-utf8"],
 )
@@ -564,15 +539,7 @@ def test_undecodable_message_is_invalid_argument(
     mesh: SharedMesh, service: str, method: str, payload: bytes
 ) -> None:
     """The contract asks for INVALID_ARGUMENT on a message that does not parse."""
-    if method.endswith("/Generate"):
-        stream = lambda ch: _stream(  # noqa: E731
-            ch.unary_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)(
-                payload, timeout=10
-            )
-        )
-        error = asyncio.run(_run(mesh.address(service), stream))
-    else:
-        error = asyncio.run(_run(mesh.address(service), _raw(method, payload)))
+    error = asyncio.run(_run(mesh.address(service), _raw(method, payload)))
     _check(error, INVALID)
 
 

@@ -25,6 +25,7 @@ from tests.reliability.meshkit import (
     stream_chat,
     wait_gateway_healthy,
 )
+from tests.worker_svc.worker_kit import RequestFailed, generate_one
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -89,8 +90,8 @@ def test_sigterm_gateway_under_load(mesh: SharedMesh) -> None:
 
 
 def test_sigterm_worker_under_load(mesh: SharedMesh) -> None:
-    """SIGTERM the busiest decoder: its in-flight streams complete, a direct Generate to
-    it is refused with UNAVAILABLE, new requests through the gateway are served by the
+    """SIGTERM the busiest decoder: its in-flight streams complete, a request sent to it
+    directly (on a GenerateStream of its own) is refused with UNAVAILABLE, new requests through the gateway are served by the
     other worker, and it exits within its drain grace; then it is restarted."""
     mesh.wait_kv_idle()
     timing: dict[str, float] = {}
@@ -114,7 +115,7 @@ def test_sigterm_worker_under_load(mesh: SharedMesh) -> None:
     exit_s = time.monotonic() - timing["signal"]
     failed = [r for r in results if not r.ok]
     report(
-        f"SIGTERM {name}: {STREAMS - len(failed)}/{STREAMS} in-flight streams completed; direct Generate -> "
+        f"SIGTERM {name}: {STREAMS - len(failed)}/{STREAMS} in-flight streams completed; direct request -> "
         f"{direct.name if direct else 'OK'}; new gateway request -> {via_gateway}; exited (code {code}) "
         f"{exit_s:.1f}s after the signal"
     )
@@ -137,8 +138,8 @@ async def _direct_generate(address: str) -> grpc.StatusCode | None:
             sampling=common_pb2.SamplingParams(max_tokens=2),
         )
         try:
-            async for _ in stub.Generate(request, timeout=10):
+            async for _ in generate_one(stub, request, timeout=10):
                 pass
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, RequestFailed) as exc:
             return exc.code()
     return None

@@ -3,7 +3,7 @@ heartbeats and failures) for the scheduler's integration tests.
 
 The scheduler only routes: `RunningScheduler.route` returns the lease and worker a
 Route picks; `RunningScheduler.run` plays the gateway in miniature (Route, then the
-request on the chosen worker with `Worker.Generate`, then Release)."""
+request on the chosen worker's `Worker.GenerateStream`, then Release)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.server import GrpcServer
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.kv_events import KvEventPublisher
 
 FAST = {"heartbeat_interval_ms": 100, "worker_timeout_s": 0.5, "worker_forget_s": 5.0, "block_size": 4}
@@ -38,15 +39,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """A decoder (or embedding) worker on a real gRPC server, heartbeating every 100 ms.
 
     Heartbeats report the load, `draining`, and as active leases the ids in `lease_ids`
-    (set by the test) plus the leases of the requests its `Generate` is running.
+    (set by the test) plus the leases of the requests its `GenerateStream` is running.
     `hang()` stops the heartbeats (the server keeps answering), `resume()` restarts them,
-    `kill()` stops everything at once (kill -9). `fail_first` makes Embed (and Generate)
-    fail UNAVAILABLE.
+    `kill()` stops everything at once (kill -9). `fail_first` makes Embed fail UNAVAILABLE.
 
-    The scheduler never calls a decoder's Generate; the tests do, after a Route, as the
-    gateway would. It streams `tokens` deterministic tokens (token i of a request is
-    `(sum(prompt) + i) % 1000`) and, with a Redis URL, publishes the prompt's full
-    blocks as KV events like the engine.
+    The scheduler never calls a decoder's GenerateStream; the tests do, after a Route, as
+    the gateway would. Each request added streams `tokens` deterministic tokens (token i
+    of a request is `(sum(prompt) + i) % 1000`) and, with a Redis URL, publishes the
+    prompt's full blocks as KV events like the engine.
     """
 
     def __init__(
@@ -177,11 +177,34 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         items = [common_pb2.MultiModalItem(identifier=i, offset=n) for n, i in enumerate(mm_ids)]
         return block_hashes(token_ids, self.block_size, request_extra_keys(cache_salt, items))
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def GenerateStream(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        """Runs each request added (aborts are ignored); one message per output."""
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        runs: set[asyncio.Task[None]] = set()
+
+        async def run(request: Any) -> None:
+            async for response in self._generate(request):
+                out.put_nowait(worker_pb2.GenerateStreamResponse(outputs=[response]))
+
+        async def read() -> None:
+            async for message in requests:
+                if message.HasField("add"):
+                    runs.add(asyncio.create_task(run(message.add)))
+            await asyncio.gather(*runs, return_exceptions=True)
+            out.put_nowait(None)  # half-closed and every request done: the call ends
+
+        reader = asyncio.create_task(read())
+        try:
+            while (message := await out.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            for task in runs:
+                task.cancel()
+
+    async def _generate(self, request: Any) -> AsyncIterator[Any]:
         rid = request.request_id
         self.started.append(rid)
-        if self.fail_first:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is broken")
         self.active[rid] = request.lease_id
         mm_ids = tuple(m.identifier for m in request.mm_items)
         hashes = self.prompt_hashes(list(request.prompt_token_ids), request.cache_salt, mm_ids)
@@ -292,7 +315,7 @@ class RunningScheduler:
         try:
             async with grpc.aio.insecure_channel(route.worker_address) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                responses = [r async for r in stub.Generate(request, timeout=20)]
+                responses = [r async for r in generate_one(stub, request, timeout=20)]
         finally:
             await self.release(route.lease_id)
         return route, responses

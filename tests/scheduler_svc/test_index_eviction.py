@@ -26,6 +26,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from services.server import GrpcServer
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -89,7 +90,7 @@ class Stack:
         request.lease_id = route.lease_id
         request.request_id = route.request_id
         usage = common_pb2.Usage()
-        async for response in worker_pb2_grpc.WorkerStub(self.worker_channel).Generate(request, timeout=60):
+        async for response in generate_one(worker_pb2_grpc.WorkerStub(self.worker_channel), request, 60):
             if response.HasField("usage"):
                 usage = response.usage
         outcome = scheduler_pb2.LeaseOutcome(lease_id=route.lease_id, cached_tokens=usage.cached_tokens)

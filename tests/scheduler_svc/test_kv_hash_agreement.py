@@ -1,6 +1,6 @@
 """The scheduler's block hashes of a request equal those a real worker's engine publishes
 for it: a real decoder worker (tiny model, in-process) behind a real scheduler and a real
-Redis. The request is routed, run on the chosen worker with Worker.Generate, and the
+Redis. The request is routed, run on the chosen worker's Worker.GenerateStream, and the
 worker's published block set is compared with what `routing_request` hashes -- for a
 plain request and a salted one (the multimodal case is in
 tests/multimodal/test_mm_kv_hash_agreement.py)."""
@@ -21,6 +21,7 @@ from services.kv_contract import index_key
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from tests.scheduler_svc.conftest import RunningScheduler, SchedulerFactory
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -61,7 +62,7 @@ async def run_routed(sched: RunningScheduler, request: common_pb2.GenerateReques
     try:
         async with grpc.aio.insecure_channel(route.worker_address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            responses = [r async for r in stub.Generate(request, timeout=60)]
+            responses = [r async for r in generate_one(stub, request, timeout=60)]
     finally:
         await sched.release(route.lease_id)
     assert responses[-1].finished

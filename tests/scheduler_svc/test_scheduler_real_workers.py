@@ -1,6 +1,6 @@
 """The scheduler in front of real decoder worker processes (tiny model, CPU) and a real
 redis-server: requests are routed by the scheduler (Route), then run on the chosen
-worker with Worker.Generate and released, as the gateway does. Prefix affinity from the
+worker's Worker.GenerateStream and released, as the gateway does. Prefix affinity from the
 engine's KV events; after `kill -9` of a worker the caller fails over (Route excluding
 it) and, once its heartbeats stop, the scheduler routes nothing there.
 
@@ -29,6 +29,7 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.redis_client import RedisServer
 from services.server import GrpcServer
+from tests.worker_svc.worker_kit import generate_one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -123,11 +124,11 @@ class Mesh:
         return worker_pb2_grpc.WorkerStub(channel)
 
     async def generate(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> list[Any]:
-        """Route, Worker.Generate on the routed worker, Release."""
+        """Route, the request on the routed worker's GenerateStream, Release."""
         request = self.request(prompt, max_tokens, **fields)
         route = await self.route(request)
         try:
-            responses = [r async for r in self.worker_stub(route).Generate(request, timeout=60)]
+            responses = [r async for r in generate_one(self.worker_stub(route), request, 60)]
         finally:
             await self.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
         assert responses[0].worker_id == route.worker_id
@@ -201,7 +202,7 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
     received = 0
     started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for response in mesh.worker_stub(route).Generate(request, timeout=60):
+        async for response in generate_one(mesh.worker_stub(route), request, 60):
             received += sum(len(d.token_ids) for d in response.deltas)
             if received >= 3 and mesh.procs[victim].poll() is None:
                 os.kill(mesh.procs[victim].pid, signal.SIGKILL)
@@ -213,7 +214,7 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
     retry = mesh.request(list(range(5, 40)), max_tokens=3)
     failover = await mesh.route(retry, exclude=(victim,))
     assert failover.worker_id == survivor
-    responses = [r async for r in mesh.worker_stub(failover).Generate(retry, timeout=60)]
+    responses = [r async for r in generate_one(mesh.worker_stub(failover), retry, 60)]
     assert responses[-1].finished and len(tokens(responses)) == 3
     await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[failover.lease_id]))
     # Its heartbeats stopped: the scheduler marks it down, ends its leases (the killed

@@ -19,6 +19,7 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from services.redis_client import free_port
 from services.rpc import check_health
 from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, generate_request
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.registration import SchedulerLink
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,13 +274,13 @@ async def test_lease_of_a_running_request_lasts_until_it_ends(
     route = await sched.route([1, 2, 3])
     request = generate_request([1, 2, 3], request_id=route.request_id, lease_id=route.lease_id)
     async with grpc.aio.insecure_channel(route.worker_address) as channel:
-        stream = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=20)
-        first = await stream.read()
+        stream = generate_one(worker_pb2_grpc.WorkerStub(channel), request, timeout=20)
+        first = await anext(stream)
         assert first.worker_id == "a" and worker.active_lease_ids() == [route.lease_id]
         await asyncio.sleep(1.3)  # past the grace, several heartbeats
         assert sched.lease_ids() == {route.lease_id} and sched.inflight("a") == 1
         last = first
-        while (message := await stream.read()) is not grpc.aio.EOF:
+        async for message in stream:
             last = message
         assert last.finished
     await sched.wait_for(lambda: sched.lease_ids() == set())

@@ -289,7 +289,7 @@ GRPC_SERVICES = [
     ("tokenizer", "/meshserve.v1.Tokenizer/GetTokenizerInfo"),
     ("scheduler", "/meshserve.v1.Scheduler/ListWorkers"),
     ("decoder-0", "/meshserve.v1.Worker/GetModelInfo"),
-    ("decoder-1", "/meshserve.v1.Worker/Abort"),
+    ("decoder-1", "/meshserve.v1.Worker/Embed"),
     ("encoder-cache", "/meshserve.v1.EncoderCache/Has"),
 ]
 

@@ -93,7 +93,7 @@ async def test_health_errors_and_drain() -> None:
         assert error_from_rpc(bad.value).param == "role"
         # Bytes that do not parse as the request message: INVALID_ARGUMENT, not UNKNOWN.
         raw = channel.unary_unary(
-            "/meshserve.v1.Worker/Abort", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            "/meshserve.v1.Worker/Embed", request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
         with pytest.raises(grpc.aio.AioRpcError) as malformed:
             await raw(b"\x0a\x02\x80\x80")  # field 1 (string) holding invalid UTF-8

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -96,9 +97,10 @@ class Client(StreamMessages):
                 self.messages.append(message)
 
 
-async def _unary_tokens(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> list[int]:
+async def _solo_tokens(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> list[int]:
+    """The tokens of `prompt` run alone on a stream of its own."""
     request = _add("solo", prompt).add
-    return [t async for r in stub.Generate(request, timeout=60) for d in r.deltas for t in d.token_ids]
+    return [t async for r in generate_one(stub, request, 60) for d in r.deltas for t in d.token_ids]
 
 
 async def _kv_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) -> worker_pb2.LoadStats:
@@ -124,7 +126,7 @@ def run(body: Callable[..., Awaitable[None]], model_dir: Path) -> None:
 
 def test_requests_share_one_stream_and_steps_are_batched(tiny_model_dir: Path) -> None:
     async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
-        expected = [await _unary_tokens(stub, p) for p in PROMPTS]
+        expected = [await _solo_tokens(stub, p) for p in PROMPTS]
         client = Client(stub)
         ids = [f"r{i}" for i in range(len(PROMPTS))]
         client.send(*(_add(rid, p, lease_id=f"lease-{rid}") for rid, p in zip(ids, PROMPTS, strict=True)))

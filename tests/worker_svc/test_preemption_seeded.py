@@ -1,5 +1,5 @@
 """Preemption (recompute) under seeded sampling, through the worker's real gRPC
-`Worker.Generate` on loopback with a real (tiny) model.
+`Worker.GenerateStream` on loopback with a real (tiny) model.
 
 A seeded request draws from its own generator, so its tokens must not depend on what
 else runs: concurrent seeded requests on a KV cache too small for all of them (they get
@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -58,7 +59,7 @@ async def _generate(
     request = common_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
     tokens: Tokens = {i: [] for i in range(n)}
     last = None
-    async for reply in stub.Generate(request, timeout=120):
+    async for reply in generate_one(stub, request, 120):
         for delta in reply.deltas:
             tokens[delta.index].extend(delta.token_ids)
         last = reply

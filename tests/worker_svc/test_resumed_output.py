@@ -1,7 +1,7 @@
 """Mid-stream migration, the worker's half: a request that arrives with the output it
 already produced elsewhere (`GenerateRequest.resumed`) goes on exactly where an
 uninterrupted run would -- greedy and seeded, n=2 with one choice already finished --
-through the real `Worker.Generate` on loopback with a real (tiny) model. Also: bad
+through the real `Worker.GenerateStream` on loopback with a real (tiny) model. Also: bad
 `resumed` fields are INVALID_ARGUMENT naming the field, and no KV block stays in use.
 """
 
@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
-from tests.worker_svc.worker_kit import Tokens, generate_tokens, run_worker
+from tests.worker_svc.worker_kit import RequestFailed, Tokens, generate_tokens, run_worker
 
 MAX_TOKENS = 24
 PROMPT = [random.Random(7).randrange(1, 1000) for _ in range(19)]
@@ -73,11 +73,11 @@ def test_resumed_request_continues_like_an_uninterrupted_run(tiny_model_dir: Pat
 def test_bad_resumed_is_invalid_argument(
     tiny_model_dir: Path, resumed: list[common_pb2.ResumedOutput]
 ) -> None:
-    async def body(stub: worker_pb2_grpc.WorkerStub) -> grpc.aio.AioRpcError:
+    async def body(stub: worker_pb2_grpc.WorkerStub) -> RequestFailed:
         request = common_pb2.GenerateRequest(
             request_id="bad", prompt_token_ids=PROMPT, sampling=_sampling(True), resumed=resumed
         )
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(RequestFailed) as caught:
             await generate_tokens(stub, request)
         return caught.value
 

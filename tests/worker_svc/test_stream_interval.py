@@ -1,5 +1,5 @@
-"""`stream_interval`: the worker's Generate stream gathers N tokens per message after the
-first, over real gRPC on a real engine; the tokens are the same as with every-token
+"""`stream_interval`: the worker's GenerateStream gathers N tokens of a request per
+message after the first, over real gRPC on a real engine; the tokens are the same as with every-token
 streaming."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
+from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -33,7 +34,7 @@ async def _generate(model_dir: Path, interval: int, n: int) -> list[common_pb2.G
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
             sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
             request = common_pb2.GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=sampling)
-            return [r async for r in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60)]
+            return [r async for r in generate_one(worker_pb2_grpc.WorkerStub(channel), request, 60)]
     finally:
         await worker.server.server.stop(0)
         await worker.close()

@@ -1,10 +1,11 @@
 """A real worker process on loopback for tests that talk to it over gRPC: start it, run a
-body against its stub, and read its load once the engine's stats have settled."""
+body against its stub, and read its load once the engine's stats have settled; and one
+request on a `Worker.GenerateStream` of its own (`generate_one`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,12 +19,47 @@ T = TypeVar("T")
 Tokens = dict[int, list[int]]  # sample index -> generated token ids
 
 
+class RequestFailed(Exception):
+    """The request's `RequestError` on its GenerateStream, read as a failed call's status:
+    `code()`, `details()`, and the field at fault (`param`)."""
+
+    def __init__(self, error: worker_pb2.RequestError) -> None:
+        self.error = error
+        self.param = error.param
+        super().__init__(f"{self.code().name}: {error.message}")
+
+    def code(self) -> grpc.StatusCode:
+        return next(code for code in grpc.StatusCode if code.value[0] == self.error.code)
+
+    def details(self) -> str:
+        return self.error.message
+
+
+async def generate_one(
+    stub: worker_pb2_grpc.WorkerStub, request: common_pb2.GenerateRequest, timeout: float = 120
+) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """`request` alone on a GenerateStream, half-closed after the add: its responses up
+    to the finished one. Its RequestError raises RequestFailed, a failed call
+    AioRpcError; leaving early cancels the call, which aborts the request."""
+    call = stub.GenerateStream(timeout=timeout)
+    try:
+        await call.write(worker_pb2.GenerateStreamRequest(add=request))
+        await call.done_writing()
+        async for message in call:
+            for error in message.errors:
+                raise RequestFailed(error)
+            for output in message.outputs:
+                yield output
+    finally:
+        call.cancel()
+
+
 async def generate_tokens(
     stub: worker_pb2_grpc.WorkerStub, request: common_pb2.GenerateRequest, timeout: float = 120
 ) -> Tokens:
-    """Every token each sample produced, over the unary `Worker.Generate` stream."""
+    """Every token each sample produced (`generate_one`)."""
     tokens: Tokens = {}
-    async for reply in stub.Generate(request, timeout=timeout):
+    async for reply in generate_one(stub, request, timeout):
         for delta in reply.deltas:
             tokens.setdefault(delta.index, []).extend(delta.token_ids)
     return tokens

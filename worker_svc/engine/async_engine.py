@@ -9,14 +9,9 @@ no work and otherwise alternates "drain commands, step once". Outputs travel bac
 ``loop.call_soon_threadsafe`` -- one callback per loop per step, which hands every
 request's output to its sink in that one callback: ``generate`` puts them on a
 per-request ``asyncio.Queue``; ``submit`` callers (the worker's batched stream) get all
-outputs of a step before they next run, so they can send one message per step.
-
-A ``submit`` caller may pass a :class:`StepConsumer`: its requests' outputs of one step
-are handed over inside one ``consumer.step(...)`` block, and the consumer may take them
-on the engine thread itself (``inline``) instead of on its loop. That spares the step's
-output the wake-up of the event loop before it leaves the process (the worker's token
-stream writes it to its socket from there: the first token reaches the gateway ~0.4 ms
-sooner at concurrency 1, bench/README "Session 14").
+outputs of a step before they next run, so they can send one message per step. No
+sink runs on the engine thread: what it hands over is plain ``RequestOutput``s, and the
+loop turns them into messages while the engine runs its next forward.
 
 Failure model: a failing step aborts the requests of that batch inside the engine and
 raises in exactly those ``generate`` iterators; everything else keeps running. A
@@ -33,9 +28,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from worker_svc.engine.block_manager import KvEvent
 from worker_svc.engine.config import EngineConfig, resolved_thread_priority
@@ -44,7 +38,7 @@ from worker_svc.engine.model_runner import ModelInfo
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.engine.sampling import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "EngineShutdownError", "StepConsumer"]
+__all__ = ["AsyncLLMEngine", "EngineShutdownError"]
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +50,11 @@ class EngineShutdownError(RuntimeError):
     """The engine was shut down (or its thread died) before the request finished."""
 
 
-class StepConsumer(Protocol):
-    """Takes the outputs of its requests one engine step at a time."""
-
-    def inline(self, count: int) -> bool:
-        """Called on the engine thread with the number of this step's outputs for the
-        consumer: True to take them there and then, False to take them on its loop."""
-
-    def step(self, inline: bool) -> AbstractContextManager[None]:
-        """Wraps the hand-over of one step's outputs to the consumer's sinks (on the
-        engine thread when `inline`, else on the loop)."""
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    # Called on the loop with each output (and the final one / an exception); on the
-    # engine thread when the consumer takes a step inline.
+    # Called on the loop with each output (and the final one / an exception).
     deliver: Sink
-    consumer: StepConsumer | None = None
 
 
 @dataclass
@@ -189,16 +169,14 @@ class AsyncLLMEngine:
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
         resumed_output: Sequence[int] = (),
-        consumer: StepConsumer | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
         ``sink`` gets one ``RequestOutput`` per step that produced tokens for it, the
         last one ``finished``, or an exception; the outputs of one engine step for every
-        request of this loop arrive in one loop callback. With a ``consumer``, they
-        arrive inside its ``step`` block, on the engine thread when it says ``inline``.
-        Invalid input raises ValueError before anything is scheduled. ``abort`` ends it
-        early (a final "abort" output), ``abort(..., drop_output=True)`` silently.
+        request of this loop arrive in one loop callback. Invalid input raises ValueError
+        before anything is scheduled. ``abort`` ends it early (a final "abort" output),
+        ``abort(..., drop_output=True)`` silently.
         """
         self.engine.validate_request(
             request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs, resumed_output
@@ -215,7 +193,7 @@ class AsyncLLMEngine:
                     self._active.discard(request_id)
             sink(item)
 
-        stream = _Stream(asyncio.get_running_loop(), deliver, consumer)
+        stream = _Stream(asyncio.get_running_loop(), deliver)
         try:
             self._send(
                 _Add(
@@ -400,54 +378,15 @@ class AsyncLLMEngine:
     @staticmethod
     def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]]) -> None:
         for loop, items in batches.items():
-            by_consumer: dict[StepConsumer | None, list[tuple[_Stream, _Item]]] = {}
-            for stream, item in items:
-                by_consumer.setdefault(stream.consumer, []).append((stream, item))
-            deferred = []
-            for consumer, group in by_consumer.items():
-                if consumer is not None and _asks_inline(consumer, len(group)):
-                    _deliver(consumer, group, inline=True)
-                else:
-                    deferred.append((consumer, group))
-            if not deferred:
-                continue
             try:
-                loop.call_soon_threadsafe(_deliver_all, deferred)
+                loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
 
-def _asks_inline(consumer: StepConsumer, count: int) -> bool:
-    try:
-        return consumer.inline(count)
-    except Exception:  # a consumer's bug: its outputs take the loop
-        log.exception("output consumer failed")
-        return False
-
-
-_Group = tuple[StepConsumer | None, list[tuple[_Stream, Any]]]
-
-
-def _deliver_all(groups: list[_Group]) -> None:
-    for consumer, items in groups:
-        _deliver(consumer, items, inline=False)
-
-
-def _deliver(consumer: StepConsumer | None, items: list[tuple[_Stream, Any]], inline: bool) -> None:
-    """Hands one step's outputs to their sinks (inside the consumer's step block)."""
-    try:
-        if consumer is None:
-            _deliver_items(items)
-        else:
-            with consumer.step(inline):
-                _deliver_items(items)
-    except Exception:  # one consumer's bug must not starve the others of this step
-        log.exception("output consumer failed")
-
-
-def _deliver_items(items: list[tuple[_Stream, Any]]) -> None:
+def _deliver(items: list[tuple[_Stream, Any]]) -> None:
     for stream, item in items:
         try:
             stream.deliver(item)
-        except Exception:
+        except Exception:  # one consumer's bug must not starve the others of this step
             log.exception("output sink failed")

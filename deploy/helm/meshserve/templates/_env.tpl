@@ -138,10 +138,6 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
   value: {{ include "meshserve.scalar" (.v.streamInterval | default 1) | quote }}
 - name: MESHSERVE_GENERATION_CONFIG
   value: {{ .v.generationConfig | default "auto" | quote }}
-- name: MESHSERVE_TOKEN_STREAM
-  value: {{ ternary "true" "false" (ne .v.tokenStream false) | quote }}
-- name: MESHSERVE_TOKEN_PORT
-  value: {{ include "meshserve.scalar" (.v.tokenPort | default 50062) | quote }}
 {{- if and .root.Values.encoder.enabled .root.Values.encoderCache.enabled }}
 - name: MESHSERVE_ENCODER_CACHE_ADDRESS
   value: {{ include "meshserve.address" (dict "root" .root "name" "encoder-cache") | quote }}

@@ -92,12 +92,6 @@ spec:
             - name: {{ ternary "grpc" "http" $c.grpc }}
               containerPort: {{ include "meshserve.scalar" $port }}
               protocol: TCP
-            {{- if and (eq $c.name "decoder") (ne $v.tokenStream false) }}
-            # The token path's TCP stream (Worker.OpenTokenStream); gateways dial pod IPs.
-            - name: token
-              containerPort: {{ include "meshserve.scalar" ($v.tokenPort | default 50062) }}
-              protocol: TCP
-            {{- end }}
             {{- if $metricsOn }}
             - name: metrics
               containerPort: {{ include "meshserve.scalar" $root.Values.metrics.port }}
