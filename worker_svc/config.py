@@ -36,10 +36,8 @@ class WorkerConfig(ServerConfig):
     # defaults (vLLM's --generation-config auto); "vllm": the engine's own defaults.
     generation_config: str = "auto"
     # "auto": bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32;
-    # resolved here so every role (decoder, encoder) gets a concrete dtype. The default stays
-    # float32: bf16 results depend on batch composition (seeded sampling under preemption
-    # is only batch-independent in float32, tests/worker_svc/test_preemption_seeded.py).
-    dtype: str = "float32"
+    # resolved here so every role (decoder, encoder) gets a concrete dtype.
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int = 0

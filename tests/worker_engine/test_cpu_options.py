@@ -139,3 +139,19 @@ def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
     assert WorkerConfig(model_dir="/x", cpu_affinity="0-1").cpu_affinity == "0-1"
     with pytest.raises(ValueError, match="cpu_affinity"):
         WorkerConfig(model_dir="/x", cpu_affinity="z")
+
+
+def test_warm_up_compiles_before_the_first_request(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+    """What the worker runs before it reports ready: afterwards no request compiles (a single
+    sequence and a batch), the prefix cache is empty again and the counters start at 0."""
+    engine = make_engine(compile_model=True, max_num_batched_tokens=32)
+    assert engine.warm_up() > 0
+    compiled = engine.runner.compile_seconds
+    assert engine.stats().num_free_blocks == engine.model_info.num_kv_blocks
+    assert (engine.num_steps, engine.num_finished, engine.num_generated_tokens) == (0, 0, 0)
+    ps = prompts(5, 21, seed=7)
+    outs = run_all(engine, [("solo", ps[0], GREEDY)])
+    outs.update(run_all(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]))
+    assert engine.runner.compile_seconds == compiled, "a request compiled after the warm-up"
+    assert tokens(outs["solo"]) == tokens(outs["r0"]) == hf_greedy(hf_model, ps[0], GREEDY.max_tokens)
+    assert make_engine().warm_up() == 0.0, "an eager engine has nothing to warm up"

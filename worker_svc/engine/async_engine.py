@@ -98,7 +98,18 @@ def _build_on_own_thread(
     building it here gained."""
     # Leaving the `with` joins the executor's one thread: it has ended, its pool with it.
     with ThreadPoolExecutor(1, thread_name_prefix="meshserve-engine-build") as builder:
-        return builder.submit(LLMEngine, config, on_kv_events).result()
+        return builder.submit(_build_and_warm_up, config, on_kv_events).result()
+
+
+def _build_and_warm_up(
+    config: EngineConfig, on_kv_events: Callable[[list[KvEvent]], None] | None
+) -> LLMEngine:
+    engine = LLMEngine(config, on_kv_events)
+    seconds = engine.warm_up()
+    if seconds:
+        log.info("engine warmed up (compiled) in %.1f s", seconds)
+    log.info("engine: %s", engine.describe())
+    return engine
 
 
 def _lower_to_idle_priority() -> None:

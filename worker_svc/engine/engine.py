@@ -265,6 +265,38 @@ class LLMEngine:
         self.block_manager.flush_events()
         return ok
 
+    def warm_up(self) -> float:
+        """Runs each shape class of the forward once, so that a compiled model compiles now,
+        before the worker reports ready, not on a user's first request; then empties the
+        prefix cache it filled. A compiled graph is specialized on whether the step's tokens and
+        its sampled rows are 1 or more: one prompt alone (prefill: many tokens, one row; decode:
+        one and one), then two together (many and two). Returns the seconds it took (0 when the
+        model is not compiled: eager needs no warm-up)."""
+        if not self.config.compile_model:
+            return 0.0
+        start = time.monotonic()
+        for batch in ((("warm-up-0", 9, 2),), (("warm-up-1", 3, 2), ("warm-up-2", 9, 4))):
+            for name, prompt_len, max_tokens in batch:
+                ids = [i % self.model_info.vocab_size for i in range(1, prompt_len + 1)]
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                self.add_request(name, ids, params)
+            while self.has_unfinished():
+                self.step()
+        self.num_finished = self.num_steps = self.num_generated_tokens = 0
+        self.reset_prefix_cache()
+        return time.monotonic() - start
+
+    def describe(self) -> str:
+        """The engine's effective configuration in one line, for the start-up log."""
+        info, config = self.model_info, self.config
+        defaults = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults) or "none"
+        return (
+            f"dtype {info.dtype}, attention {info.attention_backend}, compiled {config.compile_model}, "
+            f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
+            f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
+            f"prefix caching {config.enable_prefix_caching}, model sampling defaults: {defaults}"
+        )
+
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration and return the outputs it produced.
