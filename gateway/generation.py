@@ -161,7 +161,6 @@ class GenerationRun:
         self._attempts = 0
         self._migrations = 0
         self._running = False  # the worker runs the request (its last message is due)
-        self._stopping = False  # every choice ended here: the worker's run is aborted on purpose
         self._closed = False
         self._begun = False
         self._cached_tokens = 0
@@ -254,10 +253,7 @@ class GenerationRun:
             if 0 <= delta.index < len(self._choices):
                 self._on_delta(self._choices[delta.index], delta)
         if response.finished:
-            # The worker is done with the request; one that aborted it by itself or failed
-            # it (draining, an engine error) gets no next request on the same lease.
-            clean = all(d.finish_reason not in _FAILED_REASONS for d in response.deltas)
-            self._upstream_ended(reusable=clean or self._stopping)
+            self._upstream_ended()
 
     def _on_delta(self, choice: _Choice, delta: common_pb2.SequenceDelta) -> None:
         if choice.ended:
@@ -308,9 +304,9 @@ class GenerationRun:
         message = f"worker {self._attempt_worker} failed: {reason}"
         self._queue.put_nowait(_Failure(APIError(503, message, code="unavailable"), "reroute"))
 
-    def _upstream_ended(self, reusable: bool = False) -> None:
+    def _upstream_ended(self) -> None:
         self._running = False
-        self._release(reusable)
+        self._release()
         self._queue.put_nowait(_DONE)
 
     # -- the consumer side ------------------------------------------------------------
@@ -393,7 +389,6 @@ class GenerationRun:
         """Every choice ended: abort generation still running, wait briefly for usage."""
         if not self._running or self._stream is None:
             return
-        self._stopping = True  # e.g. a stop string matched: the abort is ours
         self._stream.abort(self.spec.request_id)
         try:
             async with asyncio.timeout(ABORT_DRAIN_S):
@@ -407,9 +402,9 @@ class GenerationRun:
             _Failure(APIError(504, f"request timed out after {self.upstream.timeout:g}s (request_timeout_s)"))
         )
 
-    def _release(self, reusable: bool = False) -> None:
+    def _release(self) -> None:
         if self._lease is not None:
-            self.upstream.release(self._lease, reusable)
+            self.upstream.release(self._lease)
             self._lease = None
 
     def _forget(self) -> None:

@@ -130,8 +130,6 @@ class Upstream:
     async def close(self) -> None:
         """Releases pending leases, then closes every stream and channel (in-flight
         calls are cancelled)."""
-        for replica in self._replicas:  # unused grants would hold their slots until reconciled
-            replica.pending_release.extend(replica.routes.surrender_grants())
         self._flush_releases()
         if self._workers_refresh is not None:
             self._workers_refresh.cancel()
@@ -188,13 +186,7 @@ class Upstream:
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
     ) -> Lease:
         """A lease on the worker the scheduler picks for `request`, over the replica's
-        RouteStream (`gateway.route_stream`) -- or, for a request with nothing to exclude
-        or encode, a grant a replica issued ahead of it (no round trip)."""
-        plain = not exclude and not force_encode and not request.mm_items
-        if plain:
-            granted = self._take_grant(request.model)
-            if granted is not None:
-                return granted
+        RouteStream (`gateway.route_stream`)."""
         message = scheduler_pb2.RouteStreamRequest(
             route=scheduler_pb2.RouteRequest(
                 request=request, exclude_worker_ids=exclude, force_encode=force_encode
@@ -202,8 +194,6 @@ class Upstream:
         )
 
         def call(replica: _Replica) -> Awaitable[scheduler_pb2.RouteResponse]:
-            if plain:  # the answer may bring grants for the next requests
-                replica.routes.want_grants(request.model)
             # Leases ended since the last route ride along (fewer messages under load).
             message.ClearField("release")
             release = replica.take_releases()
@@ -214,26 +204,6 @@ class Upstream:
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
-    def grants_held(self, model: str) -> int:
-        """Grants of `model` this gateway holds unused, from every replica."""
-        return sum(replica.routes.held(model) for replica in self._replicas)
-
-    def grants_in_use(self, model: str) -> int:
-        """Grants of `model` this gateway placed on requests that have not ended yet."""
-        return sum(replica.routes.in_use(model) for replica in self._replicas)
-
-    def _take_grant(self, model: str) -> Lease | None:
-        """A lease some replica granted for `model` ahead of requests, or None; grants
-        found past their use-by time go back with the next releases."""
-        for index, replica in enumerate(self._replicas):
-            grant, expired = replica.routes.take_grant(model)
-            if expired:
-                replica.pending_release.extend(expired)
-                self._schedule_release()
-            if grant is not None:
-                return Lease(grant.lease_id, grant.worker_id, grant.worker_address, [], index)
-        return None
-
     def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
         """Remembers what the worker reported for the lease's request; its release then
         carries the actual cached tokens (the scheduler compares them with its prediction)."""
@@ -241,15 +211,11 @@ class Upstream:
             lease_id=lease.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
         )
 
-    def release(self, lease: Lease, reusable: bool = False) -> None:
+    def release(self, lease: Lease) -> None:
         """Hands a lease back to the replica that issued it (batched, in the background),
-        with its outcome when `note_usage` recorded one. A `reusable` lease (its request
-        ended on the worker as it should) that was granted is kept for the next request
-        instead, while its grant allows (`RouteStream.return_grant`)."""
+        with its outcome when `note_usage` recorded one."""
         replica = self._replicas[lease.replica]
         outcome = self._usage.pop(lease.lease_id, None)
-        if replica.routes.return_grant(lease.lease_id, reusable):
-            return  # a grant has no prediction for an outcome to be compared with
         if outcome is None:
             replica.pending_release.append(lease.lease_id)
         else:

@@ -42,11 +42,6 @@ class ActiveLease:
     def worker_id(self) -> str:
         return self.lease.worker.worker_id
 
-    @property
-    def granted(self) -> bool:
-        """Issued ahead of any request (a route stream's grant): no prediction to compare."""
-        return self.lease.granted
-
 
 class LeaseTable:
     """Leases of this scheduler replica by id; popping one hands its slot back."""

@@ -98,12 +98,7 @@ FAILOVERS = Counter(
 )
 LEASES = Gauge(
     "meshserve_scheduler_leases",
-    "Leases this replica holds (requests routed and not ended yet, grants not yet released)",
-)
-GRANTS = Counter(
-    "meshserve_scheduler_grants_total",
-    "Leases granted ahead of requests on route streams (a gateway places a request on one "
-    "without a route round trip; each also counts in leases until released)",
+    "Leases this replica holds (requests routed and not ended yet)",
 )
 LEASES_ENDED = Counter(
     "meshserve_scheduler_leases_ended_total",

@@ -146,18 +146,6 @@ class Router:
             return None
         return self._issue(request, placed[0], placed[1], [], received_at)
 
-    def grant(self, model: str) -> RouteResult | None:
-        """A lease on a worker for the caller's next request of `model`, issued before
-        that request exists (`Dispatcher.grant` says when), or None."""
-        placed = self.scheduler.dispatcher.grant(model)
-        if placed is None:
-            return None
-        lease, decision = placed
-        active = self.scheduler.leases.issue(lease, "")
-        metrics.GRANTS.inc()
-        metrics.LEASES.set(len(self.scheduler.leases))
-        return RouteResult("", active, decision, [], 0)
-
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
@@ -193,8 +181,7 @@ class Router:
         actual = {o.lease_id: o.cached_tokens for o in outcomes}
         policy = self.scheduler.policy.name
         for lease in reported:
-            if not lease.granted:
-                record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
+            record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
         ended.extend(reported)
         self.scheduler.end_leases(ended, "released")
         return len(ended)

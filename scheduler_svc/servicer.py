@@ -11,7 +11,7 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from scheduler_svc import metrics
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
 from scheduler_svc.route import Router, route_response
-from scheduler_svc.route_stream import GrantPolicy, RouteStreamSession
+from scheduler_svc.route_stream import RouteStreamSession
 from scheduler_svc.scheduler import Scheduler
 from services.errors import MeshError
 from services.rpc import feed_stream, rpc_handler
@@ -79,14 +79,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.scheduler = scheduler
         self.router = Router(scheduler)
         self._lease_ttl_ms = int(scheduler.config.lease_ttl_s * 1000)
-        # Usable for half the grace period: a grant kept unused longer may already have
-        # been ended because its worker does not report it (no grace: no grants).
-        use_within_ms = int(scheduler.config.lease_grace_s * 500)
-        self._grants = GrantPolicy(
-            scheduler.config.route_grants if use_within_ms > 0 else 0,
-            use_within_ms,
-            int(scheduler.config.grant_reuse_s * 1000),
-        )
         self._sessions: set[RouteStreamSession] = set()
         self._draining = False
 
@@ -122,9 +114,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             async with writes:
                 await context.write(answer)
 
-        session = RouteStreamSession(
-            self.router, self._lease_ttl_ms, lambda: self._draining, send, self._grants
-        )
+        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining, send)
         self._sessions.add(session)
         reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
         try:

@@ -293,12 +293,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     list_workers_gate: asyncio.Event | None = None
     # ListWorkers lists the embedding worker and its model first (as a real scheduler may).
     embedding_first: bool = False
-    # Grants kept per model on a route stream that asks for them (0: none, as a replica
-    # whose routing needs the prompt), usable for this long; their lease ids, in order.
-    grants_per_model: int = 0
-    grant_use_within_ms: int = 60_000
-    grant_reuse_for_ms: int = 0  # LeaseGrant.reuse_for_ms (0: one request per grant)
-    granted: list[str] = field(default_factory=list)
     _lease_ids: Iterator[int] = field(default_factory=itertools.count)
 
     @property
@@ -327,51 +321,20 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def RouteStream(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """The gateway's route stream: each route answered at once, in order, with the
-        grants the message asks for (topped up like the real replica's)."""
-        sent: dict[str, int] = {}  # model -> grants sent on this stream
+        """The gateway's route stream: each route answered at once, in order."""
         async for message in request_iterator:
             if message.HasField("release"):
                 self._record_release(message.release)
-            reply = scheduler_pb2.RouteStreamResponse(call_id=0)
-            if message.HasField("route"):
-                reply.call_id = message.call_id
-                answer = self._route(message.route)
-                if isinstance(answer, tuple):
-                    status, text, param = answer
-                    reply.error.CopyFrom(
-                        scheduler_pb2.RouteError(code=_code(status), message=text, param=param)
-                    )
-                else:
-                    reply.route.CopyFrom(answer)
-            for model, count in message.grants.items():
-                on_the_way = sent.get(model, 0) - count.received
-                for _ in range(self.grants_per_model - count.held - on_the_way):
-                    reply.grants.append(self._grant(model))
-                    sent[model] = sent.get(model, 0) + 1
-            if reply.call_id or reply.grants:
-                yield reply
-
-    def _grant(self, model: str) -> scheduler_pb2.LeaseGrant:
-        """A lease on the first worker, issued ahead of any request."""
-        worker_id = next(
-            w for w in [*self.route_first, *self.workers] if w in self.workers and w not in self.down
-        )
-        lease_id = f"{self.name}-grant-{next(self._lease_ids)}"
-        self.leases[lease_id] = ("", worker_id)
-        self.granted.append(lease_id)
-        lease = scheduler_pb2.RouteResponse(
-            lease_id=lease_id,
-            worker_id=worker_id,
-            worker_address=self.workers[worker_id],
-            lease_ttl_ms=60_000,
-        )
-        return scheduler_pb2.LeaseGrant(
-            model=model,
-            lease=lease,
-            use_within_ms=self.grant_use_within_ms,
-            reuse_for_ms=self.grant_reuse_for_ms,
-        )
+            if not message.HasField("route"):
+                continue
+            reply = scheduler_pb2.RouteStreamResponse(call_id=message.call_id)
+            answer = self._route(message.route)
+            if isinstance(answer, tuple):
+                status, text, param = answer
+                reply.error.CopyFrom(scheduler_pb2.RouteError(code=_code(status), message=text, param=param))
+            else:
+                reply.route.CopyFrom(answer)
+            yield reply
 
     def _route(self, request: Any) -> Any:
         """The lease for one RouteRequest, or (status, message, param) when refused."""
