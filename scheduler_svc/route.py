@@ -21,7 +21,7 @@ import grpc
 
 from meshserve.v1 import common_pb2, scheduler_pb2
 from scheduler_svc import metrics
-from scheduler_svc.leases import ActiveLease
+from scheduler_svc.leases import LeaseRecord
 from scheduler_svc.multimodal import EncodeCoordinator
 from scheduler_svc.policies import Decision, RoutingRequest
 from scheduler_svc.registry import Lease
@@ -59,7 +59,7 @@ class RouteResult:
     """A lease on the chosen worker and the request's images as that worker takes them."""
 
     request_id: str
-    lease: ActiveLease
+    lease: LeaseRecord
     decision: Decision
     mm_items: list[common_pb2.MultiModalItem]
     predicted_cached_tokens: int
@@ -183,7 +183,7 @@ class Router:
         for lease in reported:
             record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
         ended.extend(reported)
-        self.scheduler.end_leases(ended, "released")
+        self.scheduler.end_leases(ended)
         return len(ended)
 
     async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:
