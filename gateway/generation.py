@@ -3,8 +3,9 @@ stream to it, detokenized here.
 
 Data flow of a `GenerationRun`:
 
-* `events()` first asks the scheduler for a lease (`Scheduler.Route`: admission +
-  routing), then adds the request to the gateway's `WorkerStream` to that worker;
+* `events()` first asks the scheduler for a lease (a route on the replica's RouteStream:
+  admission + routing), then adds the request to the gateway's `WorkerStream` to that
+  worker;
 * the stream's reader task hands each engine step's output to `on_output`, which
   detokenizes every choice in-process (UTF-8 safe, stop strings, `services.detokenizer`)
   and queues `ChoiceEvent`s; `events()` yields them. A stop string ends its choice

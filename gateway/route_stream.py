@@ -3,12 +3,12 @@ replica, shared by every request this gateway process routes there.
 
 Each route is a message with a call id, answered by a message with the same id, in
 completion order; releases ride on the route messages (or go alone when no route is
-due). Why not a unary Route per request: on the replica a stream message costs about a
+due). Why not a unary call per request: on the replica a stream message costs about a
 third of a unary call's CPU, and the round trip is about half as long (bench/README.md).
 
-A route that fails raises the `grpc.aio.AioRpcError` the unary Route would have raised
-(same code, message and `param` metadata), so failover between replicas and the mapping
-to HTTP stay the same. A broken stream fails every route waiting on it with its error
+A route that fails raises a `grpc.aio.AioRpcError` with the RouteError's code, message
+and `param` metadata, as any scheduler call fails, so failover between replicas and the
+mapping to HTTP are those of every call. A broken stream fails every route waiting on it with its error
 (UNAVAILABLE when the replica died: the caller tries the next replica); the next route
 opens a new stream.
 """

@@ -1,7 +1,7 @@
 """Clients of the upstream services, created at start-up: the tokenizer service, the
-scheduler replicas (Route / Release / ListWorkers / Embed, failing over between
-replicas), the gateway's streams to the workers (`WorkerStreams`) and the in-process
-tokenizers (files fetched once from the tokenizer service).
+scheduler replicas (routes and releases on each one's RouteStream, ListWorkers, Embed;
+failing over between replicas), the gateway's streams to the workers (`WorkerStreams`)
+and the in-process tokenizers (files fetched once from the tokenizer service).
 
 Also the small caches every request uses: the model list (ListWorkers, ~1 s) and
 tokenizer info per model (max_model_len).
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 TOKENIZER = "tokenizer"
 SCHEDULER = "scheduler"
 HEALTH_TIMEOUT_S = 1.0
-# Leases ended within this window go back to their scheduler in one Release call.
+# Leases ended within this window go back to their scheduler in one message.
 RELEASE_BATCH_S = 0.02
 
 
@@ -57,13 +57,13 @@ class HealthReport:
 
 @dataclass(frozen=True)
 class Lease:
-    """A scheduler's lease on a worker for one request (see `Scheduler.Route`)."""
+    """A scheduler's lease on a worker for one request (a route's answer)."""
 
     lease_id: str
     worker_id: str
     worker_address: str
     mm_items: list[common_pb2.MultiModalItem]
-    replica: int  # index of the scheduler replica that issued it (Release goes there)
+    replica: int  # index of the scheduler replica that issued it (its release goes there)
 
 
 def _answers(workers: scheduler_pb2.ListWorkersResponse, model: str | None, role: str) -> bool:
@@ -90,7 +90,7 @@ class _Replica:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.routes = RouteStream(self.stub, address)
         self.pending_release: list[str] = []
-        # Leases released with their usage (Release.outcomes), for the scheduler's
+        # Leases released with their usage (ReleaseRequest.outcomes), for the scheduler's
         # predicted-vs-actual cached tokens.
         self.pending_outcomes: list[scheduler_pb2.LeaseOutcome] = []
 

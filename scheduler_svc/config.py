@@ -52,7 +52,7 @@ class SchedulerConfig(ServerConfig):
     speculative_ttl_s: float = 2.0
     # Embedding calls retried on another worker after a transport failure.
     max_retries: int = 2
-    # A Route lease nobody released (and no worker reports) ends after this long.
+    # A lease nobody released (and no worker reports) ends after this long.
     lease_ttl_s: float = 600.0
     # A lease younger than this is kept even if its worker does not report it yet (its
     # request may still be on the way to the worker).

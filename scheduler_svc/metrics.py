@@ -19,7 +19,7 @@ WORKER_INFLIGHT = Gauge(
 QUEUE_DEPTH = Gauge("meshserve_scheduler_queue_depth", "Requests waiting in the admission queue")
 OVERHEAD = Histogram(
     "meshserve_scheduler_overhead_seconds",
-    "Route: time from receiving the request to answering the lease (admission + encoding + routing + queueing)",
+    "Route: time from receiving the route to answering the lease (admission + encoding + routing + queueing)",
     buckets=(
         0.0001,
         0.00025,
@@ -69,7 +69,7 @@ _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CACHED_TOKENS = Histogram(
     "meshserve_scheduler_cached_tokens",
     "Prompt tokens found in the chosen worker's prefix cache per request: kind=predicted (the "
-    "prefix index at routing time) or actual (the worker's usage, reported on Release)",
+    "prefix index at routing time) or actual (the worker's usage, reported on release)",
     ["policy", "kind"],
     buckets=_TOKEN_BUCKETS,
 )

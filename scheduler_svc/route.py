@@ -1,4 +1,4 @@
-"""Route (admission + routing → a lease) and Embed forwarding.
+"""Routes (admission + routing → a lease) and Embed forwarding.
 
 The scheduler decides and stays out of the token stream: `route` admits the request
 (bounded priority queue, per-tenant fairness, overload → RESOURCE_EXHAUSTED), encodes
@@ -66,7 +66,7 @@ class RouteResult:
 
 
 def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
-    """The proto answer of a route (Route and RouteStream answer alike)."""
+    """The proto answer of a route on a RouteStream."""
     spec = result.decision.worker.spec
     return scheduler_pb2.RouteResponse(
         request_id=result.request_id,
@@ -114,7 +114,7 @@ def record_cached_tokens(policy: str, predicted: int, actual: int) -> None:
 
 
 class Router:
-    """Route and Embed against the workers chosen by the scheduler."""
+    """Routes and Embed against the workers chosen by the scheduler."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler

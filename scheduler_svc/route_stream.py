@@ -1,6 +1,6 @@
 """One caller's `Scheduler.RouteStream`: many routes over one long-lived stream.
 
-A gateway process keeps one RouteStream per scheduler replica instead of a unary Route
+A gateway process keeps one RouteStream per scheduler replica instead of a unary call
 per request: a stream message costs the replica about a third of a unary call's CPU
 (grpc-python wakes the loop once per message instead of setting up a call). Each route
 runs in its own task, because it may wait in the admission queue, and is answered when
