@@ -196,6 +196,7 @@ class GenerationRun:
 
     @property
     def state(self) -> RunState:
+        """Where the run is (module doc)."""
         return self._state
 
     def start(self) -> None:

@@ -54,8 +54,9 @@ class SchedulerConfig(ServerConfig):
     max_retries: int = 2
     # A lease nobody released (and no worker reports) ends after this long.
     lease_ttl_s: float = 600.0
-    # A lease younger than this is kept even if its worker does not report it yet (its
-    # request may still be on the way to the worker).
+    # A lease its worker has not reported for this long (since issued or last reported)
+    # ends: shorter could end one whose request is still on its way to the worker, or
+    # whose release (with the request's outcome) comes after the worker's next heartbeat.
     lease_grace_s: float = 2.0
     block_size: int = 16
     kv_stream_maxlen: int = 100_000

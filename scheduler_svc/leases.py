@@ -109,7 +109,7 @@ class LeaseTable:
         return record
 
     def release(self, lease_ids: Iterable[str]) -> list[LeaseRecord]:
-        """Ends the given leases RELEASED; unknown (or already ended) ids are ignored."""
+        """Ends the given leases (RELEASED); unknown (or already ended) ids are ignored."""
         return self._end(lease_ids, LeaseState.RELEASED)
 
     def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[LeaseRecord]:
@@ -131,14 +131,14 @@ class LeaseTable:
         return self._end(ended, LeaseState.RECONCILED)
 
     def expire(self) -> list[LeaseRecord]:
-        """Ends the leases past their TTL EXPIRED."""
+        """Ends the leases past their TTL (EXPIRED)."""
         now = self._clock()
         return self._end(
             [r.lease_id for r in self._leases.values() if r.expires_at <= now], LeaseState.EXPIRED
         )
 
     def of_worker(self, worker_id: str) -> list[LeaseRecord]:
-        """Ends every lease of a worker that is gone WORKER_DOWN."""
+        """Ends every lease of a worker that is gone (WORKER_DOWN)."""
         return self._end(
             [r.lease_id for r in self._leases.values() if r.worker_id == worker_id], LeaseState.WORKER_DOWN
         )
