@@ -11,12 +11,12 @@
 For every (load, policy) a fresh cluster is started -- a redis-server, `python -m
 scheduler_svc --routing-policy P` and `--workers` decoder processes (`python -m
 worker_svc`) -- and the same seeded workload is sent as token ids the way the gateway
-sends it: `Scheduler.Route` (admission + routing, a lease on one worker), then the
-request on that worker (`Worker.GenerateStream`), then `Scheduler.Release` carrying the
-actual cached tokens (`LeaseOutcome`). The workload: multi-turn conversations, each
-opening with one of a few shared system prompts (with `--hot-prefix-share`, that share
-of them opens with prompt 0), every turn appending a user message and the model's
-answer to the history.
+sends it: a route on `Scheduler.RouteStream` (admission + routing, a lease on one
+worker), then the request on that worker (`Worker.GenerateStream`), then the lease's
+release on the stream carrying the actual cached tokens (`LeaseOutcome`). The workload:
+multi-turn conversations, each opening with one of a few shared system prompts (with
+`--hot-prefix-share`, that share of them opens with prompt 0), every turn appending a
+user message and the model's answer to the history.
 
 Two load modes:
 - closed loop (`--loads` / `--concurrency`): that many conversations in flight, a new turn
@@ -42,9 +42,9 @@ hit rate (sum of `usage.cached_tokens` / prompt tokens) next to the ideal hit ra
 LRU of all workers' memory on the same request sequence: one worker with all the
 memory), TTFT p50/p99, latency, request and output-token throughput, the busiest
 worker's time-averaged queue (running + waiting, from ListWorkers) over the mean, the
-routing policy's own time (`meshserve_scheduler_policy_seconds`), the scheduler's Route
+routing policy's own time (`meshserve_scheduler_policy_seconds`), the scheduler's route
 time (`meshserve_scheduler_overhead_seconds`, admission queueing included), a probe of
-`--route-probes` sequential Route + Release calls after the run (Route end to end
+`--route-probes` sequential routes + releases after the run (a route end to end
 without queueing), predicted vs actual cached tokens, and the routing reasons; then the
 prefix policy's ratios against the others and the issue's targets.
 Without `--model-dir` the `make model` model is used, else a tiny untrained one is built
@@ -77,6 +77,7 @@ import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.route_stream import RouteStream
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer, free_port
@@ -121,7 +122,7 @@ class BenchConfig:
     max_inflight_per_worker: int = 0
     # Concurrency sweep (TTFT vs load); empty = just `concurrency`.
     loads: tuple[str, ...] = ()
-    # Sequential Route + Release calls after each run (Route cost without queueing).
+    # Sequential routes + releases after each run (a route's cost without queueing).
     route_probes: int = 200
     # Open loop: session arrival rates (sessions/s) to sweep; empty = closed loop.
     session_rates: tuple[str, ...] = ()
@@ -151,7 +152,7 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    # Client-side latency of Scheduler.Route.
+    # Client-side latency of a route on the RouteStream.
     route_s: float
     worker_id: str
     started: float = 0.0
@@ -328,11 +329,21 @@ def _request(prompt: Sequence[int], max_tokens: int, request_id: str) -> common_
 
 
 class Mesh:
-    """The client side: the scheduler's stub and one channel per worker (as a gateway keeps)."""
+    """The client side: a route stream to the scheduler and one channel per worker (as a
+    gateway keeps)."""
 
     def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerStub) -> None:
-        self.scheduler = scheduler
+        self.routes = RouteStream(scheduler, "scheduler")
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def route(self, request: common_pb2.GenerateRequest, timeout: float) -> scheduler_pb2.RouteResponse:
+        """A lease for `request` (a refused route raises its grpc.aio.AioRpcError)."""
+        message = scheduler_pb2.RouteStreamRequest(route=scheduler_pb2.RouteRequest(request=request))
+        return await self.routes.route(message, timeout)
+
+    def release(self, release: scheduler_pb2.ReleaseRequest) -> None:
+        """Releases on the route stream (in the background, as the gateway does)."""
+        self.routes.release(release)
 
     def worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(address)
@@ -341,6 +352,7 @@ class Mesh:
         return worker_pb2_grpc.WorkerStub(channel)
 
     async def close(self) -> None:
+        await self.routes.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -366,11 +378,11 @@ async def _generate_one(
 async def send(
     mesh: Mesh, prompt: Sequence[int], max_tokens: int, request_id: str
 ) -> tuple[Record, list[int]]:
-    """Route, the request on the routed worker's GenerateStream, Release; the record and
+    """Route, the request on the routed worker's GenerateStream, release; the record and
     the tokens."""
     request = _request(prompt, max_tokens, request_id)
     start = time.perf_counter()
-    route = await mesh.scheduler.Route(scheduler_pb2.RouteRequest(request=request), timeout=600)
+    route = await mesh.route(request, timeout=600)
     routed = time.perf_counter()
     request.lease_id = route.lease_id
     ttft = 0.0
@@ -389,7 +401,7 @@ async def send(
         outcome = scheduler_pb2.LeaseOutcome(
             lease_id=route.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
         )
-        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(outcomes=[outcome]), timeout=30)
+        mesh.release(scheduler_pb2.ReleaseRequest(outcomes=[outcome]))
     latency = time.perf_counter() - start
     record = Record(ttft, latency, usage.prompt_tokens, usage.cached_tokens, len(output),
                     routed - start, route.worker_id, start, tuple(prompt), tuple(output),
@@ -669,16 +681,16 @@ def queue_balance(samples: dict[str, list[int]]) -> dict[str, Any]:
 
 
 async def probe_route(mesh: Mesh, records: list[Record], count: int) -> dict[str, float]:
-    """Route + Release back to back on the run's prompts (warm index, idle workers): the
-    client-side cost of Route without admission queueing."""
+    """Route + release back to back on the run's prompts (warm index, idle workers): the
+    client-side cost of a route without admission queueing."""
     latencies = []
     for i in range(count):
         prompt = records[i % len(records)].prompt
         request = _request(prompt, 1, f"probe-{i}")
         start = time.perf_counter()
-        route = await mesh.scheduler.Route(scheduler_pb2.RouteRequest(request=request), timeout=30)
+        route = await mesh.route(request, timeout=30)
         latencies.append((time.perf_counter() - start) * 1000)
-        await mesh.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]), timeout=30)
+        mesh.release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
     return {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99), "count": count}
 
 
@@ -756,7 +768,7 @@ async def measure(
     config: BenchConfig, cluster: Cluster, stub: scheduler_pb2_grpc.SchedulerStub, mesh: Mesh,
     workload: list[Conversation],
 ) -> dict[str, Any]:  # fmt: skip
-    """One run of the workload on a ready cluster, then the Route probe."""
+    """One run of the workload on a ready cluster, then the route probe."""
     before = await asyncio.to_thread(scrape, cluster.metrics_port)
     records: list[Record] = []
     samples: dict[str, list[int]] = {}

@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions`: RenderChat → context check → Route + worker stream (`generation.py`)
+"""`POST /v1/chat/completions`: RenderChat → context check → route + worker stream (`generation.py`)
 → OpenAI chat completion (JSON) or chunks (SSE).
 
 Tools: with `tools` and tool_choice "auto" (or unset) the output is parsed by the

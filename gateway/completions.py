@@ -1,5 +1,5 @@
 """`POST /v1/completions`: each prompt rendered in-process (the gateway's copy of the
-tokenizer, `services.completion_prompt`) → context check → Route + the worker stream,
+tokenizer, `services.completion_prompt`) → context check → route + the worker stream,
 detokenized in-process (`generation.py`) → OpenAI text completion (JSON) or chunks (SSE).
 
 Several prompts (a list of strings or of token-id lists) run concurrently as one

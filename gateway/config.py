@@ -17,7 +17,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer_address: str = "127.0.0.1:50051"
-    # One scheduler, or several replicas ("host:port,host:port"): Route goes to any
+    # One scheduler, or several replicas ("host:port,host:port"): a route goes to any
     # live one, so a replica's death costs no request.
     scheduler_address: str = "127.0.0.1:50052"
     # Accepted `Authorization: Bearer <key>` values; empty = no authentication.

@@ -3,8 +3,9 @@ stream to it, detokenized here.
 
 Data flow of a `GenerationRun`:
 
-* `events()` first asks the scheduler for a lease (`Scheduler.Route`: admission +
-  routing), then adds the request to the gateway's `WorkerStream` to that worker;
+* `events()` first asks the scheduler for a lease (a route on the replica's RouteStream:
+  admission + routing), then adds the request to the gateway's `WorkerStream` to that
+  worker;
 * the stream's reader task hands each engine step's output to `on_output`, which
   detokenizes every choice in-process (UTF-8 safe, stop strings, `services.detokenizer`)
   and queues `ChoiceEvent`s; `events()` yields them. A stop string ends its choice
@@ -20,7 +21,16 @@ Data flow of a `GenerationRun`:
   draws, same max_tokens budget -- and the choices' detokenizers go on where they
   were, so the client's stream shows no seam (up to `max_migrations` per request,
   then a 503);
-* the lease goes back to the scheduler (batched `Release`) when the request ends.
+* the lease goes back to the scheduler (batched on the route stream) when the request
+  ends on its worker, fails over, migrates, or the run is closed.
+
+A run's `RunState` is its request's lease lifecycle on this side; the lease is held
+exactly while RUNNING, and every move out of RUNNING releases it:
+
+    NEW --begin--> ROUTING --lease, added to the worker's stream--> RUNNING
+    RUNNING --last message / refusal / stream lost--> ENDED
+    RUNNING, ENDED --failover or migration--> ROUTING
+    any but CLOSED --close()--> CLOSED (final)
 
 `close()` is synchronous so it can run inside a cancelled scope: it aborts the
 request on the worker if it is still running and releases the lease.
@@ -32,6 +42,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
@@ -136,6 +147,25 @@ class _Failure:
     retry: str = ""  # "" (give up), "reroute" (exclude the worker) or "reencode"
 
 
+class RunState(Enum):
+    """Where a `GenerationRun` is (module doc)."""
+
+    NEW = "new"  # not begun
+    ROUTING = "routing"  # asking the scheduler for a lease (first attempt, failover, migration)
+    RUNNING = "running"  # the lease's worker runs the request: its last message is due
+    ENDED = "ended"  # the worker sent its last message, refused the request, or its stream broke
+    CLOSED = "closed"  # closed by its consumer: nothing more happens
+
+
+_NEXT = {
+    RunState.NEW: {RunState.ROUTING, RunState.CLOSED},
+    RunState.ROUTING: {RunState.RUNNING, RunState.CLOSED},
+    RunState.RUNNING: {RunState.ENDED, RunState.ROUTING, RunState.CLOSED},
+    RunState.ENDED: {RunState.ROUTING, RunState.CLOSED},
+    RunState.CLOSED: set(),
+}
+
+
 class _UpstreamDone:
     """The worker sent the request's last message (or it failed, or was forgotten)."""
 
@@ -160,17 +190,29 @@ class GenerationRun:
         self._force_encode = False
         self._attempts = 0
         self._migrations = 0
-        self._running = False  # the worker runs the request (its last message is due)
-        self._stopping = False  # every choice ended here: the worker's run is aborted on purpose
-        self._closed = False
-        self._begun = False
+        self._state = RunState.NEW
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
+
+    @property
+    def state(self) -> RunState:
+        """Where the run is (module doc)."""
+        return self._state
 
     def start(self) -> None:
         """Arms the run's deadline (routing starts with `events()`)."""
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(self.upstream.timeout, self._on_deadline)
+
+    def _move(self, to: RunState) -> None:
+        """Moves to `to` (one `_NEXT` does not allow is a bug); leaving RUNNING hands the
+        lease back, so every way off a worker releases it."""
+        if to not in _NEXT[self._state]:
+            raise RuntimeError(f"{self.spec.request_id}: {self._state.value} -> {to.value}")
+        if self._state is RunState.RUNNING and self._lease is not None:
+            self.upstream.release(self._lease)
+            self._lease = None
+        self._state = to
 
     # -- routing and submission -----------------------------------------------------
 
@@ -212,7 +254,7 @@ class GenerationRun:
         # worker's span are its children (both streams are shared by every request).
         tracing.inject_into(request.trace_context)
         lease = await self._route(request)
-        if self._closed:
+        if self._state is RunState.CLOSED:  # closed while routing: the lease is not used
             self.upstream.release(lease)
             return
         self._lease, self._attempt_worker = lease, lease.worker_id
@@ -220,7 +262,7 @@ class GenerationRun:
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
-        self._running = True
+        self._move(RunState.RUNNING)
         await self._stream.add(request, self)
         self.worker_id = lease.worker_id
 
@@ -254,10 +296,7 @@ class GenerationRun:
             if 0 <= delta.index < len(self._choices):
                 self._on_delta(self._choices[delta.index], delta)
         if response.finished:
-            # The worker is done with the request; one that aborted it by itself or failed
-            # it (draining, an engine error) gets no next request on the same lease.
-            clean = all(d.finish_reason not in _FAILED_REASONS for d in response.deltas)
-            self._upstream_ended(reusable=clean or self._stopping)
+            self._upstream_ended()
 
     def _on_delta(self, choice: _Choice, delta: common_pb2.SequenceDelta) -> None:
         if choice.ended:
@@ -308,19 +347,20 @@ class GenerationRun:
         message = f"worker {self._attempt_worker} failed: {reason}"
         self._queue.put_nowait(_Failure(APIError(503, message, code="unavailable"), "reroute"))
 
-    def _upstream_ended(self, reusable: bool = False) -> None:
-        self._running = False
-        self._release(reusable)
-        self._queue.put_nowait(_DONE)
+    def _upstream_ended(self) -> None:
+        # Only the running attempt's end counts (a forgotten one's sink is dropped first).
+        if self._state is RunState.RUNNING:
+            self._move(RunState.ENDED)
+            self._queue.put_nowait(_DONE)
 
     # -- the consumer side ------------------------------------------------------------
 
     async def begin(self) -> None:
         """Routes the request and puts it on the worker's stream (once; `events` calls it
         if nobody has); raises APIError when it cannot be routed."""
-        if self._begun:
+        if self._state is not RunState.NEW:
             return
-        self._begun = True
+        self._move(RunState.ROUTING)
         self._tokenizer = await self._get_tokenizer()
         await self._submit()
         self._ensure_choices()  # after the add: off the path to the worker
@@ -342,7 +382,7 @@ class GenerationRun:
 
     async def _on_failure(self, failure: _Failure) -> None:
         """Routes again (or migrates) when the request may go on elsewhere; raises otherwise."""
-        if self._closed or failure.error.status == 504:
+        if self._state is RunState.CLOSED or failure.error.status == 504:
             raise failure.error
         received = sum(len(c.token_ids) for c in self._choices)
         may_retry = not received and self._attempts <= self.upstream.config.max_retries
@@ -384,16 +424,16 @@ class GenerationRun:
         )
 
     def _abandon_attempt(self) -> None:
-        """Drops what is left of a failed attempt (its late messages are ignored)."""
+        """Drops what is left of a failed attempt (its late messages are ignored); the
+        next attempt routes."""
         self._forget()
-        self._release()
+        self._move(RunState.ROUTING)
         self._queue = asyncio.Queue()
 
     async def _finish_upstream(self) -> None:
         """Every choice ended: abort generation still running, wait briefly for usage."""
-        if not self._running or self._stream is None:
+        if self._state is not RunState.RUNNING or self._stream is None:
             return
-        self._stopping = True  # e.g. a stop string matched: the abort is ours
         self._stream.abort(self.spec.request_id)
         try:
             async with asyncio.timeout(ABORT_DRAIN_S):
@@ -407,16 +447,10 @@ class GenerationRun:
             _Failure(APIError(504, f"request timed out after {self.upstream.timeout:g}s (request_timeout_s)"))
         )
 
-    def _release(self, reusable: bool = False) -> None:
-        if self._lease is not None:
-            self.upstream.release(self._lease, reusable)
-            self._lease = None
-
     def _forget(self) -> None:
         """Aborts the request on the worker, dropping whatever it still sends."""
-        if self._running and self._stream is not None:
+        if self._state is RunState.RUNNING and self._stream is not None:
             self._stream.forget(self.spec.request_id)
-        self._running = False
 
     def usage(self) -> Usage:
         """Usage of the run; completion tokens are those each choice consumed."""
@@ -429,13 +463,12 @@ class GenerationRun:
 
     def close(self) -> None:
         """Aborts the request if it still runs and releases its lease (idempotent, sync)."""
-        if self._closed:
+        if self._state is RunState.CLOSED:
             return
-        self._closed = True
         if self._deadline is not None:
             self._deadline.cancel()
         self._forget()
-        self._release()
+        self._move(RunState.CLOSED)
 
 
 def _upstream_failure(reason: int) -> APIError:

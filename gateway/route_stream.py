@@ -3,23 +3,12 @@ replica, shared by every request this gateway process routes there.
 
 Each route is a message with a call id, answered by a message with the same id, in
 completion order; releases ride on the route messages (or go alone when no route is
-due). Why not a unary Route per request: on the replica a stream message costs about a
+due). Why not a unary call per request: on the replica a stream message costs about a
 third of a unary call's CPU, and the round trip is about half as long (bench/README.md).
 
-Grants: for the models this gateway asks them for (`want_grants`), every message says
-what it holds and has received, and the replica keeps it supplied with leases issued
-ahead of requests (scheduler.proto, LeaseGrant), while routing cannot depend on the
-request. `take_grant` hands one out: a request placed on it needs no round trip. When
-that request ends on its worker, `return_grant` takes the lease back for the next request
-(LeaseGrant.reuse_for_ms), most recently used first, so at low load one hot grant carries
-request after request with no message to the replica at all, and the others, unused, go
-back. A grant past its use-by time goes back unused; a broken stream drops its grants
-(their replica may be gone; it ends them as leases no worker reports). More grants are
-asked for on route messages only: when the gateway ran out of them.
-
-A route that fails raises the `grpc.aio.AioRpcError` the unary Route would have raised
-(same code, message and `param` metadata), so failover between replicas and the mapping
-to HTTP stay the same. A broken stream fails every route waiting on it with its error
+A route that fails raises a `grpc.aio.AioRpcError` with the RouteError's code, message
+and `param` metadata, as any scheduler call fails, so failover between replicas and the
+mapping to HTTP are those of every call. A broken stream fails every route waiting on it with its error
 (UNAVAILABLE when the replica died: the caller tries the next replica); the next route
 opens a new stream.
 """
@@ -30,10 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import grpc
 
@@ -51,16 +36,6 @@ def _rpc_error(code: grpc.StatusCode, message: str, param: str = "") -> grpc.aio
 _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
-@dataclass(frozen=True)
-class _Grant:
-    """A granted lease and the terms it came with (monotonic clock)."""
-
-    model: str
-    lease: scheduler_pb2.RouteResponse
-    use_within_s: float
-    reuse_until: float
-
-
 class RouteStream:
     """One RouteStream call to one replica (reopened after a break) and its routes in
     flight. Messages are written with `call.write` by the coroutine that has them (one
@@ -76,52 +51,6 @@ class RouteStream:
         self._reader: asyncio.Task[None] | None = None
         self._writes = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
-        # model -> (use-by time, grant) of the grants held unused, oldest use-by first; a
-        # model is a key once grants are wanted for it.
-        self._grants: dict[str, deque[tuple[float, _Grant]]] = {}
-        self._in_use: dict[str, _Grant] = {}  # lease id -> grant placed on a running request
-        self._received: dict[str, int] = {}  # model -> grants received on this call
-
-    def want_grants(self, model: str) -> None:
-        """From now on, messages ask for grants of `model`."""
-        self._grants.setdefault(model, deque())
-
-    def held(self, model: str) -> int:
-        """Grants of `model` held unused now (some may be past their use-by time); those
-        on running requests do not count: the requests in flight need theirs."""
-        return len(self._grants.get(model, ()))
-
-    def take_grant(self, model: str) -> tuple[scheduler_pb2.RouteResponse | None, list[str]]:
-        """The grant of `model` used last, if still within its use-by time (or None), and
-        the lease ids of grants found past it (the caller releases them)."""
-        held = self._grants.get(model)
-        expired: list[str] = []
-        now = time.monotonic()
-        while held and held[0][0] <= now:
-            expired.append(held.popleft()[1].lease.lease_id)
-        if not held:
-            return None, expired
-        grant = held.pop()[1]
-        self._in_use[grant.lease.lease_id] = grant
-        return grant.lease, expired
-
-    def in_use(self, model: str) -> int:
-        """Grants of `model` placed on requests that have not ended yet."""
-        return sum(grant.model == model for grant in self._in_use.values())
-
-    def return_grant(self, lease_id: str, reusable: bool) -> bool:
-        """The request on `lease_id` ended: a `reusable` grant (the request ended on its
-        worker as it should) is taken back for the next request. False when the lease is
-        not kept (not a grant of this call, not reusable, or past its reuse_for_ms): the
-        caller releases it."""
-        grant = self._in_use.pop(lease_id, None)
-        if grant is None or not reusable:
-            return False
-        now = time.monotonic()
-        if now >= grant.reuse_until:
-            return False
-        self._grants[grant.model].append((now + grant.use_within_s, grant))
-        return True
 
     async def route(
         self, message: scheduler_pb2.RouteStreamRequest, timeout: float
@@ -175,10 +104,6 @@ class RouteStream:
         async with self._writes:
             if call.done():
                 raise _StreamGone(self._name)
-            if message.HasField("route"):  # more grants only when a request found none
-                for model in self._grants:
-                    count = message.grants[model]
-                    count.held, count.received = self.held(model), self._received.get(model, 0)
             try:
                 await call.write(message)
             except asyncio.InvalidStateError:  # finished between the check and the write
@@ -205,7 +130,6 @@ class RouteStream:
         finally:
             if self._call is call:
                 self._call = None
-                self._drop_grants()
             pending, self._pending = self._pending, {}
             if pending:
                 log.warning(
@@ -215,31 +139,7 @@ class RouteStream:
                 if not future.done():
                     future.set_exception(error)
 
-    def surrender_grants(self) -> list[str]:
-        """The lease ids of every grant held unused (now given up; the caller releases
-        them); those on running requests are released when their requests end."""
-        ids = [grant.lease.lease_id for held in self._grants.values() for _, grant in held]
-        for held in self._grants.values():
-            held.clear()
-        self._in_use.clear()
-        return ids
-
-    def _drop_grants(self) -> None:
-        """The call ended: its grants go (a new call starts counting again)."""
-        self.surrender_grants()
-        self._received.clear()
-
-    def _keep_grants(self, grants: Iterable[scheduler_pb2.LeaseGrant]) -> None:
-        now = time.monotonic()
-        for grant in grants:
-            use_within_s = grant.use_within_ms / 1000
-            kept = _Grant(grant.model, grant.lease, use_within_s, now + grant.reuse_for_ms / 1000)
-            self._grants.setdefault(grant.model, deque()).append((now + use_within_s, kept))
-            self._received[grant.model] = self._received.get(grant.model, 0) + 1
-
     def _answer(self, answer: scheduler_pb2.RouteStreamResponse) -> None:
-        if answer.grants:
-            self._keep_grants(answer.grants)
         future = self._pending.get(answer.call_id)
         if future is None or future.done():  # the caller gave up on it
             return

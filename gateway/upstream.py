@@ -1,7 +1,7 @@
 """Clients of the upstream services, created at start-up: the tokenizer service, the
-scheduler replicas (Route / Release / ListWorkers / Embed, failing over between
-replicas), the gateway's streams to the workers (`WorkerStreams`) and the in-process
-tokenizers (files fetched once from the tokenizer service).
+scheduler replicas (routes and releases on each one's RouteStream, ListWorkers, Embed;
+failing over between replicas), the gateway's streams to the workers (`WorkerStreams`)
+and the in-process tokenizers (files fetched once from the tokenizer service).
 
 Also the small caches every request uses: the model list (ListWorkers, ~1 s) and
 tokenizer info per model (max_model_len).
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 TOKENIZER = "tokenizer"
 SCHEDULER = "scheduler"
 HEALTH_TIMEOUT_S = 1.0
-# Leases ended within this window go back to their scheduler in one Release call.
+# Leases ended within this window go back to their scheduler in one message.
 RELEASE_BATCH_S = 0.02
 
 
@@ -57,13 +57,13 @@ class HealthReport:
 
 @dataclass(frozen=True)
 class Lease:
-    """A scheduler's lease on a worker for one request (see `Scheduler.Route`)."""
+    """A scheduler's lease on a worker for one request (a route's answer)."""
 
     lease_id: str
     worker_id: str
     worker_address: str
     mm_items: list[common_pb2.MultiModalItem]
-    replica: int  # index of the scheduler replica that issued it (Release goes there)
+    replica: int  # index of the scheduler replica that issued it (its release goes there)
 
 
 def _answers(workers: scheduler_pb2.ListWorkersResponse, model: str | None, role: str) -> bool:
@@ -90,7 +90,7 @@ class _Replica:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.routes = RouteStream(self.stub, address)
         self.pending_release: list[str] = []
-        # Leases released with their usage (Release.outcomes), for the scheduler's
+        # Leases released with their usage (ReleaseRequest.outcomes), for the scheduler's
         # predicted-vs-actual cached tokens.
         self.pending_outcomes: list[scheduler_pb2.LeaseOutcome] = []
 
@@ -130,8 +130,6 @@ class Upstream:
     async def close(self) -> None:
         """Releases pending leases, then closes every stream and channel (in-flight
         calls are cancelled)."""
-        for replica in self._replicas:  # unused grants would hold their slots until reconciled
-            replica.pending_release.extend(replica.routes.surrender_grants())
         self._flush_releases()
         if self._workers_refresh is not None:
             self._workers_refresh.cancel()
@@ -188,13 +186,7 @@ class Upstream:
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
     ) -> Lease:
         """A lease on the worker the scheduler picks for `request`, over the replica's
-        RouteStream (`gateway.route_stream`) -- or, for a request with nothing to exclude
-        or encode, a grant a replica issued ahead of it (no round trip)."""
-        plain = not exclude and not force_encode and not request.mm_items
-        if plain:
-            granted = self._take_grant(request.model)
-            if granted is not None:
-                return granted
+        RouteStream (`gateway.route_stream`)."""
         message = scheduler_pb2.RouteStreamRequest(
             route=scheduler_pb2.RouteRequest(
                 request=request, exclude_worker_ids=exclude, force_encode=force_encode
@@ -202,8 +194,6 @@ class Upstream:
         )
 
         def call(replica: _Replica) -> Awaitable[scheduler_pb2.RouteResponse]:
-            if plain:  # the answer may bring grants for the next requests
-                replica.routes.want_grants(request.model)
             # Leases ended since the last route ride along (fewer messages under load).
             message.ClearField("release")
             release = replica.take_releases()
@@ -214,26 +204,6 @@ class Upstream:
         reply, replica = await self._on_replicas(call)
         return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
 
-    def grants_held(self, model: str) -> int:
-        """Grants of `model` this gateway holds unused, from every replica."""
-        return sum(replica.routes.held(model) for replica in self._replicas)
-
-    def grants_in_use(self, model: str) -> int:
-        """Grants of `model` this gateway placed on requests that have not ended yet."""
-        return sum(replica.routes.in_use(model) for replica in self._replicas)
-
-    def _take_grant(self, model: str) -> Lease | None:
-        """A lease some replica granted for `model` ahead of requests, or None; grants
-        found past their use-by time go back with the next releases."""
-        for index, replica in enumerate(self._replicas):
-            grant, expired = replica.routes.take_grant(model)
-            if expired:
-                replica.pending_release.extend(expired)
-                self._schedule_release()
-            if grant is not None:
-                return Lease(grant.lease_id, grant.worker_id, grant.worker_address, [], index)
-        return None
-
     def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
         """Remembers what the worker reported for the lease's request; its release then
         carries the actual cached tokens (the scheduler compares them with its prediction)."""
@@ -241,15 +211,11 @@ class Upstream:
             lease_id=lease.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
         )
 
-    def release(self, lease: Lease, reusable: bool = False) -> None:
+    def release(self, lease: Lease) -> None:
         """Hands a lease back to the replica that issued it (batched, in the background),
-        with its outcome when `note_usage` recorded one. A `reusable` lease (its request
-        ended on the worker as it should) that was granted is kept for the next request
-        instead, while its grant allows (`RouteStream.return_grant`)."""
+        with its outcome when `note_usage` recorded one."""
         replica = self._replicas[lease.replica]
         outcome = self._usage.pop(lease.lease_id, None)
-        if replica.routes.return_grant(lease.lease_id, reusable):
-            return  # a grant has no prediction for an outcome to be compared with
         if outcome is None:
             replica.pending_release.append(lease.lease_id)
         else:

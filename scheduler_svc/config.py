@@ -52,19 +52,12 @@ class SchedulerConfig(ServerConfig):
     speculative_ttl_s: float = 2.0
     # Embedding calls retried on another worker after a transport failure.
     max_retries: int = 2
-    # A Route lease nobody released (and no worker reports) ends after this long.
+    # A lease nobody released (and no worker reports) ends after this long.
     lease_ttl_s: float = 600.0
-    # A lease younger than this is kept even if its worker does not report it yet (its
-    # request may still be on the way to the worker).
+    # A lease its worker has not reported for this long (since issued or last reported)
+    # ends: shorter could end one whose request is still on its way to the worker, or
+    # whose release (with the request's outcome) comes after the worker's next heartbeat.
     lease_grace_s: float = 2.0
-    # Leases granted ahead of requests on each RouteStream, per model the caller routes
-    # (0: none): the caller places that many requests on a worker without a route round
-    # trip, while routing cannot depend on the request (scheduler.proto, LeaseGrant).
-    route_grants: int = 4
-    # How long a gateway may keep placing requests, one after another, on a lease it was
-    # granted before releasing it (LeaseGrant.reuse_for_ms; 0: one request per grant).
-    # Longer: fewer messages at low load; shorter: routing revisited more often.
-    grant_reuse_s: float = 10.0
     block_size: int = 16
     kv_stream_maxlen: int = 100_000
     # Encoder cache (host:port) checked before routing requests with images; empty = the
@@ -95,8 +88,8 @@ class SchedulerConfig(ServerConfig):
             raise ValueError("queue_timeout_s must be > 0; suspect_penalty_s, speculative_ttl_s >= 0")
         if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
             raise ValueError("routing weights must be >= 0")
-        if self.lease_ttl_s <= 0 or self.lease_grace_s < 0 or self.route_grants < 0 or self.grant_reuse_s < 0:
-            raise ValueError("lease_ttl_s must be > 0, lease_grace_s, route_grants and grant_reuse_s >= 0")
+        if self.lease_ttl_s <= 0 or self.lease_grace_s < 0:
+            raise ValueError("lease_ttl_s must be > 0 and lease_grace_s >= 0")
         if not 0 < self.load_cap <= 1:
             raise ValueError(f"load_cap must be in (0, 1], got {self.load_cap}")
         if self.load_spread < 1 or self.load_spread_min < 0:

@@ -38,12 +38,6 @@ class Waiter:
 
 DispatchHook = Callable[[RoutingRequest, Decision], None]
 
-# Grants only while a worker is at most this loaded (grants included): they are a
-# low-load fast path, and grants not yet released do not count against the capacity
-# routed requests are admitted to (`WorkerState.has_capacity`), so together they may
-# take the worker past it by at most the grants outstanding.
-GRANT_LOAD_LIMIT = 0.5
-
 
 class Dispatcher:
     """Places requests on workers: admission queue in front of a routing policy."""
@@ -86,25 +80,6 @@ class Dispatcher:
         if len(self.queue) == 0:
             return self._place(request, exclude, candidates)
         return None
-
-    def grant(self, model: str) -> tuple[Lease, Decision] | None:
-        """A lease for a request of `model` not known yet (a route stream's grant), or
-        None. Only when the choice cannot depend on the request -- one candidate worker,
-        or a policy that ignores the prompt -- nobody waits in the queue (a grant must not
-        overtake them), and the worker stays at most `GRANT_LOAD_LIMIT` loaded with it."""
-        if len(self.queue):
-            return None
-        routable = self.registry.candidates(model, "decoder")
-        if self.policy.reads_prompt and len(routable) != 1:
-            return None
-        roomy = [w for w in routable if w.estimated_load() + 1 <= GRANT_LOAD_LIMIT * w.capacity]
-        if not roomy:
-            return None
-        if self.policy.reads_prompt:  # the only candidate: nothing to choose
-            decision = Decision(roomy[0], "grant")
-        else:
-            decision = self.policy.choose(RoutingRequest("", model), roomy)
-        return self.registry.acquire(decision.worker, granted=True), decision
 
     async def acquire(
         self, request: RoutingRequest, exclude: frozenset[str] = frozenset(), *, retry: bool = False

@@ -1,14 +1,20 @@
-"""Leases handed out by `Scheduler.Route`: which request holds a slot on which worker.
+"""The leases this scheduler replica handed out on route answers: which request holds a
+slot on which worker, and where each lease is in its life.
 
-The scheduler no longer sees a request's stream, so it learns that a request ended in
-one of three ways, whichever comes first:
+A lease is ISSUED when its route is answered and RUNNING once its worker's heartbeat
+lists it. The scheduler does not see the request's stream, so it learns that the request
+ended in one of four ways, whichever comes first -- each an end state of the lease:
 
-* the caller releases the lease (`Scheduler.Release`, sent by the gateway at the end);
-* the worker's heartbeats have not listed the lease among the requests it runs for a
-  grace period since it was issued or last listed (the gateway died, or its Release was
-  lost). The grace covers a fresh lease whose request is on its way to the worker, and a
-  granted lease a gateway keeps between the requests it reuses it for;
-* the lease's TTL passes (a worker that never reports leases, or a lost worker).
+* RELEASED: the gateway released it on its route stream (the normal end);
+* RECONCILED: its worker's heartbeats have not listed it for a grace period since it was
+  issued or last listed (the gateway died, or its release was lost). The grace covers an
+  ISSUED lease whose request is still on its way to the worker, and a RUNNING one whose
+  release -- batched, carrying the request's outcome -- comes after the worker's next
+  heartbeat: `reconciled` then counts only lost releases;
+* EXPIRED: its TTL passed with no report (a worker that never reports leases);
+* WORKER_DOWN: its worker was marked down (the request is lost with it).
+
+Ending a lease pops it from the table, so each ends once and hands its slot back once.
 
 Domain code: no grpc.
 """
@@ -19,13 +25,33 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from scheduler_svc.registry import Lease
 
 
+class LeaseState(StrEnum):
+    """Where a lease is; the end states name how it ended (LEASES_ENDED's `how`)."""
+
+    ISSUED = "issued"
+    RUNNING = "running"
+    RELEASED = "released"
+    RECONCILED = "reconciled"
+    EXPIRED = "expired"
+    WORKER_DOWN = "worker_down"
+
+
+_ENDS = frozenset({LeaseState.RELEASED, LeaseState.RECONCILED, LeaseState.EXPIRED, LeaseState.WORKER_DOWN})
+# The allowed moves; an end state allows none.
+_NEXT = {
+    LeaseState.ISSUED: _ENDS | {LeaseState.RUNNING},
+    LeaseState.RUNNING: _ENDS | {LeaseState.RUNNING},
+}
+
+
 @dataclass(eq=False)
-class ActiveLease:
-    """A lease with its id, request and deadline."""
+class LeaseRecord:
+    """A lease with its id, request, deadline and state."""
 
     lease_id: str
     request_id: str
@@ -35,21 +61,23 @@ class ActiveLease:
     # Prompt tokens the policy expected the worker to have cached (compared with the
     # actual figure the caller may report on release).
     predicted_cached_tokens: int = 0
-    # When its worker last reported it running (issued_at until then).
+    state: LeaseState = LeaseState.ISSUED
+    # When its worker last listed it (issued_at until then).
     seen_at: float = 0.0
 
     @property
     def worker_id(self) -> str:
         return self.lease.worker.worker_id
 
-    @property
-    def granted(self) -> bool:
-        """Issued ahead of any request (a route stream's grant): no prediction to compare."""
-        return self.lease.granted
+    def move(self, to: LeaseState) -> None:
+        """Moves to `to`; a move the lifecycle does not allow is a bug (ValueError)."""
+        if to not in _NEXT.get(self.state, ()):
+            raise ValueError(f"lease {self.lease_id}: {self.state} -> {to} is not allowed")
+        self.state = to
 
 
 class LeaseTable:
-    """Leases of this scheduler replica by id; popping one hands its slot back."""
+    """The live (ISSUED or RUNNING) leases of this replica by id."""
 
     def __init__(
         self, ttl_s: float, grace_s: float, clock: Callable[[], float], replica_id: str = ""
@@ -61,48 +89,65 @@ class LeaseTable:
         # restarted replica never reuses an id) + a counter (cheaper than a uuid each).
         self._prefix = (replica_id or uuid.uuid4().hex[:12]) + "-"
         self._counter = itertools.count(1)
-        self._leases: dict[str, ActiveLease] = {}
+        self._leases: dict[str, LeaseRecord] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def issue(self, lease: Lease, request_id: str, predicted_cached_tokens: int = 0) -> ActiveLease:
-        """Records a new lease and returns it."""
+    def get(self, lease_id: str) -> LeaseRecord | None:
+        """The live lease of that id, or None (unknown or ended)."""
+        return self._leases.get(lease_id)
+
+    def issue(self, lease: Lease, request_id: str, predicted_cached_tokens: int = 0) -> LeaseRecord:
+        """Records a new ISSUED lease and returns it."""
         now = self._clock()
-        active = ActiveLease(
+        record = LeaseRecord(
             f"{self._prefix}{next(self._counter)}", request_id, lease, now, now + self.ttl_s,
             predicted_cached_tokens, seen_at=now,
         )  # fmt: skip
-        self._leases[active.lease_id] = active
-        return active
+        self._leases[record.lease_id] = record
+        return record
 
-    def release(self, lease_ids: Iterable[str]) -> list[ActiveLease]:
-        """Ends the given leases; unknown (or already ended) ids are ignored."""
-        return [lease for lease_id in lease_ids if (lease := self._leases.pop(lease_id, None)) is not None]
+    def release(self, lease_ids: Iterable[str]) -> list[LeaseRecord]:
+        """Ends the given leases (RELEASED); unknown (or already ended) ids are ignored."""
+        return self._end(lease_ids, LeaseState.RELEASED)
 
-    def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[ActiveLease]:
-        """Renews the worker's leases it reports running (their TTL starts again) and ends
-        those it has not reported for the grace period (since issued or last reported)."""
+    def reconcile(self, worker_id: str, active_ids: Iterable[str]) -> list[LeaseRecord]:
+        """One heartbeat of `worker_id`: the leases it lists are RUNNING (their TTL starts
+        again); those it has not listed for the grace period (since issued or last
+        listed) end RECONCILED."""
         running = set(active_ids)
         now = self._clock()
         ended = []
-        for lease in self._leases.values():
-            if lease.worker_id != worker_id:
+        for record in self._leases.values():
+            if record.worker_id != worker_id:
                 continue
-            if lease.lease_id in running:
-                lease.expires_at = now + self.ttl_s
-                lease.seen_at = now
-            elif lease.seen_at <= now - self.grace_s:
-                ended.append(lease)
-        return self.release(lease.lease_id for lease in ended)
+            if record.lease_id in running:
+                record.move(LeaseState.RUNNING)
+                record.expires_at = now + self.ttl_s
+                record.seen_at = now
+            elif record.seen_at <= now - self.grace_s:
+                ended.append(record.lease_id)
+        return self._end(ended, LeaseState.RECONCILED)
 
-    def expire(self) -> list[ActiveLease]:
-        """Ends the leases past their TTL."""
+    def expire(self) -> list[LeaseRecord]:
+        """Ends the leases past their TTL (EXPIRED)."""
         now = self._clock()
-        return self.release([lease.lease_id for lease in self._leases.values() if lease.expires_at <= now])
-
-    def of_worker(self, worker_id: str) -> list[ActiveLease]:
-        """Ends every lease of a worker (it is gone)."""
-        return self.release(
-            [lease.lease_id for lease in self._leases.values() if lease.worker_id == worker_id]
+        return self._end(
+            [r.lease_id for r in self._leases.values() if r.expires_at <= now], LeaseState.EXPIRED
         )
+
+    def of_worker(self, worker_id: str) -> list[LeaseRecord]:
+        """Ends every lease of a worker that is gone (WORKER_DOWN)."""
+        return self._end(
+            [r.lease_id for r in self._leases.values() if r.worker_id == worker_id], LeaseState.WORKER_DOWN
+        )
+
+    def _end(self, lease_ids: Iterable[str], how: LeaseState) -> list[LeaseRecord]:
+        ended = []
+        for lease_id in lease_ids:
+            record = self._leases.pop(lease_id, None)
+            if record is not None:
+                record.move(how)
+                ended.append(record)
+        return ended

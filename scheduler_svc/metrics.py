@@ -19,7 +19,7 @@ WORKER_INFLIGHT = Gauge(
 QUEUE_DEPTH = Gauge("meshserve_scheduler_queue_depth", "Requests waiting in the admission queue")
 OVERHEAD = Histogram(
     "meshserve_scheduler_overhead_seconds",
-    "Route: time from receiving the request to answering the lease (admission + encoding + routing + queueing)",
+    "Route: time from receiving the route to answering the lease (admission + encoding + routing + queueing)",
     buckets=(
         0.0001,
         0.00025,
@@ -69,7 +69,7 @@ _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CACHED_TOKENS = Histogram(
     "meshserve_scheduler_cached_tokens",
     "Prompt tokens found in the chosen worker's prefix cache per request: kind=predicted (the "
-    "prefix index at routing time) or actual (the worker's usage, reported on Release)",
+    "prefix index at routing time) or actual (the worker's usage, reported on release)",
     ["policy", "kind"],
     buckets=_TOKEN_BUCKETS,
 )
@@ -98,12 +98,7 @@ FAILOVERS = Counter(
 )
 LEASES = Gauge(
     "meshserve_scheduler_leases",
-    "Leases this replica holds (requests routed and not ended yet, grants not yet released)",
-)
-GRANTS = Counter(
-    "meshserve_scheduler_grants_total",
-    "Leases granted ahead of requests on route streams (a gateway places a request on one "
-    "without a route round trip; each also counts in leases until released)",
+    "Leases this replica holds (requests routed and not ended yet)",
 )
 LEASES_ENDED = Counter(
     "meshserve_scheduler_leases_ended_total",

@@ -64,9 +64,6 @@ class Decision:
 
 class RoutingPolicy(Protocol):
     name: str
-    # Whether the choice depends on the request's prompt (then no lease is granted ahead
-    # of a request while there is a choice to make: `Dispatcher.grant`).
-    reads_prompt: bool
 
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:
         """Picks one of `candidates` (never empty; all routable and with capacity)."""
@@ -77,7 +74,6 @@ class RoundRobinPolicy:
     """Cycles through workers in worker_id order, stable when membership changes."""
 
     name = "round_robin"
-    reads_prompt = False
 
     def __init__(self) -> None:
         self._last = ""
@@ -97,7 +93,6 @@ class LeastLoadPolicy:
     """Fewest requests per unit of capacity, then lowest KV usage; ties rotate."""
 
     name = "least_load"
-    reads_prompt = False
 
     def __init__(self) -> None:
         self._tiebreak = RoundRobinPolicy()
@@ -130,7 +125,6 @@ class PrefixAwarePolicy:
     """Longest cached prefix weighed against queue depth and KV usage, with a load cap."""
 
     name = "prefix"
-    reads_prompt = True
 
     def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None) -> None:
         self._index = index

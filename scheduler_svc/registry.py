@@ -76,8 +76,6 @@ class WorkerState:
     suspect_until: float = 0.0
     # Requests this scheduler sent and that have not finished yet.
     inflight: int = 0
-    # Of `inflight`, the grants issued ahead of requests (route streams) not yet released.
-    granted: int = 0
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
     capacity: int = 1
@@ -100,10 +98,8 @@ class WorkerState:
         return now < self.suspect_until
 
     def has_capacity(self) -> bool:
-        """Room for a routed request. Grants not yet released do not count: one may sit
-        unused in a gateway, and a routed request must never wait for it (the worker may
-        then run a few grants beyond its capacity; its own queue takes them)."""
-        return self.inflight - self.granted < self.capacity
+        """Room for one more request of ours."""
+        return self.inflight < self.capacity
 
     def estimated_load(self) -> int:
         """Requests on the worker now: ours (exact, heartbeats lag) plus other replicas' (reported)."""
@@ -119,7 +115,6 @@ class Lease:
 
     worker: WorkerState
     dispatched_at: float
-    granted: bool = False
 
 
 class WorkerRegistry:
@@ -256,17 +251,14 @@ class WorkerRegistry:
     def models(self, healthy_only: bool = True) -> list[str]:
         return sorted({w.spec.model for w in self._workers.values() if w.healthy or not healthy_only})
 
-    def acquire(self, state: WorkerState, granted: bool = False) -> Lease:
-        """Counts one more request in flight on `state` (`granted`: issued ahead of it)."""
+    def acquire(self, state: WorkerState) -> Lease:
+        """Counts one more request in flight on `state`."""
         state.inflight += 1
-        state.granted += granted
-        return Lease(worker=state, dispatched_at=self._clock(), granted=granted)
+        return Lease(worker=state, dispatched_at=self._clock())
 
     def release(self, lease: Lease) -> None:
         state = lease.worker
         state.inflight = max(state.inflight - 1, 0)
-        if lease.granted:
-            state.granted = max(state.granted - 1, 0)
 
     def counts(self) -> dict[tuple[str, Health], int]:
         """Number of workers per (role, health), every combination present."""

@@ -1,4 +1,4 @@
-"""Route (admission + routing → a lease) and Embed forwarding.
+"""Routes (admission + routing → a lease) and Embed forwarding.
 
 The scheduler decides and stays out of the token stream: `route` admits the request
 (bounded priority queue, per-tenant fairness, overload → RESOURCE_EXHAUSTED), encodes
@@ -21,7 +21,7 @@ import grpc
 
 from meshserve.v1 import common_pb2, scheduler_pb2
 from scheduler_svc import metrics
-from scheduler_svc.leases import ActiveLease
+from scheduler_svc.leases import LeaseRecord
 from scheduler_svc.multimodal import EncodeCoordinator
 from scheduler_svc.policies import Decision, RoutingRequest
 from scheduler_svc.registry import Lease
@@ -59,14 +59,14 @@ class RouteResult:
     """A lease on the chosen worker and the request's images as that worker takes them."""
 
     request_id: str
-    lease: ActiveLease
+    lease: LeaseRecord
     decision: Decision
     mm_items: list[common_pb2.MultiModalItem]
     predicted_cached_tokens: int
 
 
 def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
-    """The proto answer of a route (Route and RouteStream answer alike)."""
+    """The proto answer of a route on a RouteStream."""
     spec = result.decision.worker.spec
     return scheduler_pb2.RouteResponse(
         request_id=result.request_id,
@@ -114,7 +114,7 @@ def record_cached_tokens(policy: str, predicted: int, actual: int) -> None:
 
 
 class Router:
-    """Route and Embed against the workers chosen by the scheduler."""
+    """Routes and Embed against the workers chosen by the scheduler."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -145,18 +145,6 @@ class Router:
         if placed is None:
             return None
         return self._issue(request, placed[0], placed[1], [], received_at)
-
-    def grant(self, model: str) -> RouteResult | None:
-        """A lease on a worker for the caller's next request of `model`, issued before
-        that request exists (`Dispatcher.grant` says when), or None."""
-        placed = self.scheduler.dispatcher.grant(model)
-        if placed is None:
-            return None
-        lease, decision = placed
-        active = self.scheduler.leases.issue(lease, "")
-        metrics.GRANTS.inc()
-        metrics.LEASES.set(len(self.scheduler.leases))
-        return RouteResult("", active, decision, [], 0)
 
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
@@ -193,10 +181,9 @@ class Router:
         actual = {o.lease_id: o.cached_tokens for o in outcomes}
         policy = self.scheduler.policy.name
         for lease in reported:
-            if not lease.granted:
-                record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
+            record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
         ended.extend(reported)
-        self.scheduler.end_leases(ended, "released")
+        self.scheduler.end_leases(ended)
         return len(ended)
 
     async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:

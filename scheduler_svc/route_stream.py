@@ -1,6 +1,6 @@
 """One caller's `Scheduler.RouteStream`: many routes over one long-lived stream.
 
-A gateway process keeps one RouteStream per scheduler replica instead of a unary Route
+A gateway process keeps one RouteStream per scheduler replica instead of a unary call
 per request: a stream message costs the replica about a third of a unary call's CPU
 (grpc-python wakes the loop once per message instead of setting up a call). Each route
 runs in its own task, because it may wait in the admission queue, and is answered when
@@ -11,16 +11,6 @@ writes one answer.
 A route that needs no waiting (most of them) is answered by the reader itself, before it
 reads the next message -- no task, no queue between reader and writer: per route that
 saves the replica a task wake-up and the caller part of the round trip.
-
-Grants: while routing cannot depend on a request's content (`Dispatcher.grant`), the
-session keeps the caller supplied with up to `route_grants` leases per model issued
-ahead of any request, so the caller places its next requests with no round trip at all
-(at low load the route was ~1.4 ms of a first token's latency; at 100 req/s two stream
-messages per request were most of the replica's CPU). The caller says on its messages
-what it holds and what it has received; grants ride on the answer to the message, or
-on a message of their own (call_id 0). The caller may place one request after another
-on a grant for `reuse_for_ms` before releasing it (the lease's worker reports it while a
-request runs; `LeaseTable` keeps it through the gaps for the grace period).
 """
 
 from __future__ import annotations
@@ -28,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 from meshserve.v1 import scheduler_pb2
 from scheduler_svc import metrics
@@ -42,33 +31,12 @@ log = logging.getLogger(__name__)
 Send = Callable[[scheduler_pb2.RouteStreamResponse], Awaitable[None]]
 
 
-@dataclass(frozen=True)
-class GrantPolicy:
-    """How many leases a stream holds ahead of requests per model (0: none), how long
-    the caller may keep one unused (shorter than the lease grace period, after which a
-    lease its worker does not report ends), and how long it may reuse one for its next
-    requests (LeaseGrant.reuse_for_ms)."""
-
-    per_model: int
-    use_within_ms: int
-    reuse_for_ms: int = 0
-
-
 class RouteStreamSession:
     """The routes in flight on one RouteStream and the answers waiting to be sent."""
 
-    def __init__(
-        self,
-        router: Router,
-        lease_ttl_ms: int,
-        draining: Callable[[], bool],
-        send: Send,
-        grants: GrantPolicy = GrantPolicy(0, 0),
-    ) -> None:
+    def __init__(self, router: Router, lease_ttl_ms: int, draining: Callable[[], bool], send: Send) -> None:
         self._router = router
         self._lease_ttl_ms = lease_ttl_ms
-        self._grant_policy = grants
-        self._granted: dict[str, int] = {}  # model -> grants sent on this stream
         self._draining = draining
         self._send = send
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -89,40 +57,9 @@ class RouteStreamSession:
             if task is not None:
                 self._cancelled_by_caller.add(call_id)
                 task.cancel()
-        answered = len(self._ready)
         if message.HasField("route"):
             self._start(message.call_id, message.route)
-        if message.grants:
-            self._top_up(message.grants, answered)
         return self._flush() if self._ready else None
-
-    def _top_up(self, counts: Mapping[str, scheduler_pb2.GrantCount], answered: int) -> None:
-        """Grants up to `per_model` per model named, counting those held and those on the
-        way; they ride on this message's route answer when it has one ready."""
-        if self._draining():
-            return
-        grants = []
-        for model, count in counts.items():
-            in_flight = self._granted.get(model, 0) - count.received
-            for _ in range(self._grant_policy.per_model - count.held - max(in_flight, 0)):
-                result = self._router.grant(model)
-                if result is None:
-                    break
-                grants.append(
-                    scheduler_pb2.LeaseGrant(
-                        model=model,
-                        lease=route_response(result, self._lease_ttl_ms),
-                        use_within_ms=self._grant_policy.use_within_ms,
-                        reuse_for_ms=self._grant_policy.reuse_for_ms,
-                    )
-                )
-                self._granted[model] = self._granted.get(model, 0) + 1
-        if not grants:
-            return
-        if len(self._ready) > answered:  # this message's route, answered at once
-            self._ready[-1].grants.extend(grants)
-        else:
-            self._ready.append(scheduler_pb2.RouteStreamResponse(call_id=0, grants=grants))
 
     async def _flush(self) -> None:
         """Sends the answers ready now, in order."""

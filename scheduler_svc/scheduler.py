@@ -1,7 +1,7 @@
 """The scheduler's state and background work, independent of the gRPC servicer.
 
 `Scheduler` wires the registry, prefix index, routing policy and admission queue
-together, owns the worker channels, the leases handed out by Route (`LeaseTable`) and
+together, owns the worker channels, the leases of its route answers (`LeaseTable`) and
 the optional Redis links (registry mirror and KV event subscriber), and runs a
 housekeeping loop: mark silent workers down (dropping their index entries and leases),
 expire leases, sync the registry with Redis, refresh gauges and admit queued requests
@@ -25,7 +25,7 @@ from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.kv_subscriber import KvSubscriber
-from scheduler_svc.leases import ActiveLease, LeaseTable
+from scheduler_svc.leases import LeaseRecord, LeaseTable
 from scheduler_svc.policies import Decision, PrefixWeights, RoutingRequest, make_policy
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
@@ -130,7 +130,7 @@ class Scheduler:
         # Leases first: the registry splits the worker's load into this replica's share
         # (its leases) and the rest, so ended leases must be gone when it does.
         if state is not None:
-            self.end_leases(self.leases.reconcile(worker_id, active_leases), "reconciled")
+            self.end_leases(self.leases.reconcile(worker_id, active_leases))
         known, revived = self.registry.heartbeat(worker_id, load, draining)
         if not known:
             return False
@@ -155,12 +155,12 @@ class Scheduler:
         if decision.total_blocks:
             metrics.PREFIX_HIT.observe(decision.matched_blocks / decision.total_blocks)
 
-    def end_leases(self, ended: list[ActiveLease], how: str) -> None:
-        """Hands the slots of ended leases back (admits queued requests)."""
+    def end_leases(self, ended: list[LeaseRecord]) -> None:
+        """Hands the slots of ended leases back (admits queued requests) and counts them
+        by how they ended (their end state)."""
         for lease in ended:
             self.dispatcher.release(lease.lease)
-        if ended:
-            metrics.LEASES_ENDED.labels(how=how).inc(len(ended))
+            metrics.LEASES_ENDED.labels(how=lease.state.value).inc()
         metrics.LEASES.set(len(self.leases))
 
     def worker_failed(self, worker_id: str) -> None:
@@ -188,7 +188,7 @@ class Scheduler:
         """One round of sweep, Redis sync (at most once per heartbeat interval), index
         expiry and gauges."""
         self.sweep()
-        self.end_leases(self.leases.expire(), "expired")
+        self.end_leases(self.leases.expire())
         now = self.registry.now()
         if self.mirror is not None and now - self._mirrored_at >= 0.9 * self.config.heartbeat_interval_s:
             # Worker entries change at most once per heartbeat: syncing every sweep round
@@ -218,7 +218,7 @@ class Scheduler:
         """Drops the worker's index entries and leases (its requests are lost with it)."""
         self.registry.mark_down(worker_id)
         self.index.remove_worker(worker_id)
-        self.end_leases(self.leases.of_worker(worker_id), "worker_down")
+        self.end_leases(self.leases.of_worker(worker_id))
         self._registry_changed()
 
     async def _sync_mirror(self) -> None:

@@ -8,12 +8,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from scheduler_svc import metrics
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
-from scheduler_svc.route import Router, route_response
-from scheduler_svc.route_stream import GrantPolicy, RouteStreamSession
+from scheduler_svc.route import Router
+from scheduler_svc.route_stream import RouteStreamSession
 from scheduler_svc.scheduler import Scheduler
-from services.errors import MeshError
 from services.rpc import feed_stream, rpc_handler
 
 
@@ -79,33 +77,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.scheduler = scheduler
         self.router = Router(scheduler)
         self._lease_ttl_ms = int(scheduler.config.lease_ttl_s * 1000)
-        # Usable for half the grace period: a grant kept unused longer may already have
-        # been ended because its worker does not report it (no grace: no grants).
-        use_within_ms = int(scheduler.config.lease_grace_s * 500)
-        self._grants = GrantPolicy(
-            scheduler.config.route_grants if use_within_ms > 0 else 0,
-            use_within_ms,
-            int(scheduler.config.grant_reuse_s * 1000),
-        )
         self._sessions: set[RouteStreamSession] = set()
         self._draining = False
-
-    @rpc_handler
-    async def Route(
-        self, request: scheduler_pb2.RouteRequest, context: grpc.aio.ServicerContext
-    ) -> scheduler_pb2.RouteResponse:
-        """Admission + routing: a lease on one decoder worker (see scheduler.proto).
-        Cancelling the call while it waits in the admission queue leaves the queue."""
-        if request.release_lease_ids or request.release_outcomes:
-            self.router.release(list(request.release_lease_ids), request.release_outcomes)
-        try:
-            result = await self.router.route(
-                request.request, frozenset(request.exclude_worker_ids), request.force_encode
-            )
-        except MeshError as exc:
-            metrics.REJECTED.labels(code=exc.code.value).inc()
-            raise
-        return route_response(result, self._lease_ttl_ms)
 
     @rpc_handler
     async def RouteStream(
@@ -113,18 +86,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         request_iterator: AsyncIterator[scheduler_pb2.RouteStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Route over one long-lived stream per caller (see scheduler.proto). Answers are
-        written with `context.write` by whoever has them -- the reader for routes answered
-        at once, a route's task for one that waited -- one write at a time."""
+        """Routes and releases over one long-lived stream per caller (scheduler.proto).
+        Answers are written with `context.write` by whoever has them -- the reader for
+        routes answered at once, a route's task for one that waited -- one write at a time."""
         writes = asyncio.Lock()
 
         async def send(answer: scheduler_pb2.RouteStreamResponse) -> None:
             async with writes:
                 await context.write(answer)
 
-        session = RouteStreamSession(
-            self.router, self._lease_ttl_ms, lambda: self._draining, send, self._grants
-        )
+        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining, send)
         self._sessions.add(session)
         reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
         try:
@@ -140,14 +111,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._draining = True
         for session in self._sessions:
             session.wake()
-
-    @rpc_handler
-    async def Release(
-        self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> scheduler_pb2.ReleaseResponse:
-        """Ends leases whose requests finished; their workers' slots are free again."""
-        released = self.router.release(list(request.lease_ids), request.outcomes)
-        return scheduler_pb2.ReleaseResponse(released=released)
 
     @rpc_handler
     async def Embed(

@@ -13,7 +13,6 @@ import pytest
 from openai.types import Completion
 from transformers import AutoTokenizer
 
-from scheduler_svc.config import SchedulerConfig
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
 from tests.reliability.meshkit import metric_value
@@ -271,26 +270,21 @@ def _scheduler_series(mesh: Mesh, name: str) -> float:
     )
 
 
-def test_sequential_requests_run_on_grants_not_routes(
+def test_every_request_routes_and_releases_its_lease(
     mesh: Mesh, client: openai.OpenAI, model_name: str
 ) -> None:
-    """With one decoder the scheduler grants leases ahead of requests: requests one after
-    another run on them (no route round trip before the first token), each request's
-    grant comes back to the gateway for the next one (LeaseGrant.reuse_for_ms), so the
-    scheduler sees neither a route nor a grant per request, and what is left held when
-    the requests end is the gateway's grants (at most `route_grants`), not leaked leases."""
+    """Requests one after another each route on the gateway's route stream (one route per
+    request, no lease held ahead of one) and give their lease back when they end: the
+    replica counts every lease released by the gateway and holds none afterwards."""
+    port = dict(mesh.config.metrics_ports)["scheduler"]
     routed = _scheduler_series(mesh, "meshserve_scheduler_routed_total")
-    granted = _scheduler_series(mesh, "meshserve_scheduler_grants_total")
+    released = metric_value(port, "meshserve_scheduler_leases_ended_total", how="released")
     for _ in range(8):
-        reply = client.completions.create(model=model_name, prompt="grant me", max_tokens=2)
+        reply = client.completions.create(model=model_name, prompt="route me", max_tokens=2)
         assert reply.choices[0].text is not None
-        time.sleep(0.1)  # a release, were there one, would go back (20 ms batches)
-    new_routes = _scheduler_series(mesh, "meshserve_scheduler_routed_total") - routed
-    new_grants = _scheduler_series(mesh, "meshserve_scheduler_grants_total") - granted
-    assert new_routes <= 1
-    assert new_grants <= SchedulerConfig().route_grants  # one top-up at most, not one per request
+    assert _scheduler_series(mesh, "meshserve_scheduler_routed_total") - routed == 8
     deadline = time.monotonic() + 10
-    held = SchedulerConfig().route_grants
-    while _scheduler_series(mesh, "meshserve_scheduler_leases") > held and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _scheduler_series(mesh, "meshserve_scheduler_leases") <= held
+    while _scheduler_series(mesh, "meshserve_scheduler_leases") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # releases go back in 20 ms batches
+    assert _scheduler_series(mesh, "meshserve_scheduler_leases") == 0
+    assert metric_value(port, "meshserve_scheduler_leases_ended_total", how="released") - released == 8

@@ -5,10 +5,11 @@ Every bad message must end in a client-error status with a message (INVALID_ARGU
 NOT_FOUND, RESOURCE_EXHAUSTED for oversize, ...), never INTERNAL/UNKNOWN, and no
 service may crash: the last test checks every process is alive and /health is 200.
 
-The token path: `Scheduler.Route` refuses bad requests with a client error (every lease
-it grants here is released at once); `Scheduler.Release` takes any lease ids (unknown
-ones are simply not released); a bad add on a `Worker.GenerateStream` fails only that
-request (a `RequestError` with a client-error code) and the stream stays usable.
+The token path: a route on `Scheduler.RouteStream` refuses bad requests with a client
+error (every lease it answers here is released at once, and the replica counts it
+released); a release on the stream takes any lease ids (unknown ones are simply not
+released); a bad add on a `Worker.GenerateStream` fails only that request (a
+`RequestError` with a client-error code) and the stream stays usable.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from meshserve.v1 import (
     worker_pb2_grpc,
 )
 from tests.reliability.meshkit import ENCODER_CACHE_MB, MODEL_NAME, SharedMesh
+from tests.scheduler_svc.route_client import RouteClient
 
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -87,21 +89,35 @@ def _sp(**kw: Any) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**kw)
 
 
-def _route(request: scheduler_pb2.RouteRequest) -> Call:
-    """Scheduler.Route; a lease it grants is released at once (none may leak)."""
+def _routed(
+    request: common_pb2.GenerateRequest, exclude: Sequence[str] = (), force_encode: bool = False
+) -> Call:
+    """A route on a RouteStream; the lease it answers is released at once on the stream
+    (`_released` checks the replica counted it)."""
 
     async def call(ch: grpc.aio.Channel) -> scheduler_pb2.RouteResponse:
-        stub = scheduler_pb2_grpc.SchedulerStub(ch)
-        reply: scheduler_pb2.RouteResponse = await stub.Route(request, timeout=CALL_TIMEOUT_S)
-        released = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[reply.lease_id]), timeout=10)
-        assert released.released == 1, f"lease {reply.lease_id!r} of a granted Route was not released"
+        routes = RouteClient(ch)
+        try:
+            reply = await routes.route(request, exclude, force_encode, timeout=CALL_TIMEOUT_S)
+            routes.release(reply.lease_id)
+        finally:
+            await routes.close()
         return reply
 
     return call
 
 
-def _routed(request: common_pb2.GenerateRequest, **kw: Any) -> Call:
-    return _route(scheduler_pb2.RouteRequest(request=request, **kw))
+def _released(mesh: SharedMesh) -> float:
+    """Leases the scheduler replica `scheduler` ended because they were released."""
+    return mesh.metric("scheduler", "meshserve_scheduler_leases_ended_total", how="released")
+
+
+def _wait_released(mesh: SharedMesh, count: float, timeout: float = 10.0) -> float:
+    """`_released` once it reaches `count` (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while (value := _released(mesh)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
 
 
 @dataclass
@@ -168,6 +184,22 @@ def _raw(method: str, payload: bytes) -> Call:
     def call(ch: grpc.aio.Channel) -> Awaitable[Any]:
         stub = ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
         return stub(payload, timeout=CALL_TIMEOUT_S)  # type: ignore[no-any-return]
+
+    return call
+
+
+def _raw_stream(method: str, payload: bytes) -> Call:
+    """A bidirectional stream whose one message is hand-made bytes; the request side stays
+    open, so only the server can end the call."""
+
+    async def call(ch: grpc.aio.Channel) -> list[Any]:
+        stub = ch.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+        async def requests() -> AsyncIterator[bytes]:
+            yield payload
+            await asyncio.sleep(30)
+
+        return await _stream(stub(requests(), timeout=CALL_TIMEOUT_S))
 
     return call
 
@@ -251,8 +283,8 @@ SAMPLING_CASES: list[tuple[str, common_pb2.GenerateRequest]] = [
 def _cases() -> list[Case]:
     # The worker's bad requests: GENERATE_STREAM_CASES (answered on the stream).
     cases: list[Case] = [
-        # Scheduler.Route
-        Case("scheduler-route-empty-request", "scheduler", _route(scheduler_pb2.RouteRequest())),
+        # a route on Scheduler.RouteStream
+        Case("scheduler-route-empty-request", "scheduler", _routed(common_pb2.GenerateRequest())),
         Case("scheduler-route-no-model", "scheduler", _routed(_gen(model="", sampling=_sp()))),
         Case("scheduler-route-empty-prompt", "scheduler", _routed(_gen(prompt_token_ids=[], sampling=_sp()))),
         Case(
@@ -264,7 +296,7 @@ def _cases() -> list[Case]:
         Case(
             "scheduler-route-unknown-model-force-encode",
             "scheduler",
-            _routed(_gen(model="nope"), exclude_worker_ids=["x"] * 100, force_encode=True),
+            _routed(_gen(model="nope"), exclude=["x"] * 100, force_encode=True),
             NOT_FOUND,
         ),
         Case(
@@ -529,8 +561,8 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
     [
         ("tokenizer", "/meshserve.v1.Tokenizer/Tokenize", _field(2, b"\xff\xfe")),
         ("tokenizer", "/meshserve.v1.Tokenizer/RenderChat", _field(2, b"[\xc3(]")),
-        ("scheduler", "/meshserve.v1.Scheduler/Route", b"\xff\xff\xff\xff"),
-        ("scheduler", "/meshserve.v1.Scheduler/Release", _field(1, b"lease-\xc3(")),
+        ("scheduler", "/meshserve.v1.Scheduler/RouteStream", b"\xff\xff\xff\xff"),
+        ("scheduler", "/meshserve.v1.Scheduler/RouteStream", _field(4, _field(1, b"lease-\xc3("))),
         ("decoder-0", "/meshserve.v1.Worker/Embed", _field(1, b"\x80\x80")),
     ],
     ids=["tokenize-utf8", "render-chat-utf8", "route-corrupt-wire", "release-utf8", "worker-utf8"],
@@ -538,33 +570,45 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
 def test_undecodable_message_is_invalid_argument(
     mesh: SharedMesh, service: str, method: str, payload: bytes
 ) -> None:
-    """The contract asks for INVALID_ARGUMENT on a message that does not parse."""
-    error = asyncio.run(_run(mesh.address(service), _raw(method, payload)))
+    """The contract asks for INVALID_ARGUMENT on a message that does not parse (on a
+    stream: the call ends with it)."""
+    if method.endswith("/RouteStream"):
+        error = asyncio.run(_run(mesh.address(service), _raw_stream(method, payload)))
+    else:
+        error = asyncio.run(_run(mesh.address(service), _raw(method, payload)))
     _check(error, INVALID)
 
 
 def test_release_takes_any_lease_ids(mesh: SharedMesh) -> None:
-    """Release never fails on what it is given: unknown, empty, huge or repeated lease ids
-    are simply not released (0), a granted lease is released exactly once."""
+    """A release on the route stream never fails on what it is given: unknown, empty, huge
+    or repeated lease ids are simply not released (0), a lease is released exactly once.
+    Each release rides on a route, whose answer comes after the replica handled it."""
 
-    async def run() -> list[int]:
+    async def run() -> list[float]:
         async with grpc.aio.insecure_channel(mesh.address("scheduler"), options=BIG_CHANNEL) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            routes = RouteClient(channel)
+            leases: list[str] = []
 
-            async def release(ids: list[str]) -> int:
-                reply = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=ids), timeout=10)
-                return int(reply.released)
+            async def released_by(ids: list[str]) -> float:
+                before = _released(mesh)
+                release = scheduler_pb2.ReleaseRequest(lease_ids=ids)
+                reply = await routes.route(_gen(request_id="", sampling=_sp()), timeout=10, release=release)
+                leases.append(reply.lease_id)
+                return _released(mesh) - before
 
             counts = [
-                await release([]),
-                await release([""]),
-                await release(["no-such-lease", "x" * 100_000, "\u00e9\u0000\U0001f389"]),
-                await release([f"unknown-{i}" for i in range(10_000)]),
+                await released_by([]),
+                await released_by([""]),
+                await released_by(["no-such-lease", "x" * 100_000, "\u00e9\u0000\U0001f389"]),
+                await released_by([f"unknown-{i}" for i in range(10_000)]),
             ]
-            route = await stub.Route(
-                scheduler_pb2.RouteRequest(request=_gen(request_id="", sampling=_sp())), timeout=10
-            )
-            counts += [await release([route.lease_id, route.lease_id]), await release([route.lease_id])]
+            route = leases[-1]
+            counts += [await released_by([route, route]), await released_by([route])]
+            others = [lease for lease in leases if lease != route]
+            before = _released(mesh)
+            routes.release(*others)
+            await routes.close()
+            assert await asyncio.to_thread(_wait_released, mesh, before + len(others)) == before + len(others)
             return counts
 
     assert asyncio.run(run()) == [0, 0, 0, 0, 1, 0]
@@ -724,15 +768,14 @@ def test_fuzzed_route_never_fails_server_side(
     exclude: list[str],
     force_encode: bool,
 ) -> None:
-    """Random RouteRequests: a lease (released at once) or a client error, never
-    INTERNAL/UNKNOWN."""
-    route = scheduler_pb2.RouteRequest(
-        request=_request(prompt, sampling, priority, salt),
-        exclude_worker_ids=exclude,
-        force_encode=force_encode,
-    )
-    error = asyncio.run(_run(mesh.address("scheduler"), _route(route)))
+    """Random routes: a lease (released at once, and counted released by the replica) or a
+    client error, never INTERNAL/UNKNOWN."""
+    before = _released(mesh)
+    route = _routed(_request(prompt, sampling, priority, salt), exclude, force_encode)
+    error = asyncio.run(_run(mesh.address("scheduler"), route))
     assert _acceptable(error), f"{error.code().name if error else ''}: {error.details() if error else ''}"
+    if error is None:
+        assert _wait_released(mesh, before + 1) == before + 1, "the route's lease was not released"
 
 
 @FUZZ_SETTINGS

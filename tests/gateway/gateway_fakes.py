@@ -13,11 +13,10 @@ each file's last chunk, as the tokenizer service does; the gateway loads them wi
 transformers.AutoTokenizer. Chat rendering is `<|role|>content\n` per message plus
 `<|assistant|>`.
 
-Fake scheduler: `Route` leases a registered fake worker (the first one in
-`route_first` order, then registration order, skipping `exclude_worker_ids` and workers
-marked down), on the gateway's RouteStream or a unary Route; records every RouteRequest,
-lease and released lease (a stream message's `release`, `Release`, or the unary
-`RouteRequest.release_lease_ids`).
+Fake scheduler: a route on the gateway's RouteStream leases a registered fake worker (the
+first one in `route_first` order, then registration order, skipping
+`exclude_worker_ids` and workers marked down); records every RouteRequest, lease and
+released lease (a stream message's `release`).
 
 Fake worker: `GenerateStream` runs the scripted generation of each request added on
 the stream: the output text of choice i depends on keywords in the prompt (see
@@ -28,7 +27,7 @@ request with a final FINISH_REASON_ABORT message; request-level failures go out 
 
 Prompt keywords: TOOL, JSON, SLOW (200 ticks, 20 ms per step), UNICODE (non-ASCII
 text), ENDLESS (the usual text, then a slow endless tail: only an abort or max_tokens
-ends it), CRASH (RequestError INTERNAL after 3 tokens), OVERLOAD (Route answers
+ends it), CRASH (RequestError INTERNAL after 3 tokens), OVERLOAD (the route answers
 RESOURCE_EXHAUSTED), WORKER_REFUSES (RequestError INVALID_ARGUMENT naming top_k),
 GRAMMAR_REFUSED (INVALID_ARGUMENT naming structured_outputs, as a worker refusing a constraint),
 EVICTED (the first add of a request id fails FAILED_PRECONDITION, as when image
@@ -276,7 +275,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     name: str = "sched"
     # worker_id -> address, in registration order.
     workers: dict[str, str] = field(default_factory=dict)
-    # Workers Route tries first (in this order), then the others.
+    # Workers a route tries first (in this order), then the others.
     route_first: list[str] = field(default_factory=list)
     # Workers listed unhealthy and never routed to.
     down: set[str] = field(default_factory=set)
@@ -293,85 +292,38 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     list_workers_gate: asyncio.Event | None = None
     # ListWorkers lists the embedding worker and its model first (as a real scheduler may).
     embedding_first: bool = False
-    # Grants kept per model on a route stream that asks for them (0: none, as a replica
-    # whose routing needs the prompt), usable for this long; their lease ids, in order.
-    grants_per_model: int = 0
-    grant_use_within_ms: int = 60_000
-    grant_reuse_for_ms: int = 0  # LeaseGrant.reuse_for_ms (0: one request per grant)
-    granted: list[str] = field(default_factory=list)
     _lease_ids: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def requests(self) -> list[common_pb2.GenerateRequest]:
-        """The GenerateRequest of every Route call."""
+        """The GenerateRequest of every route."""
         return [route.request for route in self.routes]
 
     def routes_of(self, request_id: str) -> list[scheduler_pb2.RouteRequest]:
-        """Route calls for `request_id`, in order."""
+        """Routes for `request_id`, in order."""
         return [route for route in self.routes if route.request.request_id == request_id]
 
     def leases_of(self, request_id: str) -> list[str]:
         """Lease ids issued for `request_id`, in order."""
         return [lease for lease, (rid, _w) in self.leases.items() if rid == request_id]
 
-    async def Route(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        # Leases a gateway hands back on its next Route (when the contract has the field).
-        self.released.extend(getattr(request, "release_lease_ids", ()))
-        self.released.extend(self._note_outcomes(getattr(request, "release_outcomes", ())))
-        answer = self._route(request)
-        if isinstance(answer, tuple):
-            status, message, param = answer
-            await context.abort(status, message, _param(param) if param else ())
-        return answer
-
     async def RouteStream(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """The gateway's route stream: each route answered at once, in order, with the
-        grants the message asks for (topped up like the real replica's)."""
-        sent: dict[str, int] = {}  # model -> grants sent on this stream
+        """The gateway's route stream: each route answered at once, in order."""
         async for message in request_iterator:
             if message.HasField("release"):
                 self._record_release(message.release)
-            reply = scheduler_pb2.RouteStreamResponse(call_id=0)
-            if message.HasField("route"):
-                reply.call_id = message.call_id
-                answer = self._route(message.route)
-                if isinstance(answer, tuple):
-                    status, text, param = answer
-                    reply.error.CopyFrom(
-                        scheduler_pb2.RouteError(code=_code(status), message=text, param=param)
-                    )
-                else:
-                    reply.route.CopyFrom(answer)
-            for model, count in message.grants.items():
-                on_the_way = sent.get(model, 0) - count.received
-                for _ in range(self.grants_per_model - count.held - on_the_way):
-                    reply.grants.append(self._grant(model))
-                    sent[model] = sent.get(model, 0) + 1
-            if reply.call_id or reply.grants:
-                yield reply
-
-    def _grant(self, model: str) -> scheduler_pb2.LeaseGrant:
-        """A lease on the first worker, issued ahead of any request."""
-        worker_id = next(
-            w for w in [*self.route_first, *self.workers] if w in self.workers and w not in self.down
-        )
-        lease_id = f"{self.name}-grant-{next(self._lease_ids)}"
-        self.leases[lease_id] = ("", worker_id)
-        self.granted.append(lease_id)
-        lease = scheduler_pb2.RouteResponse(
-            lease_id=lease_id,
-            worker_id=worker_id,
-            worker_address=self.workers[worker_id],
-            lease_ttl_ms=60_000,
-        )
-        return scheduler_pb2.LeaseGrant(
-            model=model,
-            lease=lease,
-            use_within_ms=self.grant_use_within_ms,
-            reuse_for_ms=self.grant_reuse_for_ms,
-        )
+            if not message.HasField("route"):
+                continue
+            reply = scheduler_pb2.RouteStreamResponse(call_id=message.call_id)
+            answer = self._route(message.route)
+            if isinstance(answer, tuple):
+                status, text, param = answer
+                reply.error.CopyFrom(scheduler_pb2.RouteError(code=_code(status), message=text, param=param))
+            else:
+                reply.route.CopyFrom(answer)
+            yield reply
 
     def _route(self, request: Any) -> Any:
         """The lease for one RouteRequest, or (status, message, param) when refused."""
@@ -413,17 +365,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.outcomes[outcome.lease_id] = outcome
         return [outcome.lease_id for outcome in outcomes]
 
-    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return scheduler_pb2.ReleaseResponse(released=self._record_release(request))
-
-    def _record_release(self, request: Any) -> int:
-        """Records a ReleaseRequest (a unary Release or a route stream's `release`);
-        returns how many of its leases were issued and not yet released."""
+    def _record_release(self, request: Any) -> None:
+        """Records a route stream message's `release`."""
         ids = list(request.lease_ids) + self._note_outcomes(request.outcomes)
         self.release_calls.append(ids)
-        known = [i for i in ids if i in self.leases and i not in self.released]
         self.released.extend(ids)
-        return len(known)
 
     async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request.model != EMBED_MODEL:

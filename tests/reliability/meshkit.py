@@ -178,8 +178,13 @@ class SharedMesh:
     def rpc_count(self, name: str, method: str, code: str) -> float:
         """`meshserve_rpc_requests_total{method, code}` of a service started with
         MESHSERVE_METRICS_PORT; 0 when never observed."""
+        return self.metric(name, "meshserve_rpc_requests_total", method=method, code=code)
+
+    def metric(self, name: str, metric: str, **labels: str) -> float:
+        """One sample of a service started with MESHSERVE_METRICS_PORT (the scheduler
+        is); 0 when never observed."""
         port = int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
-        return metric_value(port, "meshserve_rpc_requests_total", method=method, code=code)
+        return metric_value(port, metric, **labels)
 
     def worker_load(self, name: str, timeout: float = 5.0) -> worker_pb2.LoadStats:
         """`Worker.GetLoad` of one decoder."""
@@ -298,6 +303,8 @@ def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
         # one (or both) must cost no stream in flight.
         num_schedulers=2,
         log_dir=str(log_dir),
+        # The scheduler's lease counters (the fuzz suite checks its releases there).
+        metrics_ports=(("scheduler", free_port()),),
         kv_cache_memory_mb=16,
         max_num_seqs=64,
         extra_env=(

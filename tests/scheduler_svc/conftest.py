@@ -2,8 +2,8 @@
 heartbeats and failures) for the scheduler's integration tests.
 
 The scheduler only routes: `RunningScheduler.route` returns the lease and worker a
-Route picks; `RunningScheduler.run` plays the gateway in miniature (Route, then the
-request on the chosen worker's `Worker.GenerateStream`, then Release)."""
+route on its RouteStream picks; `RunningScheduler.run` plays the gateway in miniature
+(route, then the request on the chosen worker's `Worker.GenerateStream`, then release)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.server import GrpcServer
+from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.kv_events import KvEventPublisher
 
@@ -43,7 +44,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     `hang()` stops the heartbeats (the server keeps answering), `resume()` restarts them,
     `kill()` stops everything at once (kill -9). `fail_first` makes Embed fail UNAVAILABLE.
 
-    The scheduler never calls a decoder's GenerateStream; the tests do, after a Route, as
+    The scheduler never calls a decoder's GenerateStream; the tests do, after a route, as
     the gateway would. Each request added streams `tokens` deterministic tokens (token i
     of a request is `(sum(prompt) + i) % 1000`) and, with a Redis URL, publishes the
     prompt's full blocks as KV events like the engine.
@@ -258,8 +259,11 @@ class RunningScheduler:
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
     servicer: SchedulerServicer
+    routes: RouteClient
+    releases: ReleaseCounter
 
     async def stop(self) -> None:
+        await self.routes.close()
         await self.channel.close()
         await self.server.server.stop(0)
         await self.core.stop()
@@ -279,19 +283,14 @@ class RunningScheduler:
         timeout: float = 20,
         **fields: Any,
     ) -> scheduler_pb2.RouteResponse:
-        """Scheduler.Route for a GenerateRequest built from `prompt` and `fields` (model "m")."""
-        request = scheduler_pb2.RouteRequest(
-            request=generate_request(prompt, **fields),
-            exclude_worker_ids=list(exclude),
-            force_encode=force_encode,
-        )
-        reply: scheduler_pb2.RouteResponse = await self.stub.Route(request, timeout=timeout)
-        return reply
+        """A route on the RouteStream for a GenerateRequest built from `prompt` and
+        `fields` (model "m"); a refused one raises its grpc.aio.AioRpcError."""
+        return await self.routes.route(generate_request(prompt, **fields), exclude, force_encode, timeout)
 
     async def release(self, *lease_ids: str) -> int:
-        """Scheduler.Release; the number of leases the scheduler knew and ended."""
-        reply = await self.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=list(lease_ids)))
-        return int(reply.released)
+        """Releases on the RouteStream; once the replica handled it, the number of the
+        leases it knew and ended."""
+        return await release_counted(self.routes, self.releases, *lease_ids)
 
     def inflight(self, worker_id: str) -> int:
         state = self.core.registry.get(worker_id)
@@ -305,7 +304,7 @@ class RunningScheduler:
     async def run(
         self, prompt: list[int], **fields: Any
     ) -> tuple[scheduler_pb2.RouteResponse, list[common_pb2.GenerateResponse]]:
-        """The gateway in miniature: Route, the request on the chosen worker, Release."""
+        """The gateway in miniature: route, the request on the chosen worker, release."""
         route = await self.route(prompt, **fields)
         request = generate_request(prompt, **fields)
         request.request_id = route.request_id
@@ -339,7 +338,10 @@ async def serve_scheduler(**overrides: Any) -> RunningScheduler:
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
-    return RunningScheduler(core, server, address, channel, stub, servicer)
+    routes = RouteClient(channel, address)
+    return RunningScheduler(
+        core, server, address, channel, stub, servicer, routes, ReleaseCounter(servicer.router)
+    )
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The prefix index follows a worker's cache through evictions: a real decoder (engine,
 gRPC server, KV-event publisher) with a small KV cache, a real redis-server and the
-scheduler (Route / Release over gRPC, KV subscriber). Prompts fill the cache past its
+scheduler (routes and releases on a RouteStream, KV subscriber). Prompts fill the cache past its
 capacity so the block manager evicts; removed-block events must reach the index, and the
 index's view of the worker must equal the block manager's cached hashes.
 
@@ -26,6 +26,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from services.server import GrpcServer
+from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -55,11 +56,11 @@ class Stack:
         )
         self.core = Scheduler(self.config)
         self.server = GrpcServer("scheduler-evict", self.config)
+        servicer = SchedulerServicer(self.core)
         self.server.add_service(
-            "meshserve.v1.Scheduler",
-            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-            SchedulerServicer(self.core),
+            "meshserve.v1.Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer
         )
+        self.releases = ReleaseCounter(servicer.router)
         self.model_dir = model_dir
         self.redis = redis
 
@@ -68,7 +69,7 @@ class Stack:
         address = f"127.0.0.1:{await self.server.start()}"
         await self.server.set_serving(True)
         self.channel = grpc.aio.insecure_channel(address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.routes = RouteClient(self.channel)
         worker_config = WorkerConfig(
             port=0, model_dir=str(self.model_dir), served_model_name="tiny", worker_id=WORKER,
             scheduler_address=address, redis_url=self.redis.url, block_size=BLOCK,
@@ -83,10 +84,10 @@ class Stack:
             await asyncio.sleep(0.05)
 
     async def generate(self, prompt: list[int]) -> common_pb2.Usage:
-        """Route, run on the worker, Release with the actual cached tokens (as the gateway)."""
+        """Route, run on the worker, release with the actual cached tokens (as the gateway)."""
         sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         request = common_pb2.GenerateRequest(model="tiny", prompt_token_ids=prompt, sampling=sampling)
-        route = await self.stub.Route(scheduler_pb2.RouteRequest(request=request), timeout=30)
+        route = await self.routes.route(request, timeout=30)
         request.lease_id = route.lease_id
         request.request_id = route.request_id
         usage = common_pb2.Usage()
@@ -94,7 +95,7 @@ class Stack:
             if response.HasField("usage"):
                 usage = response.usage
         outcome = scheduler_pb2.LeaseOutcome(lease_id=route.lease_id, cached_tokens=usage.cached_tokens)
-        await self.stub.Release(scheduler_pb2.ReleaseRequest(outcomes=[outcome]), timeout=10)
+        assert await release_counted(self.routes, self.releases, outcomes=[outcome]) == 1
         return usage
 
     def cached_hashes(self) -> frozenset[int]:
@@ -106,6 +107,7 @@ class Stack:
         await self.worker_channel.close()
         await self.worker.server.server.stop(0)
         await self.worker.close()
+        await self.routes.close()
         await self.channel.close()
         await self.server.server.stop(0)
         await self.core.stop()

@@ -1,8 +1,8 @@
 """The scheduler in front of real decoder worker processes (tiny model, CPU) and a real
-redis-server: requests are routed by the scheduler (Route), then run on the chosen
-worker's Worker.GenerateStream and released, as the gateway does. Prefix affinity from the
-engine's KV events; after `kill -9` of a worker the caller fails over (Route excluding
-it) and, once its heartbeats stop, the scheduler routes nothing there.
+redis-server: requests are routed by the scheduler (on a RouteStream), then run on the
+chosen worker's Worker.GenerateStream and released, as the gateway does. Prefix affinity
+from the engine's KV events; after `kill -9` of a worker the caller fails over (routes
+excluding it) and, once its heartbeats stop, the scheduler routes nothing there.
 
 Slow (model build + worker start-up): run with `make soak` / `pytest -m slow`.
 """
@@ -29,6 +29,7 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.redis_client import RedisServer
 from services.server import GrpcServer
+from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
 from tests.worker_svc.worker_kit import generate_one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -56,16 +57,16 @@ class Mesh:
         )  # fmt: skip
         self.core = Scheduler(config)
         self.server = GrpcServer(f"scheduler-{self.policy}", config)
+        servicer = SchedulerServicer(self.core)
         self.server.add_service(
-            "meshserve.v1.Scheduler",
-            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-            SchedulerServicer(self.core),
+            "meshserve.v1.Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer
         )
+        self.releases = ReleaseCounter(servicer.router)
         await self.core.start()
         self.address = f"127.0.0.1:{await self.server.start()}"
         await self.server.set_serving(True)
         self.channel = grpc.aio.insecure_channel(self.address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.routes = RouteClient(self.channel)
 
     def spawn(self, worker_id: str, log_dir: Path) -> None:
         log_path = log_dir / f"{worker_id}.log"
@@ -108,10 +109,8 @@ class Mesh:
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: tuple[str, ...] = ()
     ) -> scheduler_pb2.RouteResponse:
-        """Scheduler.Route; the request takes the route's request and lease ids."""
-        reply: scheduler_pb2.RouteResponse = await self.stub.Route(
-            scheduler_pb2.RouteRequest(request=request, exclude_worker_ids=exclude), timeout=60
-        )
+        """A route on the RouteStream; the request takes the route's request and lease ids."""
+        reply = await self.routes.route(request, exclude, timeout=60)
         request.request_id, request.lease_id = reply.request_id, reply.lease_id
         return reply
 
@@ -123,14 +122,18 @@ class Mesh:
             )
         return worker_pb2_grpc.WorkerStub(channel)
 
+    async def release(self, *lease_ids: str) -> int:
+        """Releases on the RouteStream; once handled, how many leases the scheduler ended."""
+        return await release_counted(self.routes, self.releases, *lease_ids)
+
     async def generate(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> list[Any]:
-        """Route, the request on the routed worker's GenerateStream, Release."""
+        """Route, the request on the routed worker's GenerateStream, release."""
         request = self.request(prompt, max_tokens, **fields)
         route = await self.route(request)
         try:
             responses = [r async for r in generate_one(self.worker_stub(route), request, 60)]
         finally:
-            await self.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
+            await self.release(route.lease_id)
         assert responses[0].worker_id == route.worker_id
         return responses
 
@@ -138,6 +141,7 @@ class Mesh:
         await asyncio.to_thread(self.stop_workers)
         for channel in self.worker_channels.values():
             await channel.close()
+        await self.routes.close()
         await self.channel.close()
         await self.server.server.stop(0)
         await self.core.stop()
@@ -209,14 +213,14 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - started < 30
     survivor = next(w for w in WORKERS if w != victim)
-    # The caller fails over at once (before the heartbeat timeout): Route again without
+    # The caller fails over at once (before the heartbeat timeout): routes again without
     # the dead worker, run the request there.
     retry = mesh.request(list(range(5, 40)), max_tokens=3)
     failover = await mesh.route(retry, exclude=(victim,))
     assert failover.worker_id == survivor
     responses = [r async for r in generate_one(mesh.worker_stub(failover), retry, 60)]
     assert responses[-1].finished and len(tokens(responses)) == 3
-    await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[failover.lease_id]))
+    await mesh.release(failover.lease_id)
     # Its heartbeats stopped: the scheduler marks it down, ends its leases (the killed
     # request's was never released) and drops its prefix index entries ...
     deadline = time.monotonic() + 10
@@ -224,8 +228,7 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
         assert time.monotonic() < deadline, "dead worker never marked down"
         await asyncio.sleep(0.1)
     assert mesh.core.registry.get(victim).inflight == 0  # type: ignore[union-attr]
-    released = await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
-    assert released.released == 0
+    assert await mesh.release(route.lease_id) == 0
     assert mesh.core.index.num_blocks(victim) == 0
     # ... and routes nothing there any more, even the prompt it had cached.
     for prompt in ([100 + i] * 20 for i in range(4)):
@@ -233,7 +236,7 @@ async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
         assert responses[0].worker_id == survivor and responses[-1].finished
     routed = await mesh.route(mesh.request(list(range(5, 40))))
     assert routed.worker_id == survivor
-    await mesh.stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[routed.lease_id]))
+    await mesh.release(routed.lease_id)
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -1,7 +1,7 @@
-"""Scheduler over real gRPC with fake workers (no Redis): registry RPCs, Route/Release and
-their leases (heartbeat reconciliation, TTL, worker down), admission (priority, overflow,
-timeout, cancellation while queued), exclusions for the gateway's failover, draining,
-Embed, metrics and the process entry point."""
+"""Scheduler over real gRPC with fake workers (no Redis): registry RPCs, routes and
+releases on a RouteStream and their leases (heartbeat reconciliation, TTL, worker down),
+admission (priority, overflow, timeout, cancellation while queued), exclusions for the
+gateway's failover, draining, Embed, metrics and the process entry point."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from prometheus_client import REGISTRY
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.redis_client import free_port
 from services.rpc import check_health
+from tests.reliability.meshkit import metric_value
 from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, generate_request
+from tests.scheduler_svc.route_client import RouteClient
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.registration import SchedulerLink
 
@@ -34,19 +36,15 @@ def rejected(code: str) -> float:
 
 
 async def route_status(sched: RunningScheduler, prompt: list[int], **fields: Any) -> grpc.StatusCode:
-    """The status code of a Route that must fail."""
+    """The status code of a route that must fail."""
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await sched.route(prompt, **fields)
     return info.value.code()
 
 
 def start_route(sched: RunningScheduler, prompt: list[int], **fields: Any) -> Any:
-    """A Route call left running (it may wait in the admission queue); await it or cancel it."""
-    exclude = fields.pop("exclude", ())
-    request = scheduler_pb2.RouteRequest(
-        request=generate_request(prompt, **fields), exclude_worker_ids=exclude
-    )
-    return sched.stub.Route(request, timeout=20)
+    """A route left running (it may wait in the admission queue); await it or cancel it."""
+    return asyncio.create_task(sched.route(prompt, **fields))
 
 
 async def test_route_leases_a_worker_and_release_frees_it(start_scheduler: Any, start_worker: Any) -> None:
@@ -61,7 +59,7 @@ async def test_route_leases_a_worker_and_release_frees_it(start_scheduler: Any, 
     assert sched.inflight("w1") == 1 and sched.lease_ids() == {first.lease_id}
     # The scheduler never calls the worker: the caller runs the request there.
     assert worker.started == []
-    # A second Route of the same prompt expects the prefix its first routing cached there.
+    # A second route of the same prompt expects the prefix its first routing cached there.
     second = await sched.route(prompt)
     assert second.request_id and second.request_id != "r1"
     assert second.lease_id != first.lease_id
@@ -81,11 +79,8 @@ async def test_leases_released_along_with_the_next_route(start_scheduler: Any, s
     first = await sched.route([1, 2, 3], request_id="a")
     second = await sched.route([4, 5, 6], request_id="b")
     assert sched.inflight("w1") == 2
-    request = scheduler_pb2.RouteRequest(
-        request=common_pb2.GenerateRequest(model="m", prompt_token_ids=[7, 8, 9], request_id="c"),
-        release_lease_ids=[first.lease_id, second.lease_id, "unknown"],
-    )
-    third = await sched.stub.Route(request)
+    release = scheduler_pb2.ReleaseRequest(lease_ids=[first.lease_id, second.lease_id, "unknown"])
+    third = await sched.routes.route(generate_request([7, 8, 9], request_id="c"), release=release)
     assert sched.lease_ids() == {third.lease_id} and sched.inflight("w1") == 1
 
 
@@ -236,7 +231,7 @@ async def test_cancelled_queued_route_leaves_the_queue(start_scheduler: Any, sta
     await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 0)
     await sched.wait_for(lambda: metric("meshserve_scheduler_queue_depth") == 0)
     # The slot is not leaked to the cancelled request: releasing the held lease frees the
-    # worker entirely and the next Route is placed at once.
+    # worker entirely and the next route is placed at once.
     assert await sched.release(held.lease_id) == 1
     assert sched.inflight("a") == 0 and sched.lease_ids() == set()
     reply = await sched.route([3], timeout=2)
@@ -267,7 +262,7 @@ async def test_heartbeats_end_leases_their_worker_no_longer_runs(
 async def test_lease_of_a_running_request_lasts_until_it_ends(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    """No Release at all (the gateway died): the worker's reports keep the lease while
+    """No release at all (the gateway died): the worker's reports keep the lease while
     its request runs and end it once the request has finished."""
     sched = await start_scheduler(lease_grace_s=1.0)
     worker = await start_worker("a", sched, tokens=100, delay=0.02)
@@ -421,9 +416,10 @@ async def test_worker_gauges(start_scheduler: Any, start_worker: Any) -> None:
 
 
 async def test_process_entry_point_serves_and_drains() -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scheduler_svc", "--port", str(port), "--routing-policy", "least_load",
+        "--metrics-port", str(metrics_port),
         env={**os.environ, "MESHSERVE_DRAIN_TIMEOUT_S": "1"},
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
@@ -443,16 +439,28 @@ async def test_process_entry_point_serves_and_drains() -> None:
             assert reply.heartbeat_interval_ms == 500
             listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
             assert [s.worker.worker_id for s in listing.workers] == ["p1"]
-            route = await stub.Route(
-                scheduler_pb2.RouteRequest(request=generate_request([1, 2, 3])), timeout=5
-            )
+            routes = RouteClient(channel)
+            route = await routes.route(generate_request([1, 2, 3]), timeout=5)
             assert route.worker_id == "p1" and route.worker_address == "127.0.0.1:1"
             assert route.reason == "least_load" and route.lease_ttl_ms == 600_000
-            released = await stub.Release(scheduler_pb2.ReleaseRequest(lease_ids=[route.lease_id]))
-            assert released.released == 1
+            routes.release(route.lease_id)
+            await routes.close()
+        assert await released(metrics_port, 1) == 1
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def released(metrics_port: int, count: int, timeout: float = 10.0) -> float:
+    """The process's leases ended by a release, once there are `count` (or at the timeout)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await asyncio.to_thread(
+            metric_value, metrics_port, "meshserve_scheduler_leases_ended_total", how="released"
+        )
+        if value >= count or asyncio.get_running_loop().time() > deadline:
+            return value
+        await asyncio.sleep(0.05)
