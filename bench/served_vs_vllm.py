@@ -1,0 +1,205 @@
+"""Served throughput and latency of `make serve`'s mesh against vLLM's own server, one client for both.
+
+    .venv/bin/python -m bench.served_vs_vllm --vllm /tmp/peer/venv/bin/vllm \\
+        --model tiny-llama=/tmp/peer/tiny-llama --model smollm2-135m-instruct=.cache/models/smollm2-135m-instruct \\
+        --concurrency 1,8,32 --rounds 3 --out bench/results/served_vs_vllm.json
+
+The client is vLLM's `vllm bench serve` (random prompts, 128 in / 64 out, ignore_eos). Per model and
+round, each server is started, benchmarked at every concurrency and stopped before the other starts
+(they share the host's cores); the order of the two alternates between rounds. The mesh runs as
+`make serve` runs it (`python -m services.launcher up --model-dir DIR`, its defaults, no flags); vLLM
+gets the dtype the mesh resolves on this host (`default_dtype`), so both compute alike. The JSON holds
+every run, the medians per system and concurrency, the ratios mesh / vLLM, the host's CPU model and
+the exact commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from worker_svc.engine.config import default_dtype
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = ROOT / ".cache/logs/served_vs_vllm"  # each server's output, and the mesh's services' logs
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms")
+
+
+@dataclass(frozen=True)
+class Server:
+    """How to start one system on `port` for a model, and the process group running it."""
+
+    system: str
+    command: list[str]
+    port: int
+    env: dict[str, str]
+
+
+def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> list[Server]:
+    """vLLM's server and the mesh, each serving `model_dir` as `name`."""
+    vllm_cmd = [vllm, "serve", model_dir, "--host", "127.0.0.1", "--port", "8011"]
+    vllm_cmd += ["--served-model-name", name, "--dtype", dtype, "--max-model-len", "1024"]
+    mesh_cmd = [sys.executable, "-m", "services.launcher", "up", "--model-dir", model_dir]
+    mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir)]
+    vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return [Server("vllm", vllm_cmd, 8011, vllm_env), Server("meshserve", mesh_cmd, 8000, {})]
+
+
+def wait_up(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> float:
+    """Seconds until `GET /v1/models` answers 200; RuntimeError if the server exits first."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was up")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"no answer on port {port} after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def bench_command(vllm: str, port: int, name: str, tokenizer: str, concurrency: int, out: Path) -> list[str]:
+    """`vllm bench serve` at one concurrency, its result saved as JSON in `out`."""
+    prompts = max(16, 4 * concurrency)
+    return [
+        vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+        "--endpoint", "/v1/completions", "--model", name, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64",
+        "--random-range-ratio", "0", "--num-prompts", str(prompts), "--request-rate", "inf",
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]  # fmt: skip
+
+
+def run_server(
+    server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int]
+) -> list[dict]:
+    """Starts `server`, benchmarks it at each concurrency, stops it; one record per run."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        log = (LOG_DIR / f"{server.system}.log").open("wb")
+        proc = subprocess.Popen(
+            server.command, cwd=ROOT, env={**os.environ, **server.env}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            up_s = wait_up(server.port, proc)
+            for c in concurrencies:
+                out = Path(tmp) / f"c{c}.json"
+                cmd = bench_command(vllm, server.port, name, tokenizer, c, out)
+                subprocess.run(
+                    cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True
+                )
+                result = json.loads(out.read_text())
+                records.append(
+                    {"system": server.system, "concurrency": c, "up_s": round(up_s, 1),
+                     "failed": result.get("failed", 0), **{m: result[m] for m in METRICS}}
+                )  # fmt: skip
+                print(f"  {server.system:9s} c={c:<3d} {result['output_throughput']:8.1f} tok/s", flush=True)
+        finally:
+            stop(proc)
+            log.close()
+    return records
+
+
+def summarize(runs: list[dict], concurrencies: Sequence[int]) -> dict:
+    """Medians per system and concurrency, and the mesh / vLLM ratios of throughput and TTFT."""
+    medians: dict[str, dict[str, dict[str, float]]] = {}
+    for system in ("vllm", "meshserve"):
+        medians[system] = {}
+        for c in concurrencies:
+            rows = [r for r in runs if r["system"] == system and r["concurrency"] == c]
+            medians[system][str(c)] = {m: round(statistics.median(r[m] for r in rows), 2) for m in METRICS}
+    ratios = {
+        str(c): {
+            "throughput": round(
+                medians["meshserve"][str(c)]["output_throughput"]
+                / medians["vllm"][str(c)]["output_throughput"],
+                3,
+            ),
+            "ttft_p50": round(
+                medians["meshserve"][str(c)]["median_ttft_ms"] / medians["vllm"][str(c)]["median_ttft_ms"], 3
+            ),
+        }
+        for c in concurrencies
+    }
+    return {"medians": medians, "mesh_over_vllm": ratios}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--vllm", required=True, help="the vllm command (of an environment of its own)")
+    parser.add_argument(
+        "--model", action="append", required=True, help="NAME=DIR, served as NAME (repeatable)"
+    )
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per model and system (default 3)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/served_vs_vllm.json")
+    args = parser.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    dtype = default_dtype("cpu")
+    report: dict = {
+        "command": " ".join(["python -m bench.served_vs_vllm", *(argv if argv is not None else sys.argv[1:])]),
+        "cpu": cpu_model(), "cores": os.cpu_count(), "dtype": dtype, "date": time.strftime("%Y-%m-%d"),
+        "workload": "vllm bench serve, random 128 in / 64 out, ignore_eos, max(16, 4*c) prompts", "models": {},
+        "client_command": " ".join(bench_command(args.vllm, 0, "NAME", "DIR", 0, Path("RESULT.json"))),
+    }  # fmt: skip
+    for spec in args.model:
+        name, model_dir = spec.split("=", 1)
+        runs: list[dict] = []
+        pair = servers(args.vllm, name, model_dir, dtype, LOG_DIR / "mesh")
+        for round_index in range(args.rounds):
+            print(f"{name}: round {round_index + 1}/{args.rounds}", flush=True)
+            for server in pair if round_index % 2 == 0 else pair[::-1]:
+                for record in run_server(server, args.vllm, name, model_dir, concurrencies):
+                    runs.append({"round": round_index + 1, **record})
+        commands = {s.system: " ".join(s.command) for s in pair}
+        report["models"][name] = {
+            "dir": model_dir,
+            "commands": commands,
+            "runs": runs,
+            **summarize(runs, concurrencies),
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({n: m["mesh_over_vllm"] for n, m in report["models"].items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
