@@ -13,6 +13,11 @@ import pytest
 from services.redis_client import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+# The services the tests start compute in float32 whatever the host: the tests compare their tokens
+# with float32 references (transformers' generate, an in-process engine, an earlier answer), and
+# bfloat16 results depend on batch composition. The worker's default, dtype auto, is bf16 on hosts
+# with native bf16; tests/worker_engine/test_bf16_parity.py covers that path.
+os.environ.setdefault("MESHSERVE_DTYPE", "float32")
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 
 

@@ -3,6 +3,7 @@ official `openai` client against the gateway."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,6 @@ from transformers import AutoTokenizer
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import RedisServer, free_port
 from tests.reliability.meshkit import metric_value
-from worker_svc.config import WorkerConfig
 from worker_svc.embedding import default_embedding_model_dir
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -119,7 +119,8 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(
     the engine run in this process with the worker's settings."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.encode("The function returns the value of")
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=WorkerConfig.dtype, num_kv_blocks=64))
+    dtype = os.environ["MESHSERVE_DTYPE"]  # the mesh's worker's (tests/conftest.py)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=dtype, num_kv_blocks=64))
     engine.add_request("local", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     expected: list[int] = []
     while engine.has_unfinished():

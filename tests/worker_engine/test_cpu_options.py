@@ -135,7 +135,7 @@ def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
     from worker_svc.config import WorkerConfig
 
     assert WorkerConfig(model_dir="/x", dtype="auto").dtype == default_dtype("cpu")
-    assert WorkerConfig(model_dir="/x").dtype == "float32"
+    assert WorkerConfig(model_dir="/x").dtype == default_dtype("cpu"), "the worker's default is auto"
     assert WorkerConfig(model_dir="/x", cpu_affinity="0-1").cpu_affinity == "0-1"
     with pytest.raises(ValueError, match="cpu_affinity"):
         WorkerConfig(model_dir="/x", cpu_affinity="z")
