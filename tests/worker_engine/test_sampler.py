@@ -292,3 +292,19 @@ def test_greedy_ties_pick_the_first_maximum() -> None:
             logits.to(dtype), [Row(SamplingParams(temperature=0, repetition_penalty=1.01))] * 3
         )
         assert fast.token_ids == [3, 3, 3] and full.token_ids == [3, 3, 3]
+
+
+def test_unseeded_rows_draw_one_uniform_per_row_not_one_exponential_per_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exponential per vocabulary entry was the slow part of a CPU step; unseeded rows draw by
+    inverse CDF, with the distribution and the support (min_p, top_p) unchanged."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", _boom)
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05] + [0.0] * (V - 4))
+    logits = torch.log(probs.clamp_min(1e-12)).expand(4000, V)
+    torch.manual_seed(1)
+    out = Sampler(V, [EOS]).sample(logits, [Row(SamplingParams())] * 4000).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=V).float() / len(out)
+    assert torch.allclose(freq[:4], probs[:4], atol=0.03) and freq[4:].sum() == 0
+    kept = Sampler(V, [EOS]).sample(logits[:400], [Row(SamplingParams(min_p=0.3))] * 400).token_ids
+    assert set(kept) == {0, 1}  # threshold 0.18

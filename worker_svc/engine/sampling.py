@@ -270,21 +270,21 @@ class Sampler:
             logits, candidates = _top_k_candidates(logits, top_k, top_p)
         elif any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        chosen = _race(logits, rows, candidates, vocab)
+        chosen = _draw(logits, rows, candidates, vocab)
         if candidates is None:
             return chosen
         return candidates.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
 
-def _race(
+def _draw(
     logits: torch.Tensor, rows: Sequence[SamplingState], candidates: torch.Tensor | None, vocab: int
 ) -> torch.Tensor:
-    """Column drawn per row from softmax(logits) (min-p applied) by the exponential race.
+    """Column drawn per row from softmax(logits) (min-p applied): by inverse CDF for unseeded
+    rows, by the exponential race for seeded ones.
 
     ``candidates`` maps the columns to token ids when ``logits`` holds top-k candidates
     only (``None``: the columns are the vocabulary)."""
     params = [r.sampling_params for r in rows]
-    width = logits.shape[1]
     dev = logits.device
     probs = torch.softmax(logits, dim=-1)
     min_p = [p.min_p for p in params]
@@ -293,14 +293,31 @@ def _race(
             probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
         )
         probs = probs.masked_fill(probs < thresh, 0.0)
-    race = torch.empty_like(probs)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        race[unseeded] = torch.empty(len(unseeded), width, dtype=probs.dtype, device=dev).exponential_()
-    for j, r in enumerate(rows):
-        if r.generator is not None:
-            race[j] = _seeded_draws(r, vocab, probs.dtype, candidates[j] if candidates is not None else None)
-    return (probs / race).argmax(dim=-1)
+        chosen[unseeded] = _inverse_cdf(probs[unseeded])
+    seeded = [j for j, r in enumerate(rows) if r.generator is not None]
+    if seeded:
+        race = torch.stack(
+            [
+                _seeded_draws(rows[j], vocab, probs.dtype, candidates[j] if candidates is not None else None)
+                for j in seeded
+            ]
+        )
+        chosen[seeded] = (probs[seeded] / race).argmax(dim=-1)
+    return chosen
+
+
+def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """Column drawn per row from ``probs`` (rows need not sum to 1): one uniform per row
+    against the row's running sum. Unseeded rows need only a correct draw, and the race's
+    one exponential per column is the slow part of a CPU step: ~20 ms for 32 rows of a 32k
+    vocabulary against ~1 ms here. Seeded rows keep the race: its draws depend on the seed
+    and the position only, never on the batch."""
+    cdf = probs.float().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 def _seeded_draws(
