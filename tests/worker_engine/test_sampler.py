@@ -308,3 +308,27 @@ def test_unseeded_rows_draw_one_uniform_per_row_not_one_exponential_per_token(
     assert torch.allclose(freq[:4], probs[:4], atol=0.03) and freq[4:].sum() == 0
     kept = Sampler(V, [EOS]).sample(logits[:400], [Row(SamplingParams(min_p=0.3))] * 400).token_ids
     assert set(kept) == {0, 1}  # threshold 0.18
+
+
+def test_top_p_nucleus_without_a_vocabulary_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p alone over a vocabulary larger than TOP_K_FAST_MAX: the nucleus is taken from the
+    best candidates, with exactly the sorted path's mask, when it lies within them; a flat row
+    whose nucleus does not falls back to the sort."""
+    from worker_svc.engine.sampling import TOP_K_FAST_MAX, _nucleus_candidates, _top_k_top_p
+
+    vocab = 4 * TOP_K_FAST_MAX
+    peaked = torch.randn(3, vocab, generator=torch.Generator().manual_seed(11)) * 4.0
+    top_p = [0.9, 0.5, 0.99]
+    found = _nucleus_candidates(peaked, top_p)
+    assert found is not None
+    vals, ids = found
+    full = _top_k_top_p(peaked, [vocab] * 3, top_p)
+    for r in range(3):
+        kept_fast = {int(t) for t, v in zip(ids[r], vals[r], strict=True) if v > -math.inf}
+        assert kept_fast == set(torch.nonzero(full[r] > -math.inf).flatten().tolist()), f"row {r}"
+    assert _nucleus_candidates(torch.zeros(1, vocab), [0.9]) is None, "a flat row's nucleus is wider"
+    monkeypatch.setattr(torch.Tensor, "sort", _boom)
+    rows = [Row(SamplingParams(top_p=p)) for p in top_p]
+    for _ in range(20):
+        toks = Sampler(vocab, [EOS]).sample(peaked, rows).token_ids
+        assert all(full[r, t] > -math.inf for r, t in enumerate(toks))

@@ -26,8 +26,8 @@ Processing order for one step (all rows at once where possible):
 Fast paths (same results, less work): a batch of plain greedy rows (no penalties,
 min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy);
 when every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
-from ``topk`` instead of a full-vocabulary sort, and the race runs over those ``k``
-candidates only (a seeded row still draws ``vocab`` values and races its candidates
+from ``topk`` instead of a full-vocabulary sort, and so do a batch's top-p nuclei when they
+lie within the best :data:`TOP_K_FAST_MAX` tokens; the draw runs over those candidates only (a seeded row still draws ``vocab`` values and races its candidates
 with the values of their token ids, so both paths pick the same token).
 """
 
@@ -268,6 +268,8 @@ class Sampler:
         candidates = None  # [rows, k] token ids when sampling among top-k candidates only
         if max(top_k) <= TOP_K_FAST_MAX:
             logits, candidates = _top_k_candidates(logits, top_k, top_p)
+        elif min(top_k) >= vocab and max(top_p) < 1.0 and (nucleus := _nucleus_candidates(logits, top_p)):
+            logits, candidates = nucleus
         elif any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
         chosen = _draw(logits, rows, candidates, vocab)
@@ -408,6 +410,20 @@ def _top_k_candidates(
     remove = ranks >= torch.tensor(top_k, device=vals.device).unsqueeze(1)
     if any(tp < 1.0 for tp in top_p):
         remove |= _outside_nucleus(vals.masked_fill(remove, -math.inf), top_p)
+    return vals.masked_fill(remove, -math.inf), ids
+
+
+def _nucleus_candidates(logits: torch.Tensor, top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-p (no top-k) from the ``TOP_K_FAST_MAX`` best logits per row, with the same mask as
+    sorting the vocabulary, when every row's nucleus lies within them (their mass, against
+    the whole row's, reaches top_p); else None. The full sort was a quarter of a CPU decode
+    step of a 49k-vocabulary model at top_p 0.9 and 32 rows."""
+    vals, ids = logits.topk(min(TOP_K_FAST_MAX, logits.shape[1]), dim=-1)
+    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    if not bool((probs.sum(dim=-1, keepdim=True) >= limit).all()):
+        return None
+    remove = probs.cumsum(dim=-1) - probs >= limit
     return vals.masked_fill(remove, -math.inf), ids
 
 
