@@ -95,8 +95,9 @@ def test_overall_time_limit(fake: FakeOpenAI, tmp_path: Path) -> None:
 def test_compare_mode_reports_ratios(
     fake: FakeOpenAI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Same workload on two targets; ratios are A / B."""
-    compare = f"--compare-url {fake.base_url}/v1 --compare-model slow"
+    """Same workload on two targets; ratios are A / B. Warm-ups keep A's first-connection costs
+    out of its timings (a clean CI run once saw A's four TTFTs all above B's)."""
+    compare = f"--compare-url {fake.base_url}/v1 --compare-model slow --num-warmups 2"
     r = run(fake, tmp_path, f"--model fast {compare} --num-prompts 4 --max-concurrency 4 --output-len 4")
     a, b = r["results"][0]["targets"]
     assert (a["label"], a["model"], b["label"], b["model"]) == ("A", "fast", "B", "slow")
