@@ -419,7 +419,7 @@ class SSEResponse(StreamingResponse):
     the first token arrives only the writes are left on its way to the client -- the
     handler's return, this response and its stream (templates, role chunks) were built
     during the prefill (at concurrency 1: ~0.2 ms less time to first token on a 2-core
-    host, bench/README "Session 14")."""
+    host; docs/design-decisions.md, "Generation endpoints served past FastAPI's router")."""
 
     media_type = "text/event-stream"
 
