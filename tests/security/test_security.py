@@ -9,7 +9,7 @@
   never contacted.
 * Size limits: gateway body limit (413) and gRPC max message size on every gRPC server
   (RESOURCE_EXHAUSTED, service alive).
-* gRPC between services is plaintext (documented gap, see docs/reliability.md).
+* gRPC between services is plaintext unless mutual TLS is configured (tests/services/test_tls.py).
 """
 
 from __future__ import annotations
