@@ -29,7 +29,6 @@ from typing import Any
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
 from services.errors import (
-    STATUS_NUMBERS,
     Aborted,
     Code,
     InvalidArgument,
@@ -37,6 +36,7 @@ from services.errors import (
     NotFound,
     Unavailable,
     classify,
+    status_number,
 )
 from services.kv_contract import request_extra_keys
 from worker_svc import convert
@@ -142,7 +142,7 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
         log.error("request %s failed: %r", request_id, exc)
     param = exc.param if isinstance(exc, MeshError) else None
     return worker_pb2.RequestError(
-        request_id=request_id, code=STATUS_NUMBERS[code], message=message, param=param or ""
+        request_id=request_id, code=status_number(code), message=message, param=param or ""
     )
 
 

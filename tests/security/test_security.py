@@ -26,6 +26,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.config import MAX_MESSAGE_BYTES
 from tests.reliability.meshkit import (
     API_KEYS,
     MODEL_NAME,
@@ -37,7 +38,6 @@ from tests.reliability.meshkit import (
     tokenizer_spec,
 )
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ALPHA, BETA = API_KEYS
 # Routes that exist but are not in the OpenAPI document.
 EXTRA_ROUTES = [
