@@ -7,9 +7,9 @@ from typing import Any
 
 from meshserve.v1 import common_pb2
 from services.errors import InvalidArgument
+from services.grammar import StructuredSpec
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
-from worker_svc.engine.structured import StructuredSpec
 
 _OPTIONAL_FIELDS = (
     "temperature",

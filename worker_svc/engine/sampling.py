@@ -40,7 +40,8 @@ from typing import Protocol
 
 import torch
 
-from worker_svc.engine.structured import StructuredSpec, apply_grammar_masks
+from services.grammar import StructuredSpec
+from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
     "MAX_LOGPROBS",
