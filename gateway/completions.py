@@ -254,9 +254,7 @@ class CompletionStreamer:
         self.offsets = [0] * len(echoes)
         # echo with logprobs: the prompt text goes out with the choice's first event, once
         # its logprobs (they come with the first output) are there; plain echo goes first.
-        self.echo_with_first = (
-            {i for i, echo in enumerate(echoes) if echo} if body.logprobs is not None else set()
-        )
+        self.echo_with_first = set(range(len(echoes))) if body.echo and body.logprobs is not None else set()
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
