@@ -93,12 +93,16 @@ class RequestRun:
     span: tracing.PhaseSpan | None = None
     phase: tracing.PhaseSpan | None = None
     failed: bool = False
+    prompt_logprobs_sent: bool = False
 
     def on_output(self, index: int, out: RequestOutput) -> None:
         """One sample's output of one engine step."""
         self.outbox.add(convert.sequence_delta(index, out))
         self.usage.completion_tokens += len(out.new_token_ids)
-        if index == 0 and out.prompt_logprobs:
+        # Every sample computes them and brings them with its first token: the message with
+        # the request's first token carries them, whichever sample it is from.
+        if out.prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
             self.outbox.response.prompt_logprobs.extend(convert.prompt_logprobs(out))
         self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
         if out.finished:
