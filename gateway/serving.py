@@ -29,22 +29,17 @@ from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.upstream import Upstream
 from meshserve.v1 import common_pb2
 from services import tracing
+from services.sampling_fields import OPTIONAL_SAMPLING_FIELDS
 
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
 log = logging.getLogger(__name__)
 
-# Sampling fields forwarded only when the client set them.
-_OPTIONAL_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
+# Sampling fields forwarded only when the client set them; the others are set below.
+_CLIENT_SET_SAMPLING = tuple(
+    name
+    for name in OPTIONAL_SAMPLING_FIELDS
+    if name not in ("max_tokens", "n", "logprobs", "prompt_logprobs")
 )
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -114,7 +109,7 @@ def sampling_params(
 ) -> common_pb2.SamplingParams:
     """SamplingParams with only the fields the client set (plus max_tokens and n)."""
     params = common_pb2.SamplingParams(max_tokens=max_tokens, n=body.n, ignore_eos=body.ignore_eos)
-    for name in _OPTIONAL_SAMPLING:
+    for name in _CLIENT_SET_SAMPLING:
         value = getattr(body, name)
         if name in body.model_fields_set and value is not None:
             setattr(params, name, value)

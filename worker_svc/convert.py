@@ -8,23 +8,12 @@ from typing import Any
 from meshserve.v1 import common_pb2
 from services.errors import InvalidArgument
 from services.grammar import StructuredSpec
+from services.sampling_fields import OPTIONAL_SAMPLING_FIELDS
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
 
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-)
+# `n` is not a sampling parameter of one sequence: the worker runs n of them.
+_OPTIONAL_FIELDS = tuple(name for name in OPTIONAL_SAMPLING_FIELDS if name != "n")
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
