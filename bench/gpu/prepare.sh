@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepares the GPU kit here, where the package registries are reachable: the wheels and the
+# redis-server package the GPU host lacks go to .gpu-kit/ (ignored), the gRPC stubs are
+# generated (meshserve/, ignored), and the size of what travels is checked against the
+# device's 64 MiB. Prints the one `run` call that runs the kit there (bench/gpu/run.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+KIT=.gpu-kit
+LIMIT_MB=64
+PY=${PYTHON:-.venv/bin/python}
+# What the services import that the GPU host's image does not hold (or holds at versions
+# our generated stubs refuse: grpcio, protobuf); their dependencies are resolved by pip.
+PACKAGES="fastapi uvicorn httptools redis hiredis opentelemetry-api opentelemetry-sdk llguidance
+grpcio grpcio-health-checking grpcio-reflection protobuf"
+# The redis-server binary and the libraries it links that a CUDA image rarely has.
+DEBS="redis-server redis-tools libjemalloc2 liblzf1 liblua5.1-0 lua-bitop lua-cjson"
+
+pins=()
+for name in $PACKAGES; do
+  pin=$(grep -iE "^${name}==" requirements.txt) || { echo "prepare: $name is not pinned in requirements.txt" >&2; exit 1; }
+  pins+=("${pin%%[[:space:]]*}")
+done
+
+rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/debs"
+# Unpinned dependencies (pydantic, starlette, ...) at the versions the tests ran with here.
+"$PY" -m pip freeze --exclude-editable | grep -v "@" >"$KIT/constraints.txt"
+# pip matches each manylinux_2_N tag exactly: name every glibc the wheels may ask for.
+platforms=()
+for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" --platform manylinux2014_x86_64 -c "$KIT/constraints.txt" -d "$KIT/wheels" "${pins[@]}" 2>&1 \
+  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+(cd "$KIT/debs" && apt-get -o APT::Sandbox::User=root download $DEBS >/dev/null)
+
+PYTHON="$PY" ./scripts/gen_proto.sh >/dev/null
+test -f meshserve/v1/worker_pb2.py || { echo "prepare: gRPC stubs missing after gen_proto.sh" >&2; exit 1; }
+
+# Everything that travels: tracked and untracked-not-ignored files, plus the carried paths.
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+kit_bytes=$(du -sb "$KIT" meshserve | awk '{s += $1} END {print s}')
+total=$((tree_bytes + kit_bytes))
+printf 'prepare: %d wheels, %d debs; working tree %.1f MiB + carried %.1f MiB = %.1f MiB (limit %d MiB)\n' \
+  "$(ls "$KIT/wheels" | wc -l)" "$(ls "$KIT/debs" | wc -l)" \
+  "$(echo "$tree_bytes / 1048576" | bc -l)" "$(echo "$kit_bytes / 1048576" | bc -l)" \
+  "$(echo "$total / 1048576" | bc -l)" "$LIMIT_MB"
+if [ "$total" -gt $((LIMIT_MB * 1024 * 1024)) ]; then
+  echo "prepare: FAIL: what travels exceeds ${LIMIT_MB} MiB; drop wheels the host already has" >&2
+  exit 1
+fi
+cat <<MSG
+prepare: ready. On the GPU host, in one call (device tool):
+  run(command="bash bench/gpu/run.sh", carry=["$KIT", "meshserve"], timeout_s=600)
+then fetch bench/results/gpu.json from the files it returns (also printed at the end of its output).
+MSG
