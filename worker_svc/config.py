@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from services.config import ServerConfig
 from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
-from worker_svc.engine.config import THREAD_PRIORITIES, default_dtype, parse_cpu_list
+from worker_svc.engine.config import THREAD_PRIORITIES, EngineConfig, default_dtype, parse_cpu_list
 
 ROLES = ("decoder", "embedding", "encoder")
 
@@ -43,6 +43,8 @@ class WorkerConfig(ServerConfig):
     num_threads: int = 0
     # torch.compile the decoder's forward (dynamic batch; the first steps compile, ~0.5-2 min on CPU).
     compile_model: bool = False
+    # Decode steps replay CUDA graphs on CUDA (no-op on CPU; EngineConfig.cuda_graphs).
+    cuda_graphs: bool = EngineConfig.cuda_graphs
     # CPUs for the engine's step thread, e.g. "0" or "0-1,4" (empty: not pinned).
     cpu_affinity: str = ""
     # Scheduling class of the engine's step thread and its OpenMP workers: "idle"

@@ -49,6 +49,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         device=config.device,
         attention_backend=config.attention_backend,
         compile_model=config.compile_model,
+        cuda_graphs=config.cuda_graphs,
         cpu_affinity=config.cpu_affinity,
         thread_priority=config.engine_priority,
         generation_config=config.generation_config,

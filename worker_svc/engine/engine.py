@@ -295,9 +295,18 @@ class LLMEngine:
         defaults = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults) or "none"
         return (
             f"dtype {info.dtype}, attention {info.attention_backend}, compiled {config.compile_model}, "
+            f"CUDA graphs {self._graphs_summary()}, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"prefix caching {config.enable_prefix_caching}, model sampling defaults: {defaults}"
+        )
+
+    def _graphs_summary(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return f"off ({self.runner.graphs_note})"
+        return (
+            f"{len(graphs.buckets)} buckets up to {graphs.buckets[-1]} ({graphs.capture_s:.1f} s to capture)"
         )
 
     # ---------------------------------------------------------------- step
