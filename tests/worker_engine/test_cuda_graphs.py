@@ -137,6 +137,7 @@ def test_steps_outside_the_buckets_fall_back() -> None:
     assert graphs.replays == 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_cuda_graphs_equal_eager(tiny_model_dir: str) -> None:
     from worker_svc.engine import EngineConfig
