@@ -9,20 +9,34 @@ real graphs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.worker_engine.conftest import _ENGINES, prompts, run_all, tokens
-from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention
+from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention, triton_attention
 from worker_svc.engine.attention import AttentionMetadata
 from worker_svc.engine.cuda_graphs import DecodeGraphs, attach, bucket_sizes
 
-pytestmark = pytest.mark.skipif(
-    cpu_attention.load() is None, reason="the native cpu backend needs a C compiler"
-)
+# The graph backends this machine runs: the native CPU kernel, and the Triton kernel with
+# CUDA or under TRITON_INTERPRET=1 (test_triton_graphs_under_interpreter runs this file so).
+BACKENDS = [
+    pytest.param("cpu", marks=pytest.mark.skipif(cpu_attention.load() is None, reason="needs a C compiler")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_attention.HAS_TRITON
+            or not (torch.cuda.is_available() or triton_attention.interpreting()),
+            reason="needs triton with CUDA or TRITON_INTERPRET=1",
+        ),
+    ),
+]
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -45,7 +59,7 @@ def test_bucket_sizes() -> None:
 
 
 def test_off_on_cpu(make_engine: Callable[..., LLMEngine]) -> None:
-    engine = make_engine(attention_backend="cpu")
+    engine = make_engine()
     assert engine.config.cuda_graphs  # on by default, a no-op without CUDA
     assert engine.runner.graphs is None and "need CUDA" in engine.runner.graphs_note
 
@@ -72,7 +86,8 @@ def test_replayed_decode_equals_eager(
         assert eager.runner.kv_caches[0][:, scratch].abs().sum() == 0
 
 
-def test_windowed_model_replays_like_eager(tmp_path: Any) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windowed_model_replays_like_eager(tmp_path: Any, backend: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from devtools.arch_matrix import CASES, build_config
@@ -135,6 +150,29 @@ def test_steps_outside_the_buckets_fall_back() -> None:
     assert graphs.run([(0, 2, [0])], [1, 2], [0, 1], [1]) is None  # a prefill chunk
     assert graphs.run([(4, 1, [0, 1])], [1], [4], []) is None  # a row not sampled
     assert graphs.replays == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+def test_triton_graphs_under_interpreter() -> None:
+    # TRITON_INTERPRET must be set before triton compiles: the triton cases run in a child.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "triton and not interpreter",
+        __file__,
+    ]
+    result = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.gpu
