@@ -73,7 +73,8 @@ def cuda_capture(pool: Any = None) -> Capture:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: CUDA calls of other threads (the worker's event loop) stay legal meanwhile.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
 
         def replay() -> torch.Tensor:
