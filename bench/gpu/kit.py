@@ -167,7 +167,15 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
     if mesh and c in inproc and inproc[c]["output_tok_per_s"]:
         out["served_over_in_process_tok_s"] = mesh["row"]["output_tok_per_s"] / inproc[c]["output_tok_per_s"]
         out["served_ttft_ms"] = {k: mesh["row"]["ttft_ms"].get(k) for k in ("p50", "p99")}
+    if graphs.get("c1_tokens") and eager.get("c1_tokens"):
+        out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]
     naive = _ok(steps, "hf_naive")
+    if naive.get("c1_tokens") and best.get("c1_tokens"):
+        # Informational: random bf16 weights have near-tied logits, where kernels may part ways.
+        out["c1_first_diff_vs_hf_naive"] = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+            for x, y in zip(best["c1_tokens"], naive["c1_tokens"], strict=False)
+        ]
     if naive and 1 in inproc:
         out["c1_engine_over_hf_naive_tok_s"] = (
             inproc[1]["output_tok_per_s"] / naive["row"]["output_tok_per_s"]

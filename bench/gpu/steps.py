@@ -218,11 +218,13 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
                 ctx.record("cut_short", f"time box reached before c={c}")
                 break
             workload = _workload(ctx, p.num_requests(c), seed=c)
-            row, _ = await run_generate_workload(
+            row, timings = await run_generate_workload(
                 engine_generate_fn(engine, f"c{c}"), workload, c, "meshserve"
             )
             rows.append(asdict(row))
             ctx.record("rows", rows)
+            if c == 1:  # greedy tokens, compared with the other steps' in the summary
+                ctx.record("c1_tokens", [t.tokens for t in timings])
         ctx.record("cuda_graphs", _graph_stats(engine.engine))
         await engine.shutdown()
 
@@ -264,7 +266,8 @@ def mesh(ctx: StepContext) -> None:
 def hf_naive(ctx: StepContext) -> None:
     """transformers ``generate`` one request at a time (sdpa attention, the profile's dtype)."""
     model = load_hf_model(ctx.model_dir, ctx.profile.dtype).to(ctx.profile.device)
-    workload = _workload(ctx, ctx.profile.naive_requests, seed=1)
+    workload = _workload(ctx, ctx.profile.naive_requests, seed=1)  # the engine's first c=1 prompts
     bench_hf_naive(model, Workload(workload.prompts[:1], 2), 1)  # warm-up
-    row, _ = bench_hf_naive(model, workload, ctx.profile.naive_requests)
+    row, timings = bench_hf_naive(model, workload, ctx.profile.naive_requests)
     ctx.record("row", asdict(row))
+    ctx.record("c1_tokens", [t.tokens for t in timings])
