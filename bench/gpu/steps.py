@@ -113,7 +113,9 @@ def _engine_greedy(config: EngineConfig, prompts: list[list[int]]) -> tuple[list
 def _graph_stats(engine: LLMEngine) -> dict[str, Any]:
     """The CUDA graph counters of the engine's runner, or why it has none."""
     graphs = engine.runner.graphs
-    return graphs.stats() if graphs is not None else {"disabled": engine.runner.graphs_note}
+    if graphs is None:
+        return {"disabled": engine.runner.graphs_note, "engine_steps": engine.num_steps}
+    return {**graphs.stats(), "engine_steps": engine.num_steps}  # replays / engine_steps: decode-only share
 
 
 def correctness(ctx: StepContext) -> None:
