@@ -68,7 +68,7 @@ PROFILES = {
         budget_s=420,
         step_s={
             "build": 60,
-            "correctness": 60,
+            "correctness": 75,
             "roofline": 30,
             "engine_graphs": 90,
             "engine_eager": 100,
