@@ -100,7 +100,10 @@ def run_step_isolated(name: str, ctx: StepContext, log_dir: Path) -> dict[str, A
             proc.wait()
             status = {"status": "timeout", "error": f"killed at its time box ({ctx.profile.step_s[name]} s)"}
     record = json.loads(part.read_text()) if part.exists() else {}
-    if not status and record.get("status") in (None, "running"):
+    finished = record.get("status") not in (None, "running")
+    if status and finished:  # it had its result but did not exit (a thread left running)
+        status = {"note": "killed after writing its result: " + status["error"]}
+    elif not status and not finished:
         status = {"status": "failed", "error": f"exit code {proc.returncode}, no result"}
     record.update(status)
     if record["status"] not in ("ok", "skipped"):
@@ -209,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(Path(args.part), record)
         if "traceback" in record:
             print(record["traceback"], file=sys.stderr)
-        return 0 if record["status"] in ("ok", "skipped") else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Now, without waiting for threads a failed step may have left running (engine, mesh).
+        os._exit(0 if record["status"] in ("ok", "skipped") else 1)
     unknown = [s for s in args.steps.split(",") if s not in STEPS]
     if unknown:
         raise SystemExit(f"--steps: unknown {unknown}; known: {', '.join(STEPS)}")
