@@ -41,16 +41,15 @@ test -f meshserve/v1/worker_pb2.py || { echo "prepare: gRPC stubs missing after 
 tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 kit_bytes=$(du -sb "$KIT" meshserve | awk '{s += $1} END {print s}')
 total=$((tree_bytes + kit_bytes))
-printf 'prepare: %d wheels, %d debs; working tree %.1f MiB + carried %.1f MiB = %.1f MiB (limit %d MiB)\n' \
-  "$(ls "$KIT/wheels" | wc -l)" "$(ls "$KIT/debs" | wc -l)" \
-  "$(echo "$tree_bytes / 1048576" | bc -l)" "$(echo "$kit_bytes / 1048576" | bc -l)" \
-  "$(echo "$total / 1048576" | bc -l)" "$LIMIT_MB"
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+echo "prepare: $(ls "$KIT/wheels" | wc -l) wheels, $(ls "$KIT/debs" | wc -l) debs; working tree $(mib "$tree_bytes") MiB" \
+  "+ carried $(mib "$kit_bytes") MiB = $(mib "$total") MiB (limit $LIMIT_MB MiB)"
 if [ "$total" -gt $((LIMIT_MB * 1024 * 1024)) ]; then
   echo "prepare: FAIL: what travels exceeds ${LIMIT_MB} MiB; drop wheels the host already has" >&2
   exit 1
 fi
 cat <<MSG
 prepare: ready. On the GPU host, in one call (device tool):
-  run(command="bash bench/gpu/run.sh", carry=["$KIT", "meshserve"], timeout_s=600)
+  run(command="bash bench/gpu/run.sh", carry=["$KIT", "meshserve"], timeout_s=540)
 then fetch bench/results/gpu.json from the files it returns (also printed at the end of its output).
 MSG
