@@ -160,6 +160,8 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         rows = {r["concurrency"]: r for r in run.get("rows", [])}
         if 1 in rows and roof and rows[1]["tpot_ms"]:
             out[f"c1_tpot_over_roofline_{label}"] = rows[1]["tpot_ms"]["p50"] / roof["decode_floor_ms"]
+    if graphs:  # a failed capture leaves the engine eager: its rows are then no graph figures
+        out["graphs_captured"] = "buckets" in graphs.get("cuda_graphs", {})
     if graphs and eager:
         g = {r["concurrency"]: r["output_tok_per_s"] for r in graphs.get("rows", [])}
         e = {r["concurrency"]: r["output_tok_per_s"] for r in eager.get("rows", [])}
