@@ -214,6 +214,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
         ctx.record("warm_up", await warm_up(engine, _workload(ctx, 5, seed=99)))
         ctx.record("load_s", round(time.monotonic() - start, 2))
         ctx.record("model_info", asdict(engine.model_info))
+        ctx.record("cuda_graphs", _graph_stats(engine.engine))  # updated at the end
         rows: list[dict[str, Any]] = []
         for c in p.concurrencies:
             if ctx.left_s() < 10:
