@@ -1,42 +1,33 @@
-"""Where a kit run ran: GPU, driver, package versions and the commit (no torch import, so
-the kit's parent process never holds a CUDA context)."""
+"""Where a kit run ran: bench.host's block plus GPUs, driver and package versions (no torch
+import, so the kit's parent process never holds a CUDA context)."""
 
 from __future__ import annotations
 
-import os
-import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.host import ROOT, host_info
+
 PACKAGES = ("torch", "triton", "transformers", "grpcio", "protobuf", "fastapi", "llguidance")
 # Written by prepare.sh: the GPU host gets a copy of the working tree without .git.
-COMMIT_FILE = Path(".gpu-kit/commit.txt")
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+COMMIT_FILE = ROOT / ".gpu-kit" / "commit.txt"
 
 
 def gpus() -> list[dict[str, str]]:
     """nvidia-smi's name, driver and memory of every GPU (empty without one)."""
     fields = ("name", "driver_version", "memory.total")
-    query = _run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"])
+    try:
+        query = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
     return [
         dict(zip(fields, (v.strip() for v in line.split(",")), strict=False)) for line in query.splitlines()
     ]
-
-
-def commit() -> str:
-    """The commit of the code that ran (with " (dirty)" for uncommitted changes)."""
-    head = _run(["git", "rev-parse", "HEAD"])
-    if head:
-        return head + (" (dirty)" if _run(["git", "status", "--porcelain", "--untracked-files=no"]) else "")
-    return COMMIT_FILE.read_text().strip() if COMMIT_FILE.exists() else "unknown"
 
 
 def versions() -> dict[str, str]:
@@ -50,11 +41,8 @@ def versions() -> dict[str, str]:
 
 
 def collect() -> dict[str, Any]:
-    return {
-        "gpus": gpus(),
-        "commit": commit(),
-        "python": platform.python_version(),
-        "packages": versions(),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-    }
+    """The kit's `env` block."""
+    info = host_info()
+    if info["commit"] == "unknown" and Path(COMMIT_FILE).exists():
+        info["commit"] = COMMIT_FILE.read_text().strip()
+    return {**info, "gpus": gpus(), "packages": versions()}

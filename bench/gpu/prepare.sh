@@ -33,7 +33,7 @@ for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_6
 (cd "$KIT/debs" && apt-get -o APT::Sandbox::User=root download $DEBS >/dev/null)
 
 # The GPU host's copy of the tree has no .git: the kit reads the commit from here.
-echo "$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo ' (dirty)')" >"$KIT/commit.txt"
+echo "$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo +dirty)" >"$KIT/commit.txt"
 PYTHON="$PY" ./scripts/gen_proto.sh >/dev/null
 test -f meshserve/v1/worker_pb2.py || { echo "prepare: gRPC stubs missing after gen_proto.sh" >&2; exit 1; }
 
