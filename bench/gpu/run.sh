@@ -56,3 +56,4 @@ echo "run.sh: kit exit code $?"
 cp bench/results/gpu.json "$OUT/" 2>/dev/null || echo "run.sh: no gpu.json was written"
 tar -czf "$OUT/logs.tar.gz" bench/results/gpu_logs "$WORK"/parts "$TMPDIR"/meshserve-bench-logs-* 2>/dev/null
 "$PY" -c "import json; r = json.load(open('bench/results/gpu.json')); print(json.dumps({k: r[k] for k in ('env', 'summary', 'wall_s')}, indent=1)); print({n: s['status'] for n, s in r['steps'].items()})" || true
+sleep 1  # lets tee write the last lines to run.log
