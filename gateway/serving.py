@@ -31,7 +31,7 @@ from meshserve.v1 import common_pb2
 from services import tracing
 
 T = TypeVar("T")
-R = TypeVar("R", bound=BaseModel)
+R = TypeVar("R")  # a response model, or a Response
 log = logging.getLogger(__name__)
 
 # Sampling fields forwarded only when the client set them.
@@ -459,6 +459,6 @@ class SSEResponse(StreamingResponse):
             try:
                 await ready
             except APIError as exc:
-                await exc.response()(scope, receive, send)
+                await exc.response(scope["path"])(scope, receive, send)
                 return
         await self.stream_response(send)
