@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import Request, Response
@@ -41,6 +41,7 @@ from gateway.protocol import (
 )
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.serving import request_context, usage_info
+from gateway.tool_parsers import ToolParser
 
 ROUTE = "/v1/responses"
 # Chat request field -> the Responses field a 400 names.
@@ -312,8 +313,12 @@ class ResponsesStreamer:
     per output item `output_item.added`, its content events and `output_item.done`,
     and `response.completed` (or `.incomplete`), each with its `sequence_number`."""
 
-    def __init__(self, builder: ResponseBuilder, on_done: Any) -> None:
+    def __init__(
+        self, builder: ResponseBuilder, on_done: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> None:
+        """`on_done(response)`: called with the finished response before it is sent."""
         self.builder, self.on_done = builder, on_done
+        self.parser: ToolParser | None = None  # the chat's tool-call parser: its calls are complete
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
@@ -329,6 +334,7 @@ class ResponsesStreamer:
         self, chunks: AsyncIterator[ChatCompletionChunk], chat: ChatStreamer
     ) -> AsyncIterator[bytes]:
         """The SSE body (an error after the start is an `error` event)."""
+        self.parser = chat.parsers[0]
         try:
             start = self.builder.object("in_progress", [])
             yield self.event("response.created", response=start)
@@ -339,9 +345,7 @@ class ResponsesStreamer:
                 for data in self._delta(choice.delta):
                     yield data
                 finish = choice.finish_reason or finish
-            parser = chat.parsers[0]
-            done = {call.id for call in parser.calls} if parser is not None else set()
-            for data in self._close(done):
+            for data in self._close():
                 yield data
             status = "incomplete" if finish == "length" else "completed"
             final = self.builder.object(status, self.output, usage_info(chat.multi.usage()))
@@ -361,7 +365,7 @@ class ResponsesStreamer:
         for call in delta.tool_calls or []:
             fn = call.function
             if call.id is not None:
-                out += self._close(None)
+                out += self._close()
                 item = _call_item(_new_item_id("fc"), call.id, fn.name, "", "in_progress")
                 out += self._add(item)
             elif fn is not None and fn.arguments and self.open is not None:
@@ -392,7 +396,7 @@ class ResponsesStreamer:
         """Opens an item of `kind` unless one is open."""
         if self.open is not None and self.open["type"] == kind:
             return []
-        out = self._close(None)
+        out = self._close()
         if kind == "message":
             item = {
                 "id": _new_item_id("msg"),
@@ -427,8 +431,9 @@ class ResponsesStreamer:
         self.open, self.text = item, ""
         return [self.event("response.output_item.added", output_index=len(self.output), item=item)]
 
-    def _close(self, done_calls: set[str] | None) -> list[bytes]:
-        """Ends the open item (a call not in `done_calls` stays incomplete)."""
+    def _close(self) -> list[bytes]:
+        """Ends the open item (a call the parser did not complete, e.g. cut by
+        max_output_tokens or given back as text, ends `incomplete`)."""
         item, text = self.open, self.text
         if item is None:
             return []
@@ -447,7 +452,7 @@ class ResponsesStreamer:
             final = _reasoning_item(item["id"], text, "completed")
             out.append(self.event("response.reasoning_text.done", content_index=0, text=text, **ids))
         else:
-            complete = done_calls is None or item["call_id"] in done_calls
+            complete = self.parser is not None and any(c.id == item["call_id"] for c in self.parser.calls)
             final = _call_item(
                 item["id"], item["call_id"], item["name"], text, "completed" if complete else "incomplete"
             )
