@@ -126,6 +126,9 @@ def test_responses_and_messages_apis_say_paris(client: openai.OpenAI, mesh: Mesh
     assert "Paris" in response.output_text and response.status == "completed", response.output_text
     claude = anthropic.Anthropic(base_url=mesh.gateway_url, api_key="unused", max_retries=0, timeout=120)
     message = claude.messages.create(
-        model=model, max_tokens=48, messages=CAPITAL_QUESTION, extra_body={"temperature": 0}  # type: ignore[arg-type]
+        model=model,
+        max_tokens=48,
+        messages=CAPITAL_QUESTION,
+        extra_body={"temperature": 0},  # type: ignore[arg-type]
     )
     assert message.stop_reason == "end_turn" and "Paris" in message.content[0].text, message  # type: ignore[union-attr]
