@@ -6,6 +6,7 @@ streamed (`gateway.chat`), and SSE events with an `event:` line."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -38,8 +39,8 @@ def chat_request(fields: dict[str, Any], names: Mapping[str, str], max_n: int) -
 def renamed(exc: APIError, names: Mapping[str, str]) -> APIError:
     """`exc` with its param in the caller's naming (an error of the chat path)."""
     if exc.param:
-        head, dot, rest = exc.param.partition(".")
-        exc.param = names.get(head, head) + dot + rest
+        head = re.split(r"[.\[]", exc.param, maxsplit=1)[0]
+        exc.param = names.get(head, head) + exc.param[len(head) :]
     return exc
 
 

@@ -469,6 +469,10 @@ def test_messages_tool_round_trip(claude: anthropic.Anthropic, oai: openai.OpenA
             "messages.0.content.0.tool_use_id",
         ),
         ({"max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]},
+            "stop_sequences[0]",
+        ),
     ],
 )
 def test_messages_bad_input_in_anthropic_shape(
