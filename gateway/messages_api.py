@@ -30,7 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.chat import ChatStreamer, render_request
 from gateway.chat_bridge import chat_request, named_event, run_chat
 from gateway.errors import APIError
-from gateway.protocol import INT32_MAX, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
+from gateway.protocol import (
+    INT32_MAX,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    StopString,
+)
 from gateway.serving import request_context
 from gateway.upstream import TOKENIZER
 
@@ -48,7 +54,7 @@ class MessagesRequest(BaseModel):
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[StopString] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
