@@ -15,6 +15,7 @@ from gateway_fakes import Harness, RunningGateway
 
 from gateway import response_store
 from gateway.response_store import ResponseStore, StoredResponse
+from services.redis_client import free_port
 
 HELLO = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -124,3 +125,20 @@ async def test_the_local_store_is_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         True,
     ]
     assert await store.get("other", "resp_4") is None
+
+
+def test_an_unreachable_redis_is_a_503_not_a_silent_loss(harness: Harness) -> None:
+    """Redis configured but down (nothing listens on its port): a stored create, a
+    previous_response_id and a GET answer 503 store_unavailable; store=false still works."""
+    with harness.gateway(redis_url=f"redis://127.0.0.1:{free_port()}/0") as gateway:
+        client = _openai(gateway)
+        assert client.responses.create(model="tiny", input="hi", store=False).output_text == HELLO
+        for call in (
+            lambda: client.responses.create(model="tiny", input="hi"),
+            lambda: client.responses.create(model="tiny", input="hi", previous_response_id="resp_1"),
+            lambda: client.responses.retrieve("resp_1"),
+        ):
+            with pytest.raises(openai.InternalServerError) as raised:
+                call()
+            assert raised.value.status_code == 503
+            assert raised.value.body["code"] == "store_unavailable"  # type: ignore[index]
