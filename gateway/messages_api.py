@@ -79,22 +79,20 @@ class CountTokensRequest(BaseModel):
 # ------------------------------------------------------------------ request → chat
 
 
+def _block_text(block: Any, param: str) -> str:
+    """The text of a text block (`param` names the block)."""
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        raise APIError(400, "only text blocks are supported here", param=param)
+    return str(block["text"])
+
+
 def _text(blocks: Any, param: str) -> str:
     """Text of a string or of text blocks."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
         raise APIError(400, "must be a string or a list of text blocks", param=param)
-    texts = []
-    for j, block in enumerate(blocks):
-        if (
-            not isinstance(block, dict)
-            or block.get("type") != "text"
-            or not isinstance(block.get("text"), str)
-        ):
-            raise APIError(400, "only text blocks are supported here", param=f"{param}.{j}")
-        texts.append(block["text"])
-    return "".join(texts)
+    return "".join(_block_text(block, f"{param}.{j}") for j, block in enumerate(blocks))
 
 
 def _assistant(blocks: list[Any], param: str) -> dict[str, Any]:
@@ -102,7 +100,7 @@ def _assistant(blocks: list[Any], param: str) -> dict[str, Any]:
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            text.append(_text([block], param))
+            text.append(_block_text(block, f"{param}.{j}"))
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise APIError(400, "a tool_use block needs an id and a name", param=f"{param}.{j}")
@@ -128,7 +126,7 @@ def _user(blocks: list[Any], param: str, calls: set[str]) -> list[dict[str, Any]
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            text.append(_text([block], param))
+            text.append(_block_text(block, f"{param}.{j}"))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if call_id not in calls:
