@@ -188,10 +188,17 @@ class ChatCollector:
     """Builds the non-streamed response."""
 
     def __init__(
-        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+        self,
+        ctx: RequestContext,
+        body: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        route: str = ROUTE,
     ) -> None:
+        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.timer = metrics.GenerationTimer(route, ctx.start_time)
         self.choices = [_Accumulated() for _ in range(body.n)]
 
     async def collect(self) -> ChatCompletionResponse:
@@ -259,10 +266,17 @@ class ChatStreamer:
     """Turns events into chat completion chunks (SSE)."""
 
     def __init__(
-        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+        self,
+        ctx: RequestContext,
+        body: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        route: str = ROUTE,
     ) -> None:
+        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.timer = metrics.GenerationTimer(route, ctx.start_time)
         tools, forced = body.tools_enabled(), body.forced_tools()
         self.parsers: list[ToolParser | None] = [
             forced_tool_parser(body) if forced else new_tool_parser(ctx, model) if tools else None
@@ -357,6 +371,16 @@ class ChatStreamer:
             log.exception("%s: stream failed", self.request_id)
             yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
         yield SSE_DONE
+
+    async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
+        """The content, reasoning and tool-call chunks of every event (no role or usage
+        chunk): what the Responses and Messages APIs translate into their own events.
+        Errors propagate."""
+        async for event in self.multi.events():
+            for chunk in await self.on_event(event):
+                yield chunk
+        usage = self.multi.usage()
+        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
 
     async def on_event(self, event: ChoiceEvent) -> list[ChatCompletionChunk]:
         """The chunks of one event (none when it carries nothing to send): text and

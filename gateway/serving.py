@@ -32,7 +32,7 @@ from services import tracing
 from services.sampling_fields import OPTIONAL_SAMPLING_FIELDS
 
 T = TypeVar("T")
-R = TypeVar("R", bound=BaseModel)
+R = TypeVar("R")  # a response model, or a Response
 log = logging.getLogger(__name__)
 
 # Sampling fields forwarded only when the client set them; the others are set below.
@@ -466,6 +466,6 @@ class SSEResponse(StreamingResponse):
             try:
                 await ready
             except APIError as exc:
-                await exc.response()(scope, receive, send)
+                await exc.response(scope["path"])(scope, receive, send)
                 return
         await self.stream_response(send)

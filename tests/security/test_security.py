@@ -93,8 +93,9 @@ def _routes(url: str) -> list[tuple[str, str]]:
 
 
 def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
-    """No key, a wrong key, a non-Bearer scheme or an empty bearer → 401 on every route
-    (unknown ones included); /health alone answers without a key."""
+    """No key, a wrong key, a non-Bearer scheme, an empty bearer or a wrong `x-api-key`
+    (Anthropic's clients' header) → 401 on every route (unknown ones included); /health
+    alone answers without a key."""
     routes = _routes(secure_url)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
     bad_headers: list[dict[str, str]] = [
@@ -105,7 +106,9 @@ def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
         {"Authorization": f"Basic {ALPHA}"},
         {"Authorization": "Bearer"},
         {"Authorization": ALPHA},
-        {"X-API-Key": ALPHA},
+        {"X-API-Key": "sk-wrong"},
+        {"X-API-Key": ALPHA + "x"},
+        {"Authorization": "Bearer sk-wrong", "X-API-Key": ALPHA},
     ]
     unprotected = []
     for method, path in routes:
@@ -123,6 +126,9 @@ def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
     for method, path in routes:
         reply = _authed(secure_url, method, path, json={} if method == "POST" else None)
         assert reply.status_code != 401, f"{method} {path} refused a valid key"
+    for headers in ({"X-API-Key": ALPHA}, {"x-api-key": BETA}):
+        reply = httpx.get(secure_url + "/v1/models", headers=headers, timeout=30)
+        assert reply.status_code == 200, reply.text
 
 
 def test_valid_key_serves_a_completion(secure_url: str) -> None:
