@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 
 from services.kv_hash import hash_block
 from worker_svc.engine.block_manager import BlockManager
-from worker_svc.engine.kv_transfer import KvBlockPayload, KvLayout, KvTransferError, block_checksum
+from worker_svc.engine.kv_transfer import (
+    KvBlockPayload,
+    KvLayout,
+    KvTransferError,
+    block_checksum,
+    verify_checksums,
+)
 from worker_svc.engine.request import Request
 
 __all__ = ["ExportManifest", "KvHandoff"]
@@ -82,10 +88,15 @@ class KvHandoff:
 
     def begin_export(self, transfer_id: str) -> ExportManifest:
         """Start reading a held transfer (one more reader); KeyError when it is unknown."""
+        manifest = self.manifest(transfer_id)
+        self.held[transfer_id].readers += 1
+        return manifest
+
+    def manifest(self, transfer_id: str) -> ExportManifest:
+        """What a held transfer offers; KeyError when it is unknown or released."""
         held = self.held.get(transfer_id)
         if held is None or held.released:
             raise KeyError(transfer_id)
-        held.readers += 1
         request = held.request
         bs = self.block_manager.block_size
         # The blocks a decode request of this prompt can hit (its last token is never a hit).
@@ -148,6 +159,7 @@ class KvHandoff:
         token_ids: Sequence[int],
         extra_keys: tuple[str, ...],
         payloads: Sequence[KvBlockPayload],
+        checksummed: bool = False,
     ) -> int:
         """Verify, then pin ``payloads`` (the next blocks of the prompt, in order) under
         ``import_id``; returns how many blocks the import holds. KvTransferError on any
@@ -159,6 +171,8 @@ class KvHandoff:
         hashes = self._expected_hashes(token_ids, extra_keys, len(pinned) + len(payloads))
         for offset, payload in enumerate(payloads):
             self._verify(payload, len(pinned) + offset, hashes, layout.block_bytes)
+        if not checksummed:
+            verify_checksums(payloads)
         bs = layout.block_size
         for payload in payloads:
             i = payload.index

@@ -17,9 +17,17 @@ the prompt itself. No torch and no grpc here.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
-__all__ = ["FALLBACK_REASONS", "KvBlockPayload", "KvLayout", "KvTransferError", "block_checksum"]
+__all__ = [
+    "FALLBACK_REASONS",
+    "KvBlockPayload",
+    "KvLayout",
+    "KvTransferError",
+    "block_checksum",
+    "verify_checksums",
+]
 
 # Why a decode worker prefilled a prompt itself instead of using a prefill worker's KV:
 # the `reason` label of meshserve_worker_kv_transfer_fallbacks_total.
@@ -82,3 +90,10 @@ class KvBlockPayload:
 def block_checksum(data: bytes) -> int:
     """CRC-32 of a block's bytes (zlib's: in the standard library, ~GB/s)."""
     return zlib.crc32(data)
+
+
+def verify_checksums(payloads: Iterable[KvBlockPayload]) -> None:
+    """KvTransferError("checksum") naming the first block whose bytes changed on the way."""
+    for payload in payloads:
+        if block_checksum(payload.data) != payload.checksum:
+            raise KvTransferError("checksum", f"block {payload.index}: checksum mismatch")
