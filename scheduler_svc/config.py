@@ -70,9 +70,9 @@ class SchedulerConfig(ServerConfig):
     # Skip the cache check and encode every image of every request (benchmarks).
     bypass_encoder_cache: bool = False
     # P/D disaggregation: a text request whose prompt tokens not cached on its decoder
-    # reach this many is prefilled on a prefill worker (role "prefill") and its KV pulled
-    # by the decoder; 0 = never.
-    pd_min_prompt_tokens: int = 0
+    # reach this many is prefilled on a prefill worker (role "prefill", when one is
+    # registered) and its KV pulled by the decoder; 0 = never.
+    pd_min_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
         super().__post_init__()

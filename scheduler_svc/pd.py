@@ -25,13 +25,16 @@ def pick_prefill_worker(
 ) -> WorkerState | None:
     """The prefill worker to pair with ``decoder`` for a prompt of which
     ``uncached_tokens`` are not in the decoder's cache, or None (decode prefills itself)."""
+    model = decoder.spec.model
+    if min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
+        return None  # P/D off, or no prefill worker of the model at all
     if uncached_tokens < min_prompt_tokens:
         metrics.PD_DECISIONS.labels(decision="short").inc()
         return None
     layout = decoder.spec.kv_layout
     candidates = [
         w
-        for w in registry.candidates(decoder.spec.model, "prefill", exclude)
+        for w in registry.candidates(model, "prefill", exclude)
         if layout and w.spec.kv_layout == layout and w.has_capacity()
     ]
     if not candidates:

@@ -201,7 +201,7 @@ class Router:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
         decode lease so that it ends with it; None when the decoder prefills itself."""
         threshold = self.scheduler.config.pd_min_prompt_tokens
-        if threshold <= 0 or mm_items or request.sampling.HasField("prompt_logprobs"):
+        if mm_items or request.sampling.HasField("prompt_logprobs"):
             return None
         uncached = len(request.prompt_token_ids) - predicted
         worker = pick_prefill_worker(self.scheduler.registry, decode.lease.worker, uncached, threshold)

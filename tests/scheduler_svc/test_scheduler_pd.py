@@ -81,7 +81,7 @@ async def test_incompatible_or_missing_prefill_worker_means_no_hand_off(
     route = await sched.route(LONG)
     assert not route.HasField("kv_source"), "a bf16 prefill worker never serves a float32 decoder"
     await sched.release(route.lease_id)
-    off = await start_scheduler(lease_ttl_s=30)  # pd_min_prompt_tokens 0: P/D off
+    off = await start_scheduler(lease_ttl_s=30, pd_min_prompt_tokens=0)  # P/D off
     await start_worker("d2", off, kv_layout=LAYOUT)
     await start_worker("p3", off, role="prefill", kv_layout=LAYOUT)
     plain = await off.route(LONG)
