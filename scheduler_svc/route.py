@@ -222,7 +222,8 @@ class Router:
         actual = {o.lease_id: o.cached_tokens for o in outcomes}
         policy = self.scheduler.policy.name
         for lease in reported:
-            record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
+            if lease.lease_id in actual:  # not a P/D prefill lease that ended with its decode lease
+                record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
         ended.extend(reported)
         self.scheduler.end_leases(ended)
         # A P/D prefill lease that ended with its decode lease is not one the caller named.

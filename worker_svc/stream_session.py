@@ -246,18 +246,17 @@ class StreamSession:
         answers None and the request prefills here), then starts the request."""
         request_id = request.request_id
         source = transfer_source(request)
-        job = PrefillJob(
-            self.model,
-            tuple(request.prompt_token_ids),
-            request.cache_salt,
-            request.priority,
-            request.trace_context,
-        )
         span = tracing.PhaseSpan.from_carrier(
             "worker.kv_transfer",
             request.trace_context,
             request_id=request_id,
             prefill_worker=source.worker_id,
+        )
+        carrier: dict[str, str] = {}
+        with span.current():  # the prefill worker's span is a child of this one
+            tracing.inject_into(carrier)
+        job = PrefillJob(
+            self.model, tuple(request.prompt_token_ids), request.cache_salt, request.priority, carrier
         )
         try:
             import_id = await importer.fetch(source, job, request_extra_keys(request.cache_salt))

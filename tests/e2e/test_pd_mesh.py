@@ -36,7 +36,9 @@ def text(seed: int, words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def pd(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
+def pd(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedMesh]:
     config = MeshConfig(
         model_dir=str(model_dir),
         gateway_port=free_port(),
@@ -88,7 +90,9 @@ def model_name(client: openai.OpenAI) -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> LLMEngine:
     """The worker's engine in this process, unchunked, no P/D: what every answer must equal."""
-    return LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=os.environ["MESHSERVE_DTYPE"], num_kv_blocks=256))
+    return LLMEngine(
+        EngineConfig(model_dir=str(model_dir), dtype=os.environ["MESHSERVE_DTYPE"], num_kv_blocks=256)
+    )
 
 
 def expected(engine: LLMEngine, ids: list[int]) -> list[int]:
@@ -150,7 +154,10 @@ def test_corrupted_block_falls_back_with_the_same_output(
         pd.wait_registered("decoder-0")
         before = count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum")
         check(client, model_name, reference, tokenizer, text(4, 70))
-        assert count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum") == before + 1
+        assert (
+            count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum")
+            == before + 1
+        )
         pd.wait_kv_idle(timeout=30, names=WORKERS)
     finally:
         pd.mesh.specs["decoder-0"] = spec
@@ -167,7 +174,10 @@ def test_kill9_prefill_worker_under_load_fails_no_request(
     request still answers with the reference's tokens (its decoder prefills itself)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [text(10 + i, 50) for i in range(24)]
-    wanted = {p: tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True) for p in prompts}
+    wanted = {
+        p: tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)
+        for p in prompts
+    }
 
     def one(prompt: str) -> str:
         return complete(client, model_name, prompt)[0]

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from meshserve.v1 import common_pb2, kv_transfer_pb2
+from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
 from tests.scheduler_svc.conftest import RunningScheduler
+from tests.scheduler_svc.route_client import release_counted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,3 +104,17 @@ async def test_prefill_worker_down_ends_only_its_lease(start_scheduler: Any, sta
     later = await sched.route(list(range(40, 60)))
     assert not later.HasField("kv_source")
     assert await sched.release(route.lease_id, later.lease_id) == 2
+
+
+async def test_release_with_outcome_ends_both_leases(start_scheduler: Any, start_worker: Any) -> None:
+    """The gateway's usual release carries the request's outcome (actual cached tokens):
+    its decode lease and the linked prefill lease end, the stream stays up."""
+    sched = await pd_mesh(start_scheduler, start_worker)
+    route = await sched.route(LONG)
+    assert route.HasField("kv_source")
+    outcome = scheduler_pb2.LeaseOutcome(lease_id=route.lease_id, cached_tokens=16, prompt_tokens=len(LONG))
+    assert await release_counted(sched.routes, sched.releases, outcomes=[outcome]) == 1
+    assert sched.lease_ids() == set() and sched.inflight("p1") == 0
+    again = await sched.route(list(range(40, 60)))  # the route stream still works
+    assert again.HasField("kv_source")
+    await sched.release(again.lease_id)

@@ -167,3 +167,28 @@ def test_prefill_only_request_is_validated(make_engine: Callable[..., LLMEngine]
     with pytest.raises(ValueError, match="already held"):
         engine.add_request("y", prompt, PREFILL, transfer_id="t")
     engine.kv.release("t")
+
+
+def test_blocks_released_during_a_read_are_not_reused_before_it_ends(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """4 blocks: the held prompt takes 3; another prompt can run only on them. Released while
+    a reader is between two blocks, they must not be reused (and overwritten) before the
+    read ends: the bytes read equal those of a reference transfer of the same blocks."""
+    (prompt, other) = prompts(40, 40)
+    engine = make_engine(num_kv_blocks=4)
+    prefill(engine, "t", prompt)
+    prefill(engine, "ref", prompt)  # shares t's full blocks (prefix hits) + its own tail block
+    reference = export(engine, "ref")
+    manifest = engine.kv.begin_export("t")
+    first = engine.kv.read_blocks(manifest, 0, 1)
+    assert engine.kv.release("t")
+    engine.add_request("x", other, PREFILL, transfer_id="x")
+    for _ in range(5):
+        engine.step()  # x cannot get blocks while t's are held
+    rest = engine.kv.read_blocks(manifest, 1, 10)
+    assert [b.data for b in first + rest] == [b.data for b in reference]
+    engine.kv.end_export("t", complete=False)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.release("x")
