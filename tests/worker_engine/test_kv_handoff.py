@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from conftest import prompts, run_all, tokens
+from conftest import hf_greedy, prompts, run_all, tokens
 
 from worker_svc.engine import LLMEngine, SamplingParams
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvTransferError
@@ -192,3 +193,23 @@ def test_blocks_released_during_a_read_are_not_reused_before_it_ends(
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.release("x")
+
+
+@pytest.mark.parametrize("name", ["Mistral", "Gemma 2"])
+def test_sliding_window_model_hand_off_equals_transformers(name: str, tmp_path: Path) -> None:
+    """A prompt longer than the sliding window, prefilled in chunks on P, decoded on D from
+    the imported blocks: greedy tokens equal transformers' generate."""
+    from devtools.arch_matrix import CASES, WINDOW
+    from tests.worker_engine.test_arch_matrix import _engine, _save
+
+    case = next(c for c in CASES if c.name == name)
+    ref = _save(case, tmp_path)
+    (prompt,) = prompts(3 * WINDOW + 5)
+    prompt = [t % int(ref.config.vocab_size) for t in prompt]
+    p, d = _engine(tmp_path, max_num_batched_tokens=8), _engine(tmp_path)
+    prefill(p, "t", prompt)
+    payloads = export(p, "t")
+    d.kv.import_blocks("imp", d.kv.layout, prompt, (), payloads)
+    out, cached = decode_import(d, prompt)
+    assert cached == len(payloads) * 4 > WINDOW
+    assert out == hf_greedy(ref, prompt, GREEDY.max_tokens)
