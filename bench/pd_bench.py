@@ -278,7 +278,8 @@ def run_mode(config: BenchConfig, mode: str) -> dict[str, Any]:
 
 
 def transfers(mesh: Mesh) -> dict[str, float]:
-    """decoder-0's hand-offs by outcome and fallbacks by reason (P/D took place or not)."""
+    """decoder-0's hand-offs by outcome, fallbacks by reason (P/D took place or not) and the
+    mean seconds of a hand-off's phases (prefill call, pull)."""
     port = mesh.specs["decoder-0"].env["MESHSERVE_METRICS_PORT"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
     out: dict[str, float] = {}
@@ -288,6 +289,11 @@ def transfers(mesh: Mesh) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     label = sample.labels.get("outcome") or "fallback_" + sample.labels.get("reason", "")
                     out[label] = sample.value
+        if family.name == "meshserve_worker_kv_transfer_seconds":  # mean seconds per phase
+            sums = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_sum")}
+            counts = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_count")}
+            for phase, total in sums.items():
+                out[f"mean_{phase}_s"] = total / counts[phase] if counts.get(phase) else 0.0
     return out
 
 

@@ -231,6 +231,8 @@ class WorkerProcess:
             self._refresher.cancel()
         if self.link is not None:
             await self.link.close()
+        if self.decoder is not None and self.decoder.kv_importer is not None:
+            await self.decoder.kv_importer.connector.close()
         if self.engine is not None:
             await self.engine.shutdown()
         if self.publisher is not None:
