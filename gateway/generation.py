@@ -265,6 +265,8 @@ class GenerationRun:
         request.lease_id = lease.lease_id
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
+        if lease.kv_source is not None:  # the decoder pulls the KV itself (docs/architecture.md)
+            request.kv_source.CopyFrom(lease.kv_source)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._move(RunState.RUNNING)
         await self._stream.add(request, self)

@@ -62,6 +62,9 @@ class EngineConfig:
     thread_priority: str = "auto"
     generation_config: str = "auto"
     cuda_graphs: bool = True
+    # Seconds a prefill-only request's KV stays pinned for its transfer when nobody pulls
+    # or releases it (a decode worker that died mid-hand-off).
+    kv_transfer_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -97,6 +100,8 @@ class EngineConfig:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}"
             )
+        if not self.kv_transfer_ttl_s > 0:
+            raise ValueError(f"kv_transfer_ttl_s must be > 0, got {self.kv_transfer_ttl_s!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

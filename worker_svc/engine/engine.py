@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from services.completion_prompt import first_outside_vocab
 from services.kv_contract import with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig, parse_cpu_list
+from worker_svc.engine.kv_handoff import KvHandoff
+from worker_svc.engine.kv_transfer import KvLayout
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
@@ -114,6 +116,21 @@ class LLMEngine:
         self.grammar = GrammarBackend(config.model_dir, self.model_info.vocab_size)
         self._preparing: list[tuple[Request, Future[Prepared]]] = []
         self.failed: list[tuple[str, Exception]] = []  # preparations that failed, taken by the caller
+        # P/D disaggregation: KV held for export (prefill role) and imported KV (decode role).
+        self.kv = KvHandoff(
+            self.block_manager,
+            self.runner.read_block,
+            self.runner.write_block,
+            self.kv_layout(),
+            config.kv_transfer_ttl_s,
+        )
+
+    def kv_layout(self, model: str | None = None) -> KvLayout:
+        """What a KV block of this engine holds. ``model``: the served model's name (the
+        worker's; by default the model directory's name)."""
+        info = self.model_info
+        name = model or os.path.basename(os.path.normpath(info.model_dir))
+        return KvLayout(name, info.dtype, info.num_layers, info.num_kv_heads, info.head_dim, info.block_size)
 
     # ------------------------------------------------------------ requests
     def validate_request(
@@ -166,6 +183,8 @@ class LLMEngine:
         resumed_output: Sequence[int] = (),
         *,
         validated: bool = False,
+        transfer_id: str | None = None,
+        kv_import_id: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
@@ -177,6 +196,12 @@ class LLMEngine:
         has already run `validate_request` on it (the async front does, in the caller's
         thread, off the engine thread's path to its step); only the checks that need the
         engine's state are left.
+
+        ``transfer_id`` makes it prefill-only (P/D): it computes the prompt's KV and its
+        first token, then its blocks stay pinned under that id for export (``self.kv``)
+        instead of being freed. ``kv_import_id``: the prompt's KV was imported under that
+        id (``self.kv.import_blocks``); those blocks stay pinned until the request has
+        taken them as prefix-cache hits.
         """
         if not validated:
             self.validate_request(
@@ -184,6 +209,8 @@ class LLMEngine:
             )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if transfer_id is not None:
+            _validate_prefill_only(transfer_id, sampling_params, mm_inputs, resumed_output, self.kv.held)
         generator = None
         if sampling_params.seed is not None and not sampling_params.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -197,6 +224,8 @@ class LLMEngine:
             generator=generator,
             mm_inputs=tuple(mm_inputs),
             output_token_ids=list(resumed_output),
+            transfer_id=transfer_id,
+            kv_import_id=kv_import_id,
         )
         self.requests[request_id] = request
         if sampling_params.structured is not None or sampling_params.bad_words:
@@ -218,6 +247,7 @@ class LLMEngine:
             return False
         if not self._drop_preparing(request):
             self.scheduler.remove(request)
+        self._release_import(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.num_aborted += 1
         self._pending.append(self._output(request, [], None))
@@ -320,10 +350,15 @@ class LLMEngine:
             self._pinned_thread = threading.get_ident()
             _pin_current_thread(self._cpus)
         self._admit_prepared()
+        if self.kv.held:
+            self.kv.expire()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.scheduled:
             self.num_steps += 1
+            for item in sched.scheduled:
+                if item.request.kv_import_id is not None:  # it holds the imported blocks now
+                    self._release_import(item.request)
             try:
                 model_out = self.runner.execute(sched.scheduled)
                 sampled = self._sample(model_out)
@@ -351,6 +386,7 @@ class LLMEngine:
         for item in scheduled:
             request = item.request
             self.scheduler.remove(request)
+            self._release_import(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self.requests.pop(request.request_id, None)
             self.num_aborted += 1
@@ -391,10 +427,22 @@ class LLMEngine:
                 self._check_stop(request, token)
             outputs.append(self._output(request, [token], [logprob] if logprob is not None else None))
             if request.is_finished:
-                self.scheduler.remove(request)
-                self.requests.pop(request.request_id, None)
-                self.num_finished += 1
+                self._finish(request)
         return outputs
+
+    def _finish(self, request: Request) -> None:
+        if request.transfer_id is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            self.scheduler.detach(request)  # its blocks stay pinned for the transfer
+            self.kv.hold(request)
+        else:
+            self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.num_finished += 1
+
+    def _release_import(self, request: Request) -> None:
+        if request.kv_import_id is not None:
+            self.kv.release_import(request.kv_import_id)
+            request.kv_import_id = None
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
         """Structured outputs hook: the matcher sees each accepted token exactly once.
@@ -473,6 +521,24 @@ def _pin_current_thread(cpus: frozenset[int]) -> None:
         os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError) as exc:  # not Linux, or CPUs outside this cgroup
         log.warning("cpu_affinity %s not applied: %s", sorted(cpus), exc)
+
+
+def _validate_prefill_only(
+    transfer_id: str,
+    params: SamplingParams,
+    mm_inputs: Sequence[MultiModalInput],
+    resumed_output: Sequence[int],
+    held: Container[str],
+) -> None:
+    """A prefill-only request computes a text prompt and one token, under a new id."""
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise ValueError("transfer_id must be a non-empty string")
+    if transfer_id in held:
+        raise ValueError(f"transfer_id {transfer_id!r} is already held")
+    if params.max_tokens != 1 or mm_inputs or resumed_output or params.prompt_logprobs is not None:
+        raise ValueError(
+            "a prefill-only request (transfer_id) takes a text prompt, max_tokens=1, no prompt_logprobs"
+        )
 
 
 def _validate_resumed(tokens: Sequence[int], vocab_size: int, max_tokens: int) -> None:

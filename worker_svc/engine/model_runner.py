@@ -206,6 +206,20 @@ class ModelRunner:
             return "cpu" if native and cpu_attention.load() is not None else "torch"
         return backend
 
+    def read_block(self, block_id: int) -> bytes:
+        """One block's KV over all layers as bytes, layout [layer, k/v, token, head, dim]
+        (``kv_transfer.KvLayout``). Safe off the engine thread for a pinned block: no
+        step writes into a block some request or transfer still references."""
+        stacked = torch.stack([kv[:, block_id] for kv in self.kv_caches])
+        return bytes(stacked.cpu().contiguous().view(torch.uint8).numpy().data)
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill one block from bytes laid out as `read_block` returns them (engine thread)."""
+        shape = (len(self.kv_caches), *self.kv_caches[0][:, block_id].shape)
+        values = torch.frombuffer(bytearray(data), dtype=self.dtype).view(shape)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[:, block_id].copy_(values[layer])
+
     def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:
         """Run one forward over all scheduled chunks; returns the logits that are needed."""
         ids: list[int] = []
