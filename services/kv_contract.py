@@ -22,6 +22,7 @@ __all__ = [
     "index_key",
     "request_extra_keys",
     "seq_key",
+    "with_lora_key",
     "with_mm_keys",
 ]
 
@@ -62,10 +63,22 @@ def with_mm_keys(extra_keys: Sequence[str], items: Iterable[MultiModalKey]) -> t
     return tuple(keys)
 
 
-def request_extra_keys(cache_salt: str = "", mm_items: Iterable[MultiModalKey] = ()) -> tuple[str, ...]:
+def with_lora_key(extra_keys: Sequence[str], lora_name: str) -> tuple[str, ...]:
+    """``extra_keys`` plus ``lora:<lora_name>`` when the request runs under a LoRA adapter
+    (once): the same prompt under two adapters (or none) never shares KV blocks."""
+    key = "lora:" + lora_name
+    if not lora_name or key in extra_keys:
+        return tuple(extra_keys)
+    return (*extra_keys, key)
+
+
+def request_extra_keys(
+    cache_salt: str = "", mm_items: Iterable[MultiModalKey] = (), lora_name: str = ""
+) -> tuple[str, ...]:
     """The ``extra_keys`` of a request's block hashes: ``salt:<cache_salt>`` when a salt
-    is set (tenant isolation), then the multimodal keys of `with_mm_keys`."""
-    return with_mm_keys([f"salt:{cache_salt}"] if cache_salt else [], mm_items)
+    is set (tenant isolation), the adapter's key of `with_lora_key`, then the multimodal
+    keys of `with_mm_keys`."""
+    return with_mm_keys(with_lora_key([f"salt:{cache_salt}"] if cache_salt else [], lora_name), mm_items)
 
 
 def index_key(worker_id: str) -> str:

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,15 @@ class _Add:
     stream: _Stream
     mm_inputs: tuple[MultiModalInput, ...] = ()
     resumed_output: tuple[int, ...] = ()
+    lora_name: str = ""
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps; its result resolves ``future``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
 
 
 @dataclass
@@ -80,7 +89,7 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _Call | _Stop
 
 
 def _build_on_own_thread(
@@ -180,6 +189,7 @@ class AsyncLLMEngine:
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
         resumed_output: Sequence[int] = (),
+        lora_name: str = "",
     ) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
@@ -216,6 +226,7 @@ class AsyncLLMEngine:
                     stream,
                     tuple(mm_inputs),
                     tuple(resumed_output),
+                    lora_name,
                 )
             )
         except BaseException:
@@ -231,6 +242,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
+        lora_name: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield one output per step that produced tokens for it.
 
@@ -238,7 +250,16 @@ class AsyncLLMEngine:
         early (or cancellation) aborts the request.
         """
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, priority, extra_keys, mm_inputs)
+        self.submit(
+            request_id,
+            prompt_token_ids,
+            params,
+            queue.put_nowait,
+            priority,
+            extra_keys,
+            mm_inputs,
+            lora_name=lora_name,
+        )
         done = False
         try:
             while not done:
@@ -266,6 +287,14 @@ class AsyncLLMEngine:
                 self._active.discard(request_id)
             self._commands.put(_Abort(request_id, drop_stream=drop_output))
         return True
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (engine state such as
+        LoRA adapters changes only there); returns its result or raises its exception."""
+        future: Future[Any] = Future()
+        self.start()
+        self._send(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     async def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests fail with EngineShutdownError."""
@@ -313,6 +342,8 @@ class AsyncLLMEngine:
                 return False
             if isinstance(command, _Add):
                 self._handle_add(command)
+            elif isinstance(command, _Call):
+                _run_call(self.engine, command)
             else:
                 self._handle_abort(command)
         return True
@@ -328,6 +359,7 @@ class AsyncLLMEngine:
                 cmd.mm_inputs,
                 cmd.resumed_output,
                 validated=True,  # by `submit`
+                lora_name=cmd.lora_name,
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})
@@ -393,6 +425,15 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
+
+
+def _run_call(engine: LLMEngine, cmd: _Call) -> None:
+    if not cmd.future.set_running_or_notify_cancel():
+        return
+    try:
+        cmd.future.set_result(cmd.fn(engine))
+    except Exception as exc:  # the caller's error, not the engine thread's
+        cmd.future.set_exception(exc)
 
 
 def _deliver(items: list[tuple[_Stream, Any]]) -> None:

@@ -80,6 +80,8 @@ class Request:
     grammar: Any = None
     # bad_words as token sequences (the sampler bans a sequence's last token after its prefix).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # LoRA adapter the request runs under ("" = the base model); its key is in extra_keys.
+    lora_name: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
