@@ -27,7 +27,7 @@ from worker_svc.engine.config import EngineConfig
 from worker_svc.kv_events import KvEventPublisher
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
-from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
+from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats, lora_state
 from worker_svc.torch_thread import TorchThread
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,16 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         cpu_affinity=config.cpu_affinity,
         thread_priority=config.engine_priority,
         generation_config=config.generation_config,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        lora_modules=config.lora_modules,
     )
+
+
+def _record_decoder(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
+    worker_metrics.record_lora(lora_state(engine))
+    return worker_metrics.record(load_stats(engine))
 
 
 def _identity(config: WorkerConfig) -> WorkerIdentity:
@@ -94,6 +103,7 @@ async def _start_decoder(
         fetcher,
         stream_interval=config.stream_interval,
         draining=lambda: server.draining,
+        runtime_lora_updating=config.enable_runtime_lora_updating,
     )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
 
@@ -162,7 +172,7 @@ class WorkerProcess:
             engine, decoder = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
             self.decoder = decoder
-            return lambda: worker_metrics.record(load_stats(engine))
+            return lambda: _record_decoder(engine)
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")
             model = await thread.run(EmbeddingModel, config.model_dir, config.device)
@@ -185,7 +195,9 @@ class WorkerProcess:
         if self.config.scheduler_address:
             # Decoders report the leases of the requests they run in their heartbeats.
             leases = self.decoder.active_lease_ids if self.decoder is not None else list
-            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, leases)
+            engine = self.engine
+            loras = (lambda: lora_state(engine)) if engine is not None else (lambda: None)
+            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, leases, loras)
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0:

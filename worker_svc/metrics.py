@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from meshserve.v1 import worker_pb2
 
@@ -14,6 +14,24 @@ PREFIX_HIT_RATE = Gauge(
 )
 PREEMPTIONS = Gauge("meshserve_worker_num_preemptions", "Preemptions (recompute) since start")
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
+
+LORA_LOADS = Gauge("meshserve_worker_lora_loads", "LoRA adapters copied into a compute slot since start")
+LORA_EVICTIONS = Gauge(
+    "meshserve_worker_lora_evictions", "Resident LoRA adapters replaced in their slot since start"
+)
+LORA_RESIDENT = Gauge("meshserve_worker_lora_resident", "LoRA adapters in a compute slot now")
+LORA_REQUESTS = Counter(
+    "meshserve_worker_lora_requests_total", "Requests started under a LoRA adapter", ["adapter"]
+)
+
+
+def record_lora(state: worker_pb2.LoraState | None) -> None:
+    """Publishes the worker's adapter counters (nothing when LoRA is off)."""
+    if state is None:
+        return
+    LORA_LOADS.set(state.num_loads)
+    LORA_EVICTIONS.set(state.num_evictions)
+    LORA_RESIDENT.set(len(state.resident))
 
 
 def record(load: worker_pb2.LoadStats) -> worker_pb2.LoadStats:

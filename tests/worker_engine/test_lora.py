@@ -11,44 +11,20 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
+from tests.lora_kit import build_adapters, peft_greedy
 from tests.worker_engine.conftest import hf_greedy, prompts, tokens
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from worker_svc.engine.lora import LoraError, UnknownLoraError
 
 Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Three adapters that differ in rank, targets, alpha and scaling rule.
-ADAPTERS: dict[str, dict[str, Any]] = {
-    "ad-all": {"r": 4, "lora_alpha": 8, "target_modules": ALL},
-    "ad-attn": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "use_rslora": True},
-    "ad-mlp": {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
-}
-
-
-def _base(model_dir: str) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Each adapter of ADAPTERS saved by peft (random A and B: init_lora_weights=False)."""
-    root = tmp_path_factory.mktemp("loras")
-    out = {}
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(10 + i)
-        model = get_peft_model(_base(tiny_model_dir), LoraConfig(init_lora_weights=False, **kwargs))
-        model.save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
-
-
-def _peft_greedy(model_dir: str, adapter_dir: str, prompt: list[int]) -> list[int]:
-    model = PeftModel.from_pretrained(_base(model_dir), adapter_dir).eval()
-    return hf_greedy(model, prompt, GREEDY.max_tokens)  # type: ignore[arg-type]
+    return build_adapters(tiny_model_dir, tmp_path_factory.mktemp("loras"))
 
 
 def _run(engine: LLMEngine, reqs: list[tuple[str, list[int], str]]) -> dict[str, list[int]]:
@@ -74,7 +50,7 @@ def test_mixed_batch_matches_peft_generate(
         want = hf_greedy(hf_model, prompt, GREEDY.max_tokens)
         if name:
             base = want
-            want = _peft_greedy(tiny_model_dir, adapter_dirs[name], prompt)
+            want = peft_greedy(tiny_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
             assert want != base, f"adapter {name} does not change {rid}'s output: the test proves nothing"
         assert got[rid] == want, f"{rid} under {name or 'the base model'}"
 

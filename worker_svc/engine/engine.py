@@ -21,7 +21,7 @@ from services.completion_prompt import first_outside_vocab
 from services.kv_contract import with_lora_key, with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig, parse_cpu_list, parse_lora_modules
-from worker_svc.engine.lora import LoraError, LoraManager, UnknownLoraError
+from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
@@ -73,6 +73,7 @@ class EngineStats:
     num_aborted: int
     num_steps: int
     num_generated_tokens: int
+    lora: LoraSnapshot | None = None  # None: LoRA off
 
 
 class EngineStepError(RuntimeError):
@@ -237,20 +238,20 @@ class LLMEngine:
 
     def load_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter at ``path`` as ``name`` (into the CPU cache; a slot is
-        taken when a step needs it). LoraError (a ValueError) when LoRA is off or the
-        adapter does not fit the base model; nothing else changes then."""
+        taken when a step needs it). LoraError (a ValueError) when the adapter does not
+        fit the base model (nothing else changes then), LoraStateError when LoRA is off."""
         if self.lora is None:
-            raise LoraError(f"cannot load LoRA adapter {name!r}: LoRA is not enabled (max_loras=0)")
+            raise LoraStateError(f"cannot load LoRA adapter {name!r}: LoRA is not enabled (max_loras=0)")
         self.lora.register(name, path)
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name``; UnknownLoraError when it is not loaded, LoraError while
-        requests use it."""
+        """Forget adapter ``name``; UnknownLoraError when it is not loaded, LoraStateError
+        while requests use it."""
         if self.lora is None or not self.lora.known(name):
             raise UnknownLoraError(f"LoRA adapter {name!r} is not loaded")
         users = [r.request_id for r in self.requests.values() if r.lora_name == name]
         if users:
-            raise LoraError(f"LoRA adapter {name!r} is in use by {len(users)} request(s)")
+            raise LoraStateError(f"LoRA adapter {name!r} is in use by {len(users)} request(s)")
         self.lora.unregister(name)
 
     # ------------------------------------------------- structured outputs hook
@@ -479,6 +480,7 @@ class LLMEngine:
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            lora=self.lora.snapshot() if self.lora is not None else None,
         )
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "LoraError",
     "LoraLinear",
     "LoraManager",
+    "LoraSnapshot",
+    "LoraStateError",
     "UnknownLoraError",
     "load_adapter",
 ]
@@ -75,6 +77,10 @@ class LoraError(ValueError):
 
 class UnknownLoraError(LoraError):
     """A request or command names an adapter this engine does not know."""
+
+
+class LoraStateError(LoraError):
+    """The command cannot apply in the engine's state (LoRA off, adapter in use)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,18 @@ def load_adapter(
             )
         weights[key] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     return LoraAdapter(name, path, rank, scaling, weights)
+
+
+@dataclass(frozen=True)
+class LoraSnapshot:
+    """The adapters of an engine at one moment (read by other threads than the engine's)."""
+
+    loaded: tuple[str, ...]
+    resident: tuple[str, ...]
+    cpu_cached: tuple[str, ...]
+    max_loras: int
+    num_loads: int
+    num_evictions: int
 
 
 @dataclass
@@ -287,6 +305,17 @@ class LoraManager:
     def cpu_cached(self) -> list[str]:
         """Adapters in the CPU LRU, least recently used first."""
         return list(self.cpu)
+
+    def snapshot(self) -> LoraSnapshot:
+        """Names and counters now (call on the engine thread)."""
+        return LoraSnapshot(
+            tuple(self.paths),
+            tuple(self.resident()),
+            tuple(self.cpu),
+            self.max_loras,
+            self.num_loads,
+            self.num_evictions,
+        )
 
     def _cache(self, adapter: LoraAdapter) -> None:
         self.cpu[adapter.name] = adapter
