@@ -80,8 +80,9 @@ def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.Rout
     )
 
 
-def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
-    """The policy's view of a request; its block hashes use the workers' extra keys."""
+def routing_request(request: common_pb2.GenerateRequest, adapter: bool = False) -> RoutingRequest:
+    """The policy's view of a request; its block hashes use the workers' extra keys.
+    ``adapter``: its `model` names a LoRA adapter (the workers key its blocks by it)."""
     if not request.model:
         raise InvalidArgument("model is required", param="model")
     if not request.prompt_token_ids:
@@ -90,9 +91,12 @@ def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
         request_id=request.request_id,
         model=request.model,
         token_ids=request.prompt_token_ids,
-        extra_keys=request_extra_keys(request.cache_salt, request.mm_items),
+        extra_keys=request_extra_keys(
+            request.cache_salt, request.mm_items, lora_name=request.model if adapter else ""
+        ),
         priority=request.priority,
         tenant=request.tenant,
+        adapter=request.model if adapter else "",
     )
 
 
@@ -149,7 +153,7 @@ class Router:
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        routing = routing_request(request)
+        routing = routing_request(request, self.scheduler.registry.is_adapter(request.model))
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing

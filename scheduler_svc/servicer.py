@@ -28,8 +28,10 @@ def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
     )
 
 
-def load_from_proto(load: worker_pb2.LoadStats) -> LoadSnapshot:
+def load_from_proto(load: worker_pb2.LoadStats, loras: worker_pb2.LoraState | None = None) -> LoadSnapshot:
     return LoadSnapshot(
+        lora_loaded=tuple(loras.loaded) if loras is not None else (),
+        lora_resident=tuple(loras.resident) if loras is not None else (),
         num_running=load.num_running,
         num_waiting=load.num_waiting,
         kv_usage=load.kv_usage,
@@ -67,6 +69,7 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
             num_finished=load.num_finished,
         ),
         last_heartbeat_age_s=max(now - state.last_seen, 0.0),
+        loras=worker_pb2.LoraState(loaded=load.lora_loaded, resident=load.lora_resident),
     )
 
 
@@ -137,7 +140,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.worker_id:
             raise ValueError("worker_id is required")
         known = self.scheduler.heartbeat(
-            request.worker_id, load_from_proto(request.load), request.draining, request.active_lease_ids
+            request.worker_id,
+            load_from_proto(request.load, request.loras if request.HasField("loras") else None),
+            request.draining,
+            request.active_lease_ids,
         )
         return scheduler_pb2.HeartbeatResponse(known=known)
 
