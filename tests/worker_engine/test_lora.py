@@ -133,3 +133,28 @@ def test_lora_config_checked(tiny_model_dir: str) -> None:
         EngineConfig(model_dir=tiny_model_dir, max_loras=1, lora_modules=("a",))
     with pytest.raises(ValueError, match="compile_model"):
         EngineConfig(model_dir=tiny_model_dir, max_loras=1, compile_model=True)
+
+
+async def test_async_engine_changes_adapters_between_steps(
+    tiny_model_dir: str, adapter_dirs: dict[str, str]
+) -> None:
+    """`AsyncLLMEngine.call` runs on the engine thread; its exception reaches the caller;
+    a call left when the engine stops fails instead of hanging."""
+    from worker_svc.engine import AsyncLLMEngine
+    from worker_svc.engine.async_engine import EngineShutdownError
+
+    engine = AsyncLLMEngine(
+        EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, dtype="float32", max_loras=1)
+    )
+    try:
+        await engine.call(lambda e: e.load_lora("a", adapter_dirs["ad-mlp"]))
+        with pytest.raises(UnknownLoraError, match="'b'"):
+            await engine.call(lambda e: e.unload_lora("b"))
+        outs = [o async for o in engine.generate("r", [5, 6, 7, 8], GREEDY, lora_name="a")]
+        assert outs[-1].finished and outs[-1].num_output_tokens == GREEDY.max_tokens
+        snapshot = await engine.call(lambda e: e.stats().lora)
+        assert snapshot.loaded == ("a",) and snapshot.resident == ("a",) and snapshot.num_loads == 1
+    finally:
+        await engine.shutdown()
+    with pytest.raises(EngineShutdownError):
+        await engine.call(lambda e: None)

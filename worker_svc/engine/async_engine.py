@@ -410,9 +410,18 @@ class AsyncLLMEngine:
         self._post(batches)
 
     def _fail_all(self, exc: BaseException) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        while True:  # commands nobody will run: their callers must not wait forever
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(exc)
+            elif isinstance(command, _Add):
+                batches.setdefault(command.stream.loop, []).append((command.stream, exc))
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
         for stream in self._streams.values():
             batches.setdefault(stream.loop, []).append((stream, exc))
         self._streams.clear()
