@@ -158,3 +158,45 @@ async def test_async_engine_changes_adapters_between_steps(
         await engine.shutdown()
     with pytest.raises(EngineShutdownError):
         await engine.call(lambda e: None)
+
+
+def test_scattered_and_contiguous_rows_give_the_peft_sum() -> None:
+    """One projection under interleaved spans (index path) and sorted spans (range path):
+    each row gets base + B(A x) * scaling of its own adapter, none for the base rows."""
+    from torch import nn
+
+    from worker_svc.engine.lora import LoraAdapter, LoraManager
+
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.q_proj = nn.Linear(8, 6, bias=False)
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    base = layer.self_attn.q_proj
+    manager = LoraManager(model, max_loras=2, max_rank=4, max_cpu_loras=2)
+    adapters = {}
+    for name, rank, scaling in (("a", 2, 0.5), ("b", 4, 2.0)):
+        weights = {(0, "q_proj"): (torch.randn(rank, 8), torch.randn(6, rank))}
+        adapters[name] = LoraAdapter(name, "", rank, scaling, weights)
+        manager.paths[name] = ""
+        manager.cpu[name] = adapters[name]
+    x = torch.randn(1, 7, 8)
+    names = ["a", "", "b", "a", "b", "", "a"]
+
+    def expected(row: int) -> torch.Tensor:
+        y = base(x[0, row])
+        if not names[row]:
+            return y
+        adapter = adapters[names[row]]
+        a, b = adapter.weights[(0, "q_proj")]
+        return y + b @ (a @ x[0, row]) * adapter.scaling
+
+    want = torch.stack([expected(i) for i in range(7)])
+    with torch.no_grad(), manager.step([(n, 1) for n in names], torch.device("cpu")):
+        scattered = layer.self_attn.q_proj(x)[0]
+    torch.testing.assert_close(scattered, want)
+    order = sorted(range(7), key=lambda i: names[i])
+    with torch.no_grad(), manager.step([(names[i], 1) for i in order], torch.device("cpu")):
+        contiguous = layer.self_attn.q_proj(x[:, order])[0]
+    torch.testing.assert_close(contiguous, want[order])

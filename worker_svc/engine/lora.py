@@ -5,7 +5,8 @@ decoder layer: the Llama family's names, shared by Qwen2/3 and Mistral) is repla
 :class:`LoraLinear` that holds the stacked A/B weights of ``max_loras`` resident *slots*
 (slot 0 is all zeros: "no adapter"). One forward serves a mixed batch: the step's rows are
 grouped by slot and each adapter present adds ``B @ (A @ x) * scaling`` to its own rows
-(an indexed matmul per adapter, not a forward per adapter).
+(two matmuls per adapter on its rows, not a forward per adapter); the engine scheduler
+orders a step's requests by adapter, so each adapter's rows are one contiguous range.
 
 :class:`LoraManager` owns the adapters: the names it knows (``register``), a CPU-memory LRU
 of ``max_cpu_loras`` loaded adapters (evicted ones are read again from their directory),
@@ -190,11 +191,16 @@ class LoraSnapshot:
     num_evictions: int
 
 
+# The rows of one adapter in a step: a contiguous range (start, end) of the packed rows,
+# or an index tensor when they are scattered.
+Rows = tuple[int, int] | torch.Tensor
+
+
 @dataclass
 class _BatchGroups:
-    """The current step's rows per slot: ``(slot, rows or None for all rows)``."""
+    """The current step's rows per slot."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[int, Rows]] = field(default_factory=list)
 
 
 class LoraLinear(nn.Module):
@@ -233,17 +239,22 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self._batch.groups:
+        groups = self._batch.groups
+        if not groups:
+            return y
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        for slot, rows in groups:
             r = self.ranks[slot]
             if r == 0:
                 continue
             a, b = self.lora_a[slot, :r], self.lora_b[slot, :, :r]
-            if rows is None:  # every row of the step uses this adapter
-                y = y + nn.functional.linear(nn.functional.linear(x, a), b) * self.scalings[slot]
-                continue
-            flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-            delta = nn.functional.linear(nn.functional.linear(flat_x.index_select(0, rows), a), b)
-            flat_y.index_add_(0, rows, delta * self.scalings[slot])
+            if isinstance(rows, tuple):  # contiguous rows: views, and the add fused in place
+                start, end = rows
+                h = nn.functional.linear(flat_x[start:end], a)
+                flat_y[start:end].addmm_(h, b.t(), alpha=self.scalings[slot])
+            else:
+                h = nn.functional.linear(flat_x.index_select(0, rows), a)
+                flat_y.index_add_(0, rows, nn.functional.linear(h, b), alpha=self.scalings[slot])
         return y
 
 
@@ -363,10 +374,12 @@ class LoraManager:
                 keep.add(slot)
                 rows.setdefault(slot, []).extend(range(start, start + n))
             start += n
-        groups: list[tuple[int, torch.Tensor | None]] = []
+        groups: list[tuple[int, Rows]] = []
         for slot, idx in rows.items():
-            all_rows = len(idx) == start
-            groups.append((slot, None if all_rows else torch.tensor(idx, dtype=torch.long, device=device)))
+            if idx[-1] - idx[0] + 1 == len(idx):  # one run (the engine scheduler sorts by adapter)
+                groups.append((slot, (idx[0], idx[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(idx, dtype=torch.long, device=device)))
         self._batch.groups = groups
         try:
             yield

@@ -24,7 +24,8 @@ preempted admits no new requests, to avoid thrashing.
 
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
-blocked on: requests behind it (base model, or an adapter already running) go first.
+blocked on: requests behind it (base model, or an adapter already running) go first. A
+step's requests are ordered by adapter (stable), so each adapter's rows are contiguous.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if self.max_loras:  # each adapter's rows one contiguous range of the step (lora.py)
+            out.scheduled.sort(key=lambda s: s.request.lora_name)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
