@@ -5,7 +5,9 @@ hashes, and the Redis keys KV events travel under.
 Workers hash the blocks they cache with `request_extra_keys`; the scheduler hashes
 incoming prompts with the same function, so a prefix cached on a worker is found by
 the scheduler's index bit for bit. One function, called by both (and by the engine for
-requests that carry images), so the two sides cannot drift.
+requests that carry images or run under a LoRA adapter), so the two sides cannot drift.
+The KV events carry these hashes, so a block cached under one adapter is published, and
+found by the scheduler, only under that adapter.
 """
 
 from __future__ import annotations

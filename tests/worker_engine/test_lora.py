@@ -73,12 +73,15 @@ def test_slots_evict_and_cpu_lru_reloads(make_engine: Factory, adapter_dirs: dic
 
 
 def test_adapter_isolated_in_prefix_cache(make_engine: Factory, adapter_dirs: dict[str, str]) -> None:
-    engine = make_engine(max_loras=2, lora_modules=(f"a={adapter_dirs['ad-all']}",))
+    engine = make_engine(
+        max_loras=2, lora_modules=(f"a={adapter_dirs['ad-all']}", f"b={adapter_dirs['ad-mlp']}")
+    )
     prompt = prompts(40, seed=7)[0]
     _run(engine, [("base", prompt, "")])
-    # The same prompt under the adapter finds none of the base's blocks, then its own.
-    for rid, cached in (("lora", 0), ("again", 32)):
-        engine.add_request(rid, prompt, GREEDY, lora_name="a")
+    # The same prompt under an adapter finds none of the base's (or another adapter's)
+    # blocks, then its own.
+    for rid, lora, cached in (("a1", "a", 0), ("b1", "b", 0), ("a2", "a", 32), ("b2", "b", 32)):
+        engine.add_request(rid, prompt, GREEDY, lora_name=lora)
         engine.step()
         assert engine.requests[rid].num_cached_tokens == cached, rid
         while engine.has_unfinished():
