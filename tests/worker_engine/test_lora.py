@@ -119,6 +119,8 @@ def test_unknown_and_unfit_adapters_refused(
         engine.load_lora("wrong", str(wrong))
     assert engine.lora is not None and engine.lora.cpu_cached() == []
     engine.load_lora("ok", adapter_dirs["ad-all"])
+    with pytest.raises(LoraError, match="'ok' is already loaded"):
+        engine.load_lora("ok", adapter_dirs["ad-mlp"])
     engine.add_request("y", [5, 6, 7], GREEDY, lora_name="ok")
     with pytest.raises(LoraError, match="in use"):
         engine.unload_lora("ok")

@@ -282,13 +282,13 @@ class LoraManager:
 
     # ------------------------------------------------------------ registry
     def register(self, name: str, path: str) -> LoraAdapter:
-        """Load and check ``path`` as adapter ``name`` (replacing an adapter of that name
-        that is not resident); LoraError when it does not fit the base model."""
+        """Load and check ``path`` as adapter ``name``; LoraError when the name is taken or
+        the adapter does not fit the base model."""
         if not isinstance(name, str) or not name or any(c.isspace() for c in name):
             raise LoraError(f"LoRA adapter name {name!r} must be a non-empty string without spaces")
+        if name in self.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.shapes, self.max_rank, self.dtype)
-        if name in self.slots:
-            raise LoraError(f"LoRA adapter {name!r} is already loaded and resident; unload it first")
         self.paths[name] = path
         self._cache(adapter)
         return adapter
