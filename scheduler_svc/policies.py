@@ -18,10 +18,10 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   affinity -- the request goes to the best-scoring worker within the cap (least-load when
   none is), so a hot prefix cannot pile onto one worker, while a moderate imbalance (a
   conversation staying where its history is cached) is allowed.
-  A request for a LoRA adapter adds ``adapter_weight * resident`` (1 where the adapter is
-  in a compute slot, or was routed lately: no adapter swap there); the load cap applies
-  the same, so a hot adapter spreads to a second worker (which loads it into a slot)
-  rather than queueing behind one.
+  A request for a LoRA adapter adds ``adapter_weight * affinity`` (1 where the adapter is
+  in a compute slot, or was routed lately: no adapter swap there; 0.5 where a slot is
+  free: nothing evicted); the load cap applies the same, so a hot adapter spreads to a
+  second worker (which loads it into a slot) rather than queueing behind one.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ class PrefixAwarePolicy:
             idle = (low + 1) / (load + 1)
             kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
             w = self._weights
-            resident = 1.0 if request.adapter and worker.adapter_resident(request.adapter, now) else 0.0
-            result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free + w.adapter * resident
+            affinity = worker.adapter_affinity(request.adapter, now) if request.adapter else 0.0
+            result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free + w.adapter * affinity
         return result
 
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:

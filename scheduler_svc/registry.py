@@ -65,6 +65,7 @@ class LoadSnapshot:
     # LoRA adapters requests may name on this worker, and those in a compute slot now.
     lora_loaded: tuple[str, ...] = ()
     lora_resident: tuple[str, ...] = ()
+    lora_slots: int = 0  # its max_loras
 
     def __post_init__(self) -> None:
         # From the Redis mirror's JSON the names arrive as lists.
@@ -131,6 +132,15 @@ class WorkerState:
         """`adapter` is in a compute slot here, as last reported, or was routed here lately."""
         routed = self.adapter_routed.get(adapter)
         return adapter in self.load.lora_resident or (routed is not None and now - routed < ADAPTER_ROUTED_S)
+
+    def adapter_affinity(self, adapter: str, now: float) -> float:
+        """1 when `adapter` is resident here (`adapter_resident`), 0.5 when a slot is free for
+        it (no other adapter evicted), else 0."""
+        if self.adapter_resident(adapter, now):
+            return 1.0
+        recent = {a for a, t in self.adapter_routed.items() if now - t < ADAPTER_ROUTED_S}
+        busy = len(recent | set(self.load.lora_resident))
+        return 0.5 if busy < self.load.lora_slots else 0.0
 
 
 @dataclass(frozen=True)

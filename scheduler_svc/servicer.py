@@ -32,6 +32,7 @@ def load_from_proto(load: worker_pb2.LoadStats, loras: worker_pb2.LoraState | No
     return LoadSnapshot(
         lora_loaded=tuple(loras.loaded) if loras is not None else (),
         lora_resident=tuple(loras.resident) if loras is not None else (),
+        lora_slots=loras.max_loras if loras is not None else 0,
         num_running=load.num_running,
         num_waiting=load.num_waiting,
         kv_usage=load.kv_usage,
@@ -69,7 +70,9 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
             num_finished=load.num_finished,
         ),
         last_heartbeat_age_s=max(now - state.last_seen, 0.0),
-        loras=worker_pb2.LoraState(loaded=load.lora_loaded, resident=load.lora_resident),
+        loras=worker_pb2.LoraState(
+            loaded=load.lora_loaded, resident=load.lora_resident, max_loras=load.lora_slots
+        ),
     )
 
 

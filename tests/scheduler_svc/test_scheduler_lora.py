@@ -7,6 +7,7 @@ model's blocks of the same prompt."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def test_adapter_residency_weighed_against_load() -> None:
     assert policy.choose(RoutingRequest("r", "base", [1, 2, 3]), [hot, cold]).worker is cold
     busy = _worker("w0", 6, ("a",))
     assert policy.choose(req, [busy, cold]).worker is cold  # too busy: a second worker loads it
+
+
+def test_a_cold_adapter_goes_where_a_slot_is_free() -> None:
+    policy = PrefixAwarePolicy(PrefixIndex(speculative_ttl_s=0))
+    full, free = _worker("w0", 2, ("a", "b")), _worker("w1", 3, ("b",))
+    for state in (full, free):
+        state.load = dataclasses.replace(state.load, lora_slots=2)
+    # No worker holds "c": the one with a free slot evicts nothing, despite one more request.
+    assert policy.choose(RoutingRequest("r", "c", [1, 2, 3], adapter="c"), [full, free]).worker is free
 
 
 def test_adapters_are_served_models() -> None:
