@@ -16,7 +16,7 @@ from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import LLMEngine
-from worker_svc.engine.lora import LoraError, LoraStateError, UnknownLoraError
+from worker_svc.engine.lora import LoraError, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
@@ -44,11 +44,8 @@ def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
     )
 
 
-def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
-    """The engine's adapters as of its latest step (None when LoRA is off)."""
-    snap = engine.stats().lora
-    if snap is None:
-        return None
+def lora_proto(snap: LoraSnapshot) -> worker_pb2.LoraState:
+    """An engine's adapters as the proto reports them."""
     return worker_pb2.LoraState(
         loaded=snap.loaded,
         resident=snap.resident,
@@ -57,6 +54,12 @@ def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
         num_loads=snap.num_loads,
         num_evictions=snap.num_evictions,
     )
+
+
+def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
+    """The engine's adapters as of its latest step (None when LoRA is off)."""
+    snap = engine.stats().lora
+    return lora_proto(snap) if snap is not None else None
 
 
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
@@ -182,17 +185,8 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoraState:
         """The worker's adapters now (empty when LoRA is off)."""
-        state = await self.engine.call(lambda engine: engine.stats().lora)
-        if state is None:
-            return worker_pb2.LoraState()
-        return worker_pb2.LoraState(
-            loaded=state.loaded,
-            resident=state.resident,
-            cpu_cached=state.cpu_cached,
-            max_loras=state.max_loras,
-            num_loads=state.num_loads,
-            num_evictions=state.num_evictions,
-        )
+        snap = await self.engine.call(lambda engine: engine.stats().lora)
+        return lora_proto(snap) if snap is not None else worker_pb2.LoraState()
 
     def _check_lora_updating(self) -> None:
         if not self.runtime_lora_updating:
