@@ -1,1 +1,1 @@
-"""Benchmarks for meshserve: engine micro-benchmarks and the `bench.serve` HTTP load generator."""
+"""meshserve's benchmark kit: one script per question, its current result in bench/results/ (bench/README.md)."""

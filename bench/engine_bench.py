@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from bench.host import host_info
 from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
 from worker_svc.engine.config import default_dtype
 
@@ -580,6 +581,7 @@ def report(
     return {
         "model_dir": args.model_dir,
         "command": "python -m bench.engine_bench " + " ".join(args.argv),
+        "host": host_info(),
         "workload": {
             "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,

@@ -20,7 +20,7 @@ of rank `--rank` on every projection, built for the model at the start (peft).
    weighed with load) against `round_robin`: adapter loads into slots per 1,000 requests
    (the decoders' `meshserve_worker_lora_loads`), TTFT p50/p99 and output tokens/s.
 
-The JSON (`--out`) records the command, the CPU model and every number. Timings need an
+The JSON (`--out`) records the command, the commit, the CPU model and every number. Timings need an
 otherwise idle machine.
 """
 
@@ -32,6 +32,7 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -248,6 +249,15 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.lora_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL))
@@ -273,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     report: dict[str, Any] = {
         "command": "python -m bench.lora_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": _commit(),
         "cpu": cpu_model(),
         "model": base,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

@@ -29,7 +29,6 @@ import asyncio
 import base64
 import io
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.host import host_info
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import free_port
 
@@ -305,7 +305,7 @@ def main(argv: Sequence[str]) -> None:
     report = {
         "command": "python -m bench.mm_bench " + " ".join(argv),
         "config": asdict(config),
-        "host": {"platform": platform.platform(), "cpus": len(__import__("os").sched_getaffinity(0))},
+        "host": host_info(),
         "results": results,
         "comparison": compare(results),
     }

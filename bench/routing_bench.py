@@ -6,7 +6,7 @@
          --session-rates 2,3,4,5 (--sessions 40 | --duration 30) --think-time 1]
         [--conversations 32 --turns 5 --system-prompts 4 --system-len 256 --user-len 128]
         [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
-        [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing.json]
+        [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing_open.json] [--plot OUT.png]
 
 For every (load, policy) a fresh cluster is started -- a redis-server, `python -m
 scheduler_svc --routing-policy P` and `--workers` decoder processes (`python -m
@@ -59,7 +59,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import signal
 import statistics
@@ -77,13 +76,14 @@ import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.host import host_info
 from gateway.route_stream import RouteStream
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "bench" / "results" / "routing.json"
+DEFAULT_OUT = ROOT / "bench" / "results" / "routing_open.json"
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"  # `make model`
 TINY_MODEL_DIR = ROOT / ".cache" / "models" / "meshserve-routing-bench-tiny"
 OVERHEAD_METRIC = "meshserve_scheduler_overhead_seconds"
@@ -913,10 +913,11 @@ def comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return report
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path, Path | None]:
     parser = argparse.ArgumentParser(prog="python -m bench.routing_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the report into this PNG")
     defaults = BenchConfig(model_dir="")
     for name, value in asdict(defaults).items():
         if name == "model_dir":
@@ -927,12 +928,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path]:
         else:
             parser.add_argument(flag, type=type(value), default=value)
     args = vars(parser.parse_args(argv))
-    out = args.pop("out")
+    out, plot = args.pop("out"), args.pop("plot")
     for name, value in asdict(defaults).items():
         if isinstance(value, tuple):  # comma-separated lists: policies, loads
             args[name] = tuple(p.strip() for p in args[name].split(",") if p.strip())
     args["model_dir"] = ensure_model(args["model_dir"])
-    return BenchConfig(**args), out
+    return BenchConfig(**args), out, plot
 
 
 async def run_all(
@@ -968,7 +969,7 @@ async def run_all(
 
 
 async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    config, out = parse_args(argv)
+    config, out, plot = parse_args(argv)
     workload = build_workload(config)
     # The caches are sized on `conversations` in both modes; an open loop sends `sessions`
     # distinct conversations (the first `conversations` of them are the closed loop's).
@@ -998,12 +999,7 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": asdict(config),
         "sizes": sizes,
         "policy_in_process_ms": cost,
-        "host": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg": os.getloadavg(),
-        },
+        "host": host_info(),
         "results": results,
         "comparison": {load: comparison(by_policy) for load, by_policy in results.items()},
         "logs": str(log_dir),
@@ -1011,6 +1007,10 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
+    if plot is not None:
+        from bench.routing_plot import plot_routing
+
+        print(f"wrote {plot_routing(report, plot)}", file=sys.stderr)
     return report
 
 

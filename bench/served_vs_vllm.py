@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.host import host_info
 from worker_svc.engine.config import default_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,13 +155,6 @@ def summarize(runs: list[dict], concurrencies: Sequence[int]) -> dict:
     return {"medians": medians, "mesh_over_vllm": ratios}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--vllm", required=True, help="the vllm command (of an environment of its own)")
@@ -176,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = default_dtype("cpu")
     report: dict = {
         "command": " ".join(["python -m bench.served_vs_vllm", *(argv if argv is not None else sys.argv[1:])]),
-        "cpu": cpu_model(), "cores": os.cpu_count(), "dtype": dtype, "date": time.strftime("%Y-%m-%d"),
+        "host": host_info(), "dtype": dtype,
         "workload": "vllm bench serve, random 128 in / 64 out, ignore_eos, max(16, 4*c) prompts", "models": {},
         "client_command": " ".join(bench_command(args.vllm, 0, "NAME", "DIR", 0, Path("RESULT.json"))),
     }  # fmt: skip

@@ -30,7 +30,7 @@ from fastapi import Request, Response
 from gateway import metrics, reasoning, tool_parsers
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
-from gateway.logprobs import chat_logprobs, resolve_strings
+from gateway.logprobs import chat_logprobs, resolve_strings, vllm_prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -211,13 +211,19 @@ class ChatCollector:
         top_k = self.body.top_logprobs or 0
         raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs else []
         strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=self.request_id,
             created=self.ctx.created,
             model=self.model,
             choices=[self._choice(i, acc, strings) for i, acc in enumerate(self.choices)],
             usage=usage_info(usage),
         )
+        if self.body.prompt_logprobs is not None:  # vLLM: on the response, not per choice
+            _, prompt = self.multi.prompt_logprobs(0)
+            response.prompt_logprobs = await vllm_prompt_logprobs(
+                self.ctx.upstream, self.model, prompt, self.body.prompt_logprobs
+            )
+        return response
 
     def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> ChatChoice:
         text = "".join(acc.text)

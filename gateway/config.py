@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from services.config import MAX_MESSAGE_BYTES
+
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
@@ -54,7 +56,7 @@ class GatewayConfig:
     # connection, and a POST is not retried (uvicorn's own default, 5 s, did so to a
     # benchmark's aiohttp client). nginx's default, 75 s.
     keep_alive_timeout_s: int = 75
-    max_grpc_message_bytes: int = 64 * 1024 * 1024
+    max_grpc_message_bytes: int = MAX_MESSAGE_BYTES
     # Routing again after a worker failed before the first token (excluding it).
     max_retries: int = 2
     # Mid-stream migrations per request: a worker lost after tokens were streamed is

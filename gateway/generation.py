@@ -193,6 +193,8 @@ class GenerationRun:
         self._state = RunState.NEW
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
+        # sampling.prompt_logprobs: the worker sends them with the first output.
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
     @property
     def state(self) -> RunState:
@@ -245,6 +247,8 @@ class GenerationRun:
         """Routes the request and adds it to the worker's stream (with the output so far)."""
         self._attempts += 1
         request = self.spec.generate_request()
+        if self.prompt_logprobs is not None:  # a migration: the prompt is scored already
+            request.sampling.ClearField("prompt_logprobs")
         request.resumed.extend(
             common_pb2.ResumedOutput(index=c.index, token_ids=c.token_ids, finished=c.ended)
             for c in self._choices
@@ -286,6 +290,8 @@ class GenerationRun:
         self._ensure_choices()
         if response.worker_id:
             self.worker_id = response.worker_id
+        if response.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(response.prompt_logprobs)
         if response.HasField("usage"):
             if self._lease is not None:  # the release tells the scheduler what was cached
                 self.upstream.note_usage(self._lease, response.usage)

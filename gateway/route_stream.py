@@ -4,7 +4,8 @@ replica, shared by every request this gateway process routes there.
 Each route is a message with a call id, answered by a message with the same id, in
 completion order; releases ride on the route messages (or go alone when no route is
 due). Why not a unary call per request: on the replica a stream message costs about a
-third of a unary call's CPU, and the round trip is about half as long (bench/README.md).
+third of a unary call's CPU, and the round trip is about half as long (docs/design-decisions.md, "Routes over one stream per
+gateway, every request routed").
 
 A route that fails raises a `grpc.aio.AioRpcError` with the RouteError's code, message
 and `param` metadata, as any scheduler call fails, so failover between replicas and the

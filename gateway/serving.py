@@ -122,6 +122,8 @@ def sampling_params(
         params.stop_token_ids.extend(body.stop_token_ids)
     if logprobs is not None:
         params.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        params.prompt_logprobs = body.prompt_logprobs
     add_token_rules(body, params)
     return params
 
@@ -269,6 +271,16 @@ class MultiRun:
             sum(u.completion_tokens for u in parts),
             sum(u.cached_tokens for u in parts),
         )
+
+    def prompt_logprobs(self, index: int) -> tuple[list[int], list[common_pb2.TokenLogprob]]:
+        """Prompt ids and prompt logprobs (entry i scores token i + 1) of the prompt of
+        choice `index`, which asked for them (they come with the run's first output);
+        a 500 when the worker did not send one per prompt token after the first."""
+        run = self.runs[index // self.n]
+        ids, logprobs = run.spec.prompt_ids, run.prompt_logprobs or []
+        if len(logprobs) != len(ids) - 1:
+            raise APIError(500, f"worker: {len(logprobs)} prompt logprobs for a {len(ids)}-token prompt")
+        return ids, logprobs
 
     def completion_tokens_so_far(self) -> int:
         """Tokens generated so far over every prompt and choice."""
@@ -419,7 +431,7 @@ class SSEResponse(StreamingResponse):
     the first token arrives only the writes are left on its way to the client -- the
     handler's return, this response and its stream (templates, role chunks) were built
     during the prefill (at concurrency 1: ~0.2 ms less time to first token on a 2-core
-    host, bench/README "Session 14")."""
+    host; docs/design-decisions.md, "Generation endpoints served past FastAPI's router")."""
 
     media_type = "text/event-stream"
 

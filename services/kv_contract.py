@@ -36,8 +36,8 @@ INDEX_KEY_PREFIX = "meshserve:kv-index:"
 SEQ_KEY_PREFIX = "meshserve:kv-seq:"
 # The scheduler reads the stream at most this often, and a worker gathers its events
 # this long by default before it writes them (`kv_events_flush_ms`): written more often,
-# they would cost the worker's writer thread and Redis a transaction each (at c=32 on 2
-# vCPUs, 20 ms: 17.1 and 7.5 ms/s of CPU; 100 ms: 6.6 and 4.7; bench/README "Session 19") and reach the
+# they would cost the worker's writer thread and Redis a transaction each
+# (docs/design-decisions.md, "KV events gathered 100 ms") and reach the
 # scheduler no sooner than its next read. Its own routing decisions count as cached
 # meanwhile (`PrefixIndex` speculative entries, 2 s).
 SUBSCRIBER_POLL_INTERVAL_MS = 100

@@ -7,9 +7,9 @@ from typing import Any
 
 from meshserve.v1 import common_pb2
 from services.errors import InvalidArgument
+from services.grammar import StructuredSpec
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
-from worker_svc.engine.structured import StructuredSpec
 
 _OPTIONAL_FIELDS = (
     "temperature",
@@ -122,14 +122,15 @@ def validate_mm_items(request: common_pb2.GenerateRequest) -> None:
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
-    """Engine (token, logprob, top) triples as proto messages."""
+    """Engine (token, logprob, top, rank) entries as proto messages."""
     return [
         common_pb2.TokenLogprob(
             token_id=token_id,
             logprob=logprob,
             top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+            rank=rank,
         )
-        for token_id, logprob, top in entries or ()
+        for token_id, logprob, top, rank in entries or ()
     ]
 
 

@@ -12,8 +12,8 @@ work (interpreter lock included) right after the step that produced a request's 
 token, i.e. while that token was on its way to the gateway, and cost the scheduler one
 stream entry to parse per step. The scheduler reads the stream at most every 100 ms
 (`services.kv_contract.SUBSCRIBER_POLL_INTERVAL_MS`) and counts its own recent decisions
-as cached meanwhile, so gathering as long does not change routing; gathering 20 ms cost
-the writer thread 2.6 times and Redis 1.6 times the CPU at c=32 (bench/README "Session 19").
+as cached meanwhile, so gathering as long does not change routing (docs/design-decisions.md,
+"KV events gathered 100 ms").
 
 Redis layout (shared with `scheduler_svc.kv_subscriber`):
 

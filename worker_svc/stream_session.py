@@ -29,7 +29,6 @@ from typing import Any
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
 from services.errors import (
-    STATUS_NUMBERS,
     Aborted,
     Code,
     InvalidArgument,
@@ -37,6 +36,7 @@ from services.errors import (
     NotFound,
     Unavailable,
     classify,
+    status_number,
 )
 from services.kv_contract import request_extra_keys
 from worker_svc import convert
@@ -94,12 +94,16 @@ class RequestRun:
     span: tracing.PhaseSpan | None = None
     phase: tracing.PhaseSpan | None = None
     failed: bool = False
+    prompt_logprobs_sent: bool = False
 
     def on_output(self, index: int, out: RequestOutput) -> None:
         """One sample's output of one engine step."""
         self.outbox.add(convert.sequence_delta(index, out))
         self.usage.completion_tokens += len(out.new_token_ids)
-        if index == 0 and out.prompt_logprobs:
+        # Every sample computes them and brings them with its first token: the message with
+        # the request's first token carries them, whichever sample it is from.
+        if out.prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
             self.outbox.response.prompt_logprobs.extend(convert.prompt_logprobs(out))
         self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
         if out.finished:
@@ -143,7 +147,7 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
         log.error("request %s failed: %r", request_id, exc)
     param = exc.param if isinstance(exc, MeshError) else None
     return worker_pb2.RequestError(
-        request_id=request_id, code=STATUS_NUMBERS[code], message=message, param=param or ""
+        request_id=request_id, code=status_number(code), message=message, param=param or ""
     )
 
 

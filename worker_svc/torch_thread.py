@@ -7,7 +7,8 @@ for as long as that thread lives. With pools on two live threads (a model built 
 executor thread and run on another, or forwards spread over a pool of threads) libgomp
 manages more threads than there are CPUs and cuts every barrier's spin to ~100
 iterations: the forwards sleep in a futex and are woken at almost every op (the decoder's
-engine ran 20-27 % slower so, bench/README "Session 17"). One thread also keeps two
+engine ran 20-27 % slower so; docs/design-decisions.md, "Torch work on one long-lived
+thread per process"). One thread also keeps two
 requests' forwards from splitting the cores between them.
 """
 

@@ -35,8 +35,11 @@ def test_queue_balance_reports_the_busiest_worker_over_the_mean() -> None:
 def test_list_flags_are_split() -> None:
     from bench.routing_bench import parse_args
 
-    config, _ = parse_args(["--model-dir", "m", "--loads", "8,32", "--policies", "prefix,least_load"])
+    config, _, plot = parse_args(
+        ["--model-dir", "m", "--loads", "8,32", "--policies", "prefix,least_load", "--plot", "r.png"]
+    )
     assert (config.loads, config.policies) == (("8", "32"), ("prefix", "least_load"))
+    assert str(plot) == "r.png"
 
 
 def test_policy_cost_times_every_turn() -> None:

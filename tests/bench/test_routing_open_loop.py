@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from bench import routing_bench
-from bench.plot import routing_series
 from bench.routing_bench import (
     BenchConfig,
     OpenLoop,
@@ -23,6 +22,7 @@ from bench.routing_bench import (
     open_loop_summary,
     run_session,
 )
+from bench.routing_plot import routing_series
 
 
 def config(**overrides: Any) -> BenchConfig:

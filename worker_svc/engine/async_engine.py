@@ -103,8 +103,7 @@ def _build_on_own_thread(
     thread's, libgomp then manages more threads than there are CPUs and cuts every
     barrier's spin to ~100 iterations (its "throttled" spin): the engine thread sleeps in
     a futex and is woken at almost every op of a forward. A pool of a thread that ended
-    is freed. bench/README "Session 17": the engine thread's sleeps per step, and what
-    building it here gained."""
+    is freed (docs/design-decisions.md, "Torch work on one long-lived thread per process")."""
     # Leaving the `with` joins the executor's one thread: it has ended, its pool with it.
     with ThreadPoolExecutor(1, thread_name_prefix="meshserve-engine-build") as builder:
         return builder.submit(_build_and_warm_up, config, on_kv_events).result()

@@ -118,8 +118,12 @@ class BlockManager:
         return hashes
 
     def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        # Requests wanting prompt logprobs need logits for every prompt position: no reuse.
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        # Requests wanting prompt logprobs need logits for every prompt position: no reuse
+        # until they have them (vLLM's rule; the blocks they compute are still published).
+        wants_logits = (
+            request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        )
+        if not self.enable_prefix_caching or wants_logits:
             return []
         # Never hit the last token: at least one token must run through the model so the
         # request gets logits. With an exact multiple of block_size this recomputes the

@@ -33,12 +33,15 @@ __all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
 
 log = logging.getLogger(__name__)
 
+# Prompt positions scored per log-softmax (bounds its float32 copy: rows x vocabulary).
+PROMPT_LOGPROB_ROWS = 128
+
 
 @dataclass
 class RequestOutput:
     """Incremental result of one request for one step.
 
-    ``new_logprobs`` (when requested) has one ``(token_id, logprob, top)`` entry per
+    ``new_logprobs`` (when requested) has one ``(token_id, logprob, top, rank)`` entry per
     new token; logprobs are those of the raw model distribution. ``stop_token_id`` is
     the EOS or stop token that finished the request (it is also the last entry of
     ``new_token_ids``). ``prompt_logprobs`` comes with the first output only; entry
@@ -349,6 +352,7 @@ class LLMEngine:
             try:
                 model_out = self.runner.execute(sched.scheduled)
                 sampled = self._sample(model_out)
+                self._record_prompt_logprobs(model_out)
             except Exception as exc:
                 self._pending = outputs + self._pending
                 failed = self._fail(sched.scheduled)
@@ -357,7 +361,6 @@ class LLMEngine:
             for item in sched.scheduled:
                 item.request.num_computed_tokens = item.end
                 self.block_manager.mark_computed(item.request)
-            self._record_prompt_logprobs(model_out)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
@@ -380,6 +383,9 @@ class LLMEngine:
         return failed
 
     def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
+        """Prompt logprobs of this step's chunks (requests that asked for them): each chunk's
+        rows are scored ``PROMPT_LOGPROB_ROWS`` at a time, so the float32 log-softmax of a
+        long prompt is never held at full vocabulary beyond that many rows."""
         for item, logits in model_out.prompt_logits:
             request = item.request
             if request.prompt_logprobs is None:
@@ -388,12 +394,14 @@ class LLMEngine:
             # entry j of prompt_logprobs scores token j + 1, i.e. comes from position j.
             first = len(request.prompt_logprobs) - item.start
             last = min(item.end, request.num_prompt_tokens - 1) - item.start
-            if first < 0 or last <= first:
-                continue  # already recorded (recompute after preemption)
-            lps = torch.log_softmax(logits[first:last].float(), dim=-1)
-            targets = request.prompt_token_ids[item.start + first + 1 : item.start + last + 1]
+            if first < 0:  # a gap: the prefix cache must not serve such a request
+                raise RuntimeError(f"request {request.request_id}: prompt logprobs miss positions")
             k = request.sampling_params.prompt_logprobs or 0
-            request.prompt_logprobs.extend(token_logprobs(lps, targets, [k] * len(targets)))
+            for a in range(first, last, PROMPT_LOGPROB_ROWS):  # empty when already recorded
+                b = min(a + PROMPT_LOGPROB_ROWS, last)
+                lps = torch.log_softmax(logits[a:b].float(), dim=-1)
+                targets = request.prompt_token_ids[item.start + a + 1 : item.start + b + 1]
+                request.prompt_logprobs.extend(token_logprobs(lps, targets, [k] * len(targets)))
 
     def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []

@@ -1,98 +1,18 @@
-"""Plots for `bench.serve` and `bench.routing_bench` results: latency and throughput
-versus concurrency.
-
-    python -m bench.plot results.json sweep.png
+"""The plot of a `bench.routing_bench` report (`--plot OUT.png`).
 
 A `routing_bench` report (results keyed "c=N", then by policy) is drawn per policy: TTFT
 p50 / p99 (medians over the repeats) and output throughput against the concurrency. An
 open-loop report (keyed "rate=R", sessions/s) is drawn against the offered request rate
 (R x turns): TTFT p50 / p99, the achieved request rate (the diagonal is "keeps up"), and
 the requests the client had in flight (the queue anywhere in the mesh), time-averaged.
-
-Left panel: TTFT p50 / p99 and TPOT p50 (ms); right panel: output and total token throughput
-(tok/s).  One colour per target (A, B), so a compare run shows both curves side by side.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-LATENCY_SERIES = (
-    ("median_ttft_ms", "TTFT p50", "-o"),
-    ("p99_ttft_ms", "TTFT p99", "--^"),
-    ("median_tpot_ms", "TPOT p50", ":s"),
-)
-THROUGHPUT_SERIES = (
-    ("output_throughput", "output tok/s", "-o"),
-    ("total_token_throughput", "total tok/s", "--s"),
-)
-COLORS = ("tab:blue", "tab:orange")
-
-
-def sweep_series(report: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
-    """Per target label: x (concurrency) and each metric's values, in concurrency order.
-
-    A point without a concurrency limit uses the concurrency actually reached as its x value.
-    """
-    series: dict[str, dict[str, list[Any]]] = {}
-    for point in report["results"]:
-        for m in point["targets"]:
-            label = f"{m['label']} ({m['model']})"
-            s = series.setdefault(label, {"x": []})
-            s["x"].append(point["max_concurrency"] or m["max_concurrency_reached"])
-            for key, _, _ in (*LATENCY_SERIES, *THROUGHPUT_SERIES):
-                s.setdefault(key, []).append(m.get(key))
-    return series
-
-
-def _draw(ax: Any, series: dict[str, dict[str, list[Any]]], spec: Sequence[tuple[str, str, str]]) -> None:
-    """Draw the `spec` metrics of every target on one axis (None values are skipped)."""
-    for color, (label, s) in zip(COLORS * 8, series.items(), strict=False):
-        for key, name, style in spec:
-            pts = [(x, y) for x, y in zip(s["x"], s[key], strict=True) if y is not None]
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, style, color=color, label=f"{label} {name}")
-    xs_all = sorted({x for s in series.values() for x in s["x"] if x})
-    if len(xs_all) > 1 and xs_all[-1] / xs_all[0] >= 8:
-        ax.set_xscale("log", base=2)
-    if xs_all:
-        ax.set_xticks(xs_all, [str(x) for x in xs_all])
-    ax.set_xlabel("max concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-
-
-def plot_sweep(report: dict[str, Any], out: str | Path) -> Path:
-    """Render latency and throughput vs concurrency into a PNG (Agg backend); return its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure  # no pyplot: no global state, faster import
-
-    series = sweep_series(report)
-    fig = Figure(figsize=(13, 5))
-    lat_ax, tput_ax = fig.subplots(1, 2)
-    _draw(lat_ax, series, LATENCY_SERIES)
-    lat_ax.set_ylabel("latency (ms)")
-    lat_ax.set_title("Latency vs concurrency")
-    _draw(tput_ax, series, THROUGHPUT_SERIES)
-    tput_ax.set_ylabel("throughput (tok/s)")
-    tput_ax.set_title("Throughput vs concurrency")
-    cfg = report.get("config", {})
-    fig.suptitle(
-        f"bench.serve: {cfg.get('dataset', '?')} / {cfg.get('endpoint', '?')}, "
-        f"in={cfg.get('input_len', '?')} out={cfg.get('output_len', '?')}"
-    )
-    fig.tight_layout()
-    path = Path(out)
-    fig.savefig(path, dpi=110)
-    return path
-
 
 ROUTING_SERIES = (("ttft_ms.p50", "TTFT p50", "-o"), ("ttft_ms.p99", "TTFT p99", "--^"))
 ROUTING_THROUGHPUT = (("output_throughput", "output tok/s", "-o"),)
@@ -208,21 +128,3 @@ def plot_routing(report: dict[str, Any], out: str | Path) -> Path:
     path = Path(out)
     fig.savefig(path, dpi=110)
     return path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.plot RESULTS.json OUT.png`."""
-    import json
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print("usage: python -m bench.plot RESULTS.json OUT.png", file=sys.stderr)
-        return 2
-    report = json.loads(Path(args[0]).read_text())
-    is_routing = isinstance(report.get("results"), dict)
-    print((plot_routing if is_routing else plot_sweep)(report, args[1]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
