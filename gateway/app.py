@@ -1,7 +1,8 @@
 """`create_app(config)`: the FastAPI application of the gateway.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models[/{model}],
-/tokenize, /detokenize (vLLM shapes), /health, /metrics. Middleware (drain, auth, rate
+/tokenize, /detokenize (vLLM shapes), /health, /metrics, and with --enable-lora-updating
+/v1/load_lora_adapter, /v1/unload_lora_adapter (gateway.lora_admin). Middleware (drain, auth, rate
 limit, body limit, metrics) is in gateway.middleware; every error is an OpenAI error
 object (gateway.errors). The gRPC channels are opened in the lifespan (start-up).
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +34,7 @@ from gateway.errors import (
     unhandled_error_handler,
     validation_error_handler,
 )
+from gateway.lora_admin import load_lora_adapter, unload_lora_adapter
 from gateway.middleware import GatewayMiddleware, GatewayState
 from gateway.protocol import (
     ChatCompletionResponse,
@@ -52,7 +54,7 @@ from gateway.protocol import (
 )
 from gateway.response_store import ResponseStore
 from gateway.serving import new_id
-from gateway.upstream import TOKENIZER, Upstream
+from gateway.upstream import TOKENIZER, Upstream, adapter_parents
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
 from services.gc_tuning import settle_heap
@@ -64,6 +66,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Invalid request (the `param` field names the offending field)",
         401: "Missing or invalid API key",
+        403: "Not an admin API key",
         404: "Unknown model",
         413: "Request body too large",
         429: "Rate limited (per API key) or the scheduler is overloaded; see Retry-After",
@@ -120,6 +123,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _add_generation_routes(app)
     _add_agent_routes(app)
     _add_model_routes(app)
+    if config.enable_lora_updating:
+        _add_lora_routes(app)
     _add_tokenizer_routes(app)
     _add_ops_routes(app)
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
@@ -219,6 +224,21 @@ def _add_model_routes(app: FastAPI) -> None:
     )
 
 
+def _add_lora_routes(app: FastAPI) -> None:
+    for path, endpoint in (
+        ("/v1/load_lora_adapter", load_lora_adapter),
+        ("/v1/unload_lora_adapter", unload_lora_adapter),
+    ):
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_class=PlainTextResponse,
+            responses=_errors(400, 403, 404),
+            summary=endpoint.__doc__,
+        )
+
+
 def _add_tokenizer_routes(app: FastAPI) -> None:
     errors = _errors(400, 404, 413, *_COMMON)
     app.add_api_route(
@@ -260,10 +280,20 @@ async def _model_cards(request: Request) -> list[ModelCard]:
         worker = status.worker
         lengths[worker.model] = max(lengths.get(worker.model, 0), worker.max_model_len)
     created = int(request.app.state.started)
-    return [
-        ModelCard(id=model, created=created, root=model, max_model_len=lengths.get(model) or None)
-        for model in reply.models
-    ]
+    parents = adapter_parents(reply)  # a LoRA adapter's card names its base model (vLLM)
+    cards = []
+    for model in reply.models:
+        base = parents.get(model)
+        cards.append(
+            ModelCard(
+                id=model,
+                created=created,
+                root=model,
+                parent=base,
+                max_model_len=lengths.get(base or model) or None,
+            )
+        )
+    return cards
 
 
 async def list_models(request: Request) -> ModelList:
@@ -325,7 +355,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         TOKENIZER,
         upstream.tokenizer.Tokenize(
             tokenizer_pb2.TokenizeRequest(
-                model=model,
+                model=upstream.tokenizer_model(model),
                 text=body.prompt or "",
                 add_special_tokens=add_special,
                 return_token_strs=body.return_token_strs,
@@ -345,7 +375,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def _render_for_tokenize(upstream: Upstream, body: TokenizeRequest, model: str) -> list[int]:
     messages = [m.model_dump(exclude_unset=True) for m in body.messages or []]
     render = tokenizer_pb2.RenderChatRequest(
-        model=model,
+        model=upstream.tokenizer_model(model),
         messages_json=json.dumps(messages, ensure_ascii=False),
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message,
@@ -368,7 +398,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     reply = await upstream.call(
         TOKENIZER,
         upstream.tokenizer.Detokenize(
-            tokenizer_pb2.DetokenizeRequest(model=model, token_ids=body.tokens), timeout=upstream.timeout
+            tokenizer_pb2.DetokenizeRequest(model=upstream.tokenizer_model(model), token_ids=body.tokens),
+            timeout=upstream.timeout,
         ),
     )
     return DetokenizeResponse(prompt=reply.text)

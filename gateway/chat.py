@@ -103,7 +103,10 @@ async def start_chat(
     upstream = ctx.upstream
     rendered, info = await asyncio.gather(
         upstream.call(
-            TOKENIZER, upstream.tokenizer.RenderChat(render_request(body, model), timeout=upstream.timeout)
+            TOKENIZER,
+            upstream.tokenizer.RenderChat(
+                render_request(body, upstream.tokenizer_model(model)), timeout=upstream.timeout
+            ),
         ),
         upstream.tokenizer_info(model),
     )

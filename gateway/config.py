@@ -24,6 +24,11 @@ class GatewayConfig:
     scheduler_address: str = "127.0.0.1:50052"
     # Accepted `Authorization: Bearer <key>` values; empty = no authentication.
     api_keys: tuple[str, ...] = ()
+    # Keys that may also call admin endpoints (LoRA load/unload); they are valid API keys.
+    admin_api_keys: tuple[str, ...] = ()
+    # Declare POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); the workers need --enable-runtime-lora-updating.
+    enable_lora_updating: bool = False
     max_request_bytes: int = 16 * 1024 * 1024
     # Deadline of every upstream call, the whole generation stream included.
     request_timeout_s: float = 600.0
@@ -100,8 +105,8 @@ class GatewayConfig:
             raise ValueError("max_retries and max_migrations must be >= 0")
         if not [a for a in self.scheduler_address.split(",") if a.strip()]:
             raise ValueError("scheduler_address must name at least one scheduler")
-        if any(not key for key in self.api_keys):
-            raise ValueError("api_keys must not contain empty keys")
+        if any(not key for key in self.api_keys + self.admin_api_keys):
+            raise ValueError("api_keys and admin_api_keys must not contain empty keys")
         from gateway import reasoning, tool_parsers  # here: config must not import them eagerly
 
         tool_parsers.check_spec(self.tool_call_parser)

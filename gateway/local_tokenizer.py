@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -281,19 +281,28 @@ class GatewayTokenizers:
     first use. Concurrent first requests share one load (single flight); a failed load
     is not cached, so the next request retries."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, cache_root: Path, timeout: float) -> None:
+    def __init__(
+        self,
+        stub: tokenizer_pb2_grpc.TokenizerStub,
+        cache_root: Path,
+        timeout: float,
+        base_model: Callable[[str], str] = lambda model: model,
+    ) -> None:
         self._stub = stub
         self._cache_root = cache_root
         self._timeout = timeout
+        # A LoRA adapter's name -> its base model, whose tokenizer it uses.
+        self._base_model = base_model
         self._loaded: dict[str, LocalTokenizer] = {}
         self._loading: dict[str, asyncio.Task[LocalTokenizer]] = {}
 
     def cached(self, model: str) -> LocalTokenizer | None:
         """The loaded tokenizer of `model`, or None (no I/O; for hot paths)."""
-        return self._loaded.get(model)
+        return self._loaded.get(self._base_model(model))
 
     async def get(self, model: str) -> LocalTokenizer:
         """`model`'s tokenizer, loading it on first use. Errors as fetch_tokenizer_files."""
+        model = self._base_model(model)
         loaded = self._loaded.get(model)
         if loaded is not None:
             return loaded

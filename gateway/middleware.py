@@ -127,7 +127,7 @@ class GatewayMiddleware:
         self.config = config
         self.state = state
         self.limiter = RateLimiter(config.rate_limit_rps_per_key, config.rate_limit_burst)
-        self._keys = {key: tenant_of(key) for key in config.api_keys}
+        self._keys = {key: tenant_of(key) for key in config.api_keys + config.admin_api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Counts and times the request around `_handle`."""

@@ -90,6 +90,11 @@ def _first_model_of(workers: scheduler_pb2.ListWorkersResponse, role: str) -> st
     return None
 
 
+def adapter_parents(workers: scheduler_pb2.ListWorkersResponse) -> dict[str, str]:
+    """Each LoRA adapter a worker has loaded -> that worker's (base) model."""
+    return {name: status.worker.model for status in workers.workers for name in status.loras.loaded}
+
+
 class _Replica:
     """One scheduler replica: channel, stubs, and leases waiting to be released."""
 
@@ -128,7 +133,9 @@ class Upstream:
         self._next_replica = itertools.cycle(range(len(self._replicas)))
         self.workers = WorkerStreams(config.max_grpc_message_bytes)
         cache_root = Path(config.tokenizer_cache_dir or Path(tempfile.gettempdir()) / "meshserve-tokenizers")
-        self.tokenizers = GatewayTokenizers(self.tokenizer, cache_root, self.timeout)
+        # LoRA adapter -> its base model, from the latest worker list.
+        self._adapter_parents: dict[str, str] = {}
+        self.tokenizers = GatewayTokenizers(self.tokenizer, cache_root, self.timeout, self.tokenizer_model)
         self._workers: scheduler_pb2.ListWorkersResponse | None = None
         self._workers_at = 0.0
         self._workers_lock = asyncio.Lock()
@@ -277,7 +284,12 @@ class Upstream:
                 short_deadline=True,
             )
             self._workers, self._workers_at = reply, time.monotonic()
+            self._adapter_parents = adapter_parents(reply)
             return reply
+
+    def tokenizer_model(self, model: str) -> str:
+        """The model whose tokenizer `model` uses: a LoRA adapter's base model, else itself."""
+        return self._adapter_parents.get(model, model)
 
     def _fresh_workers(self, max_age_s: float) -> scheduler_pb2.ListWorkersResponse | None:
         """The cached worker list when it is younger than `max_age_s`, else None."""
@@ -345,7 +357,7 @@ class Upstream:
         info = await self.call(
             TOKENIZER,
             self.tokenizer.GetTokenizerInfo(
-                tokenizer_pb2.GetTokenizerInfoRequest(model=model), timeout=self.timeout
+                tokenizer_pb2.GetTokenizerInfoRequest(model=self.tokenizer_model(model)), timeout=self.timeout
             ),
         )
         self._infos[model] = info

@@ -143,10 +143,19 @@ class Dispatcher:
         started = time.perf_counter()
         decision = self.policy.choose(request, candidates)
         metrics.POLICY_SECONDS.labels(policy=self.policy.name).observe(time.perf_counter() - started)
+        if request.adapter:
+            self._note_adapter(request.adapter, decision.worker)
         lease = self.registry.acquire(decision.worker)
         if self._on_dispatch is not None:
             self._on_dispatch(request, decision)
         return lease, decision
+
+    def _note_adapter(self, adapter: str, worker: WorkerState) -> None:
+        """Counts the route by residency; the worker holds the adapter from now on."""
+        now = self.registry.now()
+        resident = worker.adapter_resident(adapter, now)
+        metrics.ADAPTER_ROUTES.labels(adapter=adapter, resident=str(resident).lower()).inc()
+        worker.adapter_routed[adapter] = now
 
     def _take(self, waiter: Waiter) -> bool:
         if waiter.future.done():

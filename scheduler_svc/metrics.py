@@ -60,6 +60,11 @@ ROUTED = Counter(
     "Routing decisions by policy and reason (prefix, score, load_cap, round_robin, least_load)",
     ["policy", "reason"],
 )
+ADAPTER_ROUTES = Counter(
+    "meshserve_scheduler_adapter_routes_total",
+    "Requests routed per LoRA adapter, by whether it was resident on the chosen worker",
+    ["adapter", "resident"],
+)
 PREFIX_HIT = Histogram(
     "meshserve_scheduler_prefix_hit_ratio",
     "Fraction of the prompt's full blocks the chosen worker already held, at routing time",

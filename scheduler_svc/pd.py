@@ -4,8 +4,8 @@ The decoder is chosen first, as for any request (prefix + load). Then, when the 
 tokens that decoder does not have cached reach ``pd_min_prompt_tokens`` and a healthy
 prefill worker with free capacity and the decoder's KV layout exists, the least loaded one
 is paired with it (llm-d's P/D decider: a threshold on the uncached prompt). Requests
-with images or prompt logprobs stay on the decoder (their KV cannot come from elsewhere,
-or is not reused). Domain code: no grpc.
+with images, a LoRA adapter or prompt logprobs stay on the decoder (their KV cannot come
+from elsewhere: images and adapters live on the decoder; prompt logprobs are not reused). Domain code: no grpc.
 """
 
 from __future__ import annotations

@@ -18,11 +18,16 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   affinity -- the request goes to the best-scoring worker within the cap (least-load when
   none is), so a hot prefix cannot pile onto one worker, while a moderate imbalance (a
   conversation staying where its history is cached) is allowed.
+  A request for a LoRA adapter adds ``adapter_weight * affinity`` (1 where the adapter is
+  in a compute slot, or was routed lately: no adapter swap there; 0.5 where a slot is
+  free: nothing evicted); the load cap applies the same, so a hot adapter spreads to a
+  second worker (which loads it into a slot) rather than queueing behind one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +47,8 @@ class RoutingRequest:
     priority: int = 0
     tenant: str = ""
     role: str = "decoder"
+    # The LoRA adapter `model` names ("" for a base model).
+    adapter: str = ""
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[int]:
@@ -111,6 +118,7 @@ class PrefixWeights:
     prefix: float = 3.0
     queue: float = 2.0
     kv: float = 1.0
+    adapter: float = 2.0
     load_cap: float = 0.8
     # Allowed excess over the mean load: a fraction of the mean, at least `load_imbalance_min`.
     load_imbalance: float = 0.5
@@ -126,9 +134,15 @@ class PrefixAwarePolicy:
 
     name = "prefix"
 
-    def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        weights: PrefixWeights | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._index = index
         self._weights = weights or PrefixWeights()
+        self._clock = clock
         self._least_load = LeastLoadPolicy()
 
     def _matches(
@@ -154,6 +168,7 @@ class PrefixAwarePolicy:
             matches = self._matches(request, candidates)
         loads = [w.estimated_load() for w in candidates]
         low = min(loads)
+        now = self._clock()
         result: dict[str, float] = {}
         for worker, load in zip(candidates, loads, strict=True):
             matched, total = matches[worker.worker_id]
@@ -161,7 +176,8 @@ class PrefixAwarePolicy:
             idle = (low + 1) / (load + 1)
             kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
             w = self._weights
-            result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free
+            affinity = worker.adapter_affinity(request.adapter, now) if request.adapter else 0.0
+            result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free + w.adapter * affinity
         return result
 
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> Decision:

@@ -65,6 +65,20 @@ class LoadSnapshot:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_finished: int = 0
+    # LoRA adapters requests may name on this worker, and those in a compute slot now.
+    lora_loaded: tuple[str, ...] = ()
+    lora_resident: tuple[str, ...] = ()
+    lora_slots: int = 0  # its max_loras
+
+    def __post_init__(self) -> None:
+        # From the Redis mirror's JSON the names arrive as lists.
+        object.__setattr__(self, "lora_loaded", tuple(self.lora_loaded))
+        object.__setattr__(self, "lora_resident", tuple(self.lora_resident))
+
+
+# A worker counts as holding an adapter this long after a request for it was routed
+# there (its heartbeats report residency only after the worker loaded it).
+ADAPTER_ROUTED_S = 2.0
 
 
 @dataclass
@@ -82,6 +96,8 @@ class WorkerState:
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
     capacity: int = 1
+    # LoRA adapter -> when this scheduler last routed a request for it here.
+    adapter_routed: dict[str, float] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -110,6 +126,24 @@ class WorkerState:
 
     def load_fraction(self) -> float:
         return self.estimated_load() / max(self.capacity, 1)
+
+    def serves(self, model: str) -> bool:
+        """Whether requests for `model` (its base model, or a LoRA adapter it has loaded) can run here."""
+        return self.spec.model == model or model in self.load.lora_loaded
+
+    def adapter_resident(self, adapter: str, now: float) -> bool:
+        """`adapter` is in a compute slot here, as last reported, or was routed here lately."""
+        routed = self.adapter_routed.get(adapter)
+        return adapter in self.load.lora_resident or (routed is not None and now - routed < ADAPTER_ROUTED_S)
+
+    def adapter_affinity(self, adapter: str, now: float) -> float:
+        """1 when `adapter` is resident here (`adapter_resident`), 0.5 when a slot is free for
+        it (no other adapter evicted), else 0."""
+        if self.adapter_resident(adapter, now):
+            return 1.0
+        recent = {a for a, t in self.adapter_routed.items() if now - t < ADAPTER_ROUTED_S}
+        busy = len(recent | set(self.load.lora_resident))
+        return 0.5 if busy < self.load.lora_slots else 0.0
 
 
 @dataclass(frozen=True)
@@ -241,7 +275,7 @@ class WorkerRegistry:
 
     def serving(self, model: str, role: str) -> list[WorkerState]:
         """Every registered worker (healthy or not) of `role` serving `model`."""
-        return [w for w in self._workers.values() if w.spec.model == model and w.spec.role == role]
+        return [w for w in self._workers.values() if w.serves(model) and w.spec.role == role]
 
     def candidates(self, model: str, role: str, exclude: Iterable[str] = ()) -> list[WorkerState]:
         """Routable workers for (model, role); suspects only when nothing else is left."""
@@ -252,7 +286,20 @@ class WorkerRegistry:
         return trusted or routable
 
     def models(self, healthy_only: bool = True) -> list[str]:
-        return sorted({w.spec.model for w in self._workers.values() if w.healthy or not healthy_only})
+        """Served models: base models and the LoRA adapters loaded on their workers."""
+        names: set[str] = set()
+        for w in self._workers.values():
+            if w.healthy or not healthy_only:
+                names.add(w.spec.model)
+                names.update(w.load.lora_loaded)
+        return sorted(names)
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether `model` names a LoRA adapter (on some worker) rather than a base model."""
+        workers = self._workers.values()
+        return any(model in w.load.lora_loaded for w in workers) and not any(
+            w.spec.model == model for w in workers
+        )
 
     def acquire(self, state: WorkerState) -> Lease:
         """Counts one more request in flight on `state`."""

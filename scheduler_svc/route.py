@@ -95,8 +95,9 @@ def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.Rout
     return response
 
 
-def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
-    """The policy's view of a request; its block hashes use the workers' extra keys."""
+def routing_request(request: common_pb2.GenerateRequest, adapter: bool = False) -> RoutingRequest:
+    """The policy's view of a request; its block hashes use the workers' extra keys.
+    ``adapter``: its `model` names a LoRA adapter (the workers key its blocks by it)."""
     if not request.model:
         raise InvalidArgument("model is required", param="model")
     if not request.prompt_token_ids:
@@ -105,9 +106,12 @@ def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
         request_id=request.request_id,
         model=request.model,
         token_ids=request.prompt_token_ids,
-        extra_keys=request_extra_keys(request.cache_salt, request.mm_items),
+        extra_keys=request_extra_keys(
+            request.cache_salt, request.mm_items, lora_name=request.model if adapter else ""
+        ),
         priority=request.priority,
         tenant=request.tenant,
+        adapter=request.model if adapter else "",
     )
 
 
@@ -164,7 +168,7 @@ class Router:
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        routing = routing_request(request)
+        routing = routing_request(request, self.scheduler.registry.is_adapter(request.model))
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing
@@ -201,7 +205,8 @@ class Router:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
         decode lease so that it ends with it; None when the decoder prefills itself."""
         threshold = self.scheduler.config.pd_min_prompt_tokens
-        if mm_items or request.sampling.HasField("prompt_logprobs"):
+        adapter = self.scheduler.registry.is_adapter(request.model)
+        if mm_items or adapter or request.sampling.HasField("prompt_logprobs"):
             return None
         uncached = len(request.prompt_token_ids) - predicted
         worker = pick_prefill_worker(self.scheduler.registry, decode.lease.worker, uncached, threshold)

@@ -42,8 +42,11 @@ def layout_key(layout: kv_transfer_pb2.KvLayout) -> str:
     return "/".join(str(f) for f in fields)
 
 
-def load_from_proto(load: worker_pb2.LoadStats) -> LoadSnapshot:
+def load_from_proto(load: worker_pb2.LoadStats, loras: worker_pb2.LoraState | None = None) -> LoadSnapshot:
     return LoadSnapshot(
+        lora_loaded=tuple(loras.loaded) if loras is not None else (),
+        lora_resident=tuple(loras.resident) if loras is not None else (),
+        lora_slots=loras.max_loras if loras is not None else 0,
         num_running=load.num_running,
         num_waiting=load.num_waiting,
         kv_usage=load.kv_usage,
@@ -81,6 +84,9 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
             num_finished=load.num_finished,
         ),
         last_heartbeat_age_s=max(now - state.last_seen, 0.0),
+        loras=worker_pb2.LoraState(
+            loaded=load.lora_loaded, resident=load.lora_resident, max_loras=load.lora_slots
+        ),
     )
 
 
@@ -151,7 +157,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.worker_id:
             raise ValueError("worker_id is required")
         known = self.scheduler.heartbeat(
-            request.worker_id, load_from_proto(request.load), request.draining, request.active_lease_ids
+            request.worker_id,
+            load_from_proto(request.load, request.loras if request.HasField("loras") else None),
+            request.draining,
+            request.active_lease_ids,
         )
         return scheduler_pb2.HeartbeatResponse(known=known)
 

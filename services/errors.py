@@ -70,6 +70,10 @@ class NotFound(MeshError):
     code = Code.NOT_FOUND
 
 
+class FailedPrecondition(MeshError):
+    code = Code.FAILED_PRECONDITION
+
+
 class Overloaded(MeshError):
     code = Code.RESOURCE_EXHAUSTED
 

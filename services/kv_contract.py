@@ -5,7 +5,9 @@ hashes, and the Redis keys KV events travel under.
 Workers hash the blocks they cache with `request_extra_keys`; the scheduler hashes
 incoming prompts with the same function, so a prefix cached on a worker is found by
 the scheduler's index bit for bit. One function, called by both (and by the engine for
-requests that carry images), so the two sides cannot drift.
+requests that carry images or run under a LoRA adapter), so the two sides cannot drift.
+The KV events carry these hashes, so a block cached under one adapter is published, and
+found by the scheduler, only under that adapter.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "index_key",
     "request_extra_keys",
     "seq_key",
+    "with_lora_key",
     "with_mm_keys",
 ]
 
@@ -62,10 +65,22 @@ def with_mm_keys(extra_keys: Sequence[str], items: Iterable[MultiModalKey]) -> t
     return tuple(keys)
 
 
-def request_extra_keys(cache_salt: str = "", mm_items: Iterable[MultiModalKey] = ()) -> tuple[str, ...]:
+def with_lora_key(extra_keys: Sequence[str], lora_name: str) -> tuple[str, ...]:
+    """``extra_keys`` plus ``lora:<lora_name>`` when the request runs under a LoRA adapter
+    (once): the same prompt under two adapters (or none) never shares KV blocks."""
+    key = "lora:" + lora_name
+    if not lora_name or key in extra_keys:
+        return tuple(extra_keys)
+    return (*extra_keys, key)
+
+
+def request_extra_keys(
+    cache_salt: str = "", mm_items: Iterable[MultiModalKey] = (), lora_name: str = ""
+) -> tuple[str, ...]:
     """The ``extra_keys`` of a request's block hashes: ``salt:<cache_salt>`` when a salt
-    is set (tenant isolation), then the multimodal keys of `with_mm_keys`."""
-    return with_mm_keys([f"salt:{cache_salt}"] if cache_salt else [], mm_items)
+    is set (tenant isolation), the adapter's key of `with_lora_key`, then the multimodal
+    keys of `with_mm_keys`."""
+    return with_mm_keys(with_lora_key([f"salt:{cache_salt}"] if cache_salt else [], lora_name), mm_items)
 
 
 def index_key(worker_id: str) -> str:

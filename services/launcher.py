@@ -143,6 +143,18 @@ class MeshConfig:
     encoder_cache_capacity_mb: int = _opt(1024, "the encoder cache's capacity in MiB")
     redis_url: str = _opt("", "an existing Redis (default: the launcher starts its own redis-server)")
     api_keys: str = _opt("", "comma-separated API keys the gateway accepts (default: none needed)")
+    admin_api_keys: str = _opt("", "comma-separated API keys that may also load/unload LoRA adapters")
+    lora_modules: str = _opt(
+        "", "LoRA adapters every decoder loads at start, 'name=path,name=path' (vLLM's --lora-modules)"
+    )
+    max_loras: int = _opt(
+        0, "LoRA adapters resident per decoder at once (0: LoRA off, or 4 with --lora-modules)"
+    )
+    max_lora_rank: int = _opt(16, "the largest LoRA rank a decoder accepts")
+    max_cpu_loras: int = _opt(0, "loaded LoRA adapters a decoder keeps in CPU memory (0: max_loras)")
+    enable_lora_updating: bool = _opt(
+        False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only)"
+    )
     routing_policy: str = _opt("prefix", "the scheduler's routing policy")
     log_dir: str = _opt(".cache/logs", "each service's output goes to LOG_DIR/NAME.log")
     kv_cache_memory_mb: int = _opt(256, "each decoder's KV cache in MiB")
@@ -244,6 +256,20 @@ def _encoder_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
     ]
 
 
+def _lora_env(config: MeshConfig) -> dict[str, str]:
+    """A decoder's LoRA settings (none while LoRA is off)."""
+    max_loras = config.max_loras or (4 if config.lora_modules or config.enable_lora_updating else 0)
+    if not max_loras:
+        return {}
+    return {
+        "MESHSERVE_MAX_LORAS": str(max_loras),
+        "MESHSERVE_MAX_LORA_RANK": str(config.max_lora_rank),
+        "MESHSERVE_MAX_CPU_LORAS": str(config.max_cpu_loras),
+        "MESHSERVE_LORA_MODULES": config.lora_modules,
+        "MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING": "true" if config.enable_lora_updating else "false",
+    }
+
+
 def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
     specs = []
     engines = [("decoder", config.decoder_base_port, i) for i in range(config.num_decoders)]
@@ -265,6 +291,7 @@ def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
                     "MESHSERVE_STREAM_INTERVAL": str(config.stream_interval),
                     "MESHSERVE_GENERATION_CONFIG": config.generation_config,
                     **_encoder_cache_env(config),
+                    **_lora_env(config),
                 },
             )
         )
@@ -313,6 +340,8 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
                 "MESHSERVE_TOKENIZER_ADDRESS": f"127.0.0.1:{config.tokenizer_port}",
                 "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
                 "MESHSERVE_API_KEYS": config.api_keys,
+                "MESHSERVE_ADMIN_API_KEYS": config.admin_api_keys,
+                "MESHSERVE_ENABLE_LORA_UPDATING": "true" if config.enable_lora_updating else "false",
             },
             grpc=False,
         ),
@@ -735,6 +764,9 @@ def _parse(argv: Sequence[str]) -> MeshConfig:
             continue
         default = getattr(defaults, f.name)
         help = f"{f.metadata['help']} (default: {default!r})"
+        if isinstance(default, bool):  # a switch: --enable-lora-updating
+            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=help)
+            continue
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=help)
     args = vars(parser.parse_args(argv))
     args.pop("command")

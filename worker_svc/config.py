@@ -60,6 +60,15 @@ class WorkerConfig(ServerConfig):
     # in one transaction (worker_svc.kv_events); 0 writes after every engine step. By
     # default as long as the scheduler waits between two reads of them.
     kv_events_flush_ms: int = SUBSCRIBER_POLL_INTERVAL_MS
+    # LoRA (decoder role): adapters resident at once (0: LoRA off), their largest rank,
+    # loaded adapters kept in CPU memory (0: max_loras), adapters loaded at start
+    # ("name=path,name=path"; vLLM's --lora-modules), and whether LoadLora/UnloadLora
+    # may change them at run time (the gateway's admin-only load/unload endpoints).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    lora_modules: tuple[str, ...] = ()
+    enable_runtime_lora_updating: bool = False
     # Encoder cache (host:port) where encoder workers put image embeddings and decoder
     # workers fetch them by identifier; empty = this worker takes no images.
     encoder_cache_address: str = ""

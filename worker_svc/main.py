@@ -30,7 +30,7 @@ from worker_svc.kv_grpc import SERVICE as KV_SERVICE
 from worker_svc.kv_grpc import GrpcKvConnector, KvTransferServicer, layout_to_proto
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
-from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
+from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats, lora_state
 from worker_svc.torch_thread import TorchThread
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,16 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         thread_priority=config.engine_priority,
         generation_config=config.generation_config,
         kv_transfer_ttl_s=config.kv_transfer_ttl_s,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        lora_modules=config.lora_modules,
     )
+
+
+def _record_decoder(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
+    worker_metrics.record_lora(lora_state(engine))
+    return worker_metrics.record(load_stats(engine))
 
 
 def _identity(config: WorkerConfig) -> WorkerIdentity:
@@ -106,6 +115,7 @@ async def _start_decoder(
         stream_interval=config.stream_interval,
         draining=lambda: server.draining,
         kv_importer=importer,
+        runtime_lora_updating=config.enable_runtime_lora_updating,
     )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
 
@@ -180,7 +190,7 @@ class WorkerProcess:
                 server.add_service(
                     KV_SERVICE, kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, self.kv_transfer
                 )
-            return lambda: worker_metrics.record(load_stats(engine))
+            return lambda: _record_decoder(engine)
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")
             model = await thread.run(EmbeddingModel, config.model_dir, config.device)
@@ -202,7 +212,11 @@ class WorkerProcess:
             descriptor.num_total_blocks = self.engine.stats().num_total_blocks
             descriptor.kv_layout.CopyFrom(layout_to_proto(self.engine.engine.kv.layout))
         if self.config.scheduler_address:
-            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, self._active_leases)
+            engine = self.engine
+            loras = (lambda: lora_state(engine)) if engine is not None else (lambda: None)
+            self.link = SchedulerLink(
+                self.config.scheduler_address, descriptor, load, self._active_leases, loras
+            )
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0:

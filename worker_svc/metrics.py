@@ -38,6 +38,24 @@ KV_TRANSFER_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
+LORA_LOADS = Gauge("meshserve_worker_lora_loads", "LoRA adapters copied into a compute slot since start")
+LORA_EVICTIONS = Gauge(
+    "meshserve_worker_lora_evictions", "Resident LoRA adapters replaced in their slot since start"
+)
+LORA_RESIDENT = Gauge("meshserve_worker_lora_resident", "LoRA adapters in a compute slot now")
+LORA_REQUESTS = Counter(
+    "meshserve_worker_lora_requests_total", "Requests started under a LoRA adapter", ["adapter"]
+)
+
+
+def record_lora(state: worker_pb2.LoraState | None) -> None:
+    """Publishes the worker's adapter counters (nothing when LoRA is off)."""
+    if state is None:
+        return
+    LORA_LOADS.set(state.num_loads)
+    LORA_EVICTIONS.set(state.num_evictions)
+    LORA_RESIDENT.set(len(state.resident))
+
 
 def record(load: worker_pb2.LoadStats) -> worker_pb2.LoadStats:
     """Publishes `load` to the gauges and returns it (so it can wrap a load function)."""

@@ -34,6 +34,7 @@ class SchedulerLink:
         descriptor: scheduler_pb2.WorkerDescriptor,
         load: LoadFn,
         leases: Callable[[], list[str]] = list,
+        loras: Callable[[], worker_pb2.LoraState | None] = lambda: None,
     ) -> None:
         self.descriptor = descriptor
         self._links = [
@@ -41,6 +42,7 @@ class SchedulerLink:
         ]
         self._load = load
         self._leases = leases
+        self._loras = loras
         self._interval_s = 0.5
         self._draining = False
         self._task: asyncio.Task[None] | None = None
@@ -54,6 +56,7 @@ class SchedulerLink:
             load=self._load(),
             draining=self._draining,
             active_lease_ids=self._leases(),
+            loras=self._loras(),
         )
 
     async def _beat_all(self) -> None:

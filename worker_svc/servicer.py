@@ -11,10 +11,12 @@ import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
-from services.errors import InvalidArgument, NotFound
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
+from worker_svc.engine.engine import LLMEngine
+from worker_svc.engine.lora import LoraError, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.kv_connector import KvImporter
 from worker_svc.mm_fetch import EmbeddingFetcher
@@ -43,6 +45,24 @@ def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
     )
 
 
+def lora_proto(snap: LoraSnapshot) -> worker_pb2.LoraState:
+    """An engine's adapters as the proto reports them."""
+    return worker_pb2.LoraState(
+        loaded=snap.loaded,
+        resident=snap.resident,
+        cpu_cached=snap.cpu_cached,
+        max_loras=snap.max_loras,
+        num_loads=snap.num_loads,
+        num_evictions=snap.num_evictions,
+    )
+
+
+def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
+    """The engine's adapters as of its latest step (None when LoRA is off)."""
+    snap = engine.stats().lora
+    return lora_proto(snap) if snap is not None else None
+
+
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     """Runs generation requests on the worker's engine: `GenerateStream`, the token path
     (many requests per call, batched per engine step, a `StreamSession` each)."""
@@ -55,8 +75,11 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         stream_interval: int = 1,
         draining: Callable[[], bool] = lambda: False,
         kv_importer: KvImporter | None = None,
+        runtime_lora_updating: bool = False,
     ) -> None:
         self.engine = engine
+        # Whether LoadLora/UnloadLora may change the adapters (--enable-runtime-lora-updating).
+        self.runtime_lora_updating = runtime_lora_updating
         self.identity = identity
         # P/D: requests whose route named a prefill worker pull their prompt KV with it.
         self.kv_importer = kv_importer
@@ -133,6 +156,58 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
         )
+
+    @rpc_handler
+    async def LoadLora(
+        self, request: worker_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraState:
+        """Load a PEFT adapter directory under `name` (see worker.proto)."""
+        self._check_lora_updating()
+        if not request.name or not request.path:
+            raise InvalidArgument("name and path are required", param="name" if not request.name else "path")
+
+        def load(engine: LLMEngine) -> None:
+            engine.load_lora(request.name, request.path)
+
+        await self._lora_call(load)
+        return await self.ListLoras(worker_pb2.ListLorasRequest(), context)
+
+    @rpc_handler
+    async def UnloadLora(
+        self, request: worker_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraState:
+        """Forget adapter `name` (see worker.proto)."""
+        self._check_lora_updating()
+
+        def unload(engine: LLMEngine) -> None:
+            engine.unload_lora(request.name)
+
+        await self._lora_call(unload)
+        return await self.ListLoras(worker_pb2.ListLorasRequest(), context)
+
+    @rpc_handler
+    async def ListLoras(
+        self, request: worker_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraState:
+        """The worker's adapters now (empty when LoRA is off)."""
+        snap = await self.engine.call(lambda engine: engine.stats().lora)
+        return lora_proto(snap) if snap is not None else worker_pb2.LoraState()
+
+    def _check_lora_updating(self) -> None:
+        if not self.runtime_lora_updating:
+            raise FailedPrecondition(
+                "LoRA adapters cannot be changed at run time on this worker (--enable-runtime-lora-updating)"
+            )
+
+    async def _lora_call(self, fn: Callable[[LLMEngine], None]) -> None:
+        try:
+            await self.engine.call(fn)
+        except UnknownLoraError as exc:
+            raise NotFound(str(exc), param="lora_name") from None
+        except LoraStateError as exc:
+            raise FailedPrecondition(str(exc)) from None
+        except LoraError as exc:
+            raise InvalidArgument(str(exc), param="lora_path") from None
 
 
 async def _fetch_mm(fetcher: EmbeddingFetcher, request: common_pb2.GenerateRequest) -> list[MultiModalInput]:

@@ -40,6 +40,7 @@ from services.errors import (
 )
 from services.kv_contract import request_extra_keys
 from worker_svc import convert
+from worker_svc import metrics as worker_metrics
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.multimodal import MultiModalInput
@@ -281,13 +282,18 @@ class StreamSession:
     def _validate(self, request: common_pb2.GenerateRequest) -> None:
         if not request.request_id:
             raise InvalidArgument("request_id is required", param="request_id")
-        if request.model and request.model != self.model:
+        if request.model and request.model != self.model and not self._lora_known(request.model):
             raise NotFound(f"model {request.model!r} is not served by this worker", param="model")
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids must not be empty", param="prompt")
         if request.request_id in self.runs or request.request_id in self._fetching:
             raise InvalidArgument(f"request_id {request.request_id!r} is already running", param="request_id")
         convert.validate_mm_items(request)
+
+    def _lora_known(self, name: str) -> bool:
+        """Whether ``name`` is a LoRA adapter loaded on this worker (as of the engine's last step)."""
+        state = self.engine.stats().lora
+        return state is not None and name in state.loaded
 
     def _start(
         self,
@@ -321,7 +327,11 @@ class StreamSession:
             "worker.generate", request.trace_context, request_id=request.request_id, n=n
         )
         run.phase = run.span.child("worker.prefill", prompt_tokens=len(prompt))
-        keys = request_extra_keys(request.cache_salt)
+        # `model` naming an adapter runs the request under it (vLLM's convention).
+        lora = request.model if request.model and request.model != self.model else ""
+        keys = request_extra_keys(request.cache_salt, lora_name=lora)
+        if lora:
+            worker_metrics.LORA_REQUESTS.labels(lora).inc()
         self.runs[request.request_id] = run
         try:
             for index, child in zip(live, ids, strict=True):
@@ -337,6 +347,7 @@ class StreamSession:
                     mm_inputs,
                     done,
                     kv_import_id=kv_import_id,
+                    lora_name=lora,
                 )
                 kv_import_id = None  # the first sample takes the imported blocks; the others hit them
         except Exception:

@@ -492,3 +492,36 @@ def test_selectors_match_exactly_one_workload(any_render: Rendered) -> None:
             assert target in names, (service["metadata"]["name"], target)
     for pdb in any_render.of_kind("PodDisruptionBudget"):
         assert len(matching(pdb["spec"]["selector"]["matchLabels"])) == 1, pdb["metadata"]["name"]
+
+
+def test_lora_adapters_from_a_volume(render: Callable[..., Rendered]) -> None:
+    r = render(
+        {
+            "lora": {
+                "enabled": True,
+                "modules": {"sql": "/adapters/sql", "chat": "/adapters/chat"},
+                "volume": {"persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}},
+                "maxLoras": 2,
+                "runtimeUpdating": True,
+                "adminApiKeys": {"existingSecret": "admins", "secretKey": "keys"},
+            }
+        }
+    )
+    deployments = meshserve_deployments(r)
+    decoder = env_of(deployments["decoder"])
+    assert decoder["MESHSERVE_LORA_MODULES"]["value"] == "chat=/adapters/chat,sql=/adapters/sql"
+    assert decoder["MESHSERVE_MAX_LORAS"]["value"] == "2"
+    assert decoder["MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING"]["value"] == "true"
+    mounts = {m["name"]: m for m in container(deployments["decoder"])["volumeMounts"]}
+    assert mounts["lora-adapters"] == {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True}
+    volumes = {v["name"]: v for v in deployments["decoder"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["lora-adapters"]["persistentVolumeClaim"]["claimName"] == "adapters"
+    assert "lora-adapters" not in {m["name"] for m in container(deployments["embedding"])["volumeMounts"]}
+    gateway = env_of(deployments["gateway"])
+    assert gateway["MESHSERVE_ENABLE_LORA_UPDATING"]["value"] == "true"
+    assert gateway["MESHSERVE_ADMIN_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "admins",
+        "key": "keys",
+    }
+    off = env_of(meshserve_deployments(render({}))["decoder"])
+    assert "MESHSERVE_MAX_LORAS" not in off

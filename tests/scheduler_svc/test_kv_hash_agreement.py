@@ -54,9 +54,11 @@ async def mesh(
         await worker.close()
 
 
-async def run_routed(sched: RunningScheduler, request: common_pb2.GenerateRequest) -> common_pb2.Usage:
+async def run_routed(
+    sched: RunningScheduler, request: common_pb2.GenerateRequest, model: str = MODEL
+) -> common_pb2.Usage:
     """Route, the request on the chosen (real) worker, Release -- the gateway's path."""
-    route = await sched.route(list(request.prompt_token_ids), model=MODEL, cache_salt=request.cache_salt)
+    route = await sched.route(list(request.prompt_token_ids), model=model, cache_salt=request.cache_salt)
     assert route.worker_id == WORKER
     request.request_id, request.lease_id = route.request_id, route.lease_id
     try:

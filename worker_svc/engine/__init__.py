@@ -9,6 +9,7 @@ softcap, sinks -- and the load-time refusal of models we cannot serve exactly;
 ``sampling`` (+ ``structured``: grammar bitmasks) -> ``engine`` (sync step loop) ->
 ``async_engine`` (asyncio front with a dedicated engine thread). ``multimodal``: the
 language-model-only load of vision-language checkpoints and image-embedding merging.
+``lora``: PEFT LoRA adapters on the projections, batched per slot.
 """
 
 from worker_svc.engine.async_engine import AsyncLLMEngine

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,16 +69,15 @@ class _Add:
     resumed_output: tuple[int, ...] = ()
     transfer_id: str | None = None
     kv_import_id: str | None = None
+    lora_name: str = ""
 
 
 @dataclass
 class _Call:
-    """Run ``fn(engine)`` on the engine thread between two steps; its result (or error)
-    resolves ``future`` on ``loop``."""
+    """Run ``fn(engine)`` on the engine thread between steps; its result resolves ``future``."""
 
     fn: Callable[[LLMEngine], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
+    future: Future[Any]
 
 
 @dataclass
@@ -197,6 +196,7 @@ class AsyncLLMEngine:
         *,
         transfer_id: str | None = None,
         kv_import_id: str | None = None,
+        lora_name: str = "",
     ) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
@@ -236,6 +236,7 @@ class AsyncLLMEngine:
                     tuple(resumed_output),
                     transfer_id,
                     kv_import_id,
+                    lora_name,
                 )
             )
         except BaseException:
@@ -251,6 +252,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
+        lora_name: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield one output per step that produced tokens for it.
 
@@ -258,7 +260,16 @@ class AsyncLLMEngine:
         early (or cancellation) aborts the request.
         """
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, priority, extra_keys, mm_inputs)
+        self.submit(
+            request_id,
+            prompt_token_ids,
+            params,
+            queue.put_nowait,
+            priority,
+            extra_keys,
+            mm_inputs,
+            lora_name=lora_name,
+        )
         done = False
         try:
             while not done:
@@ -271,16 +282,6 @@ class AsyncLLMEngine:
         finally:
             if not done:
                 self.abort(request_id, drop_output=True)
-
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """``fn(engine)`` run on the engine thread between two steps (the engine is not
-        thread-safe); returns its result or raises its exception. Calls queued together
-        run in one go, in order."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self.start()
-        self._send(_Call(fn, loop, future))
-        return await future
 
     def abort(self, request_id: str, drop_output: bool = False) -> bool:
         """Abort an in-flight request (thread-safe, non-blocking); False if it is not in flight.
@@ -296,6 +297,15 @@ class AsyncLLMEngine:
                 self._active.discard(request_id)
             self._commands.put(_Abort(request_id, drop_stream=drop_output))
         return True
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (the engine is not
+        thread-safe: LoRA adapters, KV transfers change only there); returns its result or
+        raises its exception. Calls queued together run in one go, in order."""
+        future: Future[Any] = Future()
+        self.start()
+        self._send(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     async def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests fail with EngineShutdownError."""
@@ -346,12 +356,12 @@ class AsyncLLMEngine:
             if isinstance(command, _Stop):
                 for late in commands[i + 1 :]:  # never leave a caller waiting
                     if isinstance(late, _Call):
-                        self._resolve(late, None, EngineShutdownError("engine is shut down"))
+                        _fail_call(late, EngineShutdownError("engine is shut down"))
                 return False
             if isinstance(command, _Add):
                 self._handle_add(command)
             elif isinstance(command, _Call):
-                self._handle_call(command)
+                _run_call(self.engine, command)
             else:
                 self._handle_abort(command)
         return True
@@ -369,34 +379,12 @@ class AsyncLLMEngine:
                 validated=True,  # by `submit`
                 transfer_id=cmd.transfer_id,
                 kv_import_id=cmd.kv_import_id,
+                lora_name=cmd.lora_name,
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})
             return
         self._streams[cmd.request_id] = cmd.stream
-
-    def _handle_call(self, cmd: _Call) -> None:
-        try:
-            result = cmd.fn(self.engine)
-        except Exception as exc:
-            self._resolve(cmd, None, exc)
-        else:
-            self._resolve(cmd, result, None)
-
-    @staticmethod
-    def _resolve(cmd: _Call, result: Any, exc: BaseException | None) -> None:
-        def settle() -> None:
-            if cmd.future.done():  # the caller was cancelled
-                return
-            if exc is not None:
-                cmd.future.set_exception(exc)
-            else:
-                cmd.future.set_result(result)
-
-        try:
-            cmd.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # loop closed
-            pass
 
     def _handle_abort(self, cmd: _Abort) -> None:
         if cmd.drop_stream:
@@ -442,9 +430,18 @@ class AsyncLLMEngine:
         self._post(batches)
 
     def _fail_all(self, exc: BaseException) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        while True:  # commands nobody will run: their callers must not wait forever
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Call):
+                _fail_call(command, exc)
+            elif isinstance(command, _Add):
+                batches.setdefault(command.stream.loop, []).append((command.stream, exc))
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
         for stream in self._streams.values():
             batches.setdefault(stream.loop, []).append((stream, exc))
         self._streams.clear()
@@ -457,6 +454,20 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
+
+
+def _fail_call(cmd: _Call, exc: BaseException) -> None:
+    if cmd.future.set_running_or_notify_cancel():
+        cmd.future.set_exception(exc)
+
+
+def _run_call(engine: LLMEngine, cmd: _Call) -> None:
+    if not cmd.future.set_running_or_notify_cancel():
+        return
+    try:
+        cmd.future.set_result(cmd.fn(engine))
+    except Exception as exc:  # the caller's error, not the engine thread's
+        cmd.future.set_exception(exc)
 
 
 def _deliver(items: list[tuple[_Stream, Any]]) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "cpu_flags",
     "default_dtype",
     "parse_cpu_list",
+    "parse_lora_modules",
     "resolved_thread_priority",
 ]
 
@@ -37,6 +38,9 @@ class EngineConfig:
     ``generation_config``: ``"auto"`` takes the sampling defaults of the model's
     ``generation_config.json`` for the fields a request leaves unset (vLLM's
     ``--generation-config auto``); ``"vllm"`` ignores them (the engine's own defaults).
+    ``max_loras`` (0: LoRA off) adapters are resident at once, each of rank at most
+    ``max_lora_rank``; ``max_cpu_loras`` (0: ``max_loras``) loaded adapters stay in CPU
+    memory; ``lora_modules`` (``"name=path"`` each) are loaded at start (``lora.py``).
     ``thread_priority`` is the scheduling class of :class:`AsyncLLMEngine`'s step thread
     and its OpenMP workers: ``"idle"`` (Linux ``SCHED_IDLE``: any other runnable thread
     on their CPUs takes the CPU from them at once), ``"normal"``, or ``"auto"`` (idle on
@@ -65,6 +69,10 @@ class EngineConfig:
     # Seconds a prefill-only request's KV stays pinned for its transfer when nobody pulls
     # or releases it (a decode worker that died mid-hand-off).
     kv_transfer_ttl_s: float = 30.0
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -102,10 +110,49 @@ class EngineConfig:
             )
         if not self.kv_transfer_ttl_s > 0:
             raise ValueError(f"kv_transfer_ttl_s must be > 0, got {self.kv_transfer_ttl_s!r}")
+        self._check_lora()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+
+    def _check_lora(self) -> None:
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if (
+            isinstance(self.max_cpu_loras, bool)
+            or not isinstance(self.max_cpu_loras, int)
+            or self.max_cpu_loras < 0
+        ):
+            raise ValueError(f"max_cpu_loras must be an int >= 0, got {self.max_cpu_loras!r}")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        modules = parse_lora_modules(self.lora_modules)
+        if modules and not self.max_loras:
+            raise ValueError("lora_modules needs max_loras >= 1")
+        if self.max_loras and self.compile_model:
+            raise ValueError("max_loras >= 1 (LoRA) is not served with compile_model")
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Adapters kept loaded in CPU memory (``max_cpu_loras``, at least ``max_loras``)."""
+        return max(self.max_cpu_loras, self.max_loras)
+
+
+def parse_lora_modules(modules: tuple[str, ...]) -> dict[str, str]:
+    """``("name=path", ...)`` -> {name: path}; ValueError names a malformed or repeated entry."""
+    if not isinstance(modules, tuple):
+        raise ValueError(f"lora_modules must be a tuple of 'name=path' strings, got {modules!r}")
+    out: dict[str, str] = {}
+    for entry in modules:
+        name, sep, path = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules entry {entry!r} is not 'name=path'")
+        if name.strip() in out:
+            raise ValueError(f"lora_modules names adapter {name.strip()!r} twice")
+        out[name.strip()] = path.strip()
+    return out
 
 
 def resolved_thread_priority(config: EngineConfig) -> str:

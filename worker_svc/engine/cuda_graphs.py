@@ -246,6 +246,8 @@ def for_runner(runner: Any) -> tuple[DecodeGraphs | None, str]:
         return None, "cuda_graphs off"
     if runner.device.type != "cuda":
         return None, f"CUDA graphs need CUDA (device {runner.device.type})"
+    if getattr(runner, "lora", None) is not None:
+        return None, "LoRA is on: a step's per-row adapter slots are not graph inputs"
     backend = runner.info.attention_backend
     if backend not in GRAPH_BACKENDS:
         return None, f"attention backend {backend} builds per-step shapes (graphs need {GRAPH_BACKENDS})"

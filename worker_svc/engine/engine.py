@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from services.completion_prompt import first_outside_vocab
-from services.kv_contract import with_mm_keys
+from services.kv_contract import with_lora_key, with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
-from worker_svc.engine.config import EngineConfig, parse_cpu_list
+from worker_svc.engine.config import EngineConfig, parse_cpu_list, parse_lora_modules
 from worker_svc.engine.kv_handoff import KvHandoff
 from worker_svc.engine.kv_transfer import KvLayout
+from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
@@ -77,6 +78,7 @@ class EngineStats:
     num_aborted: int
     num_steps: int
     num_generated_tokens: int
+    lora: LoraSnapshot | None = None  # None: LoRA off
 
 
 class EngineStepError(RuntimeError):
@@ -100,7 +102,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.model_info.num_kv_blocks, config.block_size, config.enable_prefix_caching, on_kv_events
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
+        )
         self.sampler = Sampler(self.model_info.vocab_size, self.model_info.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
@@ -116,6 +120,8 @@ class LLMEngine:
         self.grammar = GrammarBackend(config.model_dir, self.model_info.vocab_size)
         self._preparing: list[tuple[Request, Future[Prepared]]] = []
         self.failed: list[tuple[str, Exception]] = []  # preparations that failed, taken by the caller
+        for name, path in parse_lora_modules(config.lora_modules).items():
+            self.load_lora(name, path)
         # P/D disaggregation: KV held for export (prefill role) and imported KV (decode role).
         self.kv = KvHandoff(
             self.block_manager,
@@ -185,6 +191,7 @@ class LLMEngine:
         validated: bool = False,
         transfer_id: str | None = None,
         kv_import_id: str | None = None,
+        lora_name: str = "",
     ) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
@@ -211,6 +218,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if transfer_id is not None:
             _validate_prefill_only(transfer_id, sampling_params, mm_inputs, resumed_output, self.kv.held)
+        if lora_name and not (self.lora is not None and self.lora.known(lora_name)):
+            raise UnknownLoraError(f"LoRA adapter {lora_name!r} is not loaded")
         generator = None
         if sampling_params.seed is not None and not sampling_params.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -220,12 +229,13 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
             priority=priority,
-            extra_keys=with_mm_keys(extra_keys, mm_inputs),
+            extra_keys=with_mm_keys(with_lora_key(extra_keys, lora_name), mm_inputs),
             generator=generator,
             mm_inputs=tuple(mm_inputs),
             output_token_ids=list(resumed_output),
             transfer_id=transfer_id,
             kv_import_id=kv_import_id,
+            lora_name=lora_name,
         )
         self.requests[request_id] = request
         if sampling_params.structured is not None or sampling_params.bad_words:
@@ -252,6 +262,30 @@ class LLMEngine:
         self.num_aborted += 1
         self._pending.append(self._output(request, [], None))
         return True
+
+    # ---------------------------------------------------------------- LoRA
+    @property
+    def lora(self) -> LoraManager | None:
+        """The adapters (None when the engine runs with ``max_loras=0``)."""
+        return self.runner.lora
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` as ``name`` (into the CPU cache; a slot is
+        taken when a step needs it). LoraError (a ValueError) when the adapter does not
+        fit the base model (nothing else changes then), LoraStateError when LoRA is off."""
+        if self.lora is None:
+            raise LoraStateError(f"cannot load LoRA adapter {name!r}: LoRA is not enabled (max_loras=0)")
+        self.lora.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; UnknownLoraError when it is not loaded, LoraStateError
+        while requests use it."""
+        if self.lora is None or not self.lora.known(name):
+            raise UnknownLoraError(f"LoRA adapter {name!r} is not loaded")
+        users = [r.request_id for r in self.requests.values() if r.lora_name == name]
+        if users:
+            raise LoraStateError(f"LoRA adapter {name!r} is in use by {len(users)} request(s)")
+        self.lora.unregister(name)
 
     # ------------------------------------------------- structured outputs hook
     def _drop_preparing(self, request: Request) -> bool:
@@ -511,6 +545,7 @@ class LLMEngine:
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            lora=self.lora.snapshot() if self.lora is not None else None,
         )
 
 

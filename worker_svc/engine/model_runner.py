@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from worker_svc.engine.attention import (
     register_paged_attention,
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
+from worker_svc.engine.lora import LoraManager
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.sampling import SamplingParams
 from worker_svc.engine.scheduler import ScheduledRequest
@@ -139,6 +141,11 @@ class ModelRunner:
             for _ in range(self.info.num_layers)
         ]
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.lora: LoraManager | None = None
+        if config.max_loras:
+            self.lora = LoraManager(
+                self.model, config.max_loras, config.max_lora_rank, config.cpu_lora_capacity
+            )
         # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by
         # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
         self._compiled: Any = None
@@ -287,7 +294,7 @@ class ModelRunner:
         kwargs: dict[str, Any] = {"use_cache": False}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
-        with torch.inference_mode(), attention_context(meta):
+        with torch.inference_mode(), attention_context(meta), self._lora_step(batch):
             if image_rows[0]:
                 # Image placeholders in this step: token embeddings with the image rows replaced.
                 embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
@@ -305,6 +312,12 @@ class ModelRunner:
         if self._compiled is not None:
             return self._compiled_forward(**kwargs)
         return self.model(**kwargs)
+
+    def _lora_step(self, batch: Sequence[ScheduledRequest]) -> AbstractContextManager[None]:
+        """Each chunk's rows under its request's adapter (nothing to do without LoRA)."""
+        if self.lora is None:
+            return nullcontext()
+        return self.lora.step([(it.request.lora_name, it.num_new_tokens) for it in batch], self.device)
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):

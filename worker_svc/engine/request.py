@@ -85,6 +85,8 @@ class Request:
     # KV was imported keeps those blocks pinned under ``kv_import_id`` until it holds them.
     transfer_id: str | None = None
     kv_import_id: str | None = None
+    # LoRA adapter the request runs under ("" = the base model); its key is in extra_keys.
+    lora_name: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

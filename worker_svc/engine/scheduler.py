@@ -21,6 +21,11 @@ When a running request cannot get a block, the lowest-priority, latest-arrived
 running request is preempted (blocks freed, status PREEMPTED, back to the waiting
 queue; its tokens are recomputed later, mostly from the prefix cache). A step that
 preempted admits no new requests, to avoid thrashing.
+
+LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
+resident slots). A waiting request whose adapter would be one too many is skipped, not
+blocked on: requests behind it (base model, or an adapter already running) go first. A
+step's requests are ordered by adapter (stable), so each adapter's rows are contiguous.
 """
 
 from __future__ import annotations
@@ -73,8 +78,12 @@ def _waiting_key(request: Request) -> tuple[int, int]:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
+    ) -> None:
         self.block_manager = block_manager
+        # At most this many LoRA adapters among the running requests (the resident slots).
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by _waiting_key
@@ -108,6 +117,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if self.max_loras:  # each adapter's rows one contiguous range of the step (lora.py)
+            out.scheduled.sort(key=lambda s: s.request.lora_name)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -149,8 +160,13 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        adapters = {r.lora_name for r in self.running if r.lora_name}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
+            if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.max_loras:
+                i += 1  # its adapter has no slot while these run: later requests may go first
+                continue
             cached = bm.num_cached_prefix_tokens(request)
             needed = request.num_tokens - cached
             if budget < needed <= self.max_num_batched_tokens - len(self.running):
@@ -159,7 +175,9 @@ class Scheduler:
             # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
             if not bm.allocate(request, num_new):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if request.lora_name:
+                adapters.add(request.lora_name)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))

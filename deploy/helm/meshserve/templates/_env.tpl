@@ -56,6 +56,19 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 - name: MESHSERVE_API_KEYS
   value: ""
 {{- end }}
+{{- $lora := .root.Values.lora }}
+- name: MESHSERVE_ENABLE_LORA_UPDATING
+  value: {{ and $lora.enabled $lora.runtimeUpdating | toString | quote }}
+{{- if and $lora.enabled $lora.adminApiKeys.existingSecret }}
+- name: MESHSERVE_ADMIN_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $lora.adminApiKeys.existingSecret }}
+      key: {{ $lora.adminApiKeys.secretKey }}
+{{- else }}
+- name: MESHSERVE_ADMIN_API_KEYS
+  value: ""
+{{- end }}
 {{- end }}
 
 {{- define "meshserve.env.tokenizer" -}}
@@ -141,6 +154,22 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 {{- if and .root.Values.encoder.enabled .root.Values.encoderCache.enabled }}
 - name: MESHSERVE_ENCODER_CACHE_ADDRESS
   value: {{ include "meshserve.address" (dict "root" .root "name" "encoder-cache") | quote }}
+{{- end }}
+{{- with .root.Values.lora }}
+{{- if .enabled }}
+{{- $modules := list }}
+{{- range $name, $path := .modules }}{{ $modules = append $modules (printf "%s=%s" $name $path) }}{{ end }}
+- name: MESHSERVE_MAX_LORAS
+  value: {{ include "meshserve.scalar" .maxLoras | quote }}
+- name: MESHSERVE_MAX_LORA_RANK
+  value: {{ include "meshserve.scalar" .maxLoraRank | quote }}
+- name: MESHSERVE_MAX_CPU_LORAS
+  value: {{ include "meshserve.scalar" (.maxCpuLoras | default 0) | quote }}
+- name: MESHSERVE_LORA_MODULES
+  value: {{ join "," $modules | quote }}
+- name: MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING
+  value: {{ .runtimeUpdating | toString | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -160,6 +160,11 @@ spec:
               mountPath: {{ $root.Values.model.mountPath }}
               readOnly: true
             {{- end }}
+            {{- if and (eq $c.name "decoder") $root.Values.lora.enabled $root.Values.lora.volume }}
+            - name: lora-adapters
+              mountPath: {{ $root.Values.lora.mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir: {}
@@ -176,6 +181,10 @@ spec:
         {{- if and $c.model $root.Values.model.volume }}
         - name: model
           {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- end }}
+        {{- if and (eq $c.name "decoder") $root.Values.lora.enabled $root.Values.lora.volume }}
+        - name: lora-adapters
+          {{- toYaml $root.Values.lora.volume | nindent 10 }}
         {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:

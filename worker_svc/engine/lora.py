@@ -1,0 +1,406 @@
+"""Multi-LoRA: PEFT-format adapters on the attention and MLP projections, batched.
+
+Each targeted ``nn.Linear`` of the model (``q/k/v/o_proj``, ``gate/up/down_proj`` of every
+decoder layer: the Llama family's names, shared by Qwen2/3 and Mistral) is replaced by a
+:class:`LoraLinear` that holds the stacked A/B weights of ``max_loras`` resident *slots*
+(slot 0 is all zeros: "no adapter"). One forward serves a mixed batch: the step's rows are
+grouped by slot and each adapter present adds ``B @ (A @ x) * scaling`` to its own rows
+(two matmuls per adapter on its rows, not a forward per adapter); the engine scheduler
+orders a step's requests by adapter, so each adapter's rows are one contiguous range.
+
+:class:`LoraManager` owns the adapters: the names it knows (``register``), a CPU-memory LRU
+of ``max_cpu_loras`` loaded adapters (evicted ones are read again from their directory),
+and the assignment of adapters to slots (LRU among those the step does not use). An
+adapter that does not fit the base model (a module it does not have, other shapes, a rank
+above ``max_lora_rank``, a PEFT feature not served) is refused with :class:`LoraError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TARGET_MODULES",
+    "LoraAdapter",
+    "LoraError",
+    "LoraLinear",
+    "LoraManager",
+    "LoraSnapshot",
+    "LoraStateError",
+    "UnknownLoraError",
+    "load_adapter",
+]
+
+# Projection name -> its parent module in a decoder layer (Llama-family naming).
+TARGET_MODULES: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+_MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+_WEIGHT_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# adapter_config.json fields whose non-default values we cannot serve exactly.
+_REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_dora": (None, False),
+    "bias": (None, "none"),
+    "modules_to_save": (None, [], ()),
+    "rank_pattern": (None, {}),
+    "alpha_pattern": (None, {}),
+    "layers_to_transform": (None,),
+    "fan_in_fan_out": (None, False),
+    "lora_bias": (None, False),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None,),
+    "layer_replication": (None,),
+    "alora_invocation_tokens": (None,),
+}
+Key = tuple[int, str]  # (layer index, projection name)
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be loaded or served (the message names it and why)."""
+
+
+class UnknownLoraError(LoraError):
+    """A request or command names an adapter this engine does not know."""
+
+
+class LoraStateError(LoraError):
+    """The command cannot apply in the engine's state (LoRA off, adapter in use)."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights in CPU memory: per (layer, projection) ``(A [r, in], B [out, r])``."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[Key, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weights take."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _read_config(name: str, path: str) -> dict[str, Any]:
+    cfg_path = os.path.join(path, "adapter_config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except OSError as exc:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read {cfg_path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise LoraError(f"LoRA adapter {name!r}: {cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"LoRA adapter {name!r}: {cfg_path} is not a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraError(f"LoRA adapter {name!r}: peft_type {peft_type!r} is not LORA")
+    for key, allowed in _REFUSED_FIELDS.items():
+        if cfg.get(key) not in allowed:
+            raise LoraError(f"LoRA adapter {name!r}: {key}={cfg.get(key)!r} is not supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise LoraError(f"LoRA adapter {name!r}: r={r!r} must be a positive int")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise LoraError(f"LoRA adapter {name!r}: lora_alpha={alpha!r} must be a number")
+    return cfg
+
+
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    st = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(st):
+        raise LoraError(f"LoRA adapter {name!r}: {st} not found (only safetensors adapters are served)")
+    try:
+        return load_file(st, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read {st}: {exc}") from None
+
+
+def load_adapter(
+    name: str, path: str, shapes: dict[Key, tuple[int, int]], max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
+    """Read and check a PEFT adapter directory against the base model's projection
+    ``shapes`` ((layer, proj) -> (in_features, out_features)); LoraError names what is wrong."""
+    cfg = _read_config(name, path)
+    rank = int(cfg["r"])
+    if rank > max_rank:
+        raise LoraError(f"LoRA adapter {name!r}: rank {rank} exceeds max_lora_rank={max_rank}")
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    pairs: dict[Key, dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in _read_tensors(name, path).items():
+        m = _WEIGHT_RE.search(tensor_name)
+        if m is None or m.group(3) not in TARGET_MODULES or m.group(2) != TARGET_MODULES[m.group(3)]:
+            raise LoraError(
+                f"LoRA adapter {name!r}: tensor {tensor_name!r} targets a module LoRA is not served on"
+            )
+        key = (int(m.group(1)), m.group(3))
+        if key not in shapes:
+            raise LoraError(
+                f"LoRA adapter {name!r}: tensor {tensor_name!r}: the base model has no such layer"
+            )
+        pairs.setdefault(key, {})[m.group(4)] = tensor
+    if not pairs:
+        raise LoraError(f"LoRA adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    weights: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {name!r}: layer {key[0]} {key[1]} lacks lora_A or lora_B")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[key]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise LoraError(
+                f"LoRA adapter {name!r}: layer {key[0]} {key[1]} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
+                f"the base model needs ({rank}, {fan_in}) / ({fan_out}, {rank})"
+            )
+        weights[key] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+    return LoraAdapter(name, path, rank, scaling, weights)
+
+
+@dataclass(frozen=True)
+class LoraSnapshot:
+    """The adapters of an engine at one moment (read by other threads than the engine's)."""
+
+    loaded: tuple[str, ...]
+    resident: tuple[str, ...]
+    cpu_cached: tuple[str, ...]
+    max_loras: int
+    num_loads: int
+    num_evictions: int
+
+
+# The rows of one adapter in a step: a contiguous range (start, end) of the packed rows,
+# or an index tensor when they are scattered.
+Rows = tuple[int, int] | torch.Tensor
+
+
+@dataclass
+class _BatchGroups:
+    """The current step's rows per slot."""
+
+    groups: list[tuple[int, Rows]] = field(default_factory=list)
+
+
+class LoraLinear(nn.Module):
+    """``base(x)`` plus, for each slot in the step, its adapter's delta on that slot's rows."""
+
+    lora_a: torch.Tensor  # [slots + 1, max_rank, in_features]
+    lora_b: torch.Tensor  # [slots + 1, out_features, max_rank]
+
+    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, batch: _BatchGroups) -> None:
+        super().__init__()
+        self.base = base
+        self._batch = batch
+        w = base.weight
+        # Slot 0 stays zero: "no adapter".
+        self.register_buffer(
+            "lora_a", torch.zeros(num_slots + 1, max_rank, w.shape[1], dtype=w.dtype, device=w.device)
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(num_slots + 1, w.shape[0], max_rank, dtype=w.dtype, device=w.device)
+        )
+        self.ranks = [0] * (num_slots + 1)  # 0: the slot's adapter does not target this module
+        self.scalings = [0.0] * (num_slots + 1)
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None, scaling: float) -> None:
+        """Copy an adapter's (A, B) into ``slot`` (None: the adapter does not target this module)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if weights is None:
+            self.ranks[slot] = 0
+            return
+        a, b = weights
+        self.lora_a[slot, : a.shape[0]].copy_(a)
+        self.lora_b[slot, :, : b.shape[1]].copy_(b)
+        self.ranks[slot] = a.shape[0]
+        self.scalings[slot] = scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        groups = self._batch.groups
+        if not groups:
+            return y
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        for slot, rows in groups:
+            r = self.ranks[slot]
+            if r == 0:
+                continue
+            a, b = self.lora_a[slot, :r], self.lora_b[slot, :, :r]
+            if isinstance(rows, tuple):  # contiguous rows: views, and the add fused in place
+                start, end = rows
+                h = nn.functional.linear(flat_x[start:end], a)
+                flat_y[start:end].addmm_(h, b.t(), alpha=self.scalings[slot])
+            else:
+                h = nn.functional.linear(flat_x.index_select(0, rows), a)
+                flat_y.index_add_(0, rows, nn.functional.linear(h, b), alpha=self.scalings[slot])
+        return y
+
+
+class LoraManager:
+    """Adapters of one engine: known names, CPU LRU, resident slots and the step's grouping."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self._batch = _BatchGroups()
+        self.layers: dict[Key, LoraLinear] = _wrap_projections(model, max_loras, max_rank, self._batch)
+        if not self.layers:
+            raise LoraError(
+                "LoRA is enabled but the model has no q/k/v/o or gate/up/down projection to adapt"
+            )
+        self.shapes = {k: (m.base.in_features, m.base.out_features) for k, m in self.layers.items()}
+        self.dtype: torch.dtype = next(iter(self.layers.values())).base.weight.dtype
+        self.paths: dict[str, str] = {}  # registered name -> directory
+        self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, most recent last
+        self.slots: list[str | None] = [None] * (max_loras + 1)  # slot 0 never holds an adapter
+        self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
+        self.num_loads = 0  # adapters copied into a slot
+        self.num_evictions = 0  # resident adapters replaced in their slot
+
+    # ------------------------------------------------------------ registry
+    def register(self, name: str, path: str) -> LoraAdapter:
+        """Load and check ``path`` as adapter ``name``; LoraError when the name is taken or
+        the adapter does not fit the base model."""
+        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+            raise LoraError(f"LoRA adapter name {name!r} must be a non-empty string without spaces")
+        if name in self.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.shapes, self.max_rank, self.dtype)
+        self.paths[name] = path
+        self._cache(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget adapter ``name`` (the caller makes sure no request uses it)."""
+        if name not in self.paths:
+            raise UnknownLoraError(f"LoRA adapter {name!r} is not loaded")
+        del self.paths[name]
+        self.cpu.pop(name, None)
+        if name in self.slots:
+            slot = self.slots.index(name)
+            self.slots[slot] = None
+            for layer in self.layers.values():
+                layer.set_slot(slot, None, 0.0)
+
+    def known(self, name: str) -> bool:
+        """Whether requests may name adapter ``name``."""
+        return name in self.paths
+
+    def resident(self) -> list[str]:
+        """Adapters in a slot now."""
+        return [n for n in self.slots if n is not None]
+
+    def cpu_cached(self) -> list[str]:
+        """Adapters in the CPU LRU, least recently used first."""
+        return list(self.cpu)
+
+    def snapshot(self) -> LoraSnapshot:
+        """Names and counters now (call on the engine thread)."""
+        return LoraSnapshot(
+            tuple(self.paths),
+            tuple(self.resident()),
+            tuple(self.cpu),
+            self.max_loras,
+            self.num_loads,
+            self.num_evictions,
+        )
+
+    def _cache(self, adapter: LoraAdapter) -> None:
+        self.cpu[adapter.name] = adapter
+        self.cpu.move_to_end(adapter.name)
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+
+    def _cpu_adapter(self, name: str) -> LoraAdapter:
+        adapter = self.cpu.get(name)
+        if adapter is None:  # evicted from the CPU LRU: read again
+            adapter = load_adapter(name, self.paths[name], self.shapes, self.max_rank, self.dtype)
+        self._cache(adapter)
+        return adapter
+
+    # ---------------------------------------------------------------- steps
+    def _slot_of(self, name: str, keep: set[int]) -> int:
+        """``name``'s slot, loading it into the least recently used slot not in ``keep``."""
+        if name in self.slots:
+            slot = self.slots.index(name)
+        else:
+            slot = next(s for s in self._slot_use if s not in keep)
+            adapter = self._cpu_adapter(name)
+            if self.slots[slot] is not None:
+                self.num_evictions += 1
+            for key, layer in self.layers.items():
+                layer.set_slot(slot, adapter.weights.get(key), adapter.scaling)
+            self.slots[slot] = name
+            self.num_loads += 1
+        self._slot_use.move_to_end(slot)
+        return slot
+
+    @contextmanager
+    def step(self, spans: Sequence[tuple[str, int]], device: torch.device) -> Iterator[None]:
+        """Within: the forward applies each span's adapter. ``spans`` are the step's packed
+        rows in order, one ``(adapter name or "", number of rows)`` per scheduled chunk."""
+        names = {n for n, _ in spans if n}
+        if len(names) > self.max_loras:
+            raise LoraError(f"a step uses {len(names)} LoRA adapters, max_loras={self.max_loras}")
+        keep: set[int] = {self.slots.index(n) for n in names if n in self.slots}
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for name, n in spans:
+            if name:
+                slot = self._slot_of(name, keep)
+                keep.add(slot)
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        groups: list[tuple[int, Rows]] = []
+        for slot, idx in rows.items():
+            if idx[-1] - idx[0] + 1 == len(idx):  # one run (the engine scheduler sorts by adapter)
+                groups.append((slot, (idx[0], idx[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(idx, dtype=torch.long, device=device)))
+        self._batch.groups = groups
+        try:
+            yield
+        finally:
+            self._batch.groups = []
+
+
+def _wrap_projections(
+    model: nn.Module, max_loras: int, max_rank: int, batch: _BatchGroups
+) -> dict[Key, LoraLinear]:
+    """Replace every targeted projection of ``model`` by a LoraLinear around it."""
+    found: list[tuple[str, int, str, nn.Linear]] = []
+    for mod_name, module in model.named_modules():
+        m = _MODULE_RE.search(mod_name)
+        if m and m.group(3) in TARGET_MODULES and m.group(2) == TARGET_MODULES[m.group(3)]:
+            if isinstance(module, nn.Linear):
+                found.append((mod_name, int(m.group(1)), m.group(3), module))
+    layers: dict[Key, LoraLinear] = {}
+    for mod_name, layer, proj, linear in found:
+        parent = model.get_submodule(mod_name.rsplit(".", 1)[0])
+        wrapped = LoraLinear(linear, max_loras, max_rank, batch)
+        setattr(parent, proj, wrapped)
+        layers[(layer, proj)] = wrapped
+    return layers
