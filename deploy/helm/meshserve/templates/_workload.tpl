@@ -62,6 +62,9 @@ spec:
     spec:
       serviceAccountName: {{ include "meshserve.serviceAccountName" $root }}
       automountServiceAccountToken: false
+      # No {SERVICE}_PORT/_HOST env per Service: with release "meshserve" they would be
+      # MESHSERVE_* names, the services' configuration namespace.
+      enableServiceLinks: false
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
