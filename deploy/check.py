@@ -35,6 +35,10 @@ from deploy.pods import PodFacts, PodPlan, Probe, container_args, pause_args, pl
 
 VALUES = ROOT / "deploy" / "helm" / "examples" / "deploy-check-values.yaml"
 RESULTS = ROOT / "deploy" / "results" / "deploy_check.json"
+LOGS = ROOT / "build" / "deploy-check" / "logs"
+# `docker exec` itself takes seconds on a loaded host; an exec probe's timeoutSeconds is
+# meant for its command, so the runtime's start-up gets this on top.
+EXEC_OVERHEAD_S = 5.0
 NETWORK = "meshserve-deploy-check"
 LABEL = "io.meshserve.deploy-check"
 
@@ -59,6 +63,7 @@ class Pod:
     ready: bool = False
     ready_at: float | None = None
     restarts: int = 0
+    restarting: bool = False
     failures: dict[str, int] | None = None
 
     def reset(self, now: float) -> None:
@@ -91,7 +96,11 @@ async def probe_once(probe: Probe, pod: Pod) -> bool:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        return await asyncio.wait_for(proc.wait(), probe.timeout_s) == 0
+        try:
+            return await asyncio.wait_for(proc.wait(), probe.timeout_s + EXEC_OVERHEAD_S) == 0
+        except TimeoutError:
+            proc.kill()
+            raise
     except (TimeoutError, grpc.RpcError, httpx.HTTPError, OSError):
         return False
 
@@ -126,15 +135,29 @@ class Kubelet:
 
     def run_container(self, pod: Pod) -> None:
         assert pod.env is not None
+        if pod.restarts:  # the previous container's log, as `kubectl logs --previous` keeps it
+            LOGS.mkdir(parents=True, exist_ok=True)
+            with open(LOGS / f"{pod.plan.name}.{pod.restarts - 1}.log", "w") as log:
+                subprocess.run(
+                    ["docker", "logs", pod.plan.name], stdout=log, stderr=subprocess.STDOUT, check=False
+                )
         docker("rm", "-f", pod.plan.name, check=False)
         pod.reset(time.monotonic())
         docker(*container_args(pod.plan, pod.env, self.labels))
 
     def restart(self, pod: Pod, why: str) -> None:
-        pod.restarts += 1
-        self.events.append(f"{time.strftime('%H:%M:%S')} {pod.plan.name}: {why}, restarted (#{pod.restarts})")
-        print(self.events[-1], flush=True)
-        self.run_container(pod)
+        if pod.restarting:
+            return
+        pod.restarting = True
+        try:
+            pod.restarts += 1
+            self.events.append(
+                f"{time.strftime('%H:%M:%S')} {pod.plan.name}: {why}, restarted (#{pod.restarts})"
+            )
+            print(self.events[-1], flush=True)
+            self.run_container(pod)
+        finally:
+            pod.restarting = False
 
     async def run(self) -> None:
         await asyncio.gather(self.watch_exits(), *(self.probe_loop(p) for p in self.pods.values()))
@@ -142,6 +165,7 @@ class Kubelet:
     async def watch_exits(self) -> None:
         """restartPolicy Always: a container that exited is started again."""
         while not self.stopping:
+            asked = time.monotonic()
             running = await asyncio.to_thread(
                 docker,
                 "ps",
@@ -154,7 +178,13 @@ class Kubelet:
             )
             alive = set(running.split())
             for pod in self.pods.values():
-                if pod.plan.name not in alive and not self.stopping:
+                # A container (re)started after the question was asked may not be listed yet.
+                if (
+                    pod.plan.name not in alive
+                    and pod.started_at < asked
+                    and not pod.restarting
+                    and not self.stopping
+                ):
                     code = await asyncio.to_thread(
                         docker, "inspect", "-f", "{{.State.ExitCode}}", pod.plan.name, check=False
                     )
@@ -351,6 +381,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     kubelet.teardown()
     kubelet.stopping = False
     result: dict[str, Any] = {"values": str(args.values.relative_to(ROOT)), "images": images}
+    loop: asyncio.Task[None] | None = None
     try:
         kubelet.start()
         loop = asyncio.create_task(kubelet.run())
@@ -375,9 +406,10 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             for p in kubelet.pods.values()
         ]
         result["events"] = kubelet.events
-        kubelet.stopping = True
-        await loop
     finally:
+        kubelet.stopping = True
+        if loop is not None:
+            loop.cancel()
         if not args.keep:
             kubelet.teardown()
     result["total_s"] = round(time.monotonic() - began, 1)
