@@ -380,7 +380,11 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     kubelet = Kubelet(rendered, plans, args.pause_image)
     kubelet.teardown()
     kubelet.stopping = False
-    result: dict[str, Any] = {"values": str(args.values.relative_to(ROOT)), "images": images}
+    result: dict[str, Any] = {
+        "host": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 1) for x in os.getloadavg()]},
+        "values": str(args.values.relative_to(ROOT)),
+        "images": images,
+    }
     loop: asyncio.Task[None] | None = None
     try:
         kubelet.start()
@@ -405,6 +409,15 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             }
             for p in kubelet.pods.values()
         ]
+        result["services"] = {
+            component: {
+                "pods": sum(p["component"] == component for p in result["pods"]),
+                "start_to_ready_s": max(
+                    p["start_to_ready_s"] or 0 for p in result["pods"] if p["component"] == component
+                ),
+            }
+            for component in dict.fromkeys(p["component"] for p in result["pods"])
+        }
         result["events"] = kubelet.events
     finally:
         kubelet.stopping = True

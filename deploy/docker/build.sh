@@ -38,6 +38,13 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 fi
 "$PYTHON" -m pip download -q --find-links "$WHEELS" -d "$WHEELS" -r requirements.txt
 
+# The flavour's torch build, checked before a long docker build would find it out.
+torch_wheel="$(ls "$WHEELS"/torch-"${torch_pin#torch==}"*.whl 2>/dev/null | head -1)"
+case "$FLAVOR:$torch_wheel" in
+  *:) echo "build.sh: no $torch_pin wheel in $WHEELS" >&2; exit 1 ;;
+  cuda:*+cpu*) echo "build.sh: $WHEELS holds a CPU torch ($(basename "$torch_wheel")); set TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128) or put a CUDA $torch_pin wheel there" >&2; exit 1 ;;
+esac
+
 # pip evaluates environment markers with the interpreter it runs on, not the image's
 # (e.g. redis needs async-timeout on python < 3.11.3 only): resolve the requirements with the
 # image's own pip, offline, and download whatever it finds missing, until nothing is.
