@@ -263,10 +263,11 @@ def image_report(plans: list[PodPlan]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def metric(ip: str, port: int, name: str) -> float:
+def metric(ip: str, port: int, name: str, label: str = "") -> float:
+    """Sum of a Prometheus metric's samples (those carrying `label`, e.g. 'outcome="migrated"')."""
     text = httpx.get(f"http://{ip}:{port}/metrics", timeout=5).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    return sum(values)
+    samples = re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+    return sum(float(m.group(2)) for m in samples if label in (m.group(1) or ""))
 
 
 def serve_requests(gateway: str) -> dict[str, Any]:
@@ -309,6 +310,9 @@ async def kill_mid_stream(kubelet: Kubelet, gateway: str, llm: str) -> dict[str,
 
     client = OpenAI(base_url=f"http://{gateway}/v1", api_key="deploy-check", timeout=600)
     decoders = [p for p in kubelet.pods.values() if p.plan.component == "decoder"]
+    gateway_ip, gateway_port = gateway.split(":")
+    migrated = ("meshserve_gateway_migrations_total", 'outcome="migrated"')
+    migrated_before = await asyncio.to_thread(metric, gateway_ip, int(gateway_port), *migrated)
     state: dict[str, Any] = {"chunks_before": 0, "chunks_after": 0, "text": "", "finish_reason": None}
     killed: list[Pod] = []
     streaming = threading.Event()  # set once the stream is well under way
@@ -348,11 +352,14 @@ async def kill_mid_stream(kubelet: Kubelet, gateway: str, llm: str) -> dict[str,
     await reader
     stream_s = time.monotonic() - killed_at
     assert state["finish_reason"] == "length" and state["chunks_after"] > 0, state
+    migrations = await asyncio.to_thread(metric, gateway_ip, int(gateway_port), *migrated) - migrated_before
+    assert migrations == 1, f"the gateway counted {migrations} migrations"
     await kubelet.wait_ready(600, [victim.plan.name])
     assert victim.ready_at is not None
     return {
         "killed": victim.plan.name,
         **{k: state[k] for k in ("chunks_before", "chunks_after", "finish_reason")},
+        "gateway_migrations": migrations,
         "stream_after_kill_s": round(stream_s, 2),
         "restarts": victim.restarts,
         "kill_to_ready_s": round(victim.ready_at - killed_at, 1),
