@@ -34,7 +34,9 @@ base_image="$(deploy/docker/base.sh --name "$base_flavor")"
 mkdir -p "$WHEELS"
 torch_pin="$(grep -E '^torch==' requirements.txt)"
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  "$PYTHON" -m pip download -q --no-deps --index-url "$TORCH_INDEX_URL" -d "$WHEELS" "$torch_pin"
+  # Only that index (no pip configuration: its find-links may hold another build of torch).
+  rm -f "$WHEELS"/torch-*.whl
+  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip download -q --no-deps --index-url "$TORCH_INDEX_URL" -d "$WHEELS" "$torch_pin"
 fi
 "$PYTHON" -m pip download -q --find-links "$WHEELS" -d "$WHEELS" -r requirements.txt
 
