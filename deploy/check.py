@@ -304,22 +304,22 @@ def serve_requests(gateway: str) -> dict[str, Any]:
     }
 
 
-async def kill_mid_stream(kubelet: Kubelet, gateway: str, llm: str) -> dict[str, Any]:
-    """Kills the decoder serving a stream: the stream must finish, the decoder be Ready again."""
-    from openai import OpenAI
+class LongStream:
+    """A 160-token streamed chat completion read in a thread, counting chunks before and
+    after `killed` is set; `under_way` is set after 8 chunks (or when the stream ends)."""
 
-    client = OpenAI(base_url=f"http://{gateway}/v1", api_key="deploy-check", timeout=600)
-    decoders = [p for p in kubelet.pods.values() if p.plan.component == "decoder"]
-    gateway_ip, gateway_port = gateway.split(":")
-    migrated = ("meshserve_gateway_migrations_total", 'outcome="migrated"')
-    migrated_before = await asyncio.to_thread(metric, gateway_ip, int(gateway_port), *migrated)
-    state: dict[str, Any] = {"chunks_before": 0, "chunks_after": 0, "text": "", "finish_reason": None}
-    killed: list[Pod] = []
-    streaming = threading.Event()  # set once the stream is well under way
+    def __init__(self, gateway: str, model: str) -> None:
+        from openai import OpenAI
 
-    def consume() -> None:
-        stream = client.chat.completions.create(
-            model=llm,
+        self.client = OpenAI(base_url=f"http://{gateway}/v1", api_key="deploy-check", timeout=600)
+        self.model = model
+        self.state: dict[str, Any] = {"chunks_before": 0, "chunks_after": 0, "finish_reason": None}
+        self.under_way = threading.Event()
+        self.killed = threading.Event()
+
+    def read(self) -> None:
+        stream = self.client.chat.completions.create(
+            model=self.model,
             messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
             max_tokens=160,
             stream=True,
@@ -327,38 +327,47 @@ async def kill_mid_stream(kubelet: Kubelet, gateway: str, llm: str) -> dict[str,
         )
         try:
             for chunk in stream:
-                state["chunks_after" if killed else "chunks_before"] += 1
-                if state["chunks_before"] >= 8:
-                    streaming.set()
+                self.state["chunks_after" if self.killed.is_set() else "chunks_before"] += 1
+                if self.state["chunks_before"] >= 8:
+                    self.under_way.set()
                 if chunk.choices:
-                    state["text"] += chunk.choices[0].delta.content or ""
-                    state["finish_reason"] = chunk.choices[0].finish_reason or state["finish_reason"]
+                    self.state["finish_reason"] = (
+                        chunk.choices[0].finish_reason or self.state["finish_reason"]
+                    )
         finally:
-            streaming.set()
+            self.under_way.set()
 
-    reader = asyncio.create_task(asyncio.to_thread(consume))
-    await asyncio.to_thread(streaming.wait, 300)
+
+async def kill_mid_stream(kubelet: Kubelet, gateway: str, llm: str) -> dict[str, Any]:
+    """Kills the decoder serving a stream: the stream must finish (the gateway counting one
+    migration), and the restarted decoder must be Ready again."""
+    decoders = [p for p in kubelet.pods.values() if p.plan.component == "decoder"]
+    host, port = gateway.split(":")
+    migrated = ("meshserve_gateway_migrations_total", 'outcome="migrated"')
+    migrated_before = await asyncio.to_thread(metric, host, int(port), *migrated)
+    stream = LongStream(gateway, llm)
+    reader = asyncio.create_task(asyncio.to_thread(stream.read))
+    await asyncio.to_thread(stream.under_way.wait, 300)
+    running = "meshserve_worker_num_running"
     busy = [
-        p
-        for p in decoders
-        if await asyncio.to_thread(metric, p.ip, p.plan.ports["metrics"], "meshserve_worker_num_running") > 0
+        p for p in decoders if await asyncio.to_thread(metric, p.ip, p.plan.ports["metrics"], running) > 0
     ]
     assert busy and not reader.done(), "no decoder is serving the stream"
     victim = busy[0]
-    killed.append(victim)
+    stream.killed.set()
     killed_at = time.monotonic()
     await asyncio.to_thread(docker, "kill", victim.plan.name)
-    print(f"killed {victim.plan.name} after {state['chunks_before']} chunks", flush=True)
+    print(f"killed {victim.plan.name} after {stream.state['chunks_before']} chunks", flush=True)
     await reader
     stream_s = time.monotonic() - killed_at
-    assert state["finish_reason"] == "length" and state["chunks_after"] > 0, state
-    migrations = await asyncio.to_thread(metric, gateway_ip, int(gateway_port), *migrated) - migrated_before
+    assert stream.state["finish_reason"] == "length" and stream.state["chunks_after"] > 0, stream.state
+    migrations = await asyncio.to_thread(metric, host, int(port), *migrated) - migrated_before
     assert migrations == 1, f"the gateway counted {migrations} migrations"
     await kubelet.wait_ready(600, [victim.plan.name])
     assert victim.ready_at is not None
     return {
         "killed": victim.plan.name,
-        **{k: state[k] for k in ("chunks_before", "chunks_after", "finish_reason")},
+        **stream.state,
         "gateway_migrations": migrations,
         "stream_after_kill_s": round(stream_s, 2),
         "restarts": victim.restarts,
@@ -375,6 +384,28 @@ def table(kubelet: Kubelet) -> str:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def pod_report(kubelet: Kubelet, first_ready: dict[str, float]) -> dict[str, Any]:
+    """Per pod and per service: image, start-to-Ready of the first container, restarts."""
+    pods = [
+        {
+            "pod": p.plan.name,
+            "component": p.plan.component,
+            "image": p.plan.image,
+            "start_to_ready_s": first_ready.get(p.plan.name),
+            "restarts": p.restarts,
+        }
+        for p in kubelet.pods.values()
+    ]
+    services = {
+        component: {
+            "pods": sum(p["component"] == component for p in pods),
+            "start_to_ready_s": max(p["start_to_ready_s"] or 0 for p in pods if p["component"] == component),
+        }
+        for component in dict.fromkeys(p["component"] for p in pods)
+    }
+    return {"pods": pods, "services": services}
 
 
 async def check(args: argparse.Namespace) -> dict[str, Any]:
@@ -406,25 +437,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
         result["kill"] = await kill_mid_stream(kubelet, gateway_addr, result["requests"]["chat"]["model"])
         print(table(kubelet), flush=True)
-        result["pods"] = [
-            {
-                "pod": p.plan.name,
-                "component": p.plan.component,
-                "image": p.plan.image,
-                "start_to_ready_s": first_ready.get(p.plan.name),
-                "restarts": p.restarts,
-            }
-            for p in kubelet.pods.values()
-        ]
-        result["services"] = {
-            component: {
-                "pods": sum(p["component"] == component for p in result["pods"]),
-                "start_to_ready_s": max(
-                    p["start_to_ready_s"] or 0 for p in result["pods"] if p["component"] == component
-                ),
-            }
-            for component in dict.fromkeys(p["component"] for p in result["pods"])
-        }
+        result.update(pod_report(kubelet, first_ready))
         result["events"] = kubelet.events
     finally:
         kubelet.stopping = True
