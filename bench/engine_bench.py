@@ -357,10 +357,15 @@ def median_rows(samples: list[RunResult]) -> list[RunResult]:
 
 
 def bench_mesh(
-    args: argparse.Namespace, workload: Workload, concurrencies: list[int], stream_interval: int = 1
+    args: argparse.Namespace,
+    workload: Workload,
+    concurrencies: list[int],
+    stream_interval: int = 1,
+    extra_env: tuple[tuple[str, str], ...] = (),
 ) -> list[RunResult]:
     """The same workload through the full mesh (gateway → scheduler → worker processes);
-    rows are named `mesh`, or `mesh_si{N}` for a decoder stream interval N > 1."""
+    rows are named `mesh`, or `mesh_si{N}` for a decoder stream interval N > 1. `extra_env`
+    goes to every service (e.g. MESHSERVE_DEVICE=cuda for the decoder)."""
     import httpx
 
     from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
@@ -382,7 +387,7 @@ def bench_mesh(
             return rows
 
     with running_mesh(
-        args.model_dir, max(concurrencies), args.max_batch_tokens, stream_interval=stream_interval
+        args.model_dir, max(concurrencies), args.max_batch_tokens, extra_env, stream_interval
     ) as mesh:
         return asyncio.run(main(mesh.gateway_url))
 
@@ -423,8 +428,8 @@ def bench_hf_naive(
         submit = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                torch.tensor([prompt], device=model.device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                 max_new_tokens=workload.output_len,
                 eos_token_id=-1,  # never stops on EOS (like ignore_eos); EOS is not masked
                 do_sample=False,

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import chat, completions
+from gateway import chat, completions, messages_api, responses_api
 from gateway.config import GatewayConfig
 from gateway.direct_routes import DirectRoute
 from gateway.errors import (
@@ -50,6 +50,7 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gateway.response_store import ResponseStore
 from gateway.serving import new_id
 from gateway.upstream import TOKENIZER, Upstream
 from meshserve.v1 import common_pb2, tokenizer_pb2
@@ -91,11 +92,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tracing.setup_tracing("gateway", config.tracing, config.otlp_endpoint)
         upstream = Upstream(config)
         app.state.upstream = upstream
+        app.state.response_store = ResponseStore(config.redis_url, config.response_ttl_s)
         settle_heap()  # start-up is over: modules and app live as long as the process
         try:
             yield
         finally:
             await upstream.close()
+            await app.state.response_store.close()
             await tracing.flush_tracing()
 
     app = FastAPI(
@@ -115,6 +118,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     direct = {path: DirectRoute.of(endpoint, response) for path, endpoint, response, _ in _GENERATION_ROUTES}
     app.add_middleware(GatewayMiddleware, config=config, state=state, direct=direct)
     _add_generation_routes(app)
+    _add_agent_routes(app)
     _add_model_routes(app)
     _add_tokenizer_routes(app)
     _add_ops_routes(app)
@@ -161,6 +165,44 @@ def _add_generation_routes(app: FastAPI) -> None:
         response_model=EmbeddingResponse,
         responses=_GENERATION_ERRORS,
         summary="Create embeddings",
+    )
+
+
+def _add_agent_routes(app: FastAPI) -> None:
+    """The Responses API (gateway.responses_api) and Anthropic's Messages API
+    (gateway.messages_api), both on the chat path."""
+    sse = {200: _SSE, **_GENERATION_ERRORS}
+    app.add_api_route(
+        "/v1/responses",
+        responses_api.create_response,
+        methods=["POST"],
+        responses=sse,
+        summary="Create a model response (OpenAI Responses API)",
+    )
+    for method, endpoint, summary in (
+        ("GET", responses_api.retrieve_response, "Get a stored model response"),
+        ("DELETE", responses_api.delete_response, "Delete a stored model response"),
+    ):
+        app.add_api_route(
+            "/v1/responses/{response_id}",
+            endpoint,
+            methods=[method],
+            responses=_errors(404, *_COMMON),
+            summary=summary,
+        )
+    app.add_api_route(
+        "/v1/messages",
+        messages_api.create_message,
+        methods=["POST"],
+        responses=sse,
+        summary="Create a message (Anthropic Messages API; errors in Anthropic's shape)",
+    )
+    app.add_api_route(
+        "/v1/messages/count_tokens",
+        messages_api.count_tokens,
+        methods=["POST"],
+        responses=_errors(400, 404, 413, *_COMMON),
+        summary="Count a message request's input tokens (Anthropic Messages API)",
     )
 
 

@@ -30,7 +30,7 @@ from fastapi import Request, Response
 from gateway import metrics, reasoning, tool_parsers
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
-from gateway.logprobs import chat_logprobs, resolve_strings
+from gateway.logprobs import chat_logprobs, resolve_strings, vllm_prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -188,10 +188,17 @@ class ChatCollector:
     """Builds the non-streamed response."""
 
     def __init__(
-        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+        self,
+        ctx: RequestContext,
+        body: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        route: str = ROUTE,
     ) -> None:
+        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.timer = metrics.GenerationTimer(route, ctx.start_time)
         self.choices = [_Accumulated() for _ in range(body.n)]
 
     async def collect(self) -> ChatCompletionResponse:
@@ -208,13 +215,19 @@ class ChatCollector:
         top_k = self.body.top_logprobs or 0
         raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs else []
         strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=self.request_id,
             created=self.ctx.created,
             model=self.model,
             choices=[self._choice(i, acc, strings) for i, acc in enumerate(self.choices)],
             usage=usage_info(usage),
         )
+        if self.body.prompt_logprobs is not None:  # vLLM: on the response, not per choice
+            _, prompt = self.multi.prompt_logprobs(0)
+            response.prompt_logprobs = await vllm_prompt_logprobs(
+                self.ctx.upstream, self.model, prompt, self.body.prompt_logprobs
+            )
+        return response
 
     def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> ChatChoice:
         text = "".join(acc.text)
@@ -253,10 +266,17 @@ class ChatStreamer:
     """Turns events into chat completion chunks (SSE)."""
 
     def __init__(
-        self, ctx: RequestContext, body: ChatCompletionRequest, request_id: str, model: str, multi: MultiRun
+        self,
+        ctx: RequestContext,
+        body: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        multi: MultiRun,
+        route: str = ROUTE,
     ) -> None:
+        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
         self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
+        self.timer = metrics.GenerationTimer(route, ctx.start_time)
         tools, forced = body.tools_enabled(), body.forced_tools()
         self.parsers: list[ToolParser | None] = [
             forced_tool_parser(body) if forced else new_tool_parser(ctx, model) if tools else None
@@ -351,6 +371,16 @@ class ChatStreamer:
             log.exception("%s: stream failed", self.request_id)
             yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
         yield SSE_DONE
+
+    async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
+        """The content, reasoning and tool-call chunks of every event (no role or usage
+        chunk): what the Responses and Messages APIs translate into their own events.
+        Errors propagate."""
+        async for event in self.multi.events():
+            for chunk in await self.on_event(event):
+                yield chunk
+        usage = self.multi.usage()
+        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
 
     async def on_event(self, event: ChoiceEvent) -> list[ChatCompletionChunk]:
         """The chunks of one event (none when it carries nothing to send): text and

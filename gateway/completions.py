@@ -4,7 +4,10 @@ detokenized in-process (`generation.py`) → OpenAI text completion (JSON) or ch
 
 Several prompts (a list of strings or of token-id lists) run concurrently as one
 request; choice `index` is prompt index × n + choice index, as in OpenAI/vLLM.
-`echo` prefixes each choice with its prompt text (not combinable with logprobs).
+`echo` prefixes each choice with its prompt text; with `logprobs`, its logprobs start with
+the prompt's (computed by the engine in the prefill: `sampling.prompt_logprobs`), the first
+token's None; `max_tokens: 0` with echo returns the prompt alone (loglikelihood scoring).
+`prompt_logprobs` (vLLM) adds each prompt token's top-K on the choice.
 """
 
 from __future__ import annotations
@@ -19,8 +22,15 @@ from fastapi import Request, Response
 
 from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
-from gateway.generation import ChoiceEvent, GenerationRun
-from gateway.logprobs import completion_logprobs, resolve_strings
+from gateway.generation import ChoiceEvent, GenerationRun, Usage
+from gateway.logprobs import (
+    completion_logprobs,
+    echo_part,
+    end_offset,
+    joined,
+    resolve_strings,
+    vllm_prompt_logprobs,
+)
 from gateway.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -108,7 +118,11 @@ async def start_completion(
         max_tokens = resolve_max_tokens(
             len(prompt.ids), body.max_tokens, info.max_model_len, ctx.config.default_max_tokens, "prompt"
         )
-        sampling = sampling_params(body, max_tokens, body.logprobs)
+        # echo with max_tokens 0: one token is generated (from the prefill's logits) and dropped.
+        sampling = sampling_params(body, max(max_tokens, 1), body.logprobs)
+        prompt_k = body.engine_prompt_logprobs()
+        if prompt_k is not None:
+            sampling.prompt_logprobs = prompt_k
         run_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         spec = generation_spec(ctx, body, run_id, model, prompt.ids, prompt.mm_items, sampling)
         runs.append(GenerationRun(upstream, spec))
@@ -145,6 +159,14 @@ class _Accumulated:
     stop_reason: int | str | None = None
 
 
+def _usage(body: CompletionRequest, multi: MultiRun) -> Usage:
+    """The request's usage; echo with max_tokens 0 returns no completion token."""
+    usage = multi.usage()
+    if body.echo_only():
+        usage.completion_tokens = 0
+    return usage
+
+
 class CompletionCollector:
     """Builds the non-streamed response."""
 
@@ -167,29 +189,17 @@ class CompletionCollector:
         async for event in self.multi.events():
             self.timer.on_output(len(event.token_ids))
             acc = self.choices[event.index]
-            acc.text.append(event.text)
-            acc.logprobs.extend(event.logprobs)
+            if not self.body.echo_only():  # its one generated token is dropped
+                acc.text.append(event.text)
+                acc.logprobs.extend(event.logprobs)
             if event.finish_reason is not None:
                 acc.finish_reason, acc.stop_reason = event.finish_reason, event.stop_reason
-        usage = self.multi.usage()
+        usage = _usage(self.body, self.multi)
         self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
         top_k = self.body.logprobs or 0
         raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs is not None else []
         strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
-        choices = []
-        for index, acc in enumerate(self.choices):
-            logprobs = None
-            if self.body.logprobs is not None:
-                logprobs = completion_logprobs(acc.logprobs, strings, top_k, len(self.echoes[index]))
-            choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=self.echoes[index] + "".join(acc.text),
-                    logprobs=logprobs,
-                    finish_reason=acc.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=acc.stop_reason,
-                )
-            )
+        choices = [await self._choice(index, acc, strings) for index, acc in enumerate(self.choices)]
         return CompletionResponse(
             id=self.request_id,
             created=self.ctx.created,
@@ -197,6 +207,33 @@ class CompletionCollector:
             choices=choices,
             usage=usage_info(usage),
         )
+
+    async def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> CompletionChoice:
+        body = self.body
+        logprobs = None
+        if body.logprobs is not None:
+            if body.echo:
+                head = await echo_part(
+                    self.ctx.upstream, self.model, *self.multi.prompt_logprobs(index), body.logprobs
+                )
+                logprobs = joined(
+                    head, completion_logprobs(acc.logprobs, strings, body.logprobs, end_offset(head))
+                )
+            else:
+                logprobs = completion_logprobs(acc.logprobs, strings, body.logprobs, 0)
+        choice = CompletionChoice(
+            index=index,
+            text=self.echoes[index] + "".join(acc.text),
+            logprobs=logprobs,
+            finish_reason="length" if body.echo_only() else acc.finish_reason,  # type: ignore[arg-type]
+            stop_reason=None if body.echo_only() else acc.stop_reason,
+        )
+        if body.prompt_logprobs is not None:
+            _, prompt = self.multi.prompt_logprobs(index)
+            choice.prompt_logprobs = await vllm_prompt_logprobs(
+                self.ctx.upstream, self.model, prompt, body.prompt_logprobs
+            )
+        return choice
 
 
 class CompletionStreamer:
@@ -215,13 +252,16 @@ class CompletionStreamer:
         self.echoes = echoes
         self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
         self.offsets = [0] * len(echoes)
+        # echo with logprobs: the prompt text goes out with the choice's first event, once
+        # its logprobs (they come with the first output) are there; plain echo goes first.
+        self.echo_with_first = set(range(len(echoes))) if body.echo and body.logprobs is not None else set()
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
         # Built now, before the first token (the stream is created during the prefill).
         self._templates = (
             {}
-            if self.continuous_usage or body.logprobs is not None
+            if self.continuous_usage or body.logprobs is not None or body.echo_only()
             else {index: self._template(index) for index in range(len(echoes))}
         )
 
@@ -250,8 +290,9 @@ class CompletionStreamer:
             id=self.request_id, created=self.ctx.created, model=self.model, choices=[choice] if choice else []
         )
         if self.continuous_usage:
-            usage = self.multi.usage()
-            usage.completion_tokens = self.multi.completion_tokens_so_far()
+            usage = _usage(self.body, self.multi)
+            if not self.body.echo_only():
+                usage.completion_tokens = self.multi.completion_tokens_so_far()
             chunk.usage = usage_info(usage)
         return chunk
 
@@ -259,7 +300,7 @@ class CompletionStreamer:
         """The SSE body: echo chunks, text chunks, optional usage chunk, [DONE]."""
         try:
             for index, echo in enumerate(self.echoes):
-                if echo:
+                if echo and index not in self.echo_with_first:
                     self.offsets[index] = len(echo)
                     yield sse_event(
                         self.chunk(
@@ -275,7 +316,7 @@ class CompletionStreamer:
                 choice = await self.on_event(event)
                 if choice is not None:
                     yield sse_event(self.chunk(choice))
-            usage = self.multi.usage()
+            usage = _usage(self.body, self.multi)
             self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
             if self.include_usage:
                 final = CompletionChunk(
@@ -294,18 +335,30 @@ class CompletionStreamer:
         yield SSE_DONE
 
     async def on_event(self, event: ChoiceEvent) -> CompletionChoice | None:
-        """The choice delta of one event (None when it carries nothing to send)."""
+        """The choice delta of one event (None when it carries nothing to send); the
+        choice's first one starts with its echo when that waited for the prompt's logprobs."""
         self.timer.on_output(len(event.token_ids))
-        logprobs: CompletionLogprobs | None = None
-        if self.body.logprobs is not None and event.logprobs:
+        index, echo_only = event.index, self.body.echo_only()
+        text, generated = ("", []) if echo_only else (event.text, event.logprobs)
+        head: CompletionLogprobs | None = None
+        if index in self.echo_with_first:
+            self.echo_with_first.discard(index)
+            head = await echo_part(
+                self.ctx.upstream, self.model, *self.multi.prompt_logprobs(index), self.body.logprobs or 0
+            )
+            text = self.echoes[index] + text
+            self.offsets[index] = end_offset(head)
+        logprobs: CompletionLogprobs | None = head
+        if self.body.logprobs is not None and generated:
             top_k = self.body.logprobs
-            strings = await resolve_strings(self.ctx.upstream, self.model, event.logprobs, top_k)
-            logprobs = completion_logprobs(event.logprobs, strings, top_k, self.offsets[event.index])
-        self.offsets[event.index] += len(event.text)
-        if not (event.text or logprobs or event.finish_reason):
+            strings = await resolve_strings(self.ctx.upstream, self.model, generated, top_k)
+            part = completion_logprobs(generated, strings, top_k, self.offsets[index])
+            logprobs = joined(head, part) if head is not None else part
+        self.offsets[index] += len(event.text) if not echo_only else 0
+        if not (text or logprobs or event.finish_reason):
             return None
-        choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs, finish_reason=None)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=None)
         if event.finish_reason is not None:
-            choice.finish_reason = event.finish_reason  # type: ignore[assignment]
-            choice.stop_reason = event.stop_reason
+            choice.finish_reason = "length" if echo_only else event.finish_reason  # type: ignore[assignment]
+            choice.stop_reason = None if echo_only else event.stop_reason
         return choice

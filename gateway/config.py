@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from services.config import MAX_MESSAGE_BYTES
+
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
@@ -49,7 +51,7 @@ class GatewayConfig:
     # connection, and a POST is not retried (uvicorn's own default, 5 s, did so to a
     # benchmark's aiohttp client). nginx's default, 75 s.
     keep_alive_timeout_s: int = 75
-    max_grpc_message_bytes: int = 64 * 1024 * 1024
+    max_grpc_message_bytes: int = MAX_MESSAGE_BYTES
     # Routing again after a worker failed before the first token (excluding it).
     max_retries: int = 2
     # Mid-stream migrations per request: a worker lost after tokens were streamed is
@@ -65,6 +67,12 @@ class GatewayConfig:
     tool_call_parser: str = "hermes"
     # `<think>` reasoning split into reasoning_content: "", "qwen3" or "deepseek_r1".
     reasoning_parser: str = ""
+    # Shared state of the gateway replicas: stored /v1/responses and their conversations
+    # (gateway/response_store.py). Empty = a bounded in-process store, and
+    # previous_response_id is refused (another replica could not continue it).
+    redis_url: str = ""
+    # How long a stored /v1/responses response (and its conversation) is kept.
+    response_ttl_s: int = 30 * 24 * 3600
 
     def __post_init__(self) -> None:
         """Rejects values that cannot work, naming the offending option."""
@@ -84,6 +92,8 @@ class GatewayConfig:
             raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
         if self.drain_timeout_s < 0 or self.models_cache_s < 0:
             raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
+        if self.response_ttl_s < 1:
+            raise ValueError("response_ttl_s must be >= 1")
         if self.keep_alive_timeout_s < 1:
             raise ValueError("keep_alive_timeout_s must be >= 1")
         if self.max_retries < 0 or self.max_migrations < 0:

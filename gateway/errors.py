@@ -2,7 +2,9 @@
 gRPC failures and FastAPI validation errors.
 
 Every error the gateway answers has the body
-`{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}`.
+`{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}`,
+except on the Anthropic Messages routes (`/v1/messages...`), which answer Anthropic's
+`{"type": "error", "error": {"type": str, "message": str}}` (the field named in the message).
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ _ERROR_TYPES: dict[int, str] = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+# Anthropic `error.type` for each HTTP status (others: invalid_request_error / api_error).
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_style(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape (the Messages API routes)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 def error_type(status: int) -> str:
@@ -77,9 +98,24 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        """This error as a JSON response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's `{"type": "error", "error": {...}}` body; the field, when known,
+        leads the message as Anthropic writes it (`max_tokens: Field required`)."""
+        kind = _ANTHROPIC_TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "api_error"
+        )
+        message = self.message
+        if self.param and not message.startswith(self.param + ":"):
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error body in the shape of the API that `path` belongs to."""
+        return self.anthropic_body() if anthropic_style(path) else self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        """This error as a JSON response, shaped for the API of `path`."""
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
 def from_mesh_error(error: MeshError, component: str) -> APIError:
@@ -102,7 +138,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, component: str) -> APIError:
     return from_mesh_error(error_from_rpc(exc), component)
 
 
-def _param_from_loc(loc: Sequence[Any]) -> str | None:
+def param_from_loc(loc: Sequence[Any]) -> str | None:
     """`("body", "messages", 0, "role")` → `"messages[0].role"`."""
     parts = [p for p in loc if p != "body"]
     if not parts or isinstance(parts[0], int):
@@ -125,7 +161,7 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return APIError(
             400, f"We could not parse the JSON body of your request: {detail}", code="invalid_json"
         )
-    param = _param_from_loc(first.get("loc", ()))
+    param = param_from_loc(first.get("loc", ()))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
         if kind in ("model_attributes_type", "dict_type", "missing"):
@@ -143,14 +179,14 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI exception handler for APIError."""
     if not isinstance(exc, APIError):  # pragma: no cover - registered for APIError only
         raise exc
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Turns FastAPI's 422 into an OpenAI-style 400."""
     if not isinstance(exc, RequestValidationError):  # pragma: no cover
         raise exc
-    return from_validation_error(exc).response()
+    return from_validation_error(exc).response(request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -158,10 +194,10 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, StarletteHTTPException):  # pragma: no cover
         raise exc
     headers = dict(exc.headers or {})
-    return APIError(exc.status_code, str(exc.detail), headers=headers).response()
+    return APIError(exc.status_code, str(exc.detail), headers=headers).response(request.url.path)
 
 
 async def unhandled_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Last resort: log and answer 500 without leaking internals."""
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal").response()
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal").response(request.url.path)

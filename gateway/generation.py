@@ -193,6 +193,8 @@ class GenerationRun:
         self._state = RunState.NEW
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
+        # sampling.prompt_logprobs: the worker sends them with the first output.
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
     @property
     def state(self) -> RunState:
@@ -245,6 +247,8 @@ class GenerationRun:
         """Routes the request and adds it to the worker's stream (with the output so far)."""
         self._attempts += 1
         request = self.spec.generate_request()
+        if self.prompt_logprobs is not None:  # a migration: the prompt is scored already
+            request.sampling.ClearField("prompt_logprobs")
         request.resumed.extend(
             common_pb2.ResumedOutput(index=c.index, token_ids=c.token_ids, finished=c.ended)
             for c in self._choices
@@ -261,6 +265,8 @@ class GenerationRun:
         request.lease_id = lease.lease_id
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
+        if lease.kv_source is not None:  # the decoder pulls the KV itself (docs/architecture.md)
+            request.kv_source.CopyFrom(lease.kv_source)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._move(RunState.RUNNING)
         await self._stream.add(request, self)
@@ -286,6 +292,8 @@ class GenerationRun:
         self._ensure_choices()
         if response.worker_id:
             self.worker_id = response.worker_id
+        if response.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(response.prompt_logprobs)
         if response.HasField("usage"):
             if self._lease is not None:  # the release tells the scheduler what was cached
                 self.upstream.note_usage(self._lease, response.usage)

@@ -33,6 +33,9 @@ ROUTES = frozenset(
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -51,6 +54,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "other"
 
 
@@ -161,7 +166,7 @@ class GatewayMiddleware:
                 # Read the body we refuse: closing a socket with unread bytes sends a TCP
                 # reset that can destroy the error response before the client reads it.
                 await _discard_body(receive, self.config.max_request_bytes)
-            await error.response()(scope, receive, send)
+            await error.response(path)(scope, receive, send)
             return
         if scope.get("method") in _BODY_METHODS:
             body = await self._read_body(scope, receive, send)
@@ -186,11 +191,11 @@ class GatewayMiddleware:
             )
         tenant = ANONYMOUS
         if self._keys and path not in PUBLIC_PATHS:
-            found = self._authenticate(_header(scope, b"authorization"))
+            found = self._authenticate(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             if found is None:
                 return APIError(
                     401,
-                    "Incorrect API key provided. Pass it as `Authorization: Bearer <key>`.",
+                    "Incorrect API key provided. Pass it as `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
@@ -208,11 +213,15 @@ class GatewayMiddleware:
             )
         return None
 
-    def _authenticate(self, header: str | None) -> str | None:
-        """The tenant of a valid `Bearer <key>` header, else None (constant-time compare)."""
-        if not header or not header[:7].lower() == "bearer ":
+    def _authenticate(self, header: str | None, api_key: str | None) -> str | None:
+        """The tenant of a valid `Authorization: Bearer <key>` header, or else of a valid
+        `x-api-key: <key>` header (Anthropic's clients), else None (constant-time compare)."""
+        if header and header[:7].lower() == "bearer ":
+            given = header[7:].strip().encode()
+        elif api_key:
+            given = api_key.strip().encode()
+        else:
             return None
-        given = header[7:].strip().encode()
         found = None
         for key, tenant in self._keys.items():
             if hmac.compare_digest(given, key.encode()):
@@ -239,7 +248,7 @@ class GatewayMiddleware:
             chunks.append(chunk)
             more = bool(message.get("more_body", False))
         if too_large:
-            await _too_large(limit)(scope, receive, send)
+            await _too_large(limit, scope["path"])(scope, receive, send)
             return None
         return b"".join(chunks)
 
@@ -256,13 +265,13 @@ async def _discard_body(receive: Receive, limit: int) -> None:
             return
 
 
-def _too_large(limit: int) -> Any:
+def _too_large(limit: int, path: str) -> Any:
     return APIError(
         413,
         f"Request body too large: the limit is {limit} bytes.",
         code="request_too_large",
         headers={"Connection": "close"},
-    ).response()
+    ).response(path)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

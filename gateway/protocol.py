@@ -105,6 +105,8 @@ class SamplingRequest(_Request):
     cache_salt: str | None = Field(
         None, description="Requests with different salts never share prefix cache."
     )
+    # vLLM extension: the top-K logprobs of every prompt token (non-streamed answers only).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def stop_list(self) -> list[str]:
         """`stop` as a list."""
@@ -140,6 +142,10 @@ class SamplingRequest(_Request):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise APIError(400, "min_tokens must be <= max_tokens", param="min_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
 
 
 # --------------------------------------------------------------------------- chat
@@ -220,6 +226,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # Only to refuse it by name: echo belongs to /v1/completions.
+    echo: bool = False
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the legacy `max_tokens`."""
@@ -228,6 +236,10 @@ class ChatCompletionRequest(SamplingRequest):
     def check(self, max_n: int) -> None:
         """Cross-field validation; raises APIError naming the field."""
         self.check_sampling(max_n)
+        if self.echo:
+            raise APIError(
+                400, "echo is not supported by chat completions (use /v1/completions)", param="echo"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if (
@@ -297,6 +309,19 @@ class TopLogprob(_Response):
     bytes: list[int] | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's logprob of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first (it has no context), then
+# token id -> logprob for the prompt token itself and the top-K of its position.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatLogprob(_Response):
     """Logprob of one generated token with its top alternatives."""
 
@@ -358,6 +383,8 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    # vLLM extension, when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(_Response):
@@ -416,6 +443,8 @@ class CompletionRequest(SamplingRequest):
     """`POST /v1/completions` body."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    # 0 only with echo: the prompt (and with logprobs, its logprobs) without generation.
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -440,8 +469,20 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "prompt must not be empty", param="prompt")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (OpenAI's scoring request).
+        The engine still samples one token from the prefill's logits (vLLM does the same);
+        the gateway drops it."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Top-K the engine computes per prompt token: echo with logprobs needs the
+        prompt's logprobs too, with as many alternatives as the generated tokens get."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 class CompletionLogprobs(_Response):
@@ -461,6 +502,8 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    # vLLM extension, when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):

@@ -29,22 +29,17 @@ from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.upstream import Upstream
 from meshserve.v1 import common_pb2
 from services import tracing
+from services.sampling_fields import OPTIONAL_SAMPLING_FIELDS
 
 T = TypeVar("T")
-R = TypeVar("R", bound=BaseModel)
+R = TypeVar("R")  # a response model, or a Response
 log = logging.getLogger(__name__)
 
-# Sampling fields forwarded only when the client set them.
-_OPTIONAL_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
+# Sampling fields forwarded only when the client set them; the others are set below.
+_CLIENT_SET_SAMPLING = tuple(
+    name
+    for name in OPTIONAL_SAMPLING_FIELDS
+    if name not in ("max_tokens", "n", "logprobs", "prompt_logprobs")
 )
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -114,7 +109,7 @@ def sampling_params(
 ) -> common_pb2.SamplingParams:
     """SamplingParams with only the fields the client set (plus max_tokens and n)."""
     params = common_pb2.SamplingParams(max_tokens=max_tokens, n=body.n, ignore_eos=body.ignore_eos)
-    for name in _OPTIONAL_SAMPLING:
+    for name in _CLIENT_SET_SAMPLING:
         value = getattr(body, name)
         if name in body.model_fields_set and value is not None:
             setattr(params, name, value)
@@ -122,6 +117,8 @@ def sampling_params(
         params.stop_token_ids.extend(body.stop_token_ids)
     if logprobs is not None:
         params.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        params.prompt_logprobs = body.prompt_logprobs
     add_token_rules(body, params)
     return params
 
@@ -269,6 +266,16 @@ class MultiRun:
             sum(u.completion_tokens for u in parts),
             sum(u.cached_tokens for u in parts),
         )
+
+    def prompt_logprobs(self, index: int) -> tuple[list[int], list[common_pb2.TokenLogprob]]:
+        """Prompt ids and prompt logprobs (entry i scores token i + 1) of the prompt of
+        choice `index`, which asked for them (they come with the run's first output);
+        a 500 when the worker did not send one per prompt token after the first."""
+        run = self.runs[index // self.n]
+        ids, logprobs = run.spec.prompt_ids, run.prompt_logprobs or []
+        if len(logprobs) != len(ids) - 1:
+            raise APIError(500, f"worker: {len(logprobs)} prompt logprobs for a {len(ids)}-token prompt")
+        return ids, logprobs
 
     def completion_tokens_so_far(self) -> int:
         """Tokens generated so far over every prompt and choice."""
@@ -459,6 +466,6 @@ class SSEResponse(StreamingResponse):
             try:
                 await ready
             except APIError as exc:
-                await exc.response()(scope, receive, send)
+                await exc.response(scope["path"])(scope, receive, send)
                 return
         await self.stream_response(send)

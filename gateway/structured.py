@@ -6,7 +6,8 @@ Sources, first match wins: `response_format` (json_schema / json_object), vLLM's
 `structured_outputs` (json, regex, choice, grammar, json_object), and a forced tool
 choice ("required" or a named function: the output is the calls' JSON, as vLLM does).
 The worker enforces it while sampling (worker_svc/engine/structured.py) and checks it
-again (INVALID_ARGUMENT); both use llguidance, so what passes here compiles there.
+again (INVALID_ARGUMENT); both build the grammar with services/grammar.py, so what passes
+here compiles there.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
-
-_JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from services.grammar import StructuredSpec
 
 
 def constraint(body: SamplingRequest) -> tuple[str, str, str] | None:
@@ -83,21 +83,8 @@ def forced_tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def check(kind: str, spec: str, param: str) -> None:
-    """400 naming `param` when llguidance refuses the constraint (cheap: no tokenizer)."""
-    from llguidance import LLMatcher
-
+    """400 naming `param` when the constraint does not build (cheap: no tokenizer)."""
     try:
-        if kind == "json":
-            json.loads(spec)
-            grammar = LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_DEFAULTS)
-        elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(spec)
-        elif kind == "grammar":
-            grammar = LLMatcher.grammar_from_lark(spec)
-        else:
-            return
-        error = LLMatcher.validate_grammar(grammar)
-    except (ValueError, json.JSONDecodeError) as exc:
-        error = str(exc)
-    if error:
-        raise APIError(400, f"invalid {param}: {error.strip()[:500]}", param=param)
+        StructuredSpec(kind, spec).validate(param)
+    except ValueError as exc:  # its message starts with `param`
+        raise APIError(400, str(exc), param=param) from None

@@ -27,7 +27,14 @@ from gateway.errors import APIError, from_rpc_error
 from gateway.local_tokenizer import GatewayTokenizers
 from gateway.route_stream import RouteStream
 from gateway.worker_streams import WorkerStreams
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from meshserve.v1 import (
+    common_pb2,
+    kv_transfer_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from services.rpc import open_channel
 
 T = TypeVar("T")
@@ -64,6 +71,9 @@ class Lease:
     worker_address: str
     mm_items: list[common_pb2.MultiModalItem]
     replica: int  # index of the scheduler replica that issued it (its release goes there)
+    # P/D: the prefill worker the decoder pulls the prompt's KV from (unset: none); its
+    # lease ends with this one on the scheduler.
+    kv_source: kv_transfer_pb2.KvSource | None = None
 
 
 def _answers(workers: scheduler_pb2.ListWorkersResponse, model: str | None, role: str) -> bool:
@@ -202,7 +212,10 @@ class Upstream:
             return replica.routes.route(message, self.timeout)
 
         reply, replica = await self._on_replicas(call)
-        return Lease(reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica)
+        kv_source = reply.kv_source if reply.HasField("kv_source") else None
+        return Lease(
+            reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica, kv_source
+        )
 
     def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
         """Remembers what the worker reported for the lease's request; its release then

@@ -69,6 +69,10 @@ class SchedulerConfig(ServerConfig):
     encode_timeout_s: float = 60.0
     # Skip the cache check and encode every image of every request (benchmarks).
     bypass_encoder_cache: bool = False
+    # P/D disaggregation: a text request whose prompt tokens not cached on its decoder
+    # reach this many is prefilled on a prefill worker (role "prefill", when one is
+    # registered) and its KV pulled by the decoder; 0 = never.
+    pd_min_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +103,8 @@ class SchedulerConfig(ServerConfig):
                 f"load_imbalance must be > 0 and load_imbalance_min >= 0, got "
                 f"{self.load_imbalance}, {self.load_imbalance_min}"
             )
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         if self.block_size <= 0 or self.kv_stream_maxlen <= 0:
             raise ValueError("block_size and kv_stream_maxlen must be > 0")
         if self.encoder_cache_timeout_s <= 0 or self.encode_timeout_s <= 0:

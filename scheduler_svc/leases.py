@@ -90,6 +90,8 @@ class LeaseTable:
         self._prefix = (replica_id or uuid.uuid4().hex[:12]) + "-"
         self._counter = itertools.count(1)
         self._leases: dict[str, LeaseRecord] = {}
+        # A decode lease -> the prefill worker's lease issued with it (P/D): one ends with it.
+        self._companions: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -107,6 +109,10 @@ class LeaseTable:
         )  # fmt: skip
         self._leases[record.lease_id] = record
         return record
+
+    def link(self, lease_id: str, companion_id: str) -> None:
+        """``companion_id`` ends (the same way) when ``lease_id`` ends, if not before."""
+        self._companions[lease_id] = companion_id
 
     def release(self, lease_ids: Iterable[str]) -> list[LeaseRecord]:
         """Ends the given leases (RELEASED); unknown (or already ended) ids are ignored."""
@@ -146,8 +152,9 @@ class LeaseTable:
     def _end(self, lease_ids: Iterable[str], how: LeaseState) -> list[LeaseRecord]:
         ended = []
         for lease_id in lease_ids:
-            record = self._leases.pop(lease_id, None)
-            if record is not None:
-                record.move(how)
-                ended.append(record)
+            for one in (lease_id, self._companions.pop(lease_id, None)):
+                record = self._leases.pop(one, None) if one is not None else None
+                if record is not None:
+                    record.move(how)
+                    ended.append(record)
         return ended

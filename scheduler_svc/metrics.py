@@ -130,3 +130,11 @@ def forget_worker(worker_id: str) -> None:
         WORKER_INFLIGHT.remove(worker_id)
     except KeyError:
         pass
+
+
+PD_DECISIONS = Counter(
+    "meshserve_scheduler_pd_decisions_total",
+    "Routes of text prompts when P/D is on (pd_min_prompt_tokens > 0), by decision: "
+    "disaggregated, short (uncached prompt below the threshold), no_prefill_worker",
+    ["decision"],
+)

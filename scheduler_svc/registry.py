@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-ROLES = ("decoder", "embedding", "encoder")
+ROLES = ("decoder", "prefill", "embedding", "encoder")
 
 
 class Health(StrEnum):
@@ -35,6 +35,9 @@ class WorkerSpec:
     block_size: int = 16
     num_total_blocks: int = 0
     max_num_seqs: int = 1
+    # Decoders and prefill workers: their KV layout as one string (model, dtype, layers,
+    # KV heads, head dim, block size); a prefill worker pairs only with an equal one.
+    kv_layout: str = ""
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""

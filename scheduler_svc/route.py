@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from meshserve.v1 import common_pb2, scheduler_pb2
+from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
 from scheduler_svc import metrics
 from scheduler_svc.leases import LeaseRecord
 from scheduler_svc.multimodal import EncodeCoordinator
+from scheduler_svc.pd import pick_prefill_worker
 from scheduler_svc.policies import Decision, RoutingRequest
 from scheduler_svc.registry import Lease
 from scheduler_svc.scheduler import Scheduler
@@ -63,12 +64,15 @@ class RouteResult:
     decision: Decision
     mm_items: list[common_pb2.MultiModalItem]
     predicted_cached_tokens: int
+    # P/D: the prefill worker's lease (ends with `lease`) and the transfer id, or None.
+    prefill: LeaseRecord | None = None
+    transfer_id: str = ""
 
 
 def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
     """The proto answer of a route on a RouteStream."""
     spec = result.decision.worker.spec
-    return scheduler_pb2.RouteResponse(
+    response = scheduler_pb2.RouteResponse(
         request_id=result.request_id,
         lease_id=result.lease.lease_id,
         worker_id=spec.worker_id,
@@ -78,6 +82,17 @@ def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.Rout
         lease_ttl_ms=lease_ttl_ms,
         reason=result.decision.reason,
     )
+    if result.prefill is not None:
+        prefill = result.prefill.lease.worker.spec
+        response.kv_source.CopyFrom(
+            kv_transfer_pb2.KvSource(
+                worker_id=prefill.worker_id,
+                address=prefill.address,
+                transfer_id=result.transfer_id,
+                lease_id=result.prefill.lease_id,
+            )
+        )
+    return response
 
 
 def routing_request(request: common_pb2.GenerateRequest) -> RoutingRequest:
@@ -167,9 +182,35 @@ class Router:
             decision.matched_blocks, len(request.prompt_token_ids), block_size
         )
         active = self.scheduler.leases.issue(lease, request.request_id, predicted)
+        prefill = self._pair_prefill(request, active, predicted, mm_items)
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
-        return RouteResult(request.request_id, active, decision, mm_items, predicted)
+        if prefill is None:
+            return RouteResult(request.request_id, active, decision, mm_items, predicted)
+        return RouteResult(
+            request.request_id, active, decision, mm_items, predicted, prefill, uuid.uuid4().hex
+        )
+
+    def _pair_prefill(
+        self,
+        request: common_pb2.GenerateRequest,
+        decode: LeaseRecord,
+        predicted: int,
+        mm_items: list[common_pb2.MultiModalItem],
+    ) -> LeaseRecord | None:
+        """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
+        decode lease so that it ends with it; None when the decoder prefills itself."""
+        threshold = self.scheduler.config.pd_min_prompt_tokens
+        if mm_items or request.sampling.HasField("prompt_logprobs"):
+            return None
+        uncached = len(request.prompt_token_ids) - predicted
+        worker = pick_prefill_worker(self.scheduler.registry, decode.lease.worker, uncached, threshold)
+        if worker is None:
+            return None
+        leases = self.scheduler.leases
+        prefill = leases.issue(self.scheduler.registry.acquire(worker), request.request_id)
+        leases.link(decode.lease_id, prefill.lease_id)
+        return prefill
 
     def release(self, lease_ids: list[str], outcomes: Sequence[scheduler_pb2.LeaseOutcome] = ()) -> int:
         """Ends leases (their requests finished); returns how many this replica knew.
@@ -181,10 +222,13 @@ class Router:
         actual = {o.lease_id: o.cached_tokens for o in outcomes}
         policy = self.scheduler.policy.name
         for lease in reported:
-            record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
+            if lease.lease_id in actual:  # not a P/D prefill lease that ended with its decode lease
+                record_cached_tokens(policy, lease.predicted_cached_tokens, actual[lease.lease_id])
         ended.extend(reported)
         self.scheduler.end_leases(ended)
-        return len(ended)
+        # A P/D prefill lease that ended with its decode lease is not one the caller named.
+        named = set(lease_ids) | actual.keys()
+        return sum(1 for lease in ended if lease.lease_id in named)
 
     async def embed(self, request: common_pb2.EmbedRequest) -> common_pb2.EmbedResponse:
         """Routes an embedding request to an embedding worker for its model."""

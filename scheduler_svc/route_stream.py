@@ -24,7 +24,7 @@ from meshserve.v1 import scheduler_pb2
 from scheduler_svc import metrics
 from scheduler_svc.route import Router, route_response
 from services import tracing
-from services.errors import STATUS_NUMBERS, Code, MeshError, classify
+from services.errors import Code, MeshError, classify, status_number
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class RouteStreamSession:
         self._answer_error(call_id, code, text, exc.param if isinstance(exc, MeshError) else None)
 
     def _answer_error(self, call_id: int, code: Code, message: str, param: str | None = None) -> None:
-        error = scheduler_pb2.RouteError(code=STATUS_NUMBERS[code], message=message, param=param or "")
+        error = scheduler_pb2.RouteError(code=status_number(code), message=message, param=param or "")
         self._ready.append(scheduler_pb2.RouteStreamResponse(call_id=call_id, error=error))
 
     def input_done(self) -> None:

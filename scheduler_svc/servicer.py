@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
 from scheduler_svc.route import Router
 from scheduler_svc.route_stream import RouteStreamSession
@@ -25,7 +25,21 @@ def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
         block_size=worker.block_size,
         num_total_blocks=worker.num_total_blocks,
         max_num_seqs=worker.max_num_seqs,
+        kv_layout=layout_key(worker.kv_layout) if worker.HasField("kv_layout") else "",
     )
+
+
+def layout_key(layout: kv_transfer_pb2.KvLayout) -> str:
+    """A KV layout as one comparable string (WorkerSpec.kv_layout)."""
+    fields = (
+        layout.model,
+        layout.dtype,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.block_size,
+    )
+    return "/".join(str(f) for f in fields)
 
 
 def load_from_proto(load: worker_pb2.LoadStats) -> LoadSnapshot:

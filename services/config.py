@@ -117,6 +117,10 @@ def env_for(config: Any) -> dict[str, str]:
     return env
 
 
+# The largest gRPC message any service sends or accepts (images, embeddings, KV chunks).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Options every gRPC service shares: where it listens and how it drains."""
@@ -125,7 +129,7 @@ class ServerConfig:
     port: int = 0
     metrics_port: int = 0
     drain_timeout_s: float = 30.0
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     log_level: str = "INFO"
     tracing: str = "none"
     otlp_endpoint: str = ""

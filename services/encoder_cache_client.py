@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
+from services.config import MAX_MESSAGE_BYTES
 from services.errors import Code, MeshError, Unavailable
 from services.rpc import error_from_rpc, open_channel
 
@@ -53,7 +54,7 @@ class EncoderCacheClient:
         address: str,
         timeout_s: float = 5.0,
         chunk_bytes: int = 1024 * 1024,
-        max_message_bytes: int = 64 * 1024 * 1024,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         if not address:
             raise ValueError("encoder cache address is empty")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from google.rpc import code_pb2
+
 
 class Code(StrEnum):
     """Transport-neutral status codes; values equal gRPC `StatusCode` names."""
@@ -41,22 +43,11 @@ HTTP_STATUS: dict[Code, int] = {
 }
 
 
-# Numeric status codes (google.rpc.Code, the numbers gRPC uses) for messages that carry a
-# status inside a stream (worker RequestError), where no call status exists.
-STATUS_NUMBERS: dict[Code, int] = {
-    Code.CANCELLED: 1,
-    Code.INVALID_ARGUMENT: 3,
-    Code.DEADLINE_EXCEEDED: 4,
-    Code.NOT_FOUND: 5,
-    Code.PERMISSION_DENIED: 7,
-    Code.RESOURCE_EXHAUSTED: 8,
-    Code.FAILED_PRECONDITION: 9,
-    Code.ABORTED: 10,
-    Code.INTERNAL: 13,
-    Code.UNAVAILABLE: 14,
-    Code.UNAUTHENTICATED: 16,
-}
-_CODES_BY_NUMBER = {number: code for code, number in STATUS_NUMBERS.items()}
+def status_number(code: Code) -> int:
+    """The numeric status code (google.rpc.Code, the numbers gRPC uses), for messages that
+    carry a status inside a stream (worker RequestError, RouteError) where no call status
+    exists."""
+    return int(code_pb2.Code.Value(code.value))
 
 
 class MeshError(Exception):
@@ -110,7 +101,8 @@ def classify(exc: BaseException) -> tuple[Code, str]:
 
 def error_from_status(number: int, message: str, param: str | None = None) -> MeshError:
     """The MeshError of a numeric status code (INTERNAL for numbers we do not know)."""
-    code = _CODES_BY_NUMBER.get(number, Code.INTERNAL)
+    name = code_pb2.Code.Name(number) if number in code_pb2.Code.values() else ""
+    code = Code(name) if name in Code.__members__ else Code.INTERNAL
     error = MeshError(message, param=param or None)
     error.code = code
     return error

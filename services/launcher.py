@@ -70,6 +70,7 @@ DEFAULT_PORTS = {
     "decoder": 50061,
     "embedding": 50081,
     "encoder": 50091,
+    "prefill": 50101,
 }
 
 
@@ -126,7 +127,13 @@ class MeshConfig:
     decoder_base_port: int = _opt(DEFAULT_PORTS["decoder"], "decoder i listens on this port + i")
     embedding_port: int = _opt(DEFAULT_PORTS["embedding"], "the embedding worker's gRPC port")
     encoder_base_port: int = _opt(DEFAULT_PORTS["encoder"], "encoder i listens on this port + i")
+    prefill_base_port: int = _opt(DEFAULT_PORTS["prefill"], "prefill worker i listens on this port + i")
     num_decoders: int = _opt(1, "decoder workers")
+    num_prefill: int = _opt(
+        0,
+        "prefill workers (P/D disaggregation): long uncached prompts are prefilled there and their KV "
+        "pulled by the decoder (the scheduler's pd_min_prompt_tokens)",
+    )
     num_schedulers: int = _opt(
         1, "scheduler replicas on consecutive ports from --scheduler-port, sharing their state in Redis"
     )
@@ -162,8 +169,8 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if self.num_schedulers < 1:
             raise ValueError(f"num_schedulers must be >= 1, got {self.num_schedulers}")
-        if min(self.num_decoders, self.num_encoders) < 0:
-            raise ValueError("num_decoders and num_encoders must be >= 0")
+        if min(self.num_decoders, self.num_encoders, self.num_prefill) < 0:
+            raise ValueError("num_decoders, num_encoders and num_prefill must be >= 0")
         unknown = sorted(set(self.only_components) - set(DEFAULT_PORTS))
         if unknown:
             raise ValueError(f"only: unknown component(s) {unknown}; known: {', '.join(DEFAULT_PORTS)}")
@@ -239,18 +246,19 @@ def _encoder_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
 
 def _worker_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
     specs = []
-    for i in range(config.num_decoders):
-        port = config.decoder_base_port + i
+    engines = [("decoder", config.decoder_base_port, i) for i in range(config.num_decoders)]
+    engines += [("prefill", config.prefill_base_port, i) for i in range(config.num_prefill)]
+    for role, base_port, i in engines:
         specs.append(
             ServiceSpec(
-                f"decoder-{i}",
+                f"{role}-{i}",
                 "worker_svc",
-                port,
+                base_port + i,
                 {
-                    "MESHSERVE_ROLE": "decoder",
+                    "MESHSERVE_ROLE": role,
                     "MESHSERVE_MODEL_DIR": config.model_dir,
                     "MESHSERVE_SERVED_MODEL_NAME": config.served_model_name,
-                    "MESHSERVE_WORKER_ID": f"decoder-{i}",
+                    "MESHSERVE_WORKER_ID": f"{role}-{i}",
                     "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
                     "MESHSERVE_KV_CACHE_MEMORY_MB": str(config.kv_cache_memory_mb),
                     "MESHSERVE_MAX_NUM_SEQS": str(config.max_num_seqs),

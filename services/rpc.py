@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import metrics, tls, tracing
+from services.config import MAX_MESSAGE_BYTES
 from services.errors import Code, MeshError, classify
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ KEEPALIVE_TIME_MS = 10_000
 PING_TIMEOUT_MS = 5_000
 
 
-def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -179,7 +180,7 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
     ]
 
 
-def server_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Channel options plus a keepalive policy that accepts our clients' pings: the
     gateway's long-lived worker streams ping every KEEPALIVE_TIME_MS (a hung worker is
     detected within ~15 s), and gRPC's default server policy answers pings more frequent
@@ -196,7 +197,7 @@ def server_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
     ]
 
 
-def open_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+def open_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
     """An asyncio channel to another service: TLS when MESHSERVE_TLS_CA is set (see
     services.tls), plaintext otherwise; calls carry the current trace context."""
     options = channel_options(max_message_bytes)

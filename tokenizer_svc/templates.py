@@ -44,6 +44,14 @@ def _private_name(node: nodes.Node) -> str | None:
         return node.name
     if isinstance(node, nodes.Const) and isinstance(node.value, str) and _DUNDER.match(node.value):
         return node.value  # e.g. `x | attr('__class__')`
+    if (
+        isinstance(node, nodes.Filter)
+        and node.name == "attr"
+        and not all(isinstance(a, nodes.Const) for a in node.args)
+    ):
+        # A name built at render time (`attr('_' ~ '_class__')`) cannot be checked here, and
+        # the sandbox answers an unsafe one with an empty Undefined rather than an error.
+        return "attr(<computed name>)"
     return None
 
 
@@ -54,7 +62,7 @@ def check_template(source: str, field: str = "chat_template") -> None:
         tree = _ENV.parse(source)
     except TemplateSyntaxError as exc:
         raise InvalidArgument(f"{field} is not a valid Jinja template: {exc.message}", param=field) from exc
-    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Name, nodes.Const)):
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Name, nodes.Const, nodes.Filter)):
         name = _private_name(node)
         if name is not None:
             raise InvalidArgument(

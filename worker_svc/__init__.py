@@ -1,1 +1,1 @@
-"""Decoder worker service: the gRPC front (worker_svc.server) over the engine package."""
+"""Worker service (decoder, encoder and embedding roles): the gRPC front (servicer.py, stream_session.py) over the engine package (engine/)."""

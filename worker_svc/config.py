@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from services.config import ServerConfig
 from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
-from worker_svc.engine.config import THREAD_PRIORITIES, default_dtype, parse_cpu_list
+from worker_svc.engine.config import THREAD_PRIORITIES, EngineConfig, default_dtype, parse_cpu_list
 
-ROLES = ("decoder", "embedding", "encoder")
+ROLES = ("decoder", "prefill", "embedding", "encoder")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class WorkerConfig(ServerConfig):
     num_threads: int = 0
     # torch.compile the decoder's forward (dynamic batch; the first steps compile, ~0.5-2 min on CPU).
     compile_model: bool = False
+    # Decode steps replay CUDA graphs on CUDA (no-op on CPU; EngineConfig.cuda_graphs).
+    cuda_graphs: bool = EngineConfig.cuda_graphs
     # CPUs for the engine's step thread, e.g. "0" or "0-1,4" (empty: not pinned).
     cpu_affinity: str = ""
     # Scheduling class of the engine's step thread and its OpenMP workers: "idle"
@@ -63,6 +65,11 @@ class WorkerConfig(ServerConfig):
     encoder_cache_address: str = ""
     # Deadline of each encoder cache call (a cache that is down fails fast, never hangs).
     encoder_cache_timeout_s: float = 10.0
+    # P/D disaggregation. Prefill role: seconds its prompt KV stays held when no decode
+    # worker pulls or releases it. Decoder role: deadline of one hand-off (prefill call +
+    # pull); past it the decoder prefills the prompt itself.
+    kv_transfer_ttl_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,6 +90,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError("stream_interval must be >= 1")
         if self.kv_events_flush_ms < 0:
             raise ValueError("kv_events_flush_ms must be >= 0")
+        if self.kv_transfer_ttl_s <= 0 or self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_ttl_s and kv_transfer_timeout_s must be > 0")
         if self.encoder_cache_timeout_s <= 0:
             raise ValueError("encoder_cache_timeout_s must be > 0")
         if self.role == "encoder" and not self.encoder_cache_address:

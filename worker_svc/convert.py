@@ -7,24 +7,13 @@ from typing import Any
 
 from meshserve.v1 import common_pb2
 from services.errors import InvalidArgument
+from services.grammar import StructuredSpec
+from services.sampling_fields import OPTIONAL_SAMPLING_FIELDS
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
-from worker_svc.engine.structured import StructuredSpec
 
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-)
+# `n` is not a sampling parameter of one sequence: the worker runs n of them.
+_OPTIONAL_FIELDS = tuple(name for name in OPTIONAL_SAMPLING_FIELDS if name != "n")
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -122,14 +111,15 @@ def validate_mm_items(request: common_pb2.GenerateRequest) -> None:
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
-    """Engine (token, logprob, top) triples as proto messages."""
+    """Engine (token, logprob, top, rank) entries as proto messages."""
     return [
         common_pb2.TokenLogprob(
             token_id=token_id,
             logprob=logprob,
             top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+            rank=rank,
         )
-        for token_id, logprob, top in entries or ()
+        for token_id, logprob, top, rank in entries or ()
     ]
 
 

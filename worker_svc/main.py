@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from meshserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.v1 import kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
 from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
@@ -24,7 +24,10 @@ from worker_svc.encoder import VisionEncoder
 from worker_svc.encoder_servicer import EncoderServicer
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.config import EngineConfig
+from worker_svc.kv_connector import KvImporter
 from worker_svc.kv_events import KvEventPublisher
+from worker_svc.kv_grpc import SERVICE as KV_SERVICE
+from worker_svc.kv_grpc import GrpcKvConnector, KvTransferServicer, layout_to_proto
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
 from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats
@@ -49,9 +52,11 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         device=config.device,
         attention_backend=config.attention_backend,
         compile_model=config.compile_model,
+        cuda_graphs=config.cuda_graphs,
         cpu_affinity=config.cpu_affinity,
         thread_priority=config.engine_priority,
         generation_config=config.generation_config,
+        kv_transfer_ttl_s=config.kv_transfer_ttl_s,
     )
 
 
@@ -87,13 +92,20 @@ async def _start_decoder(
         AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
     )
     engine.start()
+    # Its KV layout names the served model, so only workers of that model pair up (P/D).
+    engine.engine.kv.layout = engine.engine.kv_layout(identity.model)
     fetcher = _embedding_fetcher(config, identity, engine)
+    importer = None
+    if config.role == "decoder":
+        connector = GrpcKvConnector(config.max_message_bytes)
+        importer = KvImporter(engine, connector, engine.engine.kv.layout, config.kv_transfer_timeout_s)
     servicer = DecoderServicer(
         engine,
         identity,
         fetcher,
         stream_interval=config.stream_interval,
         draining=lambda: server.draining,
+        kv_importer=importer,
     )
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
 
@@ -154,14 +166,20 @@ class WorkerProcess:
         self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
         self.decoder: DecoderServicer | None = None
+        self.kv_transfer: KvTransferServicer | None = None
 
     async def _load_model(self) -> Callable[[], worker_pb2.LoadStats]:
         config, identity, server = self.config, self.identity, self.server
-        if config.role == "decoder":
+        if config.role in ("decoder", "prefill"):
             self.publisher = _kv_publisher(config, identity)
             engine, decoder = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
             self.decoder = decoder
+            if config.role == "prefill":
+                self.kv_transfer = KvTransferServicer(engine, identity.model, lambda: server.draining)
+                server.add_service(
+                    KV_SERVICE, kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, self.kv_transfer
+                )
             return lambda: worker_metrics.record(load_stats(engine))
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")
@@ -182,10 +200,9 @@ class WorkerProcess:
         if self.engine is not None:
             descriptor.max_model_len = self.engine.model_info.max_model_len
             descriptor.num_total_blocks = self.engine.stats().num_total_blocks
+            descriptor.kv_layout.CopyFrom(layout_to_proto(self.engine.engine.kv.layout))
         if self.config.scheduler_address:
-            # Decoders report the leases of the requests they run in their heartbeats.
-            leases = self.decoder.active_lease_ids if self.decoder is not None else list
-            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, leases)
+            self.link = SchedulerLink(self.config.scheduler_address, descriptor, load, self._active_leases)
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0:
@@ -201,12 +218,22 @@ class WorkerProcess:
         )
         return port
 
+    def _active_leases(self) -> list[str]:
+        """Leases of the requests this worker runs (decoders) or prefills and holds the
+        KV of (prefill workers), reported in heartbeats."""
+        leases = self.decoder.active_lease_ids() if self.decoder is not None else []
+        if self.kv_transfer is not None:
+            leases.extend(self.kv_transfer.active_lease_ids())
+        return leases
+
     async def close(self) -> None:
         """Releases what `start` acquired (after the server has drained and stopped)."""
         if self._refresher is not None:
             self._refresher.cancel()
         if self.link is not None:
             await self.link.close()
+        if self.decoder is not None and self.decoder.kv_importer is not None:
+            await self.decoder.kv_importer.connector.close()
         if self.engine is not None:
             await self.engine.shutdown()
         if self.publisher is not None:

@@ -1,8 +1,9 @@
-"""Prometheus gauges of a decoder worker, refreshed from engine stats."""
+"""Prometheus metrics of a decoder or prefill worker: gauges refreshed from engine stats,
+and the KV hand-off's counters (P/D disaggregation)."""
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from meshserve.v1 import worker_pb2
 
@@ -14,6 +15,28 @@ PREFIX_HIT_RATE = Gauge(
 )
 PREEMPTIONS = Gauge("meshserve_worker_num_preemptions", "Preemptions (recompute) since start")
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
+
+KV_TRANSFERS = Counter(
+    "meshserve_worker_kv_transfers_total",
+    "KV hand-offs a decode worker tried (P/D), by outcome: imported or fallback",
+    ["outcome"],
+)
+KV_TRANSFER_FALLBACKS = Counter(
+    "meshserve_worker_kv_transfer_fallbacks_total",
+    "Hand-offs a decode worker gave up on and prefilled itself, by reason",
+    ["reason"],
+)
+KV_TRANSFER_BYTES = Counter(
+    "meshserve_worker_kv_transfer_bytes_total",
+    "KV block bytes moved between workers, by direction: sent (prefill side) or received (decode side)",
+    ["direction"],
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "meshserve_worker_kv_transfer_seconds",
+    "Decode side: prefill call and pull of one hand-off, by phase (prefill, pull), successful ones",
+    ["phase"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 
 
 def record(load: worker_pb2.LoadStats) -> worker_pb2.LoadStats:

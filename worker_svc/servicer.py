@@ -16,6 +16,7 @@ from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.multimodal import MultiModalInput
+from worker_svc.kv_connector import KvImporter
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.stream_session import StreamSession
 from worker_svc.torch_thread import TorchThread
@@ -53,9 +54,12 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         fetcher: EmbeddingFetcher | None = None,
         stream_interval: int = 1,
         draining: Callable[[], bool] = lambda: False,
+        kv_importer: KvImporter | None = None,
     ) -> None:
         self.engine = engine
         self.identity = identity
+        # P/D: requests whose route named a prefill worker pull their prompt KV with it.
+        self.kv_importer = kv_importer
         # Tokens per sequence gathered into one stream message after the first (vLLM's
         # --stream-interval): fewer messages on the way to the client.
         self.stream_interval = stream_interval
@@ -74,6 +78,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self.stream_interval,
             fetch,
             self._draining,
+            self.kv_importer,
         )
         self._sessions.add(session)
         return session

@@ -29,7 +29,6 @@ from typing import Any
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
 from services.errors import (
-    STATUS_NUMBERS,
     Aborted,
     Code,
     InvalidArgument,
@@ -37,12 +36,14 @@ from services.errors import (
     NotFound,
     Unavailable,
     classify,
+    status_number,
 )
 from services.kv_contract import request_extra_keys
 from worker_svc import convert
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.multimodal import MultiModalInput
+from worker_svc.kv_connector import KvImporter, PrefillJob, TransferSource
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,16 @@ class RequestRun:
     span: tracing.PhaseSpan | None = None
     phase: tracing.PhaseSpan | None = None
     failed: bool = False
+    prompt_logprobs_sent: bool = False
 
     def on_output(self, index: int, out: RequestOutput) -> None:
         """One sample's output of one engine step."""
         self.outbox.add(convert.sequence_delta(index, out))
         self.usage.completion_tokens += len(out.new_token_ids)
-        if index == 0 and out.prompt_logprobs:
+        # Every sample computes them and brings them with its first token: the message with
+        # the request's first token carries them, whichever sample it is from.
+        if out.prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
             self.outbox.response.prompt_logprobs.extend(convert.prompt_logprobs(out))
         self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
         if out.finished:
@@ -135,6 +140,12 @@ class RequestRun:
             self.span.end()
 
 
+def transfer_source(request: common_pb2.GenerateRequest) -> TransferSource:
+    """The request's `kv_source` as the connector takes it."""
+    src = request.kv_source
+    return TransferSource(src.worker_id, src.address, src.transfer_id, src.lease_id)
+
+
 def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestError:
     """The RequestError for a request that failed with `exc` (logged when unexpected)."""
     code, message = classify(exc)
@@ -142,7 +153,7 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
         log.error("request %s failed: %r", request_id, exc)
     param = exc.param if isinstance(exc, MeshError) else None
     return worker_pb2.RequestError(
-        request_id=request_id, code=STATUS_NUMBERS[code], message=message, param=param or ""
+        request_id=request_id, code=status_number(code), message=message, param=param or ""
     )
 
 
@@ -157,8 +168,11 @@ class StreamSession:
         stream_interval: int,
         fetch_mm: FetchMm | None,
         draining: Callable[[], bool] = lambda: False,
+        kv_importer: KvImporter | None = None,
     ) -> None:
         self.engine = engine
+        # P/D: pulls a request's prompt KV from the prefill worker its route named.
+        self._kv_importer = kv_importer
         self.worker_id = worker_id
         self.model = model
         self.stream_interval = stream_interval
@@ -194,6 +208,10 @@ class StreamSession:
             self._validate(request)
             if self._draining():
                 raise Unavailable(f"worker {self.worker_id} is draining")
+            if request.HasField("kv_source") and self._kv_importer is not None and not request.mm_items:
+                self._fetching.add(request.request_id)  # as for images: see below
+                self._spawn(self._add_pd(request, self._kv_importer))
+                return
             if not request.mm_items:
                 self._start(request, [])
                 return
@@ -227,6 +245,39 @@ class StreamSession:
         except Exception as exc:
             self._fail(request_id, exc)
 
+    async def _add_pd(self, request: common_pb2.GenerateRequest, importer: KvImporter) -> None:
+        """Pulls the prompt's KV from the prefill worker (`KvImporter`: on any failure it
+        answers None and the request prefills here), then starts the request."""
+        request_id = request.request_id
+        source = transfer_source(request)
+        span = tracing.PhaseSpan.from_carrier(
+            "worker.kv_transfer",
+            request.trace_context,
+            request_id=request_id,
+            prefill_worker=source.worker_id,
+        )
+        carrier: dict[str, str] = {}
+        with span.current():  # the prefill worker's span is a child of this one
+            tracing.inject_into(carrier)
+        job = PrefillJob(
+            self.model, tuple(request.prompt_token_ids), request.cache_salt, request.priority, carrier
+        )
+        try:
+            import_id = await importer.fetch(source, job, request_extra_keys(request.cache_salt))
+        finally:
+            span.end()
+        if request_id not in self._fetching:  # aborted meanwhile: already answered
+            if import_id is not None:
+                importer.discard(source, import_id)
+            return
+        self._fetching.discard(request_id)
+        try:
+            self._start(request, [], import_id)
+        except Exception as exc:
+            if import_id is not None:
+                importer.discard(source, import_id)
+            self._fail(request_id, exc)
+
     def _validate(self, request: common_pb2.GenerateRequest) -> None:
         if not request.request_id:
             raise InvalidArgument("request_id is required", param="request_id")
@@ -238,7 +289,12 @@ class StreamSession:
             raise InvalidArgument(f"request_id {request.request_id!r} is already running", param="request_id")
         convert.validate_mm_items(request)
 
-    def _start(self, request: common_pb2.GenerateRequest, mm_inputs: list[MultiModalInput]) -> None:
+    def _start(
+        self,
+        request: common_pb2.GenerateRequest,
+        mm_inputs: list[MultiModalInput],
+        kv_import_id: str | None = None,
+    ) -> None:
         n = convert.num_samples(request.sampling)
         prompt = list(request.prompt_token_ids)
         info = self.engine.model_info
@@ -272,8 +328,17 @@ class StreamSession:
                 done = resumed[index].token_ids if index in resumed else ()
                 sink = self._sink(run, index)
                 self.engine.submit(
-                    child, prompt, params[index], sink, request.priority, keys, mm_inputs, done
+                    child,
+                    prompt,
+                    params[index],
+                    sink,
+                    request.priority,
+                    keys,
+                    mm_inputs,
+                    done,
+                    kv_import_id=kv_import_id,
                 )
+                kv_import_id = None  # the first sample takes the imported blocks; the others hit them
         except Exception:
             self._drop(run)
             raise

@@ -414,6 +414,44 @@ def build() -> dict[str, Any]:
         ],
     )
 
+    g.row("P/D disaggregation (KV hand-off)")
+    g.panel(
+        "KV hand-offs by outcome / fallbacks by reason",
+        [
+            {
+                "expr": f"sum by (outcome) (rate(meshserve_worker_kv_transfers_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "{{outcome}}",
+            },
+            {
+                "expr": f"sum by (reason) (rate(meshserve_worker_kv_transfer_fallbacks_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "fallback {{reason}}",
+            },
+        ],
+        unit="ops",
+    )
+    g.panel(
+        "KV transfer bytes",
+        [
+            {
+                "expr": f"sum by (direction) (rate(meshserve_worker_kv_transfer_bytes_total{{{NS}}}[{RATE}]))",
+                "legendFormat": "{{direction}}",
+            }
+        ],
+        unit="Bps",
+    )
+    g.panel(
+        "KV hand-off p50 / p99 by phase",
+        [
+            {
+                "expr": f"histogram_quantile({q}, sum by (le, phase) "
+                f"(rate(meshserve_worker_kv_transfer_seconds_bucket{{{NS}}}[{RATE}])))",
+                "legendFormat": f"p{int(q * 100)} {{{{phase}}}}",
+            }
+            for q in (0.5, 0.99)
+        ],
+        unit="s",
+    )
+
     g.row("gRPC (every service)")
     g.panel(
         "gRPC calls by method and code",

@@ -1,5 +1,5 @@
 """deploy/grafana/meshserve-dashboard.json: valid dashboard JSON, in sync with its generator,
-querying only metrics the code defines (or docs/metrics.md lists as planned)."""
+querying only metrics the code defines."""
 
 from __future__ import annotations
 
@@ -27,13 +27,6 @@ def code_metrics() -> dict[str, str]:
                 name += "_total"
             found[name] = kind.lower()
     return found
-
-
-def planned_metrics() -> dict[str, str]:
-    """The "## Planned" table of docs/metrics.md: name → type."""
-    text = (ROOT / "docs" / "metrics.md").read_text()
-    section = text.split("\n## Planned", 1)[1].split("\n## ", 1)[0]
-    return dict(re.findall(r"^\| `(meshserve_\w+)` \| (\w+) \|", section, re.M))
 
 
 def panels() -> list[dict[str, Any]]:
@@ -66,8 +59,8 @@ def test_dashboard_is_generated_from_build_dashboard() -> None:
     assert module.render() == DASHBOARD.read_text(), "stale: run python deploy/grafana/build_dashboard.py"
 
 
-def test_dashboard_queries_only_real_or_planned_metrics() -> None:
-    known = {**planned_metrics(), **code_metrics()}
+def test_dashboard_queries_only_real_metrics() -> None:
+    known = code_metrics()
     assert "meshserve_rpc_requests_total" in known and "meshserve_worker_kv_usage" in known
     used = set()
     for panel in panels():
@@ -78,7 +71,7 @@ def test_dashboard_queries_only_real_or_planned_metrics() -> None:
                 if base != token and known.get(base) == "histogram":
                     used.add(base)
                     continue
-                assert token in known, f"{panel['title']}: {token} is neither in the code nor planned"
+                assert token in known, f"{panel['title']}: {token} is not defined in the code"
                 assert known[token] != "histogram", f"{panel['title']}: use {token}_bucket/_sum/_count"
                 used.add(token)
             for bucket in re.findall(r"histogram_quantile\([^,]+,.*?\b(meshserve_\w+)", expr):

@@ -27,8 +27,9 @@ COMPONENTS = {
     "decoder": ("worker_svc", "worker_svc.config"),
     "embedding": ("worker_svc", "worker_svc.config"),
     "encoder": ("worker_svc", "worker_svc.config"),
+    "prefill": ("worker_svc", "worker_svc.config"),
 }
-WORKERS = {"decoder", "embedding", "encoder"}
+WORKERS = {"decoder", "embedding", "encoder", "prefill"}
 GRPC = set(COMPONENTS) - {"gateway"}
 DEFAULT_ON = {"gateway", "tokenizer", "scheduler", "encoder-cache", "decoder", "embedding"}
 # Components the chart deploys that the local launcher does not start (yet).
@@ -138,9 +139,9 @@ def test_default_render_has_the_expected_objects(default_render: Rendered) -> No
 
 def test_gpu_render_has_the_expected_objects(gpu_render: Rendered, gpu_values: dict[str, Any]) -> None:
     deployments = gpu_render.by_component("Deployment")
-    assert set(deployments) == (DEFAULT_ON - {"embedding"}) | {"encoder", "redis"}
+    assert set(deployments) == (DEFAULT_ON - {"embedding"}) | {"encoder", "prefill", "redis"}
     hpas = gpu_render.by_component("HorizontalPodAutoscaler")
-    assert set(hpas) == {"gateway", "tokenizer", "encoder"}
+    assert set(hpas) == {"gateway", "tokenizer", "encoder", "prefill"}
     for component, hpa in hpas.items():
         assert hpa["apiVersion"] == "autoscaling/v2"
         target = hpa["spec"]["scaleTargetRef"]
@@ -149,7 +150,7 @@ def test_gpu_render_has_the_expected_objects(gpu_render: Rendered, gpu_values: d
         assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     assert hpas["encoder"]["spec"]["minReplicas"] == 2
     assert deployments["decoder"]["spec"]["replicas"] == 4
-    for component in ("decoder", "encoder"):
+    for component in ("decoder", "encoder", "prefill"):
         limits = container(deployments[component])["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == 1, component
         env = env_of(deployments[component])
@@ -166,7 +167,7 @@ def test_gpu_render_has_the_expected_objects(gpu_render: Rendered, gpu_values: d
     # The model volume is mounted read-only where the model is loaded, and nowhere else.
     for component, deployment in deployments.items():
         mounts = {m["name"]: m for m in container(deployment).get("volumeMounts", [])}
-        if component in {"tokenizer", "decoder", "encoder"}:
+        if component in {"tokenizer", "decoder", "encoder", "prefill"}:
             assert mounts["model"]["readOnly"] is True and mounts["model"]["mountPath"] == "/models"
             volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
             assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "llm-models"

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 from pydantic import BaseModel
@@ -117,3 +118,17 @@ def test_forced_tool_call_has_valid_arguments_naming_the_city(client: openai.Ope
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
     assert "Paris" in json.loads(call.function.arguments)["city"], call.function.arguments
+
+
+def test_responses_and_messages_apis_say_paris(client: openai.OpenAI, mesh: Mesh, model: str) -> None:
+    """The agent APIs (gateway/responses_api.py, messages_api.py) on the real model."""
+    response = client.responses.create(model=model, input="What is the capital of France?", temperature=0)
+    assert "Paris" in response.output_text and response.status == "completed", response.output_text
+    claude = anthropic.Anthropic(base_url=mesh.gateway_url, api_key="unused", max_retries=0, timeout=120)
+    message = claude.messages.create(
+        model=model,
+        max_tokens=48,
+        messages=CAPITAL_QUESTION,
+        extra_body={"temperature": 0},  # type: ignore[arg-type]
+    )
+    assert message.stop_reason == "end_turn" and "Paris" in message.content[0].text, message  # type: ignore[union-attr]

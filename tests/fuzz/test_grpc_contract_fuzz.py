@@ -38,6 +38,7 @@ from meshserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.config import MAX_MESSAGE_BYTES
 from tests.reliability.meshkit import ENCODER_CACHE_MB, MODEL_NAME, SharedMesh
 from tests.scheduler_svc.route_client import RouteClient
 
@@ -51,7 +52,6 @@ CLIENT_ERRORS = {
 # The same codes as numbers (what a RequestError carries).
 CLIENT_ERROR_NUMBERS = {int(code.value[0]) for code in CLIENT_ERRORS}
 # Default max_message_bytes of every gRPC server (services.config.ServerConfig).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 VOCAB = 1000  # the tiny model's embedding rows (the tokenizer adds <image> = 1000)
 MAX_MODEL_LEN = 2048
 CALL_TIMEOUT_S = 20.0

@@ -6,7 +6,8 @@
   valid bodies with one field replaced by arbitrary JSON, non-JSON bytes.
 
 Nothing may answer 5xx (the only 5xx allowed is /v1/embeddings' 503: this mesh runs
-no embedding worker), and every 4xx is an OpenAI error object.
+no embedding worker), and every 4xx is an OpenAI error object (on /v1/messages*:
+Anthropic's).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SCHEMATHESIS_EXAMPLES = 8
 HYPOTHESIS_EXAMPLES = 30
 # Valid generation requests are capped to this many tokens so accepted ones finish quickly.
 MAX_TOKENS_CAP = 4
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
 
 
 def _no_embedding_worker(path: str, reply: httpx.Response | Any) -> bool:
@@ -52,9 +53,12 @@ def _cap(body: Any) -> Any:
     return body
 
 
-def _assert_error_shape(reply: Any) -> None:
+def _assert_error_shape(reply: Any, path: str) -> None:
     if 400 <= reply.status_code < 500:
-        error = reply.json()["error"]
+        body = reply.json()
+        if path.startswith("/v1/messages"):
+            assert body["type"] == "error", reply.text
+        error = body["error"]
         assert isinstance(error["message"], str) and error["message"], reply.text
         assert isinstance(error["type"], str)
 
@@ -70,6 +74,11 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("POST", "/tokenize"),
@@ -119,7 +128,7 @@ def test_openapi_operations_never_answer_5xx(
         if _no_embedding_worker(path, reply):
             return
         assert reply.status_code < 500, f"{method} {path} -> {reply.status_code}: {reply.text[:500]}"
-        _assert_error_shape(reply)
+        _assert_error_shape(reply, path)
 
     run()
 
@@ -134,6 +143,9 @@ VALID_BODIES: dict[str, dict[str, Any]] = {
     "/tokenize": {"model": MODEL_NAME, "prompt": "hi"},
     "/detokenize": {"model": MODEL_NAME, "tokens": [1, 2]},
     "/v1/embeddings": {"model": MODEL_NAME, "input": "hi"},
+    "/v1/responses": {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]},
 }
 FIELDS: dict[str, list[str]] = {
     "/v1/chat/completions": [
@@ -161,6 +173,31 @@ FIELDS: dict[str, list[str]] = {
     "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "return_token_strs"],
     "/detokenize": ["model", "tokens"],
     "/v1/embeddings": ["model", "input", "encoding_format", "dimensions"],
+    "/v1/responses": [
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "text",
+        "max_output_tokens",
+        "temperature",
+        "store",
+        "previous_response_id",
+        "stream",
+    ],
+    "/v1/messages": [
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "stream",
+    ],
+    "/v1/messages/count_tokens": ["model", "messages", "system", "tools", "tool_choice"],
 }
 ROUTES = sorted(VALID_BODIES)
 
@@ -194,7 +231,7 @@ def _check(route: str, reply: httpx.Response) -> None:
     if _no_embedding_worker(route, reply):
         return
     assert reply.status_code < 500, f"{route} -> {reply.status_code}: {reply.text[:500]}"
-    _assert_error_shape(reply)
+    _assert_error_shape(reply, route)
 
 
 @FUZZ

@@ -633,6 +633,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             response = common_pb2.GenerateResponse(request_id=request.request_id, deltas=deltas)
             if first:
                 response.worker_id, first = self.worker_id, False
+                if sampling.HasField("prompt_logprobs"):  # every prompt token after the first, rank 1
+                    response.prompt_logprobs.extend(
+                        common_pb2.TokenLogprob(
+                            token_id=t,
+                            logprob=-0.5,
+                            rank=1,
+                            top=[common_pb2.TopLogprob(token_id=t, logprob=-0.5)],
+                        )
+                        for t in request.prompt_token_ids[1:]
+                    )
             if all(done):
                 response.usage.CopyFrom(self._usage(request, positions))
                 response.finished = True

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 EXTENSIONS = {
     "stop_reason",  # choices: the stop string / token id that ended a choice
     "reasoning_content",  # message / delta: text of a reasoning (<think>) section
+    "prompt_logprobs",  # completion choices, chat responses: per prompt token, when asked for
     "root",  # model cards
     "parent",
     "max_model_len",

@@ -10,6 +10,7 @@ import grpc
 
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.config import MAX_MESSAGE_BYTES
 from tests.worker_svc.test_generate_stream import PROMPTS, _add, _solo_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -45,7 +46,7 @@ def test_stream_output_and_reuse(tiny_model_dir: Path) -> None:
         config = WorkerConfig(port=0, model_dir=str(tiny_model_dir), worker_id="wt", kv_cache_memory_mb=8)
         worker = WorkerProcess(config)
         await worker.start()
-        streams = WorkerStreams(64 * 1024 * 1024)
+        streams = WorkerStreams(MAX_MESSAGE_BYTES)
         address = f"127.0.0.1:{worker.server.port}"
         try:
             async with grpc.aio.insecure_channel(address) as channel:

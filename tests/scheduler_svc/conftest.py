@@ -16,7 +16,14 @@ from typing import Any
 import grpc
 import pytest
 
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from meshserve.v1 import (
+    common_pb2,
+    kv_transfer_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
@@ -60,8 +67,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         block_size: int = 4,
         max_num_seqs: int = 8,
         redis_url: str = "",
+        kv_layout: kv_transfer_pb2.KvLayout | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.kv_layout = kv_layout
         self.model = model
         self.role = role
         self.tokens = tokens
@@ -105,6 +114,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             block_size=self.block_size,
             num_total_blocks=1000,
             max_num_seqs=self.max_num_seqs,
+            kv_layout=self.kv_layout,
         )
 
     async def connect(self, scheduler_address: str) -> None:

@@ -9,7 +9,7 @@
   never contacted.
 * Size limits: gateway body limit (413) and gRPC max message size on every gRPC server
   (RESOURCE_EXHAUSTED, service alive).
-* gRPC between services is plaintext (documented gap, see docs/reliability.md).
+* gRPC between services is plaintext unless mutual TLS is configured (tests/services/test_tls.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.config import MAX_MESSAGE_BYTES
 from tests.reliability.meshkit import (
     API_KEYS,
     MODEL_NAME,
@@ -37,7 +38,6 @@ from tests.reliability.meshkit import (
     tokenizer_spec,
 )
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ALPHA, BETA = API_KEYS
 # Routes that exist but are not in the OpenAPI document.
 EXTRA_ROUTES = [
@@ -93,8 +93,9 @@ def _routes(url: str) -> list[tuple[str, str]]:
 
 
 def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
-    """No key, a wrong key, a non-Bearer scheme or an empty bearer → 401 on every route
-    (unknown ones included); /health alone answers without a key."""
+    """No key, a wrong key, a non-Bearer scheme, an empty bearer or a wrong `x-api-key`
+    (Anthropic's clients' header) → 401 on every route (unknown ones included); /health
+    alone answers without a key."""
     routes = _routes(secure_url)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
     bad_headers: list[dict[str, str]] = [
@@ -105,7 +106,9 @@ def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
         {"Authorization": f"Basic {ALPHA}"},
         {"Authorization": "Bearer"},
         {"Authorization": ALPHA},
-        {"X-API-Key": ALPHA},
+        {"X-API-Key": "sk-wrong"},
+        {"X-API-Key": ALPHA + "x"},
+        {"Authorization": "Bearer sk-wrong", "X-API-Key": ALPHA},
     ]
     unprotected = []
     for method, path in routes:
@@ -123,6 +126,9 @@ def test_every_route_but_health_requires_an_api_key(secure_url: str) -> None:
     for method, path in routes:
         reply = _authed(secure_url, method, path, json={} if method == "POST" else None)
         assert reply.status_code != 401, f"{method} {path} refused a valid key"
+    for headers in ({"X-API-Key": ALPHA}, {"x-api-key": BETA}):
+        reply = httpx.get(secure_url + "/v1/models", headers=headers, timeout=30)
+        assert reply.status_code == 200, reply.text
 
 
 def test_valid_key_serves_a_completion(secure_url: str) -> None:
@@ -171,40 +177,56 @@ def test_request_chat_template_refused_by_default(mesh: SharedMesh) -> None:
     assert "chat_template" in reply.json()["error"]["message"]
 
 
+PRIVATE = ("chat_template", "accesses the private attribute")
+SANDBOX = ("chat_template", "refused by the sandbox")
+# (template, the error's `param`, what its message says): each refusal must come from the
+# check or the sandbox that is meant to catch it, not from some later accident.
 ESCAPES = [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
-    "{{ lipsum.__globals__['os'].system('id') }}",
-    "{{ self._TemplateReference__context }}",
-    "{{ messages | attr('__class__') }}",
-    "{{ ''['__class__'] }}",
-    "{{ namespace.__init__.__globals__ }}",
-    "{% set x = joiner %}{{ x.__call__.__globals__ }}",
-    "{{ messages | attr('_' ~ '_cla' ~ 'ss_' ~ '_') }}",
-    "{{ (messages | first)['content'].format.__globals__ }}",
-    "{{ messages.append({'role': 'system', 'content': 'pwned'}) }}",
-    "{{ messages[0].update({'content': 'pwned'}) }}",
-    "{% raw %}{{ x }}{% endraw %}{{ raise_exception('refused') }}",
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", *PRIVATE),
+    ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", *PRIVATE),
+    ("{{ lipsum.__globals__['os'].system('id') }}", *PRIVATE),
+    ("{{ self._TemplateReference__context }}", *PRIVATE),
+    ("{{ messages | attr('__class__') }}", *PRIVATE),
+    ("{{ ''['__class__'] }}", *PRIVATE),
+    ("{{ namespace.__init__.__globals__ }}", *PRIVATE),
+    ("{% set x = joiner %}{{ x.__call__.__globals__ }}", *PRIVATE),
+    ("{{ messages | attr('_' ~ '_cla' ~ 'ss_' ~ '_') }}", *PRIVATE),
+    ("{{ (messages | first)['content'].format.__globals__ }}", *PRIVATE),
+    ("{{ messages.append({'role': 'system', 'content': 'pwned'}) }}", *SANDBOX),
+    ("{{ messages[0].update({'content': 'pwned'}) }}", *SANDBOX),
+    (
+        "{% raw %}{{ x }}{% endraw %}{{ raise_exception('refused') }}",
+        "messages",
+        "could not render the messages: refused",
+    ),
 ]
 # A user template that raises while rendering (the sandbox's range cap, arithmetic errors)
 # is a bad request: 400, never a 500.
 RENDER_ERRORS = [
-    pytest.param("{{ range(10**9) | list | length }}", id="sandbox-range-limit-overflow"),
-    pytest.param("{{ 1 / 0 }}", id="zero-division"),
+    pytest.param(
+        "{{ range(10**9) | list | length }}", "messages", "Range too big", id="sandbox-range-limit-overflow"
+    ),
+    pytest.param("{{ 1 / 0 }}", "messages", "division by zero", id="zero-division"),
 ]
 
 
 @pytest.mark.parametrize(
-    "template", [*ESCAPES, *RENDER_ERRORS], ids=[f"escape-{i}" for i in range(len(ESCAPES))] + [None, None]
+    ("template", "param", "says"),
+    [*ESCAPES, *RENDER_ERRORS],
+    ids=[f"escape-{i}" for i in range(len(ESCAPES))] + [None, None],
 )
-def test_sandbox_refuses_python_internals_when_templates_are_allowed(secure_url: str, template: str) -> None:
+def test_sandbox_refuses_python_internals_when_templates_are_allowed(
+    secure_url: str, template: str, param: str, says: str
+) -> None:
     """With allow_request_chat_template on, escape attempts are still refused with 400
     (statically, or by the immutable sandbox at render time) - never run, never a 500."""
     reply = _authed(
         secure_url, "POST", "/v1/chat/completions", json=chat_body(chat_template=template, max_tokens=1)
     )
     assert reply.status_code == 400, f"{reply.status_code}: {reply.text[:300]}"
-    assert reply.json()["error"]["message"]
+    error = reply.json()["error"]
+    assert error["param"] == param, error
+    assert says in error["message"], error
 
 
 def test_allowed_request_template_really_renders(secure_url: str) -> None:

@@ -148,6 +148,8 @@ def test_request_chat_template_when_allowed(permissive_renderer: Renderer) -> No
         "{{ messages['__class__'] }}",
         "{{ messages | attr('__class__') }}",
         "{{ cycler.__init__.__globals__.os }}",
+        "{{ messages | attr('_' ~ '_cla' ~ 'ss_' ~ '_') }}",
+        "{% set n = '_' ~ '_class__' %}{{ (''|attr(n)).mro() }}",
     ],
 )
 def test_sandbox_escape_refused(permissive_renderer: Renderer, template: str) -> None:
@@ -157,10 +159,11 @@ def test_sandbox_escape_refused(permissive_renderer: Renderer, template: str) ->
 
 
 def test_sandbox_refuses_at_render_time(permissive_renderer: Renderer) -> None:
-    # Builds the attribute name at run time, so only the Jinja sandbox can catch it.
-    template = "{% set n = '_' ~ '_class__' %}{{ (''|attr(n)).mro() }}"
-    with invalid("chat_template", match="sandbox"):
+    # Nothing private is named, so only the immutable sandbox can refuse the mutation.
+    template = "{% set m = messages %}{{ m.append(1) }}"
+    with invalid("chat_template", match="refused by the sandbox") as info:
         permissive_renderer.render_chat(USER, chat_template=template)
+    assert info.value.param == "chat_template"
 
 
 def test_template_errors_are_invalid_argument(permissive_renderer: Renderer) -> None:

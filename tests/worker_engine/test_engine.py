@@ -195,14 +195,14 @@ def test_logprobs_and_prompt_logprobs(make_engine: Factory, hf_model: LlamaForCa
     assert all(o.prompt_logprobs is None for o in outs[1:])
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1)
-    for j, (tok, lp, top) in enumerate(plp):
+    for j, (tok, lp, top, _rank) in enumerate(plp):
         assert tok == p[j + 1]
         assert math.isclose(lp, ref[j, tok].item(), abs_tol=1e-4)
         assert len(top) == 2 and top[0][0] == ref[j].argmax().item()
     for o in outs:
         assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids) == 1
-        tok, lp, top = o.new_logprobs[0]
-        assert tok == o.new_token_ids[0] and len(top) == 3
+        tok, lp, top, rank = o.new_logprobs[0]
+        assert tok == o.new_token_ids[0] and len(top) == 3 and rank == 1
         assert top[0][0] == tok and math.isclose(top[0][1], lp)  # greedy: chosen is the argmax
         assert lp <= 0
 

@@ -205,9 +205,10 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     assert out.logprobs[1] is None
     entry = out.logprobs[0]
     assert entry is not None
-    tok, lp, top = entry
+    tok, lp, top, rank = entry
     raw = torch.log_softmax(logits[0], -1)
     assert tok == out.token_ids[0]
+    assert rank == int((raw > raw[tok]).sum()) + 1
     assert math.isclose(lp, raw[tok].item(), rel_tol=1e-5)
     assert [t for t, _ in top] == raw.topk(3).indices.tolist()
     assert all(math.isclose(v, raw[t].item(), rel_tol=1e-5) for t, v in top)

@@ -13,8 +13,8 @@ import pytest
 from conftest import prompts, run_all, tokens
 from transformers import AutoTokenizer
 
+from services.grammar import StructuredSpec
 from worker_svc.engine import LLMEngine, SamplingParams
-from worker_svc.engine.structured import StructuredSpec
 
 SCHEMA = {
     "type": "object",

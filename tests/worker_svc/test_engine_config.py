@@ -19,6 +19,7 @@ def test_every_engine_setting_of_the_worker_reaches_the_engine(tiny_model_dir: P
         max_num_batched_tokens=96,
         dtype="bfloat16",
         compile_model=True,
+        cuda_graphs=False,  # not the default: the field must reach the engine
         cpu_affinity="0",
         enable_prefix_caching=False,
     )
@@ -26,7 +27,7 @@ def test_every_engine_setting_of_the_worker_reaches_the_engine(tiny_model_dir: P
     shared = {f.name for f in dataclasses.fields(engine)} & {f.name for f in dataclasses.fields(config)}
     for name in shared - {"num_kv_blocks", "max_model_len"}:  # 0 in the worker means None
         assert getattr(engine, name) == getattr(config, name), name
-    assert {"compile_model", "cpu_affinity", "dtype", "block_size"} <= shared
+    assert {"compile_model", "cuda_graphs", "cpu_affinity", "dtype", "block_size"} <= shared
 
 
 def test_the_engine_priority_reaches_the_engine_and_is_validated(tiny_model_dir: Path) -> None:

@@ -217,3 +217,24 @@ def test_stream_interval_applies_per_request(tiny_model_dir: Path, interval: int
         client.send(None)
 
     run(body, tiny_model_dir)
+
+
+def test_prompt_logprobs_come_once_with_the_first_token(tiny_model_dir: Path) -> None:
+    """sampling.prompt_logprobs: one entry (with its rank and top-K) per prompt token after
+    the first, in the message that carries the request's first token, for n samples too."""
+
+    async def body(worker: WorkerProcess, stub: worker_pb2_grpc.WorkerStub) -> None:
+        client = Client(stub)
+        message = _add("plp", PROMPTS[0], max_tokens=3)
+        message.add.sampling.n, message.add.sampling.prompt_logprobs = 2, 2
+        client.send(message)
+        await client.read_until(lambda: client.finished("plp"))
+        outputs = client.outputs("plp")
+        first = next(i for i, o in enumerate(outputs) if o.deltas and o.deltas[0].token_ids)
+        assert [bool(o.prompt_logprobs) for o in outputs] == [i == first for i in range(len(outputs))]
+        entries = outputs[first].prompt_logprobs
+        assert [e.token_id for e in entries] == PROMPTS[0][1:]
+        assert all(len(e.top) == 2 and e.rank >= 1 and e.logprob <= 0 for e in entries)
+        assert all((e.rank == 1) == (e.top[0].token_id == e.token_id) for e in entries)
+
+    run(body, tiny_model_dir)

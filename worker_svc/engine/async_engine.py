@@ -67,6 +67,18 @@ class _Add:
     stream: _Stream
     mm_inputs: tuple[MultiModalInput, ...] = ()
     resumed_output: tuple[int, ...] = ()
+    transfer_id: str | None = None
+    kv_import_id: str | None = None
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between two steps; its result (or error)
+    resolves ``future`` on ``loop``."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
 
 
 @dataclass
@@ -80,7 +92,10 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _Call | _Stop
+
+# How often an idle engine thread wakes to expire KV transfers nobody pulled.
+_HELD_POLL_S = 1.0
 
 
 def _build_on_own_thread(
@@ -179,6 +194,9 @@ class AsyncLLMEngine:
         extra_keys: tuple[str, ...] = (),
         mm_inputs: Sequence[MultiModalInput] = (),
         resumed_output: Sequence[int] = (),
+        *,
+        transfer_id: str | None = None,
+        kv_import_id: str | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
@@ -186,7 +204,8 @@ class AsyncLLMEngine:
         last one ``finished``, or an exception; the outputs of one engine step for every
         request of this loop arrive in one loop callback. Invalid input raises ValueError
         before anything is scheduled. ``abort`` ends it early (a final "abort" output),
-        ``abort(..., drop_output=True)`` silently.
+        ``abort(..., drop_output=True)`` silently. ``transfer_id`` / ``kv_import_id``:
+        P/D hand-off, see `LLMEngine.add_request`.
         """
         self.engine.validate_request(
             request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs, resumed_output
@@ -215,6 +234,8 @@ class AsyncLLMEngine:
                     stream,
                     tuple(mm_inputs),
                     tuple(resumed_output),
+                    transfer_id,
+                    kv_import_id,
                 )
             )
         except BaseException:
@@ -250,6 +271,16 @@ class AsyncLLMEngine:
         finally:
             if not done:
                 self.abort(request_id, drop_output=True)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (the engine is not
+        thread-safe); returns its result or raises its exception. Calls queued together
+        run in one go, in order."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.start()
+        self._send(_Call(fn, loop, future))
+        return await future
 
     def abort(self, request_id: str, drop_output: bool = False) -> bool:
         """Abort an in-flight request (thread-safe, non-blocking); False if it is not in flight.
@@ -301,17 +332,26 @@ class AsyncLLMEngine:
         """Apply queued commands (waiting for one if ``block``); False once stopped."""
         commands: list[_Command] = []
         if block:
-            commands.append(self._commands.get())
+            try:  # with transfers held, wake now and then to expire them (LLMEngine.step)
+                commands.append(self._commands.get(timeout=_HELD_POLL_S if self.engine.kv.held else None))
+            except queue.Empty:
+                self.engine.kv.expire()
+                return True
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        for command in commands:
+        for i, command in enumerate(commands):
             if isinstance(command, _Stop):
+                for late in commands[i + 1 :]:  # never leave a caller waiting
+                    if isinstance(late, _Call):
+                        self._resolve(late, None, EngineShutdownError("engine is shut down"))
                 return False
             if isinstance(command, _Add):
                 self._handle_add(command)
+            elif isinstance(command, _Call):
+                self._handle_call(command)
             else:
                 self._handle_abort(command)
         return True
@@ -327,11 +367,36 @@ class AsyncLLMEngine:
                 cmd.mm_inputs,
                 cmd.resumed_output,
                 validated=True,  # by `submit`
+                transfer_id=cmd.transfer_id,
+                kv_import_id=cmd.kv_import_id,
             )
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})
             return
         self._streams[cmd.request_id] = cmd.stream
+
+    def _handle_call(self, cmd: _Call) -> None:
+        try:
+            result = cmd.fn(self.engine)
+        except Exception as exc:
+            self._resolve(cmd, None, exc)
+        else:
+            self._resolve(cmd, result, None)
+
+    @staticmethod
+    def _resolve(cmd: _Call, result: Any, exc: BaseException | None) -> None:
+        def settle() -> None:
+            if cmd.future.done():  # the caller was cancelled
+                return
+            if exc is not None:
+                cmd.future.set_exception(exc)
+            else:
+                cmd.future.set_result(result)
+
+        try:
+            cmd.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # loop closed
+            pass
 
     def _handle_abort(self, cmd: _Abort) -> None:
         if cmd.drop_stream:

@@ -118,8 +118,12 @@ class BlockManager:
         return hashes
 
     def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        # Requests wanting prompt logprobs need logits for every prompt position: no reuse.
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        # Requests wanting prompt logprobs need logits for every prompt position: no reuse
+        # until they have them (vLLM's rule; the blocks they compute are still published).
+        wants_logits = (
+            request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        )
+        if not self.enable_prefix_caching or wants_logits:
             return []
         # Never hit the last token: at least one token must run through the model so the
         # request gets logits. With an exact multiple of block_size this recomputes the
@@ -228,7 +232,38 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; hashed ones stay reusable until evicted."""
         self.mark_computed(request)
-        for block_id in reversed(request.block_table):
+        self.unpin(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        self._num_registered.pop(request.request_id, None)
+
+    def import_block(
+        self, block_hash: int, parent_hash: int | None, token_ids: list[int]
+    ) -> tuple[int, bool] | None:
+        """Pin a prefix-cache block for KV computed elsewhere (P/D hand-off): the block
+        already cached under ``block_hash`` (returns ``(id, False)``: nothing to write), or
+        a free block registered under it (``(id, True)``: the caller writes its KV before
+        the next step). None when no block is free. Pinned blocks are in use until `unpin`."""
+        block = self._cached.get(block_hash)
+        if block is not None:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+            return block.block_id, False
+        if not self._free:
+            return None
+        block = self.blocks[self._pop_free()]
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self._events.append(
+            KvEvent("stored", block_hashes=[block_hash], parent_hash=parent_hash, token_ids=list(token_ids))
+        )
+        return block.block_id, True
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Drop one reference of each block (pinned by `import_block` or a held transfer);
+        unreferenced blocks become free, still findable by hash until evicted."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count < 0:
@@ -237,9 +272,6 @@ class BlockManager:
                 self._free[block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
-        request.block_table = []
-        request.num_computed_tokens = 0
-        self._num_registered.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only possible while no request holds blocks."""

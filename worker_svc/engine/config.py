@@ -41,6 +41,9 @@ class EngineConfig:
     and its OpenMP workers: ``"idle"`` (Linux ``SCHED_IDLE``: any other runnable thread
     on their CPUs takes the CPU from them at once), ``"normal"``, or ``"auto"`` (idle on
     CPU, normal on CUDA). See :func:`resolved_thread_priority`.
+    ``cuda_graphs``: on CUDA, decode-only steps replay a CUDA graph captured per batch-size
+    bucket (:mod:`worker_svc.engine.cuda_graphs`); other steps, and every step on CPU, run
+    eagerly.
     """
 
     model_dir: str
@@ -58,6 +61,10 @@ class EngineConfig:
     cpu_affinity: str = ""
     thread_priority: str = "auto"
     generation_config: str = "auto"
+    cuda_graphs: bool = True
+    # Seconds a prefill-only request's KV stays pinned for its transfer when nobody pulls
+    # or releases it (a decode worker that died mid-hand-off).
+    kv_transfer_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -82,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.compile_model, bool):
             raise ValueError("compile_model must be a bool")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError("cuda_graphs must be a bool")
         parse_cpu_list(self.cpu_affinity)
         if self.thread_priority not in THREAD_PRIORITIES:
             raise ValueError(
@@ -91,6 +100,8 @@ class EngineConfig:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}"
             )
+        if not self.kv_transfer_ttl_s > 0:
+            raise ValueError(f"kv_transfer_ttl_s must be > 0, got {self.kv_transfer_ttl_s!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

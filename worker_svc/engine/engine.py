@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from services.completion_prompt import first_outside_vocab
 from services.kv_contract import with_mm_keys
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig, parse_cpu_list
+from worker_svc.engine.kv_handoff import KvHandoff
+from worker_svc.engine.kv_transfer import KvLayout
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestStatus
@@ -32,12 +34,15 @@ __all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
 
 log = logging.getLogger(__name__)
 
+# Prompt positions scored per log-softmax (bounds its float32 copy: rows x vocabulary).
+PROMPT_LOGPROB_ROWS = 128
+
 
 @dataclass
 class RequestOutput:
     """Incremental result of one request for one step.
 
-    ``new_logprobs`` (when requested) has one ``(token_id, logprob, top)`` entry per
+    ``new_logprobs`` (when requested) has one ``(token_id, logprob, top, rank)`` entry per
     new token; logprobs are those of the raw model distribution. ``stop_token_id`` is
     the EOS or stop token that finished the request (it is also the last entry of
     ``new_token_ids``). ``prompt_logprobs`` comes with the first output only; entry
@@ -111,6 +116,21 @@ class LLMEngine:
         self.grammar = GrammarBackend(config.model_dir, self.model_info.vocab_size)
         self._preparing: list[tuple[Request, Future[Prepared]]] = []
         self.failed: list[tuple[str, Exception]] = []  # preparations that failed, taken by the caller
+        # P/D disaggregation: KV held for export (prefill role) and imported KV (decode role).
+        self.kv = KvHandoff(
+            self.block_manager,
+            self.runner.read_block,
+            self.runner.write_block,
+            self.kv_layout(),
+            config.kv_transfer_ttl_s,
+        )
+
+    def kv_layout(self, model: str | None = None) -> KvLayout:
+        """What a KV block of this engine holds. ``model``: the served model's name (the
+        worker's; by default the model directory's name)."""
+        info = self.model_info
+        name = model or os.path.basename(os.path.normpath(info.model_dir))
+        return KvLayout(name, info.dtype, info.num_layers, info.num_kv_heads, info.head_dim, info.block_size)
 
     # ------------------------------------------------------------ requests
     def validate_request(
@@ -163,6 +183,8 @@ class LLMEngine:
         resumed_output: Sequence[int] = (),
         *,
         validated: bool = False,
+        transfer_id: str | None = None,
+        kv_import_id: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
@@ -174,6 +196,12 @@ class LLMEngine:
         has already run `validate_request` on it (the async front does, in the caller's
         thread, off the engine thread's path to its step); only the checks that need the
         engine's state are left.
+
+        ``transfer_id`` makes it prefill-only (P/D): it computes the prompt's KV and its
+        first token, then its blocks stay pinned under that id for export (``self.kv``)
+        instead of being freed. ``kv_import_id``: the prompt's KV was imported under that
+        id (``self.kv.import_blocks``); those blocks stay pinned until the request has
+        taken them as prefix-cache hits.
         """
         if not validated:
             self.validate_request(
@@ -181,6 +209,8 @@ class LLMEngine:
             )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if transfer_id is not None:
+            _validate_prefill_only(transfer_id, sampling_params, mm_inputs, resumed_output, self.kv.held)
         generator = None
         if sampling_params.seed is not None and not sampling_params.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -194,6 +224,8 @@ class LLMEngine:
             generator=generator,
             mm_inputs=tuple(mm_inputs),
             output_token_ids=list(resumed_output),
+            transfer_id=transfer_id,
+            kv_import_id=kv_import_id,
         )
         self.requests[request_id] = request
         if sampling_params.structured is not None or sampling_params.bad_words:
@@ -215,6 +247,7 @@ class LLMEngine:
             return False
         if not self._drop_preparing(request):
             self.scheduler.remove(request)
+        self._release_import(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.num_aborted += 1
         self._pending.append(self._output(request, [], None))
@@ -292,9 +325,18 @@ class LLMEngine:
         defaults = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults) or "none"
         return (
             f"dtype {info.dtype}, attention {info.attention_backend}, compiled {config.compile_model}, "
+            f"CUDA graphs {self._graphs_summary()}, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"prefix caching {config.enable_prefix_caching}, model sampling defaults: {defaults}"
+        )
+
+    def _graphs_summary(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return f"off ({self.runner.graphs_note})"
+        return (
+            f"{len(graphs.buckets)} buckets up to {graphs.buckets[-1]} ({graphs.capture_s:.1f} s to capture)"
         )
 
     # ---------------------------------------------------------------- step
@@ -308,13 +350,19 @@ class LLMEngine:
             self._pinned_thread = threading.get_ident()
             _pin_current_thread(self._cpus)
         self._admit_prepared()
+        if self.kv.held:
+            self.kv.expire()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.scheduled:
             self.num_steps += 1
+            for item in sched.scheduled:
+                if item.request.kv_import_id is not None:  # it holds the imported blocks now
+                    self._release_import(item.request)
             try:
                 model_out = self.runner.execute(sched.scheduled)
                 sampled = self._sample(model_out)
+                self._record_prompt_logprobs(model_out)
             except Exception as exc:
                 self._pending = outputs + self._pending
                 failed = self._fail(sched.scheduled)
@@ -323,7 +371,6 @@ class LLMEngine:
             for item in sched.scheduled:
                 item.request.num_computed_tokens = item.end
                 self.block_manager.mark_computed(item.request)
-            self._record_prompt_logprobs(model_out)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
@@ -339,6 +386,7 @@ class LLMEngine:
         for item in scheduled:
             request = item.request
             self.scheduler.remove(request)
+            self._release_import(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self.requests.pop(request.request_id, None)
             self.num_aborted += 1
@@ -346,6 +394,9 @@ class LLMEngine:
         return failed
 
     def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
+        """Prompt logprobs of this step's chunks (requests that asked for them): each chunk's
+        rows are scored ``PROMPT_LOGPROB_ROWS`` at a time, so the float32 log-softmax of a
+        long prompt is never held at full vocabulary beyond that many rows."""
         for item, logits in model_out.prompt_logits:
             request = item.request
             if request.prompt_logprobs is None:
@@ -354,12 +405,14 @@ class LLMEngine:
             # entry j of prompt_logprobs scores token j + 1, i.e. comes from position j.
             first = len(request.prompt_logprobs) - item.start
             last = min(item.end, request.num_prompt_tokens - 1) - item.start
-            if first < 0 or last <= first:
-                continue  # already recorded (recompute after preemption)
-            lps = torch.log_softmax(logits[first:last].float(), dim=-1)
-            targets = request.prompt_token_ids[item.start + first + 1 : item.start + last + 1]
+            if first < 0:  # a gap: the prefix cache must not serve such a request
+                raise RuntimeError(f"request {request.request_id}: prompt logprobs miss positions")
             k = request.sampling_params.prompt_logprobs or 0
-            request.prompt_logprobs.extend(token_logprobs(lps, targets, [k] * len(targets)))
+            for a in range(first, last, PROMPT_LOGPROB_ROWS):  # empty when already recorded
+                b = min(a + PROMPT_LOGPROB_ROWS, last)
+                lps = torch.log_softmax(logits[a:b].float(), dim=-1)
+                targets = request.prompt_token_ids[item.start + a + 1 : item.start + b + 1]
+                request.prompt_logprobs.extend(token_logprobs(lps, targets, [k] * len(targets)))
 
     def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
@@ -374,10 +427,22 @@ class LLMEngine:
                 self._check_stop(request, token)
             outputs.append(self._output(request, [token], [logprob] if logprob is not None else None))
             if request.is_finished:
-                self.scheduler.remove(request)
-                self.requests.pop(request.request_id, None)
-                self.num_finished += 1
+                self._finish(request)
         return outputs
+
+    def _finish(self, request: Request) -> None:
+        if request.transfer_id is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            self.scheduler.detach(request)  # its blocks stay pinned for the transfer
+            self.kv.hold(request)
+        else:
+            self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.num_finished += 1
+
+    def _release_import(self, request: Request) -> None:
+        if request.kv_import_id is not None:
+            self.kv.release_import(request.kv_import_id)
+            request.kv_import_id = None
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
         """Structured outputs hook: the matcher sees each accepted token exactly once.
@@ -456,6 +521,24 @@ def _pin_current_thread(cpus: frozenset[int]) -> None:
         os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError) as exc:  # not Linux, or CPUs outside this cgroup
         log.warning("cpu_affinity %s not applied: %s", sorted(cpus), exc)
+
+
+def _validate_prefill_only(
+    transfer_id: str,
+    params: SamplingParams,
+    mm_inputs: Sequence[MultiModalInput],
+    resumed_output: Sequence[int],
+    held: Container[str],
+) -> None:
+    """A prefill-only request computes a text prompt and one token, under a new id."""
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise ValueError("transfer_id must be a non-empty string")
+    if transfer_id in held:
+        raise ValueError(f"transfer_id {transfer_id!r} is already held")
+    if params.max_tokens != 1 or mm_inputs or resumed_output or params.prompt_logprobs is not None:
+        raise ValueError(
+            "a prefill-only request (transfer_id) takes a text prompt, max_tokens=1, no prompt_logprobs"
+        )
 
 
 def _validate_resumed(tokens: Sequence[int], vocab_size: int, max_tokens: int) -> None:

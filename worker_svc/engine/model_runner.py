@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from worker_svc.engine import cpu_attention
+from worker_svc.engine import cpu_attention, cuda_graphs
 from worker_svc.engine.arch import (
     AttentionSpec,
     UnsupportedModelError,
@@ -124,10 +124,12 @@ class ModelRunner:
         except OSError:  # no generation_config.json
             gen_cfg = None
         self.info = self._model_info(text_cfg, gen_cfg)
+        # One block past the block manager's: where CUDA graphs' padding rows write (cuda_graphs).
+        self.scratch_block = self.info.num_kv_blocks
         self.kv_caches = [
             torch.zeros(
                 2,
-                self.info.num_kv_blocks,
+                self.info.num_kv_blocks + 1,
                 config.block_size,
                 self.info.num_kv_heads,
                 self.info.head_dim,
@@ -149,6 +151,8 @@ class ModelRunner:
         self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
         self._inductor_patch: Any = None  # inductor_options as a reusable context manager
         self._probe_attention()
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.graphs, self.graphs_note = cuda_graphs.for_runner(self)
 
     def _model_info(self, cfg: Any, gen_cfg: Any) -> ModelInfo:
         num_layers = int(cfg.num_hidden_layers)
@@ -202,6 +206,20 @@ class ModelRunner:
             return "cpu" if native and cpu_attention.load() is not None else "torch"
         return backend
 
+    def read_block(self, block_id: int) -> bytes:
+        """One block's KV over all layers as bytes, layout [layer, k/v, token, head, dim]
+        (``kv_transfer.KvLayout``). Safe off the engine thread for a pinned block: no
+        step writes into a block some request or transfer still references."""
+        stacked = torch.stack([kv[:, block_id] for kv in self.kv_caches])
+        return bytes(stacked.cpu().contiguous().view(torch.uint8).numpy().data)
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill one block from bytes laid out as `read_block` returns them (engine thread)."""
+        shape = (len(self.kv_caches), *self.kv_caches[0][:, block_id].shape)
+        values = torch.frombuffer(bytearray(data), dtype=self.dtype).view(shape)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[:, block_id].copy_(values[layer])
+
     def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:
         """Run one forward over all scheduled chunks; returns the logits that are needed."""
         ids: list[int] = []
@@ -250,8 +268,13 @@ class ModelRunner:
         keep: list[int],
         image_rows: tuple[list[int], list[torch.Tensor]] = ([], []),
     ) -> torch.Tensor:
+        chunks = [(item.start, item.num_new_tokens, item.request.block_table) for item in batch]
+        if self.graphs is not None and not image_rows[0]:
+            replayed = self.graphs.run(chunks, ids, positions, keep)
+            if replayed is not None:
+                return replayed
         meta = build_attention_metadata(
-            [(item.start, item.num_new_tokens, item.request.block_table) for item in batch],
+            chunks,
             self.config.block_size,
             self.kv_caches,
             self.device,
@@ -269,15 +292,19 @@ class ModelRunner:
                 # Image placeholders in this step: token embeddings with the image rows replaced.
                 embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
                 out = self.model(inputs_embeds=embeds, position_ids=position_ids, **kwargs)
-            elif self._compiled is not None:
-                out = self._compiled_forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
             else:
-                out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+                out = self.model_forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
         logits: torch.Tensor = out.logits[0]
         if not self._supports_logits_to_keep:
             logits = logits[keep_t]
         # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
         return logits
+
+    def model_forward(self, **kwargs: Any) -> Any:
+        """The model's forward, compiled when ``compile_model`` (inside attention_context)."""
+        if self._compiled is not None:
+            return self._compiled_forward(**kwargs)
+        return self.model(**kwargs)
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):

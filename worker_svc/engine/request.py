@@ -80,6 +80,11 @@ class Request:
     grammar: Any = None
     # bad_words as token sequences (the sampler bans a sequence's last token after its prefix).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # Prefill/decode disaggregation (kv_transfer.py): a prefill-only request keeps its KV
+    # blocks pinned under ``transfer_id`` once it finished; a decode request whose prompt
+    # KV was imported keeps those blocks pinned under ``kv_import_id`` until it holds them.
+    transfer_id: str | None = None
+    kv_import_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

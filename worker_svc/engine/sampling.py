@@ -40,7 +40,8 @@ from typing import Protocol
 
 import torch
 
-from worker_svc.engine.structured import StructuredSpec, apply_grammar_masks
+from services.grammar import StructuredSpec
+from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -58,8 +59,9 @@ TOP_K_FAST_MAX = 1024
 # Below this temperature sampling is greedy (same threshold as vLLM).
 _GREEDY_EPS = 1e-5
 
-# (chosen token id, its logprob, [(top token id, logprob), ...] best first)
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+# (chosen token id, its logprob, [(top token id, logprob), ...] best first, rank of the
+# chosen token: 1 + the number of tokens more likely than it)
+TokenLogprob = tuple[int, float, list[tuple[int, float]], int]
 
 
 @dataclass(frozen=True)
@@ -457,11 +459,14 @@ def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch
 def token_logprobs(
     logprobs: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int]
 ) -> list[TokenLogprob]:
-    """Per row: (chosen id, its logprob, top-``num_top`` alternatives) from a ``[n, V]`` logprob matrix."""
+    """Per row: (chosen id, its logprob, top-``num_top`` alternatives, rank of the chosen id)
+    from a ``[n, V]`` logprob matrix."""
     if not chosen:
         return []
     idx = torch.tensor(list(chosen), dtype=torch.long, device=logprobs.device)
-    chosen_lp: list[float] = logprobs.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, idx.unsqueeze(1))
+    chosen_lp: list[float] = chosen_t.squeeze(1).tolist()
+    ranks: list[int] = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
     k = max(num_top)
     top_vals: list[list[float]] = [[] for _ in chosen]
     top_ids: list[list[int]] = [[] for _ in chosen]
@@ -469,6 +474,6 @@ def token_logprobs(
         vals, ids = logprobs.topk(k, dim=-1)
         top_vals, top_ids = vals.tolist(), ids.tolist()
     return [
-        (tok, lp, list(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]], strict=True)))
+        (tok, lp, list(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]], strict=True)), ranks[r])
         for r, (tok, lp) in enumerate(zip(chosen, chosen_lp, strict=True))
     ]

@@ -91,11 +91,16 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Drop a request (finished or aborted) and free its blocks."""
+        self.detach(request)
+        self.block_manager.free(request)
+
+    def detach(self, request: Request) -> None:
+        """Drop a request but leave its blocks to the caller (a finished prefill-only
+        request's KV stays pinned for its transfer)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)
 
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch."""

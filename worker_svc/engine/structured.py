@@ -17,14 +17,11 @@ grammar allows (:func:`apply_grammar_masks`); every accepted token advances the 
 nothing again, and a resumed (migrated) request replays its earlier output into a fresh
 matcher before its first sample. ``is_stopped()`` after a token ends the request ("stop").
 
-Why llguidance, not xgrammar: bench/results/grammar_backends.json (32k vocab): compile
-1-7 ms vs 6-137 ms, and a bounded per-step mask cost (mean 22-87 us) where xgrammar's
-grows to 359 us mean / 1.2 ms p90 on a schema with 20 bounded strings.
+What each kind means and its grammar: services/grammar.py (shared with the gateway).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -36,72 +33,17 @@ from typing import Any
 import torch
 
 from services.errors import InvalidArgument
+from services.grammar import StructuredSpec
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# Compact separators, no free whitespace: a random-weight model cannot run off into
-# endless spaces, and the output is what `json.dumps` of the object would be.
-_JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
-
-
-@dataclass(frozen=True)
-class StructuredSpec:
-    """The constraint of a request: ``kind`` in :data:`KINDS` and its ``spec`` text
-    (JSON schema / regex / JSON list of strings / Lark grammar; unused for json_object)."""
-
-    kind: str
-    spec: str = ""
-
-    def grammar(self) -> str:
-        """The llguidance grammar; ValueError naming the field when it is malformed."""
-        from llguidance import LLMatcher
-
-        if self.kind not in KINDS:
-            raise ValueError(f"structured_outputs kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
-        if self.kind == "json":
-            try:
-                schema = json.loads(self.spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError("structured_outputs.json must be a JSON schema object")
-            return LLMatcher.grammar_from_json_schema(self.spec, defaults=_JSON_DEFAULTS)
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.spec)
-        if self.kind == "choice":
-            return LLMatcher.grammar_from_lark(_choice_lark(self.spec))
-        return LLMatcher.grammar_from_lark(self.spec)
-
-    def validate(self) -> str:
-        """The grammar, checked without a tokenizer (cheap): ValueError naming the field."""
-        from llguidance import LLMatcher
-
-        grammar = self.grammar()
-        error = LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"structured_outputs.{self.kind} is invalid: {error.strip()[:500]}")
-        return grammar
 
 
 def _invalid(field: str, exc: ValueError) -> InvalidArgument:
     """The request's INVALID_ARGUMENT naming `field` (the message starts with it)."""
     message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
     return InvalidArgument(message, param=field)
-
-
-def _choice_lark(spec: str) -> str:
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs.choice is not a JSON list: {exc}") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
-    # JSON string literals are valid Lark literals (same escapes).
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 @dataclass

@@ -144,6 +144,12 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 {{- end }}
 {{- end }}
 
+{{- /* A prefill worker runs the decoder's engine (same model, KV cache, block size: the
+scheduler pairs it only with decoders of an equal KV layout). */}}
+{{- define "meshserve.env.prefill" -}}
+{{ include "meshserve.env.decoder" . }}
+{{- end }}
+
 {{- define "meshserve.env.embedding" -}}
 {{ include "meshserve.env.worker" . }}
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_MODEL_DIR" "key" "embedding-model-dir") }}

@@ -85,6 +85,7 @@ worker (startup probe, headless Service, pod-IP registration). model: mounts the
 - {name: decoder, key: decoder, module: worker_svc, grpc: true, worker: true, model: true}
 - {name: embedding, key: embedding, module: worker_svc, grpc: true, worker: true, model: true}
 - {name: encoder, key: encoder, module: worker_svc, grpc: true, worker: true, model: true}
+- {name: prefill, key: prefill, module: worker_svc, grpc: true, worker: true, model: true}
 {{- end }}
 
 {{/* One component's metadata by name: (dict "root" $ "name" "decoder") → YAML map */}}

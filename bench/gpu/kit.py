@@ -1,0 +1,231 @@
+"""The GPU readiness kit: every GPU figure of the project in one time-boxed run.
+
+    python -m bench.gpu.kit --profile gpu --out bench/results/gpu.json       # on a GPU host (run.sh)
+    python -m bench.gpu.kit --profile cpu-dry-run --out /tmp/gpu.json --inline  # the CPU dry run
+
+Steps, in order (each in a process of its own unless ``--inline``, killed at its time box;
+a failed, timed-out or skipped step is recorded and the next one runs; the JSON is
+rewritten after every step, so a crash leaves what was measured until then):
+
+* ``build``: the bench model (Llama-3.2-1B's shape in the ``gpu`` profile, random
+  weights) and a word-level tokenizer of its vocabulary, in the work directory.
+* ``correctness``: greedy tokens of the engine == transformers ``generate`` on tiny random
+  Llama, Qwen3 and Gemma 3 (sliding window) models (devtools.arch_matrix), float32; on
+  CUDA with the triton attention backend, with and without CUDA graphs.
+* ``roofline``: device-to-device copy bandwidth (bytes read + written per second) and the
+  bench model's weight bytes: the floor of one decode step is weights / bandwidth.
+* ``engine_graphs`` / ``engine_eager``: the engine in-process (bench.engine_bench's
+  closed-loop client) at every concurrency, output tok/s, TPOT and TTFT, with and without
+  CUDA graphs (graphs need CUDA: skipped elsewhere).
+* ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
+  gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency.
+* ``hf_naive``: transformers ``generate`` one request at a time (c=1).
+
+``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
+served over in-process throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.gpu import env_info
+from bench.gpu.context import PROFILES, Profile, Skip, StepContext, write_json
+
+__all__ = ["PROFILES", "STEPS", "Profile", "Skip", "StepContext", "main", "run_kit", "summarize"]
+
+KIT_VERSION = 1
+
+
+def _steps() -> dict[str, Callable[[StepContext], None]]:
+    from bench.gpu import steps
+
+    return {
+        "build": steps.build,
+        "correctness": steps.correctness,
+        "roofline": steps.roofline,
+        "engine_graphs": steps.engine_graphs,
+        "engine_eager": steps.engine_eager,
+        "mesh": steps.mesh,
+        "hf_naive": steps.hf_naive,
+    }
+
+
+STEPS = ("build", "correctness", "roofline", "engine_graphs", "engine_eager", "mesh", "hf_naive")
+
+
+def run_step_here(name: str, ctx: StepContext) -> dict[str, Any]:
+    """Runs one step in this process; its record with status ok / skipped / failed."""
+    start = time.monotonic()
+    try:
+        _steps()[name](ctx)
+        status: dict[str, Any] = {"status": "ok"}
+    except Skip as exc:
+        status = {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:  # one step's failure must not end the kit
+        status = {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+    return {**ctx.data, **status, "seconds": round(time.monotonic() - start, 2)}
+
+
+def run_step_isolated(name: str, ctx: StepContext, log_dir: Path) -> dict[str, Any]:
+    """Runs one step in a child process killed at ``ctx.deadline`` (a CUDA fault or a hang
+    ends that step only); its record as the child left it, or timeout / failed."""
+    part = ctx.work / "parts" / f"{name}.json"
+    part.unlink(missing_ok=True)
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "bench.gpu.kit", "--profile", ctx.profile.name, "--work", str(ctx.work)]
+    cmd += ["--step", name, "--part", str(part), "--deadline", str(ctx.deadline)]
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, ctx.left_s() + 5))
+            status: dict[str, Any] = {}
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the step's own process group: its children (the mesh) too
+            proc.wait()
+            status = {"status": "timeout", "error": f"killed at its time box ({ctx.profile.step_s[name]} s)"}
+    record = json.loads(part.read_text()) if part.exists() else {}
+    finished = record.get("status") not in (None, "running")
+    if status and finished:  # it had its result but did not exit (a thread left running)
+        status = {"note": "killed after writing its result: " + status["error"]}
+    elif not status and not finished:
+        status = {"status": "failed", "error": f"exit code {proc.returncode}, no result"}
+    record.update(status)
+    if record["status"] not in ("ok", "skipped"):
+        record["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    record["seconds"] = round(time.monotonic() - start, 2)
+    return record
+
+
+def run_kit(
+    profile: Profile, work: Path, out: Path, steps: Sequence[str] = STEPS, inline: bool = False
+) -> dict[str, Any]:
+    """Runs ``steps`` within the profile's budget, rewriting ``out`` after each."""
+    begin = time.time()
+    report: dict[str, Any] = {
+        "kit_version": KIT_VERSION,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(begin)),
+        "env": env_info.collect(),
+        "profile": asdict(profile),
+        "steps": {},
+    }
+    log_dir = out.parent / (out.stem + "_logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name in steps:
+        left = begin + profile.budget_s - time.time()
+        box = min(profile.step_s[name], left)
+        if box < min(20.0, profile.step_s[name]):
+            report["steps"][name] = {"status": "skipped", "reason": f"kit budget spent ({left:.0f} s left)"}
+        else:
+            ctx = StepContext(profile, work, deadline=time.time() + box)
+            record = run_step_here(name, ctx) if inline else run_step_isolated(name, ctx, log_dir)
+            report["steps"][name] = record
+        print(f"kit: {name}: {report['steps'][name]['status']}", flush=True)
+        report["summary"] = summarize(report["steps"], profile)
+        report["wall_s"] = round(time.time() - begin, 1)
+        write_json(out, report)
+    return report
+
+
+def _ok(steps: dict[str, Any], name: str) -> dict[str, Any]:
+    step = steps.get(name, {})
+    return step if step.get("status") == "ok" else {}
+
+
+def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
+    """Headline figures from the steps that ran (absent where a step did not)."""
+    out: dict[str, Any] = {}
+    graphs, eager = _ok(steps, "engine_graphs"), _ok(steps, "engine_eager")
+    best = graphs or eager
+    corr = _ok(steps, "correctness")
+    if corr:
+        out["correctness_all_match"] = corr.get("all_match")
+    roof = _ok(steps, "roofline")
+    for label, run in (("graphs", graphs), ("eager", eager)):
+        rows = {r["concurrency"]: r for r in run.get("rows", [])}
+        if 1 in rows and roof and rows[1]["tpot_ms"]:
+            out[f"c1_tpot_over_roofline_{label}"] = rows[1]["tpot_ms"]["p50"] / roof["decode_floor_ms"]
+    if graphs:  # a failed capture leaves the engine eager: its rows are then no graph figures
+        out["graphs_captured"] = "buckets" in graphs.get("cuda_graphs", {})
+    if graphs and eager:
+        g = {r["concurrency"]: r["output_tok_per_s"] for r in graphs.get("rows", [])}
+        e = {r["concurrency"]: r["output_tok_per_s"] for r in eager.get("rows", [])}
+        out["graphs_over_eager_tok_s"] = {c: g[c] / e[c] for c in g if e.get(c)}
+    mesh = _ok(steps, "mesh")
+    inproc = {r["concurrency"]: r for r in best.get("rows", [])}
+    c = profile.mesh_concurrency
+    if mesh and c in inproc and inproc[c]["output_tok_per_s"]:
+        out["served_over_in_process_tok_s"] = mesh["row"]["output_tok_per_s"] / inproc[c]["output_tok_per_s"]
+        out["served_ttft_ms"] = {k: mesh["row"]["ttft_ms"].get(k) for k in ("p50", "p99")}
+    if graphs.get("c1_tokens") and eager.get("c1_tokens"):
+        out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]
+    naive = _ok(steps, "hf_naive")
+    if naive.get("c1_tokens") and best.get("c1_tokens"):
+        # Informational: random bf16 weights have near-tied logits, where kernels may part ways.
+        out["c1_first_diff_vs_hf_naive"] = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+            for x, y in zip(best["c1_tokens"], naive["c1_tokens"], strict=False)
+        ]
+    if naive and 1 in inproc:
+        out["c1_engine_over_hf_naive_tok_s"] = (
+            inproc[1]["output_tok_per_s"] / naive["row"]["output_tok_per_s"]
+        )
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
+    p.add_argument("--out", default="bench/results/gpu.json")
+    p.add_argument("--work", default="", help="models and step files (default: a fresh temp dir)")
+    p.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset, in kit order")
+    p.add_argument("--inline", action="store_true", help="run the steps in this process (no isolation)")
+    # Internal: one step in a child process (run_step_isolated).
+    p.add_argument("--step", default="", help=argparse.SUPPRESS)
+    p.add_argument("--part", default="", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(argv)
+    profile = PROFILES[args.profile]
+    work = Path(args.work or tempfile.mkdtemp(prefix="meshserve-gpu-kit-"))
+    if args.step:
+        ctx = StepContext(profile, work, args.deadline, Path(args.part))
+        record = run_step_here(args.step, ctx)
+        write_json(Path(args.part), record)
+        if "traceback" in record:
+            print(record["traceback"], file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Now, without waiting for threads a failed step may have left running (engine, mesh).
+        os._exit(0 if record["status"] in ("ok", "skipped") else 1)
+    unknown = [s for s in args.steps.split(",") if s not in STEPS]
+    if unknown:
+        raise SystemExit(f"--steps: unknown {unknown}; known: {', '.join(STEPS)}")
+    chosen = [s for s in STEPS if s in args.steps.split(",")]
+    report = run_kit(profile, work, Path(args.out), chosen, args.inline)
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

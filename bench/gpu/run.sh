@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs the GPU kit on a GPU host, in one command, in the root of a copy of this repo that
+# carries .gpu-kit/ and meshserve/ (bench/gpu/prepare.sh makes both and prints the call).
+# Installs the carried wheels, unpacks redis-server, runs `python -m bench.gpu.kit` within
+# its budget and leaves bench/results/gpu.json, plus run.log and the step and service logs
+# under $OUT (the device tool's return folder; bench/results/gpu_out without one).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-bench/results/gpu_out}
+KIT=.gpu-kit
+PY=${PYTHON:-python3}
+SITE=/tmp/meshserve-gpu-site
+REDIS_ROOT=/tmp/meshserve-redis
+WORK=/tmp/meshserve-gpu-kit
+# The mesh's log folders (tempfile.mkdtemp) land here, so they can come back.
+export TMPDIR=/tmp/meshserve-gpu-tmp
+mkdir -p "$OUT" "$TMPDIR" "$WORK"
+exec > >(tee -a "$OUT/run.log") 2>&1
+echo "run.sh: $(date -u +%FT%TZ) on $(hostname), $(nproc) CPUs"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "run.sh: no nvidia-smi"
+
+for need in "$KIT/wheels" "$KIT/debs" meshserve/v1/worker_pb2.py; do
+  [ -e "$need" ] || { echo "run.sh: $need missing: run bench/gpu/prepare.sh and carry .gpu-kit and meshserve"; exit 2; }
+done
+
+# The host's python3 lives in a venv of its own (torch, CUDA): a venv made from it would not
+# see its packages, so the carried wheels go to a folder on PYTHONPATH, ahead of the host's
+# (grpcio and protobuf at the versions our stubs were generated with).
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/wheels/*.whl \
+  || { echo "run.sh: wheel install failed"; exit 3; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# redis-server from its Debian package, with its own libraries only for itself.
+for deb in "$KIT"/debs/*.deb; do dpkg -x "$deb" "$REDIS_ROOT"; done
+mkdir -p "$REDIS_ROOT/bin"
+cat >"$REDIS_ROOT/bin/redis-server" <<EOF
+#!/bin/sh
+LD_LIBRARY_PATH=$REDIS_ROOT/usr/lib/x86_64-linux-gnu exec $REDIS_ROOT/usr/bin/redis-server "\$@"
+EOF
+chmod +x "$REDIS_ROOT/bin/redis-server"
+export PATH="$REDIS_ROOT/bin:$PATH"
+redis-server --version || LD_LIBRARY_PATH=$REDIS_ROOT/usr/lib/x86_64-linux-gnu ldd "$REDIS_ROOT/usr/bin/redis-check-rdb"
+
+"$PY" - <<'EOF' || echo "run.sh: an import failed (the kit records what it breaks)"
+import fastapi, grpc, grpc_health, llguidance, opentelemetry.sdk, redis, torch, transformers, triton, uvicorn
+import meshserve.v1.worker_pb2
+print("run.sh: imports ok; torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      "| transformers", transformers.__version__, "| triton", triton.__version__, "| grpc", grpc.__version__)
+EOF
+
+export PYTHONUNBUFFERED=1
+# The kit keeps its own budget (420 s) and writes the JSON after every step; this is the backstop.
+timeout -k 10 450 "$PY" -m bench.gpu.kit --profile "${KIT_PROFILE:-gpu}" --out bench/results/gpu.json --work "$WORK"
+echo "run.sh: kit exit code $?"
+
+cp bench/results/gpu.json "$OUT/" 2>/dev/null || echo "run.sh: no gpu.json was written"
+tar -czf "$OUT/logs.tar.gz" bench/results/gpu_logs "$WORK"/parts "$TMPDIR"/meshserve-bench-logs-* 2>/dev/null
+"$PY" -c "import json; r = json.load(open('bench/results/gpu.json')); print(json.dumps({k: r[k] for k in ('env', 'summary', 'wall_s')}, indent=1)); print({n: s['status'] for n, s in r['steps'].items()})" || true
+sleep 1  # lets tee write the last lines to run.log

@@ -1,0 +1,276 @@
+"""The steps of the GPU kit (bench.gpu.kit): each fills ``ctx.record`` with its figures
+and raises :class:`~bench.gpu.kit.Skip` for what cannot run on this device."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine_bench import (
+    Workload,
+    bench_hf_naive,
+    bench_mesh,
+    engine_generate_fn,
+    load_hf_model,
+    make_workload,
+    run_generate_workload,
+    warm_up,
+)
+from bench.gpu.context import Skip, StepContext
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+
+BLOCK_SIZE = 16
+ARCHS = ("Llama", "Qwen3", "Gemma 3")  # devtools.arch_matrix names: plain, QK norm, sliding window
+NEW_TOKENS = 12
+# Prompt lengths of the correctness requests, run together: 7 decode rows pad to a bucket of
+# 8, and the longest outgrows Gemma 3's window of 8 and spans several KV blocks.
+CORRECTNESS_PROMPTS = (3, 9, 17, 33, 40, 5, 26)
+
+
+def _cuda(ctx: StepContext) -> bool:
+    return ctx.profile.device.startswith("cuda")
+
+
+# ------------------------------------------------------------------ build
+def build(ctx: StepContext) -> None:
+    """The bench model (random weights) and a word-level tokenizer of its vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    p = ctx.profile
+    cfg = LlamaConfig(
+        vocab_size=p.vocab,
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        max_position_embeddings=p.max_model_len,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,  # as Llama-3.2-1B
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    start = time.monotonic()
+    torch.manual_seed(0)
+    with torch.device(p.device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, p.dtype))
+    model.save_pretrained(ctx.model_dir)
+    _save_tokenizer(ctx.model_dir, p.vocab)
+    ctx.record("parameters", sum(t.numel() for t in model.parameters()))
+    ctx.record("weight_bytes", sum(t.numel() * t.element_size() for t in model.parameters()))
+    ctx.record("build_s", round(time.monotonic() - start, 2))
+
+
+def _save_tokenizer(model_dir: str, vocab: int) -> None:
+    """One word per id ("t0", "t1", ...): the mesh's tokenizer and detokenizer need one that
+    covers the model's vocabulary; the bench sends token ids, so its text is never read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(model_dir)
+
+
+# ------------------------------------------------------------ correctness
+def _greedy_reference(model: Any, prompt: list[int], device: str) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine_greedy(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+    """All prompts at once through a fresh engine: their tokens, and its CUDA graph counters."""
+    engine = LLMEngine(config)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return [got[str(i)] for i in range(len(prompts))], _graph_stats(engine)
+
+
+def _graph_stats(engine: LLMEngine) -> dict[str, Any]:
+    """The CUDA graph counters of the engine's runner, or why it has none."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {"disabled": engine.runner.graphs_note, "engine_steps": engine.num_steps}
+    return {**graphs.stats(), "engine_steps": engine.num_steps}  # replays / engine_steps: decode-only share
+
+
+def correctness(ctx: StepContext) -> None:
+    """Engine greedy tokens == transformers ``generate`` per architecture, graphs off / on."""
+    from transformers import AutoModelForCausalLM
+
+    from devtools.arch_matrix import CASES, build_config
+
+    device, cuda = ctx.profile.device, _cuda(ctx)
+    results: dict[str, Any] = {}
+    for name in ARCHS:
+        case = next(c for c in CASES if c.name == name)
+        path = ctx.work / "arch" / name.replace(" ", "_")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(path)
+        ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+        ref = ref.to(device).eval()
+        gen = torch.Generator().manual_seed(1)
+        vocab = int(ref.config.vocab_size)
+        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in CORRECTNESS_PROMPTS]
+        expected = [_greedy_reference(ref, p, device) for p in prompts]
+        case_out: dict[str, Any] = {}
+        for graphs in (False, True):
+            label = "graphs" if graphs else "eager"
+            if graphs and not cuda:
+                case_out[label] = {"skipped": "CUDA graphs need CUDA"}
+                continue
+            config = EngineConfig(
+                model_dir=str(path), block_size=BLOCK_SIZE, num_kv_blocks=64, dtype="float32", device=device,
+                attention_backend="triton" if cuda else "auto", max_num_batched_tokens=64, cuda_graphs=graphs,
+            )  # fmt: skip
+            got, stats = _engine_greedy(config, prompts)
+            case_out[label] = {
+                "match": got == expected,
+                "matching_requests": sum(map(list.__eq__, got, expected)),
+            }
+            case_out[label]["cuda_graphs"] = stats
+        results[name] = case_out
+        ctx.record("archs", results)
+    ran = [v["match"] for case in results.values() for v in case.values() if "match" in v]
+    ctx.record("all_match", bool(ran) and all(ran))
+    ctx.record("requests_per_case", len(CORRECTNESS_PROMPTS))
+
+
+# ---------------------------------------------------------------- roofline
+def roofline(ctx: StepContext) -> None:
+    """Copy bandwidth (read + write bytes per second) and the decode step's floor."""
+    mb = ctx.profile.copy_mb
+    src = torch.empty(mb << 20, dtype=torch.uint8, device=ctx.profile.device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if _cuda(ctx):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    best = min(times[2:])  # after two warm-ups
+    bandwidth = 2 * src.numel() / best
+    weight_bytes = sum(f.stat().st_size for f in Path(ctx.model_dir).glob("*.safetensors"))
+    if not weight_bytes:
+        raise RuntimeError("no bench model: the build step did not run")
+    ctx.record("copy_bytes", src.numel())
+    ctx.record("copy_read_write_gb_per_s", bandwidth / 1e9)
+    ctx.record("weight_bytes", weight_bytes)
+    ctx.record("decode_floor_ms", weight_bytes / bandwidth * 1000)
+
+
+# ------------------------------------------------------------------ engine
+def _engine_config(ctx: StepContext, cuda_graphs: bool) -> EngineConfig:
+    p = ctx.profile
+    return EngineConfig(
+        model_dir=ctx.model_dir,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=p.kv_cache_mb << 20,
+        max_num_seqs=max(p.concurrencies),
+        max_num_batched_tokens=p.max_batch_tokens,
+        max_model_len=p.max_model_len,
+        dtype=p.dtype,
+        device=p.device,
+        cuda_graphs=cuda_graphs,
+    )
+
+
+def _workload(ctx: StepContext, num_requests: int, seed: int = 0) -> Workload:
+    p = ctx.profile
+    return make_workload(ctx.model_dir, num_requests, p.prompt_len, p.output_len, seed)
+
+
+def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
+    p = ctx.profile
+    start = time.monotonic()
+
+    async def run(engine: AsyncLLMEngine) -> None:
+        engine.start()
+        ctx.record("warm_up", await warm_up(engine, _workload(ctx, 5, seed=99)))
+        ctx.record("load_s", round(time.monotonic() - start, 2))
+        ctx.record("model_info", asdict(engine.model_info))
+        ctx.record("cuda_graphs", _graph_stats(engine.engine))  # updated at the end
+        rows: list[dict[str, Any]] = []
+        for c in p.concurrencies:
+            if ctx.left_s() < 10:
+                ctx.record("cut_short", f"time box reached before c={c}")
+                break
+            workload = _workload(ctx, p.num_requests(c), seed=c)
+            row, timings = await run_generate_workload(
+                engine_generate_fn(engine, f"c{c}"), workload, c, "meshserve"
+            )
+            rows.append(asdict(row))
+            ctx.record("rows", rows)
+            if c == 1:  # greedy tokens, compared with the other steps' in the summary
+                ctx.record("c1_tokens", [t.tokens for t in timings])
+        ctx.record("cuda_graphs", _graph_stats(engine.engine))
+        await engine.shutdown()
+
+    asyncio.run(run(AsyncLLMEngine(_engine_config(ctx, cuda_graphs))))
+    gc.collect()
+
+
+def engine_graphs(ctx: StepContext) -> None:
+    """The engine in-process at every concurrency, decode steps on CUDA graphs."""
+    if not _cuda(ctx):
+        raise Skip("CUDA graphs need CUDA (engine_eager has the in-process figures)")
+    _engine_rows(ctx, cuda_graphs=True)
+
+
+def engine_eager(ctx: StepContext) -> None:
+    """The engine in-process at every concurrency, every step eager."""
+    _engine_rows(ctx, cuda_graphs=False)
+
+
+# -------------------------------------------------------------------- mesh
+def mesh(ctx: StepContext) -> None:
+    """Gateway -> scheduler -> one decoder on this device, over loopback, at one concurrency."""
+    p = ctx.profile
+    c = p.mesh_concurrency
+    args = argparse.Namespace(model_dir=ctx.model_dir, max_batch_tokens=p.max_batch_tokens)
+    env = (
+        ("MESHSERVE_DEVICE", p.device),
+        ("MESHSERVE_DTYPE", p.dtype),
+        ("MESHSERVE_KV_CACHE_MEMORY_MB", str(p.kv_cache_mb)),
+        ("MESHSERVE_MAX_MODEL_LEN", str(p.max_model_len)),
+    )
+    start = time.monotonic()
+    (row,) = bench_mesh(args, _workload(ctx, p.num_requests(c), seed=c), [c], extra_env=env)
+    ctx.record("row", asdict(row))
+    ctx.record("with_start_s", round(time.monotonic() - start, 2))
+
+
+# ---------------------------------------------------------------- hf_naive
+def hf_naive(ctx: StepContext) -> None:
+    """transformers ``generate`` one request at a time (sdpa attention, the profile's dtype)."""
+    model = load_hf_model(ctx.model_dir, ctx.profile.dtype).to(ctx.profile.device)
+    workload = _workload(ctx, ctx.profile.naive_requests, seed=1)  # the engine's first c=1 prompts
+    bench_hf_naive(model, Workload(workload.prompts[:1], 2), 1)  # warm-up
+    row, timings = bench_hf_naive(model, workload, ctx.profile.naive_requests)
+    ctx.record("row", asdict(row))
+    ctx.record("c1_tokens", [t.tokens for t in timings])

@@ -1,0 +1,334 @@
+"""P/D disaggregation benchmark: 1 prefill + 1 decode worker vs 2 colocated decoders, the
+same two cores both ways, under short streaming chats while long prompts keep arriving.
+
+    python -m bench.pd_bench [--model-dir DIR] [--rounds 3 --duration-s 60]
+        [--chats 8 --chat-prompt 64 --chat-tokens 64]
+        [--long-prompt 2000 --long-every-s 4 --long-tokens 8]
+        [--pd-min-prompt-tokens 512] [--out bench/results/pd_bench.json]
+
+Modes, each a fresh mesh (services.launcher.Mesh: Redis, gateway, tokenizer, scheduler, two
+engine workers, one torch thread each):
+
+* ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); prompts with at least
+  ``--pd-min-prompt-tokens`` uncached tokens are prefilled on the prefill worker and their
+  KV pulled by the decoder;
+* ``colocated``: ``decoder-0`` + ``decoder-1``, each prefilling its own prompts.
+
+Each worker process (every thread of it) is pinned to one core with sched_setaffinity:
+the first worker to the first allowed CPU, the second to the second. The gateway,
+tokenizer, scheduler and this client are not pinned.
+
+Workload per round (``--duration-s``): ``--chats`` closed-loop clients each send short
+streaming completions (``--chat-prompt`` random token ids, ``--chat-tokens`` output) back
+to back; meanwhile one long prompt (``--long-prompt`` random token ids, ``--long-tokens``
+output) starts every ``--long-every-s`` seconds. Every prompt is fresh random ids with a
+round-unique cache salt, so no prefix cache helps either mode. Reported per mode and
+round: the chats' TTFT and inter-token latency (gap between streamed chunks) p50/p99, the
+long prompts' TTFT p50/p99, output tokens/s, requests completed and failed; then the
+median of the rounds. The JSON (``--out``) records the command and the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "pd_bench.json"
+DEFAULT_MODEL = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+MODES = ("pd", "colocated")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_dir: str
+    rounds: int = 3
+    duration_s: float = 60.0
+    chats: int = 8
+    chat_prompt: int = 64
+    chat_tokens: int = 64
+    long_prompt: int = 2000
+    long_every_s: float = 4.0
+    long_tokens: int = 8
+    pd_min_prompt_tokens: int = 512
+    max_num_batched_tokens: int = 512
+    kv_cache_memory_mb: int = 512
+
+
+@dataclass
+class Result:
+    """One request: TTFT, the gaps between its streamed chunks (per token), its tokens."""
+
+    kind: str  # "chat" | "long"
+    ttft: float
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def pin_process(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` on ``cpu`` (threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def start_mesh(config: BenchConfig, mode: str) -> Mesh:
+    workers = {"pd": (1, 1), "colocated": (2, 0)}[mode]
+    mesh_config = MeshConfig(
+        model_dir=config.model_dir,
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        prefill_base_port=free_port(),
+        num_decoders=workers[0],
+        num_prefill=workers[1],
+        embedding_model_dir="",
+        kv_cache_memory_mb=config.kv_cache_memory_mb,
+        log_dir=tempfile.mkdtemp(prefix=f"meshserve-pd-bench-{mode}-"),
+        metrics_ports=(("decoder-0", free_port()),),
+        extra_env=(
+            ("MESHSERVE_NUM_THREADS", "1"),
+            ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(config.max_num_batched_tokens)),
+            ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(config.pd_min_prompt_tokens)),
+        ),
+    )
+    mesh = Mesh(mesh_config).start(timeout=300)
+    cpus = sorted(os.sched_getaffinity(0))
+    engines = sorted(n for n in mesh.procs if n.startswith(("decoder-", "prefill-")))
+    for i, name in enumerate(engines):
+        pin_process(mesh.procs[name].pid, cpus[i % len(cpus)])
+    return mesh
+
+
+async def wait_workers(base_url: str, mode: str, timeout: float = 120.0) -> None:
+    """Until the gateway is healthy (for P/D, one heartbeat more: the prefill worker
+    registers on its own schedule)."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(base_url + "/health")).status_code == 200:
+                    await asyncio.sleep(2.0 if mode == "pd" else 0.0)  # prefill worker's heartbeat
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError("gateway not healthy")
+
+
+async def stream(client: httpx.AsyncClient, base_url: str, body: dict[str, Any], kind: str) -> Result:
+    start = time.perf_counter()
+    last = start
+    result: Result | None = None
+    async with client.stream("POST", base_url + "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage") and result is not None:
+                result.tokens = event["usage"]["completion_tokens"]
+            if not any(c.get("text") for c in event.get("choices", [])):
+                continue
+            now = time.perf_counter()
+            if result is None:
+                result = Result(kind, now - start)
+            else:
+                result.itls.append(now - last)
+            last = now
+    if result is None:
+        raise RuntimeError("stream ended without output")
+    return result
+
+
+def body(model: str, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
+
+
+async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, salt: str) -> dict[str, Any]:
+    rng = random.Random(salt)
+    results: list[Result] = []
+    failed = 0
+    stop_at = time.monotonic() + config.duration_s
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    async def send(kind: str, n: int, out: int) -> None:
+        nonlocal failed
+        try:
+            results.append(await stream(client, base_url, body(model, prompt(n), out, salt), kind))
+        except (httpx.HTTPError, RuntimeError):
+            failed += 1
+
+    async def chat_loop() -> None:
+        while time.monotonic() < stop_at:
+            await send("chat", config.chat_prompt, config.chat_tokens)
+
+    async def long_arrivals() -> None:
+        pending = []
+        while time.monotonic() < stop_at:
+            pending.append(asyncio.create_task(send("long", config.long_prompt, config.long_tokens)))
+            await asyncio.sleep(config.long_every_s)
+        await asyncio.gather(*pending)
+
+    limits = httpx.Limits(max_connections=config.chats + 64)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        started = time.perf_counter()
+        await asyncio.gather(long_arrivals(), *(chat_loop() for _ in range(config.chats)))
+        elapsed = time.perf_counter() - started
+    return summarize(results, failed, elapsed)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def summarize(results: list[Result], failed: int, elapsed: float) -> dict[str, Any]:
+    chats = [r for r in results if r.kind == "chat"]
+    longs = [r for r in results if r.kind == "long"]
+    itls = [gap for r in chats for gap in r.itls]
+    return {
+        "chat_ttft_ms": {"p50": pct([r.ttft for r in chats], 0.5), "p99": pct([r.ttft for r in chats], 0.99)},
+        "chat_itl_ms": {"p50": pct(itls, 0.5), "p99": pct(itls, 0.99)},
+        "long_ttft_ms": {"p50": pct([r.ttft for r in longs], 0.5), "p99": pct([r.ttft for r in longs], 0.99)},
+        "output_tok_s": sum(r.tokens for r in results) / elapsed,
+        "completed": {"chat": len(chats), "long": len(longs)},
+        "failed": failed,
+        "seconds": elapsed,
+    }
+
+
+def median_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of every number over the rounds (same shape as one round)."""
+
+    def merge(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            return {k: merge([v[k] for v in values]) for k in values[0]}
+        return statistics.median(values)
+
+    return dict(merge(rounds))
+
+
+def vocab_size(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)
+    return int(text["vocab_size"])
+
+
+def run_mode(config: BenchConfig, mode: str) -> dict[str, Any]:
+    mesh = start_mesh(config, mode)
+    try:
+        base_url = mesh.gateway_url
+        asyncio.run(wait_workers(base_url, mode))
+        model = Path(config.model_dir).name
+        vocab = vocab_size(config.model_dir)
+        rounds = []
+        for i in range(config.rounds):
+            summary = asyncio.run(run_round(config, base_url, model, vocab, f"{mode}-{i}-{time.time()}"))
+            print(f"{mode} round {i}: {json.dumps(summary)}", flush=True)
+            rounds.append(summary)
+        return {"rounds": rounds, "median": median_summary(rounds), "decoder_0_kv_transfers": transfers(mesh)}
+    finally:
+        mesh.stop()
+
+
+def transfers(mesh: Mesh) -> dict[str, float]:
+    """decoder-0's hand-offs by outcome, fallbacks by reason (P/D took place or not) and the
+    mean seconds of a hand-off's phases (prefill call, pull)."""
+    port = mesh.specs["decoder-0"].env["MESHSERVE_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("meshserve_worker_kv_transfers", "meshserve_worker_kv_transfer_fallbacks"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    label = sample.labels.get("outcome") or "fallback_" + sample.labels.get("reason", "")
+                    out[label] = sample.value
+        if family.name == "meshserve_worker_kv_transfer_seconds":  # mean seconds per phase
+            sums = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_sum")}
+            counts = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_count")}
+            for phase, total in sums.items():
+                out[f"mean_{phase}_s"] = total / counts[phase] if counts.get(phase) else 0.0
+    return out
+
+
+def parse(argv: Sequence[str]) -> tuple[BenchConfig, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default=str(DEFAULT_MODEL))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    defaults = BenchConfig(model_dir="")
+    for name, value in asdict(defaults).items():
+        if name != "model_dir":
+            parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    out = Path(args.pop("out"))
+    return BenchConfig(**args), out
+
+
+def main(argv: Sequence[str]) -> None:
+    config, out = parse(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        print("note: fewer than 2 CPUs allowed: both workers share one core", file=sys.stderr)
+    results = {mode: run_mode(config, mode) for mode in MODES}
+    report = {
+        "command": "python -m bench.pd_bench " + " ".join(argv),
+        "config": asdict(config),
+        "host": {
+            "cpu_model": cpu_model(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "platform": platform.platform(),
+        },
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

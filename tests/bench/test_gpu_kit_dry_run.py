@@ -1,0 +1,77 @@
+"""The GPU kit (bench/gpu) dry run on CPU: the same steps with tiny shapes, so the kit
+cannot rot before a GPU host runs it. CUDA-only parts (graphs) are skipped with a reason;
+every step that runs must leave real figures in the JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.gpu.context import PROFILES
+from bench.gpu.kit import STEPS, run_kit
+from bench.gpu.steps import ARCHS
+
+DRY = PROFILES["cpu-dry-run"]
+
+
+def _rows_ok(rows: list[dict], concurrencies: tuple[int, ...]) -> None:
+    assert [r["concurrency"] for r in rows] == list(concurrencies)
+    for row in rows:
+        assert row["output_tokens"] == DRY.num_requests(row["concurrency"]) * DRY.output_len
+        assert row["output_tok_per_s"] > 0 and row["tpot_ms"]["p50"] > 0 and row["ttft_ms"]["p50"] > 0
+
+
+def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
+    steps = [s for s in STEPS if s != "mesh"]  # the mesh's five processes: test_dry_run_mesh (slow)
+    run_kit(DRY, tmp_path / "work", tmp_path / "gpu.json", steps, inline=True)
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    got = report["steps"]
+    assert {name: got[name]["status"] for name in steps} == {
+        "build": "ok",
+        "correctness": "ok",
+        "roofline": "ok",
+        "engine_graphs": "skipped",
+        "engine_eager": "ok",
+        "hf_naive": "ok",
+    }, {name: got[name].get("error") for name in steps}
+    assert "CUDA" in got["engine_graphs"]["reason"]
+    assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
+    for case in got["correctness"]["archs"].values():
+        assert case["eager"]["match"] and "CUDA" in case["graphs"]["skipped"]
+    roof = got["roofline"]
+    assert roof["copy_read_write_gb_per_s"] > 0
+    assert got["build"]["weight_bytes"] <= roof["weight_bytes"] < got["build"]["weight_bytes"] * 1.01
+    _rows_ok(got["engine_eager"]["rows"], DRY.concurrencies)
+    assert got["hf_naive"]["row"]["output_tokens"] == DRY.naive_requests * DRY.output_len
+    summary = report["summary"]
+    assert summary["correctness_all_match"] is True
+    assert summary["c1_tpot_over_roofline_eager"] > 0 and summary["c1_engine_over_hf_naive_tok_s"] > 0
+    # float32 on CPU: the engine's greedy tokens are transformers' (the comparison works).
+    assert summary["c1_first_diff_vs_hf_naive"] == [None] * DRY.naive_requests
+    assert report["env"]["commit"] and report["env"]["packages"]["torch"] != "absent"
+    assert report["profile"]["name"] == "cpu-dry-run"
+
+
+def test_isolated_steps_record_failures_and_time_boxes(tmp_path: Path) -> None:
+    # No build step: roofline finds no model and fails in its own process; build, given a
+    # one-second box, is killed there. Both leave a record, and the JSON is written.
+    boxed = replace(DRY, step_s={**DRY.step_s, "build": 1})
+    run_kit(boxed, tmp_path / "work", tmp_path / "gpu.json", ["build", "roofline"])
+    got = json.loads((tmp_path / "gpu.json").read_text())["steps"]
+    assert got["build"]["status"] == "timeout" and "time box" in got["build"]["error"]
+    assert got["roofline"]["status"] == "failed"
+    assert "no bench model" in got["roofline"]["error"] and "no bench model" in got["roofline"]["log_tail"]
+
+
+@pytest.mark.slow
+def test_dry_run_mesh(tmp_path: Path) -> None:
+    run_kit(DRY, tmp_path / "work", tmp_path / "gpu.json", ["build", "engine_eager", "mesh"], inline=True)
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    mesh = report["steps"]["mesh"]
+    assert mesh["status"] == "ok", mesh.get("error")
+    _rows_ok([mesh["row"]], (DRY.mesh_concurrency,))
+    assert report["summary"]["served_over_in_process_tok_s"] > 0
+    assert report["summary"]["served_ttft_ms"]["p99"] >= report["summary"]["served_ttft_ms"]["p50"] > 0

@@ -1,0 +1,195 @@
+"""P/D disaggregation end to end: real processes (gateway, tokenizer, scheduler, one decoder,
+one prefill worker, Redis), the official `openai` client. Long uncached prompts are
+prefilled on the prefill worker and their KV pulled by the decoder; greedy output equals
+the in-process engine's token for token (text prompts, prompts partly cached on the
+decoder, prompts longer than the chunk size); a corrupted block and a prefill worker
+killed under load cost no request and no token; no KV block stays in use on either side."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from services.launcher import Mesh, MeshConfig
+from services.redis_client import RedisServer, free_port
+from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
+from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.kv_grpc import FAULT_ENV
+
+WORKERS = ["decoder-0", "prefill-0"]
+MAX_TOKENS = 12
+CHUNK = 32  # max_num_batched_tokens of both workers: longer prompts are prefilled in chunks
+PD_MIN = 24  # the scheduler's pd_min_prompt_tokens
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+
+def text(seed: int, words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+
+
+@pytest.fixture(scope="module")
+def pd(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedMesh]:
+    config = MeshConfig(
+        model_dir=str(model_dir),
+        gateway_port=free_port(),
+        tokenizer_port=free_port(),
+        scheduler_port=free_port(),
+        encoder_cache_port=free_port(),
+        decoder_base_port=free_port(),
+        prefill_base_port=free_port(),
+        num_decoders=1,
+        num_prefill=1,
+        embedding_model_dir="",
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("pd-mesh-logs")),
+        kv_cache_memory_mb=16,
+        metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
+        extra_env=(
+            ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(PD_MIN)),
+            ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),
+            ("MESHSERVE_NUM_THREADS", "1"),
+        ),
+    )
+    mesh = SharedMesh(Mesh(config).start(timeout=180))
+    try:
+        wait_gateway_healthy(mesh.gateway_url, 60)
+        wait_prefill_registered(mesh)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def wait_prefill_registered(mesh: SharedMesh, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while "prefill-0" not in mesh.healthy_decoders(max_heartbeat_age_s=1.0) or not mesh.alive("prefill-0"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefill-0 not registered")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def client(pd: SharedMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pd.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> LLMEngine:
+    """The worker's engine in this process, unchunked, no P/D: what every answer must equal."""
+    return LLMEngine(
+        EngineConfig(model_dir=str(model_dir), dtype=os.environ["MESHSERVE_DTYPE"], num_kv_blocks=256)
+    )
+
+
+def expected(engine: LLMEngine, ids: list[int]) -> list[int]:
+    engine.add_request("ref", ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+def complete(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, int]:
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
+    return reply.choices[0].text, reply.usage.prompt_tokens
+
+
+def check(client: openai.OpenAI, model: str, engine: LLMEngine, tokenizer: object, prompt: str) -> int:
+    """One greedy completion through the mesh equals the reference; returns its prompt length."""
+    ids = tokenizer.encode(prompt)  # type: ignore[attr-defined]
+    got, prompt_tokens = complete(client, model, prompt)
+    assert prompt_tokens == len(ids)
+    assert got == tokenizer.decode(expected(engine, ids), skip_special_tokens=True)  # type: ignore[attr-defined]
+    return len(ids)
+
+
+def count(mesh: SharedMesh, name: str, metric: str, **labels: str) -> float:
+    return mesh.metric(name, metric, **labels)
+
+
+def test_pd_greedy_equals_one_engine(
+    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
+    sent = count(pd, "prefill-0", "meshserve_worker_kv_transfer_bytes_total", direction="sent")
+    long_prompt = text(1, 60)
+    assert check(client, model_name, reference, tokenizer, long_prompt) > 2 * CHUNK  # chunked on P
+    # Partly in the decoder's prefix cache now: only the new part is uncached (>= PD_MIN).
+    check(client, model_name, reference, tokenizer, long_prompt + " " + text(2, 40))
+    assert check(client, model_name, reference, tokenizer, text(3, 5)) < PD_MIN  # short: decoder only
+    assert count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported") == imported + 2
+    assert count(pd, "prefill-0", "meshserve_worker_kv_transfer_bytes_total", direction="sent") > sent
+    assert count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="fallback") == 0
+    pd.wait_kv_idle(timeout=30, names=WORKERS)
+
+
+def test_corrupted_block_falls_back_with_the_same_output(
+    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = pd.mesh.specs["decoder-0"]
+    faulty = dataclasses.replace(spec, env={**spec.env, FAULT_ENV: "corrupt"})
+    try:
+        pd.mesh.specs["decoder-0"] = faulty
+        pd.restart("decoder-0")
+        pd.wait_registered("decoder-0")
+        before = count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum")
+        check(client, model_name, reference, tokenizer, text(4, 70))
+        assert (
+            count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum")
+            == before + 1
+        )
+        pd.wait_kv_idle(timeout=30, names=WORKERS)
+    finally:
+        pd.mesh.specs["decoder-0"] = spec
+        pd.restart("decoder-0")
+        pd.wait_registered("decoder-0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill9_prefill_worker_under_load_fails_no_request(
+    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+) -> None:
+    """16 concurrent long prompts; the prefill worker is killed (-9) while they run: every
+    request still answers with the reference's tokens (its decoder prefills itself)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [text(10 + i, 50) for i in range(24)]
+    wanted = {
+        p: tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)
+        for p in prompts
+    }
+
+    def one(prompt: str) -> str:
+        return complete(client, model_name, prompt)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        time.sleep(1.0)
+        pd.kill("prefill-0")
+        answers = [f.result() for f in futures]
+    assert answers == [wanted[p] for p in prompts]
+    assert count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="fallback") > 0
+    pd.wait_kv_idle(timeout=30, names=["decoder-0"])
+    pd.restart("prefill-0")
+    wait_prefill_registered(pd)
+    pd.wait_kv_idle(timeout=30, names=WORKERS)

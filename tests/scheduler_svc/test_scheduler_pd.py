@@ -1,0 +1,120 @@
+"""P/D routing over real gRPC with fake workers: a long uncached text prompt gets a prefill
+worker of the decoder's KV layout (least loaded) named in the route; short, cached, image
+or prompt-logprobs requests and incompatible prefill workers do not; the prefill lease
+ends with the decode lease on every path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
+from tests.scheduler_svc.conftest import RunningScheduler
+from tests.scheduler_svc.route_client import release_counted
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = kv_transfer_pb2.KvLayout(
+    model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4
+)
+OTHER = kv_transfer_pb2.KvLayout(
+    model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4
+)
+LONG = list(range(10, 30))  # 20 tokens: 4 full blocks of 4 the decoder can cache
+
+
+async def pd_mesh(start_scheduler: Any, start_worker: Any, **prefill_kwargs: Any) -> RunningScheduler:
+    sched = await start_scheduler(pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30)
+    await start_worker("d1", sched, kv_layout=LAYOUT)
+    await start_worker(
+        "p1", sched, role="prefill", kv_layout=prefill_kwargs.pop("layout", LAYOUT), **prefill_kwargs
+    )
+    return sched
+
+
+async def test_long_prompt_gets_a_prefill_worker_and_both_leases_end_together(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await pd_mesh(start_scheduler, start_worker)
+    await start_worker("p2", sched, role="prefill", kv_layout=LAYOUT)
+    route = await sched.route(LONG)
+    assert route.worker_id == "d1", "a prefill worker is never the decoder"
+    assert route.HasField("kv_source")
+    source = route.kv_source
+    assert source.worker_id in ("p1", "p2") and source.transfer_id and source.lease_id
+    assert sched.inflight(source.worker_id) == 1
+    # The next one goes to the other, less loaded, prefill worker.
+    second = await sched.route(list(range(40, 60)))
+    assert second.kv_source.worker_id not in ("", source.worker_id)
+    assert sched.lease_ids() == {route.lease_id, source.lease_id, second.lease_id, second.kv_source.lease_id}
+    assert await sched.release(route.lease_id) == 1
+    assert sched.inflight(source.worker_id) == 0, "the prefill lease ended with the decode lease"
+    assert sched.lease_ids() == {second.lease_id, second.kv_source.lease_id}
+    assert await sched.release(second.lease_id) == 1
+    assert sched.lease_ids() == set()
+
+
+async def test_short_cached_image_and_logprob_requests_stay_on_the_decoder(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await pd_mesh(start_scheduler, start_worker)
+    short = await sched.route(list(range(10, 20)))  # 10 tokens < 12
+    assert not short.HasField("kv_source")
+    first = await sched.route(LONG)
+    assert first.HasField("kv_source")
+    # 16 of the 20 tokens are now (speculatively) cached on d1: 4 uncached < 12.
+    again = await sched.route(LONG)
+    assert again.predicted_cached_tokens == 16 and not again.HasField("kv_source")
+    sampling = common_pb2.SamplingParams(max_tokens=4, prompt_logprobs=1)
+    logprobs = await sched.route(list(range(100, 130)), sampling=sampling)
+    assert not logprobs.HasField("kv_source")
+    for lease in (short, first, again, logprobs):
+        await sched.release(lease.lease_id)
+    assert sched.lease_ids() == set() and sched.inflight("p1") == 0
+
+
+async def test_incompatible_or_missing_prefill_worker_means_no_hand_off(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await pd_mesh(start_scheduler, start_worker, layout=OTHER)
+    route = await sched.route(LONG)
+    assert not route.HasField("kv_source"), "a bf16 prefill worker never serves a float32 decoder"
+    await sched.release(route.lease_id)
+    off = await start_scheduler(lease_ttl_s=30, pd_min_prompt_tokens=0)  # P/D off
+    await start_worker("d2", off, kv_layout=LAYOUT)
+    await start_worker("p3", off, role="prefill", kv_layout=LAYOUT)
+    plain = await off.route(LONG)
+    assert plain.worker_id == "d2" and not plain.HasField("kv_source")
+
+
+async def test_prefill_worker_down_ends_only_its_lease(start_scheduler: Any, start_worker: Any) -> None:
+    sched = await start_scheduler(pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30)
+    await start_worker("d1", sched, kv_layout=LAYOUT)
+    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    route = await sched.route(LONG)
+    assert route.kv_source.worker_id == "p1"
+    await prefill.kill()
+    for _ in range(100):
+        if route.kv_source.lease_id not in sched.lease_ids():
+            break
+        await asyncio.sleep(0.05)
+    assert sched.lease_ids() == {route.lease_id}, "the decode lease lives on (the decoder falls back)"
+    later = await sched.route(list(range(40, 60)))
+    assert not later.HasField("kv_source")
+    assert await sched.release(route.lease_id, later.lease_id) == 2
+
+
+async def test_release_with_outcome_ends_both_leases(start_scheduler: Any, start_worker: Any) -> None:
+    """The gateway's usual release carries the request's outcome (actual cached tokens):
+    its decode lease and the linked prefill lease end, the stream stays up."""
+    sched = await pd_mesh(start_scheduler, start_worker)
+    route = await sched.route(LONG)
+    assert route.HasField("kv_source")
+    outcome = scheduler_pb2.LeaseOutcome(lease_id=route.lease_id, cached_tokens=16, prompt_tokens=len(LONG))
+    assert await release_counted(sched.routes, sched.releases, outcomes=[outcome]) == 1
+    assert sched.lease_ids() == set() and sched.inflight("p1") == 0
+    again = await sched.route(list(range(40, 60)))  # the route stream still works
+    assert again.HasField("kv_source")
+    await sched.release(again.lease_id)

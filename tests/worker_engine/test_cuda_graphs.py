@@ -1,0 +1,190 @@
+"""CUDA graphs for decode steps (worker_svc/engine/cuda_graphs.py).
+
+On CPU the graph is replaced by its one part CPU cannot produce: the recorded kernels. The
+test capture returns the captured function itself, so each "replay" reruns the same
+forward on the same static buffers; bucket choice, padding, the scratch block, the
+per-step fill and the eager fallbacks are the real code. On CUDA the last test captures
+real graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.worker_engine.conftest import _ENGINES, prompts, run_all, tokens
+from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention, triton_attention
+from worker_svc.engine.attention import AttentionMetadata
+from worker_svc.engine.cuda_graphs import DecodeGraphs, attach, bucket_sizes
+
+# The graph backends this machine runs: the native CPU kernel, and the Triton kernel with
+# CUDA or under TRITON_INTERPRET=1 (test_triton_graphs_under_interpreter runs this file so).
+BACKENDS = [
+    pytest.param("cpu", marks=pytest.mark.skipif(cpu_attention.load() is None, reason="needs a C compiler")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_attention.HAS_TRITON
+            or not (torch.cuda.is_available() or triton_attention.interpreting()),
+            reason="needs triton with CUDA or TRITON_INTERPRET=1",
+        ),
+    ),
+]
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def call_again(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The CPU stand-in of a graph: replay reruns the captured function."""
+    return fn
+
+
+def _run(engine: LLMEngine, lengths: tuple[int, ...]) -> dict[str, list[int]]:
+    vocab = engine.model_info.vocab_size
+    reqs = [(f"r{i}", [t % vocab for t in p], PARAMS) for i, p in enumerate(prompts(*lengths))]
+    return {rid: tokens(outs) for rid, outs in run_all(engine, reqs).items()}
+
+
+def test_bucket_sizes() -> None:
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert bucket_sizes(64) == (1, 2, 4, *range(8, 65, 8))
+
+
+def test_off_on_cpu(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine()
+    assert engine.config.cuda_graphs  # on by default, a no-op without CUDA
+    assert engine.runner.graphs is None and "need CUDA" in engine.runner.graphs_note
+
+
+@pytest.mark.parametrize("lengths", [(5, 17, 3, 30, 9), (12,)], ids=["5-seqs", "1-seq"])
+def test_replayed_decode_equals_eager(
+    make_engine: Callable[..., LLMEngine], lengths: tuple[int, ...]
+) -> None:
+    eager = make_engine(attention_backend="cpu", max_num_seqs=6, block_size=4, max_num_batched_tokens=16)
+    expected = _run(eager, lengths)
+    engine = make_engine(attention_backend="cpu", max_num_seqs=6, block_size=4, max_num_batched_tokens=16)
+    graphs = attach(engine.runner, call_again)
+    assert graphs.buckets == (1, 2, 4, 6)
+    assert _run(engine, lengths) == expected
+    # Prefill and mixed steps ran eagerly; every decode-only step replayed, padded to its bucket.
+    assert 0 < graphs.replays < engine.stats().num_steps
+    assert (graphs.padded_rows > 0) == (len(lengths) == 5)  # 5 rows pad to 6, 3 to 4
+    # Real blocks hold the same K/V as eagerly; only the scratch block saw the padding rows.
+    scratch = engine.runner.scratch_block
+    for got, want in zip(engine.runner.kv_caches, eager.runner.kv_caches, strict=True):
+        torch.testing.assert_close(got[:, :scratch], want[:, :scratch], rtol=1e-5, atol=1e-5)
+    if graphs.padded_rows:
+        assert engine.runner.kv_caches[0][:, scratch].abs().sum() > 0
+        assert eager.runner.kv_caches[0][:, scratch].abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windowed_model_replays_like_eager(tmp_path: Any, backend: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from devtools.arch_matrix import CASES, build_config
+    from worker_svc.engine import EngineConfig
+
+    case = next(c for c in CASES if c.name == "Gemma 3")  # sliding window of 8, shorter than the prompts
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(tmp_path)
+    config = EngineConfig(
+        model_dir=str(tmp_path), block_size=4, num_kv_blocks=64, dtype="float32", max_num_seqs=4
+    )
+    eager, engine = LLMEngine(config), LLMEngine(config)
+    _ENGINES.extend((eager, engine))
+    graphs = attach(engine.runner, call_again)
+    lengths = (27, 5, 14)
+    assert _run(engine, lengths) == _run(eager, lengths)
+    assert graphs.replays > 0
+
+
+def _recording_graphs(buckets: tuple[int, ...]) -> tuple[DecodeGraphs, list[AttentionMetadata]]:
+    seen: list[AttentionMetadata] = []
+
+    def forward(meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        seen.append(meta)
+        return ids[0].float().unsqueeze(1).repeat(1, 3)  # "logits": each row's token id
+
+    graphs = DecodeGraphs(
+        forward,
+        buckets=buckets,
+        kv_caches=[],
+        block_size=4,
+        max_model_len=32,
+        scratch_block=9,
+        backend="cpu",
+        layer_windows=(),
+        device=torch.device("cpu"),
+    )
+    graphs.capture(call_again)
+    return graphs, seen
+
+
+def test_padding_rows_point_at_the_scratch_block() -> None:
+    graphs, _ = _recording_graphs((1, 4))
+    chunks = [(5, 1, [3, 7]), (0, 1, [2]), (9, 1, [1, 4, 6])]
+    logits = graphs.run(chunks, [11, 12, 13], [5, 0, 9], [0, 1, 2])
+    assert logits is not None and logits[:, 0].tolist() == [11, 12, 13]
+    assert graphs.input_ids[0, :4].tolist() == [11, 12, 13, 11]
+    assert graphs.positions[0, :4].tolist() == [5, 0, 9, 0]
+    assert graphs.slots[:4].tolist() == [7 * 4 + 1, 2 * 4, 6 * 4 + 1, 9 * 4]
+    assert graphs.lens[:4].tolist() == [6, 1, 10, 1]
+    assert graphs.tables[:4, :3].tolist() == [[3, 7, 9], [2, 9, 9], [1, 4, 6], [9, 9, 9]]
+    assert graphs.padded_rows == 1
+
+
+def test_steps_outside_the_buckets_fall_back() -> None:
+    graphs, _ = _recording_graphs((1, 2))
+    decode = [(4, 1, [0, 1]), (2, 1, [2]), (3, 1, [3])]
+    assert graphs.run(decode, [1, 2, 3], [4, 2, 3], [0, 1, 2]) is None  # 3 > largest bucket
+    assert graphs.oversize == 1
+    assert graphs.run([(0, 2, [0])], [1, 2], [0, 1], [1]) is None  # a prefill chunk
+    assert graphs.run([(4, 1, [0, 1])], [1], [4], []) is None  # a row not sampled
+    assert graphs.replays == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+def test_triton_graphs_under_interpreter() -> None:
+    # TRITON_INTERPRET must be set before triton compiles: the triton cases run in a child.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "triton and not interpreter",
+        __file__,
+    ]
+    result = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_cuda_graphs_equal_eager(tiny_model_dir: str) -> None:
+    from worker_svc.engine import EngineConfig
+
+    kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
+    kwargs.update(device="cuda", attention_backend="triton", max_num_seqs=8)
+    eager = LLMEngine(EngineConfig(**kwargs, cuda_graphs=False))
+    engine = LLMEngine(EngineConfig(**kwargs))
+    assert engine.runner.graphs is not None, engine.runner.graphs_note
+    lengths = (5, 17, 3, 30, 9)
+    assert _run(engine, lengths) == _run(eager, lengths)
+    assert engine.runner.graphs.replays > 0

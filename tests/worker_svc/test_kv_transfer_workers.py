@@ -1,0 +1,154 @@
+"""P/D hand-off between two real workers over loopback gRPC: a decode worker whose request
+names a prefill worker (`kv_source`) has it prefill, pulls the KV (KvTransfer), imports it
+and decodes; greedy output equals the prefill-free run. Every failure (prefill worker gone,
+corrupted bytes, layout mismatch) falls back to a local prefill with the same output, is
+counted by reason, and leaves no KV block in use on either worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from meshserve.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
+from tests.worker_svc.worker_kit import generate_one, settled_load
+from worker_svc.config import WorkerConfig
+from worker_svc.kv_grpc import GrpcKvConnector
+from worker_svc.main import WorkerProcess
+
+PROMPT = [(7 * i + 3) % 200 + 5 for i in range(45)]  # 45 tokens: 11 full blocks of 4, chunked at 16
+
+
+@contextlib.asynccontextmanager
+async def worker(model_dir: Path, role: str, **config: object) -> AsyncIterator[WorkerProcess]:
+    settings: dict[str, object] = {
+        "worker_id": role,
+        "role": role,
+        "block_size": 4,
+        "kv_cache_memory_mb": 8,
+        "max_num_batched_tokens": 16,
+        "kv_transfer_timeout_s": 20.0,
+    } | config
+    process = WorkerProcess(WorkerConfig(port=0, model_dir=str(model_dir), **settings))  # type: ignore[arg-type]
+    await process.start()
+    try:
+        yield process
+    finally:
+        await process.server.server.stop(0)
+        await process.close()
+
+
+def _request(request_id: str, source: kv_transfer_pb2.KvSource | None = None) -> common_pb2.GenerateRequest:
+    request = common_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    )
+    if source is not None:
+        request.kv_source.CopyFrom(source)
+    return request
+
+
+async def _generate(address: str, request: common_pb2.GenerateRequest) -> tuple[list[int], int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        tokens: list[int] = []
+        cached = 0
+        async for reply in generate_one(worker_pb2_grpc.WorkerStub(channel), request):
+            for delta in reply.deltas:
+                tokens.extend(delta.token_ids)
+            if reply.finished:
+                cached = reply.usage.cached_tokens
+        return tokens, cached
+
+
+async def _idle(process: WorkerProcess) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{process.server.port}") as channel:
+        load = await settled_load(worker_pb2_grpc.WorkerStub(channel), timeout=20)
+    assert load.num_free_blocks == load.num_total_blocks, f"{process.config.role} leaked KV blocks"
+
+
+def _count(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _source(process: WorkerProcess | None, transfer_id: str, address: str = "") -> kv_transfer_pb2.KvSource:
+    address = address or f"127.0.0.1:{process.server.port}" if process is not None else address
+    return kv_transfer_pb2.KvSource(worker_id="prefill", address=address, transfer_id=transfer_id)
+
+
+def test_pd_hand_off_equals_local_prefill(model_dir: Path) -> None:
+    async def main() -> None:
+        async with (
+            worker(model_dir, "prefill") as p,
+            worker(model_dir, "decoder") as d,
+            worker(model_dir, "decoder", worker_id="reference") as ref,
+        ):
+            expected, _ = await _generate(f"127.0.0.1:{ref.server.port}", _request("r"))
+            imported = _count("meshserve_worker_kv_transfers_total", outcome="imported")
+            sent = _count("meshserve_worker_kv_transfer_bytes_total", direction="sent")
+            tokens, cached = await _generate(f"127.0.0.1:{d.server.port}", _request("a", _source(p, "t-a")))
+            assert tokens == expected
+            assert cached == 44, "the 11 full blocks came from the prefill worker"
+            assert _count("meshserve_worker_kv_transfers_total", outcome="imported") == imported + 1
+            assert _count("meshserve_worker_kv_transfer_bytes_total", direction="sent") > sent
+            assert not p.engine.engine.kv.held, "pull-complete released the transfer"  # type: ignore[union-attr]
+            await _idle(p)
+            await _idle(d)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault", ["gone", "corrupt", "layout"])
+def test_failed_hand_off_falls_back_with_the_same_output(model_dir: Path, fault: str) -> None:
+    """The prefill worker unreachable, a corrupted block, or another block size: the
+    decoder prefills itself, the client sees the same tokens, the reason is counted."""
+    reason = {"gone": "unavailable", "corrupt": "checksum", "layout": "layout"}[fault]
+    prefill_config: dict[str, object] = {"block_size": 8} if fault == "layout" else {}
+
+    async def main() -> None:
+        async with worker(model_dir, "prefill", **prefill_config) as p, worker(model_dir, "decoder") as d:
+            expected, _ = await _generate(f"127.0.0.1:{p.server.port}", _request("r"))
+            assert d.decoder is not None and d.decoder.kv_importer is not None
+            if fault == "corrupt":
+                d.decoder.kv_importer.connector = GrpcKvConnector(fault="corrupt")
+            address = "127.0.0.1:1" if fault == "gone" else ""
+            before = _count("meshserve_worker_kv_transfer_fallbacks_total", reason=reason)
+            tokens, _ = await _generate(f"127.0.0.1:{d.server.port}", _request("a", _source(p, "t", address)))
+            assert tokens == expected
+            assert _count("meshserve_worker_kv_transfer_fallbacks_total", reason=reason) == before + 1
+            await _idle(d)
+            for _ in range(100):  # the fallback's Release reaches the prefill worker soon after
+                if not p.engine.engine.kv.held:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.05)
+            await _idle(p)
+
+    asyncio.run(main())
+
+
+def test_pull_of_unknown_transfer_is_not_found_and_bad_prefill_is_refused(model_dir: Path) -> None:
+    async def main() -> None:
+        async with worker(model_dir, "prefill") as p:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{p.server.port}") as channel:
+                stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Pull(kv_transfer_pb2.PullRequest(transfer_id="nope")):
+                        pass
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Prefill(kv_transfer_pb2.PrefillRequest(transfer_id="x"))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "prompt_token_ids" in (err.value.details() or "")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Prefill(
+                        kv_transfer_pb2.PrefillRequest(transfer_id="x", prompt_token_ids=[10**7])
+                    )
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await _idle(p)
+
+    asyncio.run(main())

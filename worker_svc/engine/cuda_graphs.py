@@ -1,0 +1,259 @@
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed per step.
+
+A decode-only step (every chunk one new token, every row sampled) of ``n`` sequences runs
+the graph of the smallest bucket ``>= n``: the step's token ids, positions, KV slots,
+block tables and context lengths are copied into static buffers (the tensors the graph
+was captured on), the rows past ``n`` are padding, and the first ``n`` rows of the
+graph's logits are the step's. Prefill and mixed steps, steps with image rows, and
+decode steps larger than the largest bucket run eagerly.
+
+Padding rows never touch a real KV block: their slot is in the *scratch block*, one block
+past those the block manager hands out (the runner allocates it), their block table
+points only at it and their context length is 1. A real row's table is written up to the
+blocks its context covers; later columns may hold a previous step's ids, which the decode
+kernels never read (they stop at the row's context length).
+
+Capture is a parameter (:data:`Capture`): :func:`cuda_capture` records a
+``torch.cuda.CUDAGraph``; a test on CPU passes a capture that returns the function itself,
+so "replay" reruns the same forward on the same static buffers. Only the decode kernels
+that read block tables through a stride (``triton`` and the native ``cpu`` backend) take
+graphs; the torch/sdpa backends build per-step shapes and stay eager.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from worker_svc.engine.attention import AttentionMetadata, attention_context
+
+__all__ = [
+    "GRAPH_BACKENDS",
+    "Capture",
+    "DecodeGraphs",
+    "attach",
+    "bucket_sizes",
+    "cuda_capture",
+    "for_runner",
+]
+
+log = logging.getLogger(__name__)
+
+# Attention backends whose decode kernels take fixed-width block tables (see module docstring).
+GRAPH_BACKENDS = ("triton", "cpu")
+
+# Turns a forward over static buffers into its replay (which returns the same output tensor).
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+# (chunk start position, new tokens, block table) of every sequence of a step.
+Chunks = Sequence[tuple[int, int, Sequence[int]]]
+
+
+def bucket_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes that get a graph: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs``
+    (always included), so a step pads at most 7 rows."""
+    small = [b for b in (1, 2, 4) if b < max_num_seqs]
+    return tuple(sorted({*small, *range(8, max_num_seqs, 8), max_num_seqs}))
+
+
+def cuda_capture(pool: Any = None) -> Capture:
+    """Capture into a ``torch.cuda.CUDAGraph`` after two warm-up runs on a side stream
+    (lazy initialisation -- cuBLAS workspaces, Triton compiles -- must not happen inside
+    the capture). Graphs sharing ``pool`` share memory: capture the largest first."""
+
+    def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (the worker's event loop) stay legal meanwhile.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+class DecodeGraphs:
+    """Static buffers, one captured forward per bucket, and the per-step fill and replay.
+
+    ``forward(meta, input_ids [1, n], position_ids [1, n])`` returns the logits of all
+    ``n`` rows; it runs only at capture (and at every replay under a CPU test capture).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        buckets: Sequence[int],
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        scratch_block: int,
+        backend: str,
+        layer_windows: Sequence[int | None],
+        device: torch.device,
+    ) -> None:
+        if backend not in GRAPH_BACKENDS:
+            raise ValueError(
+                f"CUDA graphs need attention backend {' or '.join(GRAPH_BACKENDS)}, got {backend!r}"
+            )
+        self.forward = forward
+        self.buckets = tuple(sorted(buckets))
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.backend = backend
+        self.layer_windows = layer_windows
+        self.device = device
+        n, width = self.buckets[-1], -(-max_model_len // block_size)
+        self.input_ids = torch.zeros((1, n), dtype=torch.long, device=device)
+        self.positions = torch.zeros((1, n), dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=device)
+        self.lens = torch.ones((n,), dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.long, device=device)
+        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.replays = 0  # steps that ran a graph
+        self.padded_rows = 0  # padding rows those steps computed
+        self.oversize = 0  # decode-only steps larger than the largest bucket (eager)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata of a bucket: views of the static buffers."""
+        return AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=self.slots[:size],
+            decode_token_idx=self.rows[:size],
+            decode_block_tables=self.tables[:size],
+            decode_seq_lens=self.lens[:size],
+            backend=self.backend,
+            layer_windows=self.layer_windows,
+        )
+
+    def capture(self, capture: Capture) -> None:
+        """Captures every bucket, the largest first; the buffers hold padding meanwhile, so
+        the capture's own forwards write K/V only into the scratch block."""
+        start = time.monotonic()
+        for size in reversed(self.buckets):
+            self._replays[size] = capture(self._bucket_forward(size))
+        self.capture_s = time.monotonic() - start
+
+    def _bucket_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        meta = self.metadata(size)
+        ids, pos = self.input_ids[:, :size], self.positions[:, :size]
+        return lambda: self.forward(meta, ids, pos)
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` rows (None: more rows than the largest)."""
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def run(
+        self, chunks: Chunks, ids: list[int], positions: list[int], keep: list[int]
+    ) -> torch.Tensor | None:
+        """The logits ``[n, vocab]`` of a decode-only step through its bucket's graph, or
+        None when the step must run eagerly (not decode-only, or too large)."""
+        n = len(chunks)
+        if n == 0 or len(ids) != n or any(q_len != 1 for _, q_len, _ in chunks) or keep != list(range(n)):
+            return None
+        size = self.bucket(n)
+        if size is None:
+            self.oversize += 1
+            return None
+        self._fill(size, chunks, ids, positions)
+        logits = self._replays[size]()
+        self.replays += 1
+        self.padded_rows += size - n
+        return logits[:n]
+
+    def _fill(self, size: int, chunks: Chunks, ids: list[int], positions: list[int]) -> None:
+        """Copies one step into the static buffers (one host-to-device transfer); rows
+        ``n..size`` become padding (scratch slot and block, length 1)."""
+        n, bs, scratch = len(chunks), self.block_size, self.scratch_block
+        width = max(-(-(start + 1) // bs) for start, _, _ in chunks)
+        pad = size - n
+        slots = [table[p // bs] * bs + p % bs for p, _, table in chunks]
+        # Padding rows repeat the first token (any id in the vocabulary would do) at position 0.
+        flat: list[int] = [*ids, *[ids[0]] * pad, *positions, *[0] * pad]
+        flat += [*slots, *[scratch * bs] * pad, *(p + 1 for p, _, _ in chunks), *[1] * pad]
+        for _, _, table in chunks:
+            row = list(table[:width])
+            flat += row + [scratch] * (width - len(row))
+        flat += [scratch] * (width * pad)
+        dev = torch.tensor(flat, dtype=torch.long).to(self.device)
+        self.input_ids[0, :size].copy_(dev[:size])
+        self.positions[0, :size].copy_(dev[size : 2 * size])
+        self.slots[:size].copy_(dev[2 * size : 3 * size])
+        self.lens[:size].copy_(dev[3 * size : 4 * size])
+        self.tables[:size, :width].copy_(dev[4 * size :].view(size, width))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the start-up log and the benchmarks."""
+        return {
+            "buckets": list(self.buckets),
+            "capture_s": round(self.capture_s, 3),
+            "replays": self.replays,
+            "padded_rows": self.padded_rows,
+            "oversize_steps": self.oversize,
+        }
+
+
+def attach(runner: Any, capture: Capture) -> DecodeGraphs:
+    """Decode graphs for a :class:`~worker_svc.engine.model_runner.ModelRunner`, captured with
+    ``capture``, buckets up to its ``max_num_seqs``; installed as ``runner.graphs``."""
+    info, config = runner.info, runner.config
+
+    def forward(meta: AttentionMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), attention_context(meta):
+            out = runner.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    graphs = DecodeGraphs(
+        forward,
+        buckets=bucket_sizes(config.max_num_seqs),
+        kv_caches=runner.kv_caches,
+        block_size=info.block_size,
+        max_model_len=info.max_model_len,
+        scratch_block=runner.scratch_block,
+        backend=info.attention_backend,
+        layer_windows=runner.attention.layer_windows,
+        device=runner.device,
+    )
+    graphs.capture(capture)
+    runner.graphs = graphs
+    return graphs
+
+
+def for_runner(runner: Any) -> tuple[DecodeGraphs | None, str]:
+    """The runner's decode graphs when its config asks for them and they can run here
+    (CUDA, a graph backend); else None and why. A failed capture is logged and leaves the
+    runner eager."""
+    if not runner.config.cuda_graphs:
+        return None, "cuda_graphs off"
+    if runner.device.type != "cuda":
+        return None, f"CUDA graphs need CUDA (device {runner.device.type})"
+    backend = runner.info.attention_backend
+    if backend not in GRAPH_BACKENDS:
+        return None, f"attention backend {backend} builds per-step shapes (graphs need {GRAPH_BACKENDS})"
+    try:
+        graphs = attach(runner, cuda_capture(torch.cuda.graph_pool_handle()))
+    except Exception as exc:  # any capture failure: serve eagerly rather than not at all
+        log.warning("CUDA graph capture failed, decode runs eagerly: %r", exc)
+        runner.graphs = None
+        return None, f"capture failed: {exc!r}"
+    log.info("CUDA graphs: %d buckets captured in %.1f s", len(graphs.buckets), graphs.capture_s)
+    return graphs, ""

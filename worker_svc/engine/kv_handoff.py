@@ -1,0 +1,221 @@
+"""The engine's side of a KV hand-off (P/D disaggregation): blocks held for export on a
+prefill engine, blocks imported as prefix-cache blocks on a decode engine.
+
+Prefill side: a prefill-only request (``transfer_id``) that finished keeps its blocks
+pinned here (`hold`) until its transfer is released -- pulled to the end, released
+explicitly, or ``ttl_s`` after it finished. A pull in progress is a *reader*: a release
+while it reads is deferred to the reader's end, so no block of a transfer is freed (and
+reused) while its bytes are still being read.
+
+Decode side: `import_blocks` checks layout, checksums and hashes (``kv_transfer``), then
+pins each block under its hash (the one already cached, or a free block it fills) so the
+decode request's normal prefix lookup finds it; `release_import` unpins them once the
+request holds them itself (or never came).
+
+Everything here runs on the engine thread, except `read_blocks` (pinned blocks only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.kv_hash import hash_block
+from worker_svc.engine.block_manager import BlockManager
+from worker_svc.engine.kv_transfer import (
+    KvBlockPayload,
+    KvLayout,
+    KvTransferError,
+    block_checksum,
+    verify_checksums,
+)
+from worker_svc.engine.request import Request
+
+__all__ = ["ExportManifest", "KvHandoff"]
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """What a held transfer offers: its full prompt blocks (those a decode engine can use
+    as prefix-cache hits), their hashes, and the first token the prefill sampled."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_prompt_tokens: int
+    first_token_id: int
+
+
+@dataclass
+class _Held:
+    request: Request
+    expires_at: float
+    readers: int = 0
+    released: bool = False
+
+
+@dataclass
+class _Import:
+    block_ids: list[int] = field(default_factory=list)
+
+
+class KvHandoff:
+    """Held transfers and pinned imports of one engine."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        read_block: Callable[[int], bytes],
+        write_block: Callable[[int, bytes], None],
+        layout: KvLayout,
+        ttl_s: float,
+    ) -> None:
+        self.block_manager = block_manager
+        self._read_block = read_block
+        self._write_block = write_block
+        # What this engine's blocks hold; a worker names its served model here.
+        self.layout = layout
+        self.ttl_s = ttl_s
+        self.held: dict[str, _Held] = {}
+        self.imports: dict[str, _Import] = {}
+
+    # ------------------------------------------------------------ prefill side
+    def hold(self, request: Request) -> None:
+        """Keep a finished prefill-only request's blocks for its transfer."""
+        assert request.transfer_id is not None
+        self.held[request.transfer_id] = _Held(request, time.monotonic() + self.ttl_s)
+
+    def begin_export(self, transfer_id: str) -> ExportManifest:
+        """Start reading a held transfer (one more reader); KeyError when it is unknown."""
+        manifest = self.manifest(transfer_id)
+        self.held[transfer_id].readers += 1
+        return manifest
+
+    def manifest(self, transfer_id: str) -> ExportManifest:
+        """What a held transfer offers; KeyError when it is unknown or released."""
+        held = self.held.get(transfer_id)
+        if held is None or held.released:
+            raise KeyError(transfer_id)
+        request = held.request
+        bs = self.block_manager.block_size
+        # The blocks a decode request of this prompt can hit (its last token is never a hit).
+        count = (request.num_prompt_tokens - 1) // bs
+        hashes = self.block_manager.ensure_hashes(request, count)[:count]
+        return ExportManifest(
+            transfer_id,
+            tuple(request.block_table[:count]),
+            tuple(hashes),
+            request.num_prompt_tokens,
+            request.output_token_ids[0] if request.output_token_ids else -1,
+        )
+
+    def read_blocks(self, manifest: ExportManifest, start: int, count: int) -> list[KvBlockPayload]:
+        """Blocks ``start .. start+count`` of a transfer being read, with their checksums."""
+        payloads = []
+        for index in range(start, min(start + count, len(manifest.block_ids))):
+            data = self._read_block(manifest.block_ids[index])
+            payloads.append(KvBlockPayload(index, manifest.block_hashes[index], data, block_checksum(data)))
+        return payloads
+
+    def end_export(self, transfer_id: str, complete: bool) -> None:
+        """A reader ended; a complete pull releases the transfer (pull-complete)."""
+        held = self.held.get(transfer_id)
+        if held is None:
+            return
+        held.readers = max(0, held.readers - 1)
+        if complete:
+            held.released = True
+        if held.released and held.readers == 0:
+            self._free(transfer_id)
+
+    def release(self, transfer_id: str) -> bool:
+        """Release a held transfer now, or when its last reader ends; False when unknown."""
+        held = self.held.get(transfer_id)
+        if held is None:
+            return False
+        held.released = True
+        if held.readers == 0:
+            self._free(transfer_id)
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Release transfers held past their TTL; returns how many."""
+        now = time.monotonic() if now is None else now
+        due = [tid for tid, held in self.held.items() if held.expires_at <= now and not held.released]
+        for transfer_id in due:
+            self.release(transfer_id)
+        return len(due)
+
+    def _free(self, transfer_id: str) -> None:
+        held = self.held.pop(transfer_id)
+        self.block_manager.free(held.request)
+
+    # ------------------------------------------------------------- decode side
+    def import_blocks(
+        self,
+        import_id: str,
+        layout: KvLayout,
+        token_ids: Sequence[int],
+        extra_keys: tuple[str, ...],
+        payloads: Sequence[KvBlockPayload],
+        checksummed: bool = False,
+    ) -> int:
+        """Verify, then pin ``payloads`` (the next blocks of the prompt, in order) under
+        ``import_id``; returns how many blocks the import holds. KvTransferError on any
+        mismatch (nothing of this call pinned) or when the cache has no free block."""
+        mismatch = self.layout.mismatch(layout)
+        if mismatch is not None:
+            raise KvTransferError("layout", f"KV layout differs from this engine's: {mismatch}")
+        pinned = self.imports.setdefault(import_id, _Import()).block_ids
+        hashes = self._expected_hashes(token_ids, extra_keys, len(pinned) + len(payloads))
+        for offset, payload in enumerate(payloads):
+            self._verify(payload, len(pinned) + offset, hashes, layout.block_bytes)
+        if not checksummed:
+            verify_checksums(payloads)
+        bs = layout.block_size
+        for payload in payloads:
+            i = payload.index
+            parent = hashes[i - 1] if i else None
+            placed = self.block_manager.import_block(
+                payload.block_hash, parent, list(token_ids[i * bs : (i + 1) * bs])
+            )
+            if placed is None:
+                raise KvTransferError("import", f"no free KV block for imported block {i}")
+            block_id, fresh = placed
+            if fresh:
+                self._write_block(block_id, payload.data)
+            pinned.append(block_id)
+        return len(pinned)
+
+    def _expected_hashes(
+        self, token_ids: Sequence[int], extra_keys: tuple[str, ...], count: int
+    ) -> list[int]:
+        bs = self.block_manager.block_size
+        if count > (len(token_ids) - 1) // bs:
+            raise KvTransferError("hash", f"{count} blocks offered for a prompt of {len(token_ids)} tokens")
+        hashes: list[int] = []
+        for i in range(count):
+            hashes.append(
+                hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys)
+            )
+        return hashes
+
+    @staticmethod
+    def _verify(payload: KvBlockPayload, index: int, hashes: list[int], block_bytes: int) -> None:
+        if payload.index != index:
+            raise KvTransferError("hash", f"block {payload.index} arrived where block {index} was due")
+        if payload.block_hash != hashes[index]:
+            raise KvTransferError("hash", f"block {index}: hash differs from this prompt's")
+        if len(payload.data) != block_bytes:
+            raise KvTransferError(
+                "layout", f"block {index}: {len(payload.data)} bytes, layout says {block_bytes}"
+            )
+        if block_checksum(payload.data) != payload.checksum:
+            raise KvTransferError("checksum", f"block {index}: checksum mismatch")
+
+    def release_import(self, import_id: str) -> None:
+        """Unpin an import's blocks (they stay cached under their hashes until evicted)."""
+        entry = self.imports.pop(import_id, None)
+        if entry is not None:
+            self.block_manager.unpin(entry.block_ids)

@@ -1,0 +1,200 @@
+"""The KV connector: how a decode worker gets a prompt's KV from a prefill worker.
+
+`KVConnector` is the transport (gRPC today, `kv_grpc.py`; a NIXL or shared-memory one
+could replace it on GPU hosts without touching the scheduler or the gateway):
+``publish`` asks the prefill worker to compute and hold a prompt's KV, ``pull`` streams
+the held blocks, ``release`` lets the prefill worker free them. Transport failures come
+out as `KvTransferError` with a reason, never as transport exceptions.
+
+`KvImporter` is the decode side's use of it (vLLM's connector scheduler half, folded
+into one call): publish, check the layout, pull, verify each chunk's checksums off the
+engine thread, import it into the engine's paged cache (hash checks there), and answer
+the import id the request then runs under. Whatever fails, it answers None and the
+request prefills itself: the client sees no error, the fallback is counted by reason.
+No grpc here.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker_svc import metrics
+from worker_svc.engine.async_engine import AsyncLLMEngine
+from worker_svc.engine.kv_transfer import KvBlockPayload, KvLayout, KvTransferError, verify_checksums
+
+__all__ = ["KVConnector", "KvImporter", "PrefillJob", "PublishedTransfer", "TransferSource"]
+
+log = logging.getLogger(__name__)
+
+# Chunks imported into the engine before the pull waits for the first of them: bounds
+# the decode side's buffered KV while the engine is busy with a step.
+_IMPORTS_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True)
+class TransferSource:
+    """The prefill worker that holds (or is to hold) a request's KV, and the hold's id."""
+
+    worker_id: str
+    address: str
+    transfer_id: str
+    lease_id: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """What the prefill worker computes: a text prompt with the request's cache salt."""
+
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str = ""
+    priority: int = 0
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PublishedTransfer:
+    """A held transfer as its prefill worker describes it."""
+
+    transfer_id: str
+    layout: KvLayout
+    block_hashes: tuple[int, ...]
+    first_token_id: int
+    num_cached_tokens: int = 0
+
+
+class KVConnector(abc.ABC):
+    """A transport for KV blocks between workers (see the module docstring)."""
+
+    @abc.abstractmethod
+    async def publish(self, source: TransferSource, job: PrefillJob) -> PublishedTransfer:
+        """Has ``source``'s worker prefill ``job`` and hold its KV under the transfer id."""
+
+    @abc.abstractmethod
+    def pull(self, source: TransferSource, blocks_per_chunk: int) -> AsyncIterator[list[KvBlockPayload]]:
+        """The held blocks in order, a few at a time; pulling to the end releases them."""
+
+    @abc.abstractmethod
+    async def release(self, source: TransferSource) -> None:
+        """Lets the prefill worker free a transfer (best effort: its TTL frees it anyway)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Frees the transport's resources."""
+
+
+class KvImporter:
+    """A decode worker's hand-off: KV from a prefill worker into the engine, or None."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        connector: KVConnector,
+        layout: KvLayout,
+        timeout_s: float,
+        blocks_per_chunk: int = 4,
+    ) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.blocks_per_chunk = blocks_per_chunk
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def fetch(self, source: TransferSource, job: PrefillJob, extra_keys: tuple[str, ...]) -> str | None:
+        """The import id the request's prompt KV was imported under, or None (fallback:
+        the request prefills itself; counted by reason). Never raises, except on cancel."""
+        import_id = f"import-{source.transfer_id}"
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                published = await self.connector.publish(source, job)
+                pulled_at = time.monotonic()
+                mismatch = self.layout.mismatch(published.layout)
+                if mismatch is not None:
+                    raise KvTransferError("layout", f"prefill worker's KV layout differs: {mismatch}")
+                count = await self._pull(source, import_id, job.prompt_token_ids, extra_keys)
+        except Exception as exc:
+            reason = (
+                exc.reason
+                if isinstance(exc, KvTransferError)
+                else "timeout"
+                if isinstance(exc, TimeoutError)
+                else "error"
+            )
+            await self._fall_back(source, import_id, reason, exc)
+            return None
+        except asyncio.CancelledError:
+            self._release_later(source, import_id)
+            raise
+        metrics.KV_TRANSFER_SECONDS.labels(phase="prefill").observe(pulled_at - started)
+        metrics.KV_TRANSFER_SECONDS.labels(phase="pull").observe(time.monotonic() - pulled_at)
+        metrics.KV_TRANSFERS.labels(outcome="imported").inc()
+        log.debug("transfer %s: %d blocks imported", source.transfer_id, count)
+        return import_id
+
+    def discard(self, source: TransferSource, import_id: str) -> None:
+        """An import its request will never use (aborted meanwhile): unpin it."""
+        self._release_later(source, import_id)
+
+    async def _pull(
+        self, source: TransferSource, import_id: str, prompt: tuple[int, ...], extra_keys: tuple[str, ...]
+    ) -> int:
+        layout = self.layout
+        pending: list[asyncio.Future[Any]] = []
+        count = 0
+        try:
+            async for payloads in self.connector.pull(source, self.blocks_per_chunk):
+                await asyncio.to_thread(verify_checksums, payloads)
+                metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(sum(len(p.data) for p in payloads))
+
+                def fn(engine: Any, chunk: list[KvBlockPayload] = payloads) -> int:
+                    return int(
+                        engine.kv.import_blocks(
+                            import_id, layout, prompt, extra_keys, chunk, checksummed=True
+                        )
+                    )
+
+                pending.append(asyncio.ensure_future(self.engine.call(fn)))
+                if len(pending) >= _IMPORTS_IN_FLIGHT:
+                    count = await pending.pop(0)
+            for future in pending:
+                count = await future
+        finally:
+            for future in pending:  # an error or cancel above: nobody awaits the rest
+                future.add_done_callback(_consume)
+        return count
+
+    async def _fall_back(
+        self, source: TransferSource, import_id: str, reason: str, exc: BaseException
+    ) -> None:
+        log.warning(
+            "transfer %s from %s: %s (%s); prefilling here", source.transfer_id, source.worker_id, reason, exc
+        )
+        metrics.KV_TRANSFERS.labels(outcome="fallback").inc()
+        metrics.KV_TRANSFER_FALLBACKS.labels(reason=reason).inc()
+        self._release_later(source, import_id)
+
+    def _release_later(self, source: TransferSource, import_id: str) -> None:
+        """Unpins whatever was imported (queued after every import call, so after them)
+        and releases the prefill side, without holding up the request."""
+        task = asyncio.ensure_future(self._release(source, import_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, source: TransferSource, import_id: str) -> None:
+        try:
+            await self.engine.call(lambda engine: engine.kv.release_import(import_id))
+        except Exception as exc:  # engine shut down: nothing left to unpin
+            log.debug("release of import %s: %r", import_id, exc)
+        await self.connector.release(source)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
