@@ -9,7 +9,7 @@ MODEL_DIR ?= .cache/models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/config.json
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto model redis serve test lint typecheck soak bench clean
+.PHONY: all deps proto model redis serve test lint typecheck soak bench images deploy-check clean
 
 all: deps proto model
 
@@ -60,6 +60,20 @@ soak: deps proto model
 
 bench: deps proto model
 	$(BIN)/python -m bench.engine_bench --model-dir $(MODEL_DIR)
+
+# Images from the package registries alone (docs/deployment.md): the Debian base and Redis
+# images (deploy/docker/base.sh: mmdebstrap + docker import), then the CPU image with the
+# default model baked in (deploy/docker/build.sh). engine.sh installs docker.io and mmdebstrap
+# from the Debian archive when missing and starts dockerd when none answers.
+images: deps model
+	deploy/docker/engine.sh
+	deploy/docker/base.sh python redis
+	PYTHON=$(BIN)/python deploy/docker/build.sh cpu
+
+# The chart's pods run by docker and probed as the kubelet would, requests through the
+# gateway, a decoder killed mid-stream (deploy/check.py); minutes, so not part of `make test`.
+deploy-check: images proto
+	$(BIN)/python -m deploy.check
 
 clean:
 	rm -rf meshserve .cache .pytest_cache .mypy_cache .ruff_cache

@@ -1,70 +1,32 @@
-"""Renders the Helm chart in-process with helm-python-sdk (Helm's Go SDK behind ctypes,
-pinned in requirements-dev.txt): no helm binary, no cluster, no network."""
+"""Fixtures rendering the Helm chart with deploy/chart.py (helm-python-sdk in-process: no
+helm binary, no cluster, no network)."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "meshserve"
+from deploy.chart import CHART, NAMESPACE, RELEASE, ROOT, Manifest, Rendered, load_helm
+
+__all__ = ["CHART", "GPU_VALUES", "Manifest", "Rendered"]
+
 GPU_VALUES = ROOT / "deploy" / "helm" / "examples" / "gpu-values.yaml"
-RELEASE = "ms"
-NAMESPACE = "llm"
-
-Manifest = dict[str, Any]
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class Rendered:
-    """The manifests of one `helm template` run, indexed for the tests."""
-
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files
-        self.docs: list[Manifest] = []
-        for path, text in sorted(files.items()):
-            if not path.endswith((".yaml", ".yml")):
-                continue
-            for doc in yaml.load_all(text, Loader=_LOADER):
-                if doc is not None:
-                    doc.setdefault("__source__", path)
-                    self.docs.append(doc)
-
-    def of_kind(self, kind: str) -> list[Manifest]:
-        return [d for d in self.docs if d.get("kind") == kind]
-
-    def get(self, kind: str, name: str) -> Manifest | None:
-        return next((d for d in self.of_kind(kind) if d["metadata"]["name"] == name), None)
-
-    def by_component(self, kind: str) -> dict[str, Manifest]:
-        """Objects of `kind` keyed by their app.kubernetes.io/component label."""
-        out = {}
-        for d in self.of_kind(kind):
-            component = d["metadata"].get("labels", {}).get("app.kubernetes.io/component")
-            if component:
-                assert component not in out, f"two {kind}s for component {component}"
-                out[component] = d
-        return out
 
 
 def _load_helm() -> Any:
     try:
-        import helm_python
+        return load_helm()
     except ImportError:
         pytest.skip(
             "Helm renderer missing: helm-python-sdk is not installed "
             "(pip install -r requirements-dev.txt, which pins it)"
         )
-    try:
-        helm_python.helm_sdk_version()
-    except Exception as exc:  # native library missing or not loadable on this platform
-        pytest.skip(f"Helm renderer unusable: helm-python-sdk's native libhelm_c failed to load: {exc}")
-    return helm_python
+    except RuntimeError as exc:
+        pytest.skip(f"Helm renderer unusable: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -190,10 +190,14 @@ def test_probes_use_grpc_health_for_grpc_services_and_http_for_the_gateway(any_r
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
             # /health reports upstream readiness: liveness must not restart gateways for it.
             assert "httpGet" not in c["livenessProbe"] or c["livenessProbe"]["httpGet"]["path"] != "/health"
-        if component in WORKERS:
-            startup = c["startupProbe"]
+        # Every service: liveness waits for a first answer (a slow start is not killed).
+        startup = c["startupProbe"]
+        if component in GRPC:
             assert startup["grpc"] == {"port": port}, component
-            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "room for model load"
+        else:
+            assert startup["tcpSocket"] == c["livenessProbe"]["tcpSocket"] == {"port": "http"}
+        room = 300 if component in WORKERS else 120
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= room, component
 
 
 def test_termination_grace_exceeds_drain_plus_prestop(any_render: Rendered) -> None:

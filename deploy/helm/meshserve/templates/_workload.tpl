@@ -13,6 +13,7 @@ Deployment + Service of one meshserve component: (dict "root" $ "name" "decoder"
 {{- $preStop := int64 ($root.Values.preStopSleepSeconds | default 0) }}
 {{- $live := $root.Values.probes.liveness }}
 {{- $ready := $root.Values.probes.readiness }}
+{{- $startup := $v.startupProbe | default dict }}
 {{- $livePeriod := int64 ($live.periodSeconds | default 10) }}
 {{- /* Liveness must survive a whole drain (health is NOT_SERVING while draining). */}}
 {{- $liveFailures := max (int64 ($live.failureThreshold | default 3)) (add1 (div (add $drain $preStop $livePeriod -1) $livePeriod)) }}
@@ -62,6 +63,9 @@ spec:
     spec:
       serviceAccountName: {{ include "meshserve.serviceAccountName" $root }}
       automountServiceAccountToken: false
+      # No {SERVICE}_PORT/_HOST env per Service: with release "meshserve" they would be
+      # MESHSERVE_* names, the services' configuration namespace.
+      enableServiceLinks: false
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -99,15 +103,19 @@ spec:
             {{- end }}
           env:
             {{- include "meshserve.env" $ctx | nindent 12 }}
-          {{- if $c.worker }}
-          # Model load: liveness/readiness start only once the worker reports SERVING.
+          # Liveness and readiness start once this passes: model load for workers, imports
+          # and connections for the others (a slow start is not killed by liveness).
           startupProbe:
+            {{- if $c.grpc }}
             grpc:
               port: {{ include "meshserve.scalar" $port }}
-            periodSeconds: {{ include "meshserve.scalar" ($v.startupProbe.periodSeconds | default 5) }}
+            {{- else }}
+            tcpSocket:
+              port: http
+            {{- end }}
+            periodSeconds: {{ include "meshserve.scalar" ($startup.periodSeconds | default 5) }}
             timeoutSeconds: {{ include "meshserve.scalar" ($ready.timeoutSeconds | default 2) }}
-            failureThreshold: {{ include "meshserve.scalar" ($v.startupProbe.failureThreshold | default 120) }}
-          {{- end }}
+            failureThreshold: {{ include "meshserve.scalar" ($startup.failureThreshold | default 120) }}
           readinessProbe:
             {{- if $c.grpc }}
             grpc:
