@@ -9,7 +9,7 @@ MODEL_DIR ?= .cache/models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/config.json
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto model redis serve test lint typecheck soak bench images deploy-check clean
+.PHONY: all deps proto model redis serve test lint dupcheck typecheck soak bench images deploy-check clean
 
 all: deps proto model
 
@@ -43,14 +43,22 @@ model: $(MODEL_STAMP)
 serve: deps proto model
 	$(BIN)/python -m services.launcher up --model-dir $(MODEL_DIR)
 
-lint: deps proto
+lint: deps proto dupcheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Six or more similar lines in two places outside tests/ fail the build: one fact, one place.
+# Code that must stay parallel on purpose would be listed here as ':!path' exclusions (none).
+DUP_FILES = $$(git ls-files '*.py' ':!tests/')
+dupcheck: deps
+	@out=$$($(BIN)/symilar --duplicates=6 --ignore-comments --ignore-docstrings --ignore-imports $(DUP_FILES)); \
+	if grep -q "similar lines in" <<<"$$out"; then echo "$$out"; echo "duplicate code: factor it into one place"; exit 1; fi; \
+	echo "duplicate code: none (symilar, 6+ lines, outside tests/)"
 
 typecheck: deps proto
 	$(BIN)/mypy
 
-test: deps proto model
+test: deps proto model dupcheck
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

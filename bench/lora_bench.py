@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +44,9 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Mesh, MeshConfig
+from bench.host import host_info
+from bench.mesh_client import free_ports_config
+from services.launcher import Mesh
 from services.redis_client import free_port
 
 DEFAULT_MODEL = Path(".cache/models/smollm2-135m-instruct")
@@ -82,13 +82,8 @@ def build_adapters(model_dir: str, root: Path, count: int, rank: int) -> dict[st
 def mesh(model_dir: str, decoders: int, policy: str, **lora: Any) -> Iterator[tuple[Mesh, list[int]]]:
     """The mesh with `decoders` decoders (metrics ports returned) and the LoRA options `lora`."""
     ports = [free_port() for _ in range(decoders)]
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=model_dir,
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
         num_decoders=decoders,
         embedding_model_dir="",
         routing_policy=policy,
@@ -239,25 +234,6 @@ def run_routing(args: argparse.Namespace, adapters: dict[str, str], vocab: int) 
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.lora_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL))
@@ -283,8 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     report: dict[str, Any] = {
         "command": "python -m bench.lora_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": _commit(),
-        "cpu": cpu_model(),
+        "host": host_info(),
         "model": base,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }

@@ -8,6 +8,7 @@ import json
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,12 @@ import httpx
 
 from services.launcher import Mesh, MeshConfig
 from services.redis_client import free_port
+
+
+def free_ports_config(**options: Any) -> MeshConfig:
+    """A MeshConfig with `options` whose services listen on free loopback ports."""
+    ports = {f.name: free_port() for f in fields(MeshConfig) if f.name.endswith("_port")}
+    return MeshConfig(**{**ports, **options})
 
 
 @contextmanager
@@ -28,13 +35,8 @@ def running_mesh(
     num_decoders: int = 1,
 ) -> Iterator[Mesh]:
     """Starts gateway, tokenizer, scheduler and `num_decoders` decoder workers on free ports."""
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=model_dir,
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
         max_num_seqs=max_num_seqs,
         stream_interval=stream_interval,
         num_decoders=num_decoders,
@@ -48,6 +50,20 @@ def running_mesh(
         mesh.stop()
 
 
+def completion_body(model: str, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
+    """A streamed, greedy, fixed-length `/v1/completions` body of token ids (usage at the end)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
+
+
 def gateway_generate_fn(
     client: httpx.AsyncClient | aiohttp.ClientSession, base_url: str, model: str, salt: str
 ) -> Callable[[str, list[int], int], AsyncIterator[list[int]]]:
@@ -59,16 +75,7 @@ def gateway_generate_fn(
     the machine with the system it measures) or an httpx client."""
 
     async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "cache_salt": salt,
-        }
+        body = completion_body(model, prompt, max_tokens, salt)
         seen = 0
         async for line in _sse_lines(client, base_url + "/v1/completions", body):
             if not line.startswith("data: ") or line == "data: [DONE]":

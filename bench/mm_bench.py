@@ -44,7 +44,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
-from services.launcher import Mesh, MeshConfig
+from bench.mesh_client import free_ports_config
+from services.launcher import Mesh
 from services.redis_client import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,15 +216,9 @@ def summarize(
 
 def run_mode(config: BenchConfig, mode: str, urls: list[str]) -> dict[str, Any]:
     """Starts a mesh for `mode`, runs the workload once, stops the mesh."""
-    mesh_config = MeshConfig(
+    mesh_config = free_ports_config(
         model_dir=config.model_dir,
         embedding_model_dir="",
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
-        encoder_base_port=free_port(),
         num_encoders=1,
         log_dir=tempfile.mkdtemp(prefix=f"meshserve-mm-bench-{mode}-"),
         kv_cache_memory_mb=64,

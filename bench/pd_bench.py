@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -48,7 +47,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Mesh, MeshConfig
+from bench.host import host_info
+from bench.mesh_client import completion_body, free_ports_config
+from services.launcher import Mesh
 from services.redis_client import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,16 +84,6 @@ class Result:
     tokens: int = 0
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def pin_process(pid: int, cpu: int) -> None:
     """Every thread of ``pid`` on ``cpu`` (threads started later inherit it)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -104,14 +95,8 @@ def pin_process(pid: int, cpu: int) -> None:
 
 def start_mesh(config: BenchConfig, mode: str) -> Mesh:
     workers = {"pd": (1, 1), "colocated": (2, 0)}[mode]
-    mesh_config = MeshConfig(
+    mesh_config = free_ports_config(
         model_dir=config.model_dir,
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
-        prefill_base_port=free_port(),
         num_decoders=workers[0],
         num_prefill=workers[1],
         embedding_model_dir="",
@@ -173,19 +158,6 @@ async def stream(client: httpx.AsyncClient, base_url: str, body: dict[str, Any],
     return result
 
 
-def body(model: str, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "cache_salt": salt,
-    }
-
-
 async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, salt: str) -> dict[str, Any]:
     rng = random.Random(salt)
     results: list[Result] = []
@@ -198,7 +170,7 @@ async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, 
     async def send(kind: str, n: int, out: int) -> None:
         nonlocal failed
         try:
-            results.append(await stream(client, base_url, body(model, prompt(n), out, salt), kind))
+            results.append(await stream(client, base_url, completion_body(model, prompt(n), out, salt), kind))
         except (httpx.HTTPError, RuntimeError):
             failed += 1
 
@@ -318,11 +290,7 @@ def main(argv: Sequence[str]) -> None:
     report = {
         "command": "python -m bench.pd_bench " + " ".join(argv),
         "config": asdict(config),
-        "host": {
-            "cpu_model": cpu_model(),
-            "cpus": sorted(os.sched_getaffinity(0)),
-            "platform": platform.platform(),
-        },
+        "host": {**host_info(), "cpus": sorted(os.sched_getaffinity(0))},
         "results": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,8 @@ An item's payload is either preprocessed ``pixel_values`` (float, ``(3, H, W)`` 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from services.image_preprocess import ImagePreprocessor
+from worker_svc.engine.multimodal import quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +68,6 @@ def tensor_from_bytes(dtype: str, shape: Sequence[int], data: bytes) -> torch.Te
     return tensor.reshape(tuple(shape))
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    import transformers
-
-    previous = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(previous)
-
-
 def load_vision_model(model_dir: str, dtype: torch.dtype) -> Any:
     """The image-text model of ``model_dir`` with only its vision tower and projector loaded."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -92,7 +80,7 @@ def load_vision_model(model_dir: str, dtype: torch.dtype) -> Any:
     text.vocab_size = 1
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = []
-    with _quiet_transformers():
+    with quiet_transformers():
         return AutoModelForImageTextToText.from_pretrained(
             model_dir, config=config, key_mapping=_SKIP_TEXT_WEIGHTS, dtype=dtype
         )

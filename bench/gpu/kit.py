@@ -62,11 +62,16 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
 
 
 STEPS = ("build", "correctness", "roofline", "engine_graphs", "engine_eager", "mesh", "hf_naive")
+# Fault injection for the kit's own test: the named step hangs, as a CUDA fault or a stuck
+# collective would, so that its time box is what ends it (a real step's speed varies).
+HANG_STEP_ENV = "MESHSERVE_KIT_HANG_STEP"
 
 
 def run_step_here(name: str, ctx: StepContext) -> dict[str, Any]:
     """Runs one step in this process; its record with status ok / skipped / failed."""
     start = time.monotonic()
+    if os.environ.get(HANG_STEP_ENV) == name:
+        time.sleep(3600)
     try:
         _steps()[name](ctx)
         status: dict[str, Any] = {"status": "ok"}

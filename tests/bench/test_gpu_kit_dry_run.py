@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu.context import PROFILES
-from bench.gpu.kit import STEPS, run_kit
+from bench.gpu.kit import HANG_STEP_ENV, STEPS, run_kit
 from bench.gpu.steps import ARCHS
 
 DRY = PROFILES["cpu-dry-run"]
@@ -55,9 +55,13 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert report["profile"]["name"] == "cpu-dry-run"
 
 
-def test_isolated_steps_record_failures_and_time_boxes(tmp_path: Path) -> None:
-    # No build step: roofline finds no model and fails in its own process; build, given a
-    # one-second box, is killed there. Both leave a record, and the JSON is written.
+def test_isolated_steps_record_failures_and_time_boxes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Build hangs (injected) in its own process and is killed at its one-second box; so no
+    # model is built, and roofline fails in its own process. Both leave a record, and the
+    # JSON is written.
+    monkeypatch.setenv(HANG_STEP_ENV, "build")
     boxed = replace(DRY, step_s={**DRY.step_s, "build": 1})
     run_kit(boxed, tmp_path / "work", tmp_path / "gpu.json", ["build", "roofline"])
     got = json.loads((tmp_path / "gpu.json").read_text())["steps"]

@@ -68,7 +68,7 @@ def is_multimodal_checkpoint(model_dir: str | Path) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silences transformers' load report (the skipped vision weights are expected)."""
     import transformers
 
@@ -90,7 +90,7 @@ def load_causal_lm(model_dir: str, attn_implementation: str, dtype: torch.dtype)
             model_dir, attn_implementation=attn_implementation, dtype=dtype
         )
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
-    with _quiet_transformers():
+    with quiet_transformers():
         return AutoModelForCausalLM.from_pretrained(
             model_dir,
             config=text_config,
