@@ -182,9 +182,15 @@ def test_kill9_prefill_worker_under_load_fails_no_request(
     def one(prompt: str) -> str:
         return complete(client, model_name, prompt)[0]
 
+    imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(one, p) for p in prompts]
-        time.sleep(1.0)
+        # Killed once the first hand-off has landed (not after a fixed sleep, which an idle
+        # host outran): the prompts still waiting for a thread are routed to a dead worker.
+        deadline = time.monotonic() + 120
+        while count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported") == imported:
+            assert time.monotonic() < deadline, "no hand-off landed"
+            time.sleep(0.05)
         pd.kill("prefill-0")
         answers = [f.result() for f in futures]
     assert answers == [wanted[p] for p in prompts]
