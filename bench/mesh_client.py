@@ -8,21 +8,13 @@ import json
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 
-from services.launcher import Mesh, MeshConfig
-from services.redis_client import free_port
-
-
-def free_ports_config(**options: Any) -> MeshConfig:
-    """A MeshConfig with `options` whose services listen on free loopback ports."""
-    ports = {f.name: free_port() for f in fields(MeshConfig) if f.name.endswith("_port")}
-    return MeshConfig(**{**ports, **options})
+from services.launcher import Mesh, free_ports_config
 
 
 @contextmanager

@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 from services import ports
-from services.redis_client import RedisServer
+from services.redis_client import RedisServer, free_port
 from services.rpc import check_health
 
 log = logging.getLogger("meshserve.launcher")
@@ -209,6 +209,13 @@ class MeshConfig:
     def backoff(self) -> BackoffPolicy:
         """The restart policy of `up`'s supervisor."""
         return BackoffPolicy(self.restart_backoff_s, self.restart_backoff_max_s, self.restart_reset_s)
+
+
+def free_ports_config(**options: Any) -> MeshConfig:
+    """A MeshConfig with ``options`` whose services all listen on free loopback ports (a
+    mesh beside another: tests, benchmarks)."""
+    ports = {f.name: free_port() for f in dataclasses.fields(MeshConfig) if f.name.endswith("_port")}
+    return MeshConfig(**{**ports, **options})
 
 
 def _common_env(config: MeshConfig, redis_url: str) -> dict[str, str]:

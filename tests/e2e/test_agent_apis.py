@@ -22,7 +22,7 @@ import redis
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from services.launcher import Mesh, MeshConfig
+from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer, free_port
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
@@ -53,12 +53,8 @@ class Answer(BaseModel):
 def mesh(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(model_dir),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        decoder_base_port=free_port(),
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,

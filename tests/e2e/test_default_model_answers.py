@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from services.launcher import Mesh, MeshConfig
-from services.redis_client import RedisServer, free_port
+from services.launcher import Mesh, free_ports_config
+from services.redis_client import RedisServer
 
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -44,12 +44,8 @@ WEATHER_TOOL = {
 def mesh(
     default_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(default_model_dir),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        decoder_base_port=free_port(),
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-from services.launcher import Mesh, MeshConfig
+from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer, free_port
 from tests.lora_kit import base_model, build_adapters, greedy, peft_greedy
 from tests.reliability.meshkit import metric_value
@@ -55,12 +55,8 @@ def mesh(
     redis_server: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(peaked_model),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        decoder_base_port=free_port(),
         num_decoders=2,
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),

@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion
 from transformers import AutoTokenizer
 
-from services.launcher import Mesh, MeshConfig
+from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer, free_port
 from tests.reliability.meshkit import metric_value
 from worker_svc.embedding import default_embedding_model_dir
@@ -30,19 +30,13 @@ MESSAGES = [
 def mesh(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(model_dir),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
         num_decoders=1,
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
         embedding_model_dir=default_embedding_model_dir(),
-        embedding_port=free_port(),
         metrics_ports=(("scheduler", free_port()),),
     )
     started = Mesh(config).start(timeout=180)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from services.launcher import Mesh, MeshConfig
+from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer, free_port
 from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
@@ -39,14 +39,8 @@ def text(seed: int, words: int) -> str:
 def pd(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SharedMesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(model_dir),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
-        prefill_base_port=free_port(),
         num_decoders=1,
         num_prefill=1,
         embedding_model_dir="",

@@ -16,8 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from services.launcher import Mesh, MeshConfig
-from services.redis_client import RedisServer, free_port
+from services.launcher import Mesh, free_ports_config
+from services.redis_client import RedisServer
 
 MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
 Short = Annotated[str, Field(max_length=8)]
@@ -58,13 +58,8 @@ WEATHER = {
 def mesh(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(model_dir),
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
         num_decoders=1,
         redis_url=redis_server.url,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),

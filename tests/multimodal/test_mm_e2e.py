@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.launcher import Mesh, MeshConfig
+from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer, free_port
 from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes
 from tests.reliability.meshkit import metric_value
@@ -32,15 +32,9 @@ METRICS = ("scheduler", "encoder-cache", "encoder-0")
 def mesh(
     vlm_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = MeshConfig(
+    config = free_ports_config(
         model_dir=str(vlm_dir),
         embedding_model_dir="",
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
-        encoder_base_port=free_port(),
         num_decoders=1,
         num_encoders=1,
         redis_url=redis_server.url,

@@ -38,7 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launcher import Mesh, MeshConfig, ServiceSpec
+from services.launcher import Mesh, MeshConfig, ServiceSpec, free_ports_config
 from services.redis_client import free_port
 
 MODEL_NAME = "tiny"
@@ -290,14 +290,9 @@ def wait_gateway_healthy(url: str, timeout: float = 60.0) -> float:
 
 
 def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
-    return MeshConfig(
+    return free_ports_config(
         model_dir=str(model_dir),
         served_model_name=MODEL_NAME,
-        gateway_port=free_port(),
-        tokenizer_port=free_port(),
-        scheduler_port=free_port(),
-        encoder_cache_port=free_port(),
-        decoder_base_port=free_port(),
         num_decoders=2,
         # Two replicas: the token path does not pass through the scheduler, so killing
         # one (or both) must cost no stream in flight.
