@@ -49,13 +49,13 @@ def required(help: str) -> Any:
 def same_as(cls: type[Any], name: str, help: str = "") -> Any:
     """A field taking the default (and, unless `help` is given, the help) of field `name`
     of config `cls`: a knob another config passes on keeps a single declaration."""
-    source = _option(cls, name).field
-    return opt(_cli_default(source), help or source.metadata["help"])
+    source = _option(cls, name)
+    return opt(source.default, help or source.help)
 
 
 def default_of(cls: type[Any], name: str) -> Any:
     """The default of option `name` of config `cls` (nested configs included)."""
-    return _cli_default(_option(cls, name).field)
+    return _option(cls, name).default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,14 @@ class Option:
     @property
     def help(self) -> str:
         return str(self.field.metadata.get("help", ""))
+
+    @property
+    def default(self) -> Any:
+        return _cli_default(self.field)
+
+    def parse(self, text: str) -> Any:
+        """The value an env variable or flag spelling `text` gives this option."""
+        return _converter(self.type)(text)
 
 
 def options(cls: type[Any]) -> list[Option]:
@@ -162,7 +170,7 @@ def build_parser(cls: type[Any], prog: str | None = None) -> argparse.ArgumentPa
     for option in options(cls):
         convert = _converter(option.type)
         env = os.environ.get(option.env)
-        default = convert(env) if env is not None else _cli_default(option.field)
+        default = convert(env) if env is not None else option.default
         nest = option.path[:-1]
         if nest not in groups:  # a nested config's options under its field's name
             groups[nest] = parser.add_argument_group(f"{'.'.join(nest)} options")
