@@ -47,7 +47,7 @@ def required(help: str) -> Any:
 
 
 def same_as(cls: type[Any], name: str, help: str = "") -> Any:
-    """A field taking the default (and, unless `help` is given, the help) of field `name`
+    """A field taking the default (and, unless `help` is given, the help) of option `name`
     of config `cls`: a knob another config passes on keeps a single declaration."""
     source = _option(cls, name)
     return opt(source.default, help or source.help)
@@ -68,22 +68,27 @@ class Option:
 
     @property
     def name(self) -> str:
+        """The option's name: its field's name (`max_num_seqs`)."""
         return self.path[-1]
 
     @property
     def flag(self) -> str:
+        """`--max-num-seqs`."""
         return "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
+        """`MESHSERVE_MAX_NUM_SEQS`."""
         return ENV_PREFIX + self.name.upper()
 
     @property
     def help(self) -> str:
+        """What `opt` declared as the option's help ("" if nothing)."""
         return str(self.field.metadata.get("help", ""))
 
     @property
     def default(self) -> Any:
+        """The field's default (None for a required field)."""
         return _cli_default(self.field)
 
     def parse(self, text: str) -> Any:
@@ -118,7 +123,10 @@ def _is_config(tp: Any) -> bool:
 
 
 def _option(cls: type[Any], name: str) -> Option:
-    return next(o for o in options(cls) if o.name == name)
+    found = [o for o in options(cls) if o.name == name]
+    if not found:
+        raise TypeError(f"{cls.__name__} has no option {name!r}")
+    return found[0]
 
 
 def _base_type(tp: Any) -> Any:
