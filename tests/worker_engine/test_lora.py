@@ -230,5 +230,8 @@ def test_each_row_gets_its_own_adapters_delta() -> None:
     with torch.no_grad(), manager.step([(names[i], 1) for i in order], torch.device("cpu")):
         grouped = layer.self_attn.q_proj(x[:, order])[0]
     torch.testing.assert_close(grouped, want[order])
+    only_a = [i for i in range(7) if names[i] != "b"]  # the step's matmuls span slot 1 only
+    with torch.no_grad(), manager.step([(names[i], 1) for i in only_a], torch.device("cpu")):
+        torch.testing.assert_close(layer.self_attn.q_proj(x[:, only_a])[0], want[only_a])
     with torch.no_grad(), manager.step([("", 7)], torch.device("cpu")):
         torch.testing.assert_close(layer.self_attn.q_proj(x)[0], base(x[0]))

@@ -196,7 +196,7 @@ class LoraSnapshot:
 
 @dataclass
 class _StepMask:
-    """The current step's ``[rows, max_loras * max_rank]`` mask (None: no adapter row)."""
+    """The current step's ``[rows, highest slot used * max_rank]`` mask (None: no adapter row)."""
 
     mask: torch.Tensor | None = None
 
@@ -234,9 +234,10 @@ class LoraLinear(nn.Module):
         mask = self._step.mask
         if mask is None:
             return y
-        h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a)
+        width = mask.shape[1]  # up to the highest slot the step uses
+        h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a[:width])
         h.mul_(mask)
-        y.view(-1, y.shape[-1]).addmm_(h, self.lora_b.t())
+        y.view(-1, y.shape[-1]).addmm_(h, self.lora_b[:, :width].t())
         return y
 
 
@@ -326,11 +327,13 @@ class LoraManager:
 
     # ---------------------------------------------------------------- steps
     def _slot_of(self, name: str, keep: set[int]) -> int:
-        """``name``'s slot, loading it into the least recently used slot not in ``keep``."""
+        """``name``'s slot, loading it into an empty slot or the least recently used one not in ``keep``."""
         if name in self.slots:
             slot = self.slots.index(name)
         else:
-            slot = next(s for s in self._slot_use if s not in keep)
+            # The lowest empty slot (a step's matmuls span up to its highest slot), else the LRU one.
+            empty = [s for s in range(1, self.max_loras + 1) if self.slots[s] is None]
+            slot = empty[0] if empty else next(s for s in self._slot_use if s not in keep)
             adapter = self._cpu_adapter(name)
             if self.slots[slot] is not None:
                 self.num_evictions += 1
@@ -362,7 +365,7 @@ class LoraManager:
                 cols = slice((slot - 1) * self.max_rank, slot * self.max_rank)
                 mask[start : start + n, cols] = self.scalings[slot]
             start += n
-        self._step.mask = mask.to(device)
+        self._step.mask = mask[:, : max(keep) * self.max_rank].to(device)
         try:
             yield
         finally:
