@@ -426,7 +426,7 @@ async def run_conversation(
 class OpenLoop:
     """An open-loop run's schedule and client-side gauges (sampled with the workers' queues)."""
 
-    # Session start times (s after `start`) and per-session think times before each turn.
+    # Start times of the sessions (s after `start`) and per-session think times before each turn.
     arrivals: list[float]
     think: list[list[float]]
     start: float = 0.0
@@ -480,7 +480,7 @@ async def run_session(
 
 
 def session_count(config: BenchConfig, rate: float) -> int:
-    """Sessions of an open-loop run at `rate`: rate x duration, else `sessions`/`conversations`."""
+    """How many sessions an open-loop run at `rate` starts: rate x duration, else `sessions`/`conversations`."""
     if config.duration > 0:
         return max(1, round(rate * config.duration))
     return config.sessions or config.conversations

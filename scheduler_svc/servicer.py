@@ -10,7 +10,7 @@ import grpc
 from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
 from scheduler_svc.route import Router
-from scheduler_svc.route_stream import RouteStreamSession
+from scheduler_svc.route_stream import RouteStreamCall
 from scheduler_svc.scheduler import Scheduler
 from services.rpc import feed_stream, rpc_handler
 
@@ -97,7 +97,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.scheduler = scheduler
         self.router = Router(scheduler)
         self._lease_ttl_ms = int(scheduler.config.lease_ttl_s * 1000)
-        self._sessions: set[RouteStreamSession] = set()
+        self._calls: set[RouteStreamCall] = set()
         self._draining = False
 
     @rpc_handler
@@ -115,22 +115,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             async with writes:
                 await context.write(answer)
 
-        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining, send)
-        self._sessions.add(session)
-        reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
+        call = RouteStreamCall(self.router, self._lease_ttl_ms, lambda: self._draining, send)
+        self._calls.add(call)
+        reader = asyncio.create_task(feed_stream(request_iterator, call, "RouteStream"))
         try:
-            await session.ended.wait()
+            await call.ended.wait()
         finally:
             reader.cancel()
-            session.close()
-            self._sessions.discard(session)
+            call.close()
+            self._calls.discard(call)
 
     async def on_drain(self) -> None:
         """Draining: route streams refuse new routes and end once theirs are answered
         (their callers go to another replica)."""
         self._draining = True
-        for session in self._sessions:
-            session.wake()
+        for call in self._calls:
+            call.wake()
 
     @rpc_handler
     async def Embed(

@@ -6,7 +6,6 @@ answers (its exception, INTERNAL, INVALID_ARGUMENT)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -100,9 +99,11 @@ async def test_refused_and_stopped_peers_are_lost(
 
 async def test_a_peer_killed_mid_call_is_lost() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _HANGING_SERVER, str(port)], stdout=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HANGING_SERVER, str(port), stdout=asyncio.subprocess.PIPE
+    )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        assert proc.stdout is not None and (await proc.stdout.readline()).strip() == b"ready"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = worker_pb2_grpc.WorkerStub(channel).Embed(common_pb2.EmbedRequest(), timeout=20)
             await asyncio.sleep(0.5)
@@ -110,5 +111,6 @@ async def test_a_peer_killed_mid_call_is_lost() -> None:
             killed = await _failure(call)
         assert peer_lost(killed), (killed.code(), killed.details())
     finally:
-        proc.kill()
-        proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()

@@ -78,7 +78,9 @@ def _spec_block(parent: int, tokens: list[int], keys: tuple[str, ...]) -> int:
         (64, 16, ("lora:sql", "mm:0f3a")),
     ],
 )
-def test_one_pass_equals_the_scheme_block_by_block(length: int, block_size: int, keys: tuple[str, ...]) -> None:
+def test_one_pass_equals_the_scheme_block_by_block(
+    length: int, block_size: int, keys: tuple[str, ...]
+) -> None:
     rng = random.Random(length)
     tokens = [rng.randrange(0, 2**32) for _ in range(length)]
     expected, parent = [], KV_HASH_SEED
