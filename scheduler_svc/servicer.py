@@ -13,13 +13,14 @@ from scheduler_svc.route import Router
 from scheduler_svc.route_stream import RouteStreamCall
 from scheduler_svc.scheduler import Scheduler
 from services.rpc import feed_stream, rpc_handler
+from services.worker_roles import role_name, role_value
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
     return WorkerSpec(
         worker_id=worker.worker_id,
         address=worker.address,
-        role=worker.role or "decoder",
+        role=role_name(worker.role or worker_pb2.WORKER_ROLE_DECODER),
         model=worker.model,
         max_model_len=worker.max_model_len,
         block_size=worker.block_size,
@@ -64,7 +65,7 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
         worker=scheduler_pb2.WorkerDescriptor(
             worker_id=spec.worker_id,
             address=spec.address,
-            role=spec.role,
+            role=role_value(spec.role),
             model=spec.model,
             max_model_len=spec.max_model_len,
             block_size=spec.block_size,

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from services.config import ServerConfig
 from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
+from services.worker_roles import ROLES
 from worker_svc.engine.config import THREAD_PRIORITIES, EngineConfig, default_dtype, parse_cpu_list
-
-ROLES = ("decoder", "prefill", "embedding", "encoder")
 
 
 @dataclass(frozen=True)

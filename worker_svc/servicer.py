@@ -13,6 +13,7 @@ from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
+from services.worker_roles import role_value
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import LLMEngine
@@ -150,7 +151,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         info = self.engine.model_info
         return worker_pb2.ModelInfo(
             model=self.identity.model,
-            role=self.identity.role,
+            role=role_value(self.identity.role),
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             vocab_size=info.vocab_size,
@@ -266,7 +267,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ModelInfo:
         return worker_pb2.ModelInfo(
-            model=self.identity.model, role=self.identity.role, max_model_len=self.model.max_len
+            model=self.identity.model, role=role_value(self.identity.role), max_model_len=self.model.max_len
         )
 
     def close(self) -> None:
