@@ -207,7 +207,7 @@ def engine_config(
         dtype=args.dtype,
         compile_model=compile_model,
         cpu_affinity=cpu_affinity,
-        thread_priority=thread_priority,
+        engine_priority=thread_priority,
     )
 
 

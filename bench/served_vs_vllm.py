@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.host import host_info
+from services.config import DEFAULT_PORTS
 from worker_svc.engine.config import default_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,10 @@ def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> 
     mesh_cmd = [sys.executable, "-m", "services.launcher", "up", "--model-dir", model_dir]
     mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir)]
     vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return [Server("vllm", vllm_cmd, 8011, vllm_env), Server("meshserve", mesh_cmd, 8000, {})]
+    return [
+        Server("vllm", vllm_cmd, 8011, vllm_env),
+        Server("meshserve", mesh_cmd, DEFAULT_PORTS["gateway"], {}),
+    ]
 
 
 def wait_up(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> float:

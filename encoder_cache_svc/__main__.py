@@ -1,4 +1,4 @@
-"""`python -m encoder_cache_svc --port 50070 --capacity-mb 1024 --redis-url URL`"""
+"""`python -m encoder_cache_svc [--port PORT --capacity-mb MIB --redis-url URL]`"""
 
 from __future__ import annotations
 

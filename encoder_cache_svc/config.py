@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import ServerConfig
+from services.config import DEFAULT_PORTS, ServerConfig, opt
 
 
 @dataclass(frozen=True)
 class EncoderCacheConfig(ServerConfig):
     """Bounded in-memory tensor store; metadata mirrored to Redis when configured."""
 
-    port: int = 50070
-    capacity_mb: int = 1024
-    # Exact capacity in bytes, overriding capacity_mb when > 0 (small caches in tests and benchmarks).
-    capacity_bytes: int = 0
-    chunk_bytes: int = 1024 * 1024
-    redis_url: str = ""
-    # Address other services reach this shard at (recorded in Redis metadata).
-    advertise_address: str = ""
-    shard_id: str = "encoder-cache-0"
+    port: int = opt(DEFAULT_PORTS["encoder-cache"], "the gRPC port")
+    capacity_mb: int = opt(1024, "the store's capacity in MiB")
+    capacity_bytes: int = opt(
+        0, "exact capacity in bytes, overriding --capacity-mb when > 0 (small caches in tests and benchmarks)"
+    )
+    chunk_bytes: int = opt(1024 * 1024, "bytes per streamed chunk of a stored tensor")
+    redis_url: str = opt("", "Redis the metadata is mirrored to (empty: none)")
+    advertise_address: str = opt(
+        "", "the address other services reach this shard at (recorded in Redis metadata)"
+    )
+    shard_id: str = opt("encoder-cache-0", "this shard's name in Redis metadata")
 
     def __post_init__(self) -> None:
         super().__post_init__()

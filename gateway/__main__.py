@@ -1,4 +1,4 @@
-"""`python -m gateway [--port 8000 --tokenizer-address ... --scheduler-address ... --api-keys k1,k2]`
+"""`python -m gateway [--port PORT --tokenizer-address ... --scheduler-address ... --api-keys k1,k2]`
 
 Runs the gateway under uvicorn. Shutdown on SIGTERM/SIGINT is graceful: the gateway
 starts draining (new requests and /health answer 503), requests in flight (streams

@@ -9,94 +9,104 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from services.config import MAX_MESSAGE_BYTES
+from services.config import DEFAULT_PORTS, MAX_MESSAGE_BYTES, ProcessConfig, opt
 
 
 @dataclasses.dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(ProcessConfig):
     """OpenAI-compatible HTTP gateway in front of the tokenizer and scheduler services."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    tokenizer_address: str = "127.0.0.1:50051"
-    # One scheduler, or several replicas ("host:port,host:port"): a route goes to any
-    # live one, so a replica's death costs no request.
-    scheduler_address: str = "127.0.0.1:50052"
-    # Accepted `Authorization: Bearer <key>` values; empty = no authentication.
-    api_keys: tuple[str, ...] = ()
-    # Keys that may also call admin endpoints (LoRA load/unload); they are valid API keys.
-    admin_api_keys: tuple[str, ...] = ()
-    # Declare POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); the workers need --enable-runtime-lora-updating.
-    enable_lora_updating: bool = False
-    max_request_bytes: int = 16 * 1024 * 1024
-    # Deadline of every upstream call, the whole generation stream included.
-    request_timeout_s: float = 600.0
-    log_level: str = "INFO"
-    # One log line per HTTP request (uvicorn's access log). Off by default: it is written
-    # as the response starts, i.e. before a stream's first token, and costs the gateway
-    # ~60 us per request; per-route counts and latencies are in the metrics.
-    access_log: bool = False
-    tracing: str = "none"
-    otlp_endpoint: str = ""
-    # max_tokens when the client omits it (capped by the model's remaining context).
-    default_max_tokens: int = 256
-    max_n: int = 16
-    # Requests per second allowed per API key (token bucket); 0 = no rate limit.
-    rate_limit_rps_per_key: float = 0.0
-    # Bucket size; 0 = max(1, rate_limit_rps_per_key).
-    rate_limit_burst: int = 0
-    # On SIGTERM: answer new requests 503 and let requests in flight finish this long.
-    drain_timeout_s: float = 30.0
-    # How long /v1/models (and the model check of every request) reuses ListWorkers.
-    models_cache_s: float = 1.0
-    # How long an idle HTTP keep-alive connection stays open. Longer than the idle timeouts
-    # of the clients and load balancers in front (aiohttp's pool 15 s, AWS ALB 60 s): when
-    # the server closes first, a client may send its next request on the closing
-    # connection, and a POST is not retried (uvicorn's own default, 5 s, did so to a
-    # benchmark's aiohttp client). nginx's default, 75 s.
-    keep_alive_timeout_s: int = 75
-    max_grpc_message_bytes: int = MAX_MESSAGE_BYTES
-    # Routing again after a worker failed before the first token (excluding it).
-    max_retries: int = 2
-    # Mid-stream migrations per request: a worker lost after tokens were streamed is
-    # replaced by another one that continues from the prompt plus the tokens so far
-    # (0 = the request ends with an error instead).
-    max_migrations: int = 3
-    # Where tokenizer files fetched from the tokenizer service are kept (empty = a
-    # directory under the system temp dir).
-    tokenizer_cache_dir: str = ""
-    # Tool-call output format: one parser for every model ("hermes", "qwen",
-    # "llama3_json", "mistral") or per model ("model-a=mistral,model-b=hermes";
-    # a bare name is the default). See gateway/tool_parsers.
-    tool_call_parser: str = "hermes"
-    # `<think>` reasoning split into reasoning_content: "", "qwen3" or "deepseek_r1".
-    reasoning_parser: str = ""
-    # Shared state of the gateway replicas: stored /v1/responses and their conversations
-    # (gateway/response_store.py). Empty = a bounded in-process store, and
-    # previous_response_id is refused (another replica could not continue it).
-    redis_url: str = ""
-    # How long a stored /v1/responses response (and its conversation) is kept.
-    response_ttl_s: int = 30 * 24 * 3600
+    port: int = opt(DEFAULT_PORTS["gateway"], "the HTTP port (the API and /metrics)")
+    tokenizer_address: str = opt(
+        f"127.0.0.1:{DEFAULT_PORTS['tokenizer']}", "the tokenizer service, host:port"
+    )
+    scheduler_address: str = opt(
+        f"127.0.0.1:{DEFAULT_PORTS['scheduler']}",
+        "one scheduler, or several replicas host:port,host:port (a route goes to any live one, "
+        "so a replica's death costs no request)",
+    )
+    api_keys: tuple[str, ...] = opt(
+        (), "accepted `Authorization: Bearer <key>` values; empty: no authentication"
+    )
+    admin_api_keys: tuple[str, ...] = opt(
+        (), "keys that may also call admin endpoints (LoRA load/unload); they are valid API keys"
+    )
+    enable_lora_updating: bool = opt(
+        False,
+        "declare POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); the workers need --enable-runtime-lora-updating",
+    )
+    max_request_bytes: int = opt(16 * 1024 * 1024, "the largest HTTP request body accepted")
+    request_timeout_s: float = opt(
+        600.0, "deadline of every upstream call, the whole generation stream included"
+    )
+    access_log: bool = opt(
+        False,
+        "one log line per HTTP request (uvicorn's access log); off by default: it is written as "
+        "the response starts, i.e. before a stream's first token, and costs ~60 us per request; "
+        "per-route counts and latencies are in the metrics",
+    )
+    default_max_tokens: int = opt(
+        256, "max_tokens when the client omits it (capped by the model's remaining context)"
+    )
+    max_n: int = opt(16, "the largest `n` (choices per request) accepted")
+    rate_limit_rps_per_key: float = opt(
+        0.0, "requests per second allowed per API key (token bucket); 0: no limit"
+    )
+    rate_limit_burst: int = opt(0, "the rate limit's bucket size; 0: max(1, rate_limit_rps_per_key)")
+    models_cache_s: float = opt(
+        1.0, "how long /v1/models (and the model check of every request) reuses ListWorkers"
+    )
+    keep_alive_timeout_s: int = opt(
+        75,
+        "how long an idle HTTP keep-alive connection stays open: longer than the idle timeouts of "
+        "the clients and load balancers in front (aiohttp's pool 15 s, AWS ALB 60 s), since a POST "
+        "sent on a connection the server is closing is not retried; nginx's default",
+    )
+    max_grpc_message_bytes: int = opt(MAX_MESSAGE_BYTES, "the largest gRPC message sent or accepted upstream")
+    max_retries: int = opt(2, "routing again after a worker failed before the first token (excluding it)")
+    max_migrations: int = opt(
+        3,
+        "mid-stream migrations per request: a worker lost after tokens were streamed is replaced "
+        "by another that continues from the prompt plus the tokens so far (0: the request ends "
+        "with an error instead)",
+    )
+    tokenizer_cache_dir: str = opt(
+        "", "where tokenizer files fetched from the tokenizer service are kept (empty: under the temp dir)"
+    )
+    tool_call_parser: str = opt(
+        "hermes",
+        "tool-call output format: one parser for every model (hermes, qwen, llama3_json, mistral) "
+        "or per model (model-a=mistral,model-b=hermes; a bare name is the default); gateway/tool_parsers",
+    )
+    reasoning_parser: str = opt(
+        "", "`<think>` reasoning split into reasoning_content: empty, qwen3 or deepseek_r1"
+    )
+    redis_url: str = opt(
+        "",
+        "shared state of the gateway replicas: stored /v1/responses and their conversations "
+        "(gateway/response_store.py); empty: a bounded in-process store, and previous_response_id "
+        "is refused (another replica could not continue it)",
+    )
+    response_ttl_s: int = opt(
+        30 * 24 * 3600, "how long a stored /v1/responses response (and its conversation) is kept"
+    )
 
     def __post_init__(self) -> None:
         """Rejects values that cannot work, naming the offending option."""
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        super().__post_init__()
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be > 0")
         if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
             raise ValueError("request_timeout_s must be a positive number")
-        if self.tracing not in ("none", "console", "otlp", "memory"):
-            raise ValueError("tracing must be one of none, console, otlp, memory")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
         if self.rate_limit_rps_per_key < 0 or self.rate_limit_burst < 0:
             raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
-        if self.drain_timeout_s < 0 or self.models_cache_s < 0:
-            raise ValueError("drain_timeout_s and models_cache_s must be >= 0")
+        if self.models_cache_s < 0:
+            raise ValueError("models_cache_s must be >= 0")
         if self.response_ttl_s < 1:
             raise ValueError("response_ttl_s must be >= 1")
         if self.keep_alive_timeout_s < 1:

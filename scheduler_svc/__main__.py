@@ -1,4 +1,4 @@
-"""`python -m scheduler_svc [--port 50052 --redis-url redis://... --routing-policy prefix]`."""
+"""`python -m scheduler_svc [--port PORT --redis-url redis://... --routing-policy prefix]`."""
 
 from __future__ import annotations
 

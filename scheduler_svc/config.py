@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import ServerConfig
+from services.config import DEFAULT_PORTS, ServerConfig, opt
+from services.kv_contract import DEFAULT_BLOCK_SIZE
 
 ROUTING_POLICIES = ("prefix", "round_robin", "least_load")
 
@@ -17,62 +18,85 @@ class SchedulerConfig(ServerConfig):
     no shared registry): routing then relies on heartbeats and its own decisions.
     """
 
-    port: int = 50052
-    redis_url: str = ""
-    routing_policy: str = "prefix"
-    heartbeat_interval_ms: int = 500
-    worker_timeout_s: float = 3.0
-    # A worker silent for this long is forgotten (dropped from ListWorkers, Redis and the index).
-    worker_forget_s: float = 60.0
-    # After a failed call a worker gets no new requests for this long (unless it is the last one).
-    suspect_penalty_s: float = 2.0
-    max_queue_len: int = 1024
-    # Longest time a request may wait in the admission queue before RESOURCE_EXHAUSTED.
-    queue_timeout_s: float = 60.0
-    # Requests this scheduler keeps in flight per worker (0 = the worker's max_num_seqs).
-    max_inflight_per_worker: int = 0
-    # Prefix-aware scorer weights: longest-prefix hit fraction, queue depth, KV usage.
-    prefix_weight: float = 3.0
-    queue_weight: float = 2.0
-    kv_weight: float = 1.0
-    # A worker whose load reaches this fraction of its capacity gets no prefix affinity:
-    # the request falls back to least-load (one hot prefix cannot pile onto one worker).
-    load_cap: float = 0.8
-    # ... and so does a worker whose load (with the request) would exceed the candidates'
-    # mean load by more than this fraction of the mean, and by more than
-    # load_imbalance_min requests (affinity must not turn into a lasting imbalance, yet a
-    # conversation may stay where its history is cached while the loads are close).
-    load_imbalance: float = 0.5
-    load_imbalance_min: float = 2.0
-    # ... and so does a worker more than load_spread_min requests and load_spread times
-    # above the lightest one (SGLang's absolute + relative thresholds).
-    load_spread: float = 2.0
-    load_spread_min: float = 4.0
-    # Routing decisions count as cached prefixes for this long, until KV events confirm them.
-    speculative_ttl_s: float = 2.0
-    # Embedding calls retried on another worker after a transport failure.
-    max_retries: int = 2
-    # A lease nobody released (and no worker reports) ends after this long.
-    lease_ttl_s: float = 600.0
-    # A lease its worker has not reported for this long (since issued or last reported)
-    # ends: shorter could end one whose request is still on its way to the worker, or
-    # whose release (with the request's outcome) comes after the worker's next heartbeat.
-    lease_grace_s: float = 2.0
-    block_size: int = 16
-    kv_stream_maxlen: int = 100_000
-    # Encoder cache (host:port) checked before routing requests with images; empty = the
-    # scheduler refuses image inputs (UNAVAILABLE).
-    encoder_cache_address: str = ""
-    # Deadline of each encoder cache call: a cache that is down fails requests fast.
-    encoder_cache_timeout_s: float = 5.0
-    # Deadline of one Worker.Encode call (encoder queue + vision tower + cache Put).
-    encode_timeout_s: float = 60.0
-    # Skip the cache check and encode every image of every request (benchmarks).
-    bypass_encoder_cache: bool = False
-    # P/D disaggregation: a text request whose prompt tokens not cached on its decoder
-    # reach this many is prefilled on a prefill worker (role "prefill", when one is
-    # registered) and its KV pulled by the decoder; 0 = never.
-    pd_min_prompt_tokens: int = 256
+    port: int = opt(DEFAULT_PORTS["scheduler"], "the gRPC port")
+    redis_url: str = opt(
+        "", "Redis shared by the replicas: registry, leases, KV events (empty: local state only)"
+    )
+    routing_policy: str = opt("prefix", "how a worker is chosen: " + ", ".join(ROUTING_POLICIES))
+    heartbeat_interval_ms: int = opt(
+        500, "how often workers report their load (told to them at registration)"
+    )
+    worker_timeout_s: float = opt(3.0, "a worker silent for this long gets no new requests")
+    worker_forget_s: float = opt(
+        60.0, "a worker silent for this long is forgotten (dropped from ListWorkers, Redis and the index)"
+    )
+    suspect_penalty_s: float = opt(
+        2.0, "after a failed call a worker gets no new requests for this long (unless it is the last one)"
+    )
+    max_queue_len: int = opt(
+        1024, "requests waiting for a worker at most; more are refused (RESOURCE_EXHAUSTED)"
+    )
+    queue_timeout_s: float = opt(
+        60.0, "longest time a request may wait in the admission queue before RESOURCE_EXHAUSTED"
+    )
+    max_inflight_per_worker: int = opt(
+        0, "requests this scheduler keeps in flight per worker (0: the worker's max_num_seqs)"
+    )
+    prefix_weight: float = opt(3.0, "prefix-aware scorer: weight of the longest-prefix hit fraction")
+    queue_weight: float = opt(2.0, "prefix-aware scorer: weight of the queue depth")
+    kv_weight: float = opt(1.0, "prefix-aware scorer: weight of the KV-cache usage")
+    load_cap: float = opt(
+        0.8,
+        "a worker whose load reaches this fraction of its capacity gets no prefix affinity: the "
+        "request falls back to least-load (one hot prefix cannot pile onto one worker)",
+    )
+    load_imbalance: float = opt(
+        0.5,
+        "no prefix affinity either for a worker whose load (with the request) would exceed the "
+        "candidates' mean by more than this fraction of the mean and by more than "
+        "--load-imbalance-min requests (a conversation may stay where its history is cached "
+        "while the loads are close)",
+    )
+    load_imbalance_min: float = opt(2.0, "see --load-imbalance")
+    load_spread: float = opt(
+        2.0,
+        "no prefix affinity either for a worker more than --load-spread-min requests and this "
+        "many times above the lightest one (SGLang's absolute + relative thresholds)",
+    )
+    load_spread_min: float = opt(4.0, "see --load-spread")
+    speculative_ttl_s: float = opt(
+        2.0, "routing decisions count as cached prefixes for this long, until KV events confirm them"
+    )
+    max_retries: int = opt(2, "embedding calls retried on another worker after a transport failure")
+    lease_ttl_s: float = opt(600.0, "a lease nobody released (and no worker reports) ends after this long")
+    lease_grace_s: float = opt(
+        2.0,
+        "a lease its worker has not reported for this long (since issued or last reported) ends: "
+        "shorter could end one whose request is still on its way to the worker, or whose release "
+        "comes after the worker's next heartbeat",
+    )
+    block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block, as the workers' --block-size")
+    kv_stream_maxlen: int = opt(100_000, "KV events kept per worker in its Redis stream")
+    encoder_cache_address: str = opt(
+        "",
+        "encoder cache (host:port) checked before routing requests with images; empty: image "
+        "inputs are refused (UNAVAILABLE)",
+    )
+    encoder_cache_timeout_s: float = opt(
+        5.0, "deadline of each encoder cache call (a cache that is down fails requests fast)"
+    )
+    encode_timeout_s: float = opt(
+        60.0, "deadline of one Worker.Encode call (encoder queue + vision tower + cache Put)"
+    )
+    bypass_encoder_cache: bool = opt(
+        False, "skip the cache check and encode every image of every request (benchmarks)"
+    )
+    pd_min_prompt_tokens: int = opt(
+        256,
+        "P/D: a text request whose prompt tokens not cached on its decoder reach this many is "
+        "prefilled on a prefill worker (when one is registered) and its KV pulled by the "
+        "decoder; 0: never",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,8 +1,11 @@
 """Frozen-dataclass configuration loaded from CLI flags and environment variables.
 
-Every service declares its own small frozen dataclass; `load_config` turns its fields
-into `--flag-name` options whose defaults come from `MESHSERVE_FLAG_NAME` env vars,
-then from the dataclass default. Flags win over env, env wins over defaults.
+Every service declares its own small frozen dataclass whose fields are declared with
+`opt(default, help)`; `load_config` turns each field into a `--flag-name` option whose
+default comes from the `MESHSERVE_FLAG_NAME` env var, then from the dataclass default.
+Flags win over env, env wins over defaults. A field whose type is itself a config
+dataclass (the worker's `engine: EngineConfig`) contributes its fields as options of
+their own, under their own names: each knob is declared once, where it is used.
 """
 
 from __future__ import annotations
@@ -19,9 +22,111 @@ T = TypeVar("T")
 
 ENV_PREFIX = "MESHSERVE_"
 
+# The port each component listens on by default: the services' `port` fields, the local
+# launcher and the Helm chart (tests/deploy checks values.yaml against this table).
+DEFAULT_PORTS = {
+    "gateway": 8000,
+    "tokenizer": 50051,
+    "scheduler": 50052,
+    "encoder-cache": 50070,
+    "decoder": 50061,
+    "embedding": 50081,
+    "encoder": 50091,
+    "prefill": 50101,
+}
 
-def _env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
+
+def opt(default: T, help: str) -> T:
+    """A config field: its default and the help `--help` shows, declared together once."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def required(help: str) -> Any:
+    """A config field without a default (construction fails without it)."""
+    return dataclasses.field(metadata={"help": help})
+
+
+def same_as(cls: type[Any], name: str, help: str = "") -> Any:
+    """A field taking the default (and, unless `help` is given, the help) of option `name`
+    of config `cls`: a knob another config passes on keeps a single declaration."""
+    source = _option(cls, name)
+    return opt(source.default, help or source.help)
+
+
+def default_of(cls: type[Any], name: str) -> Any:
+    """The default of option `name` of config `cls` (nested configs included)."""
+    return _option(cls, name).default
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line option: a field of the config or of a config nested in it."""
+
+    path: tuple[str, ...]  # attributes from the top config: ("engine", "max_num_seqs")
+    field: dataclasses.Field[Any]
+    type: Any
+
+    @property
+    def name(self) -> str:
+        """The option's name: its field's name (`max_num_seqs`)."""
+        return self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        """`--max-num-seqs`."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """`MESHSERVE_MAX_NUM_SEQS`."""
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def help(self) -> str:
+        """What `opt` declared as the option's help ("" if nothing)."""
+        return str(self.field.metadata.get("help", ""))
+
+    @property
+    def default(self) -> Any:
+        """The field's default (None for a required field)."""
+        return _cli_default(self.field)
+
+    def parse(self, text: str) -> Any:
+        """The value an env variable or flag spelling `text` gives this option."""
+        return _converter(self.type)(text)
+
+
+def options(cls: type[Any]) -> list[Option]:
+    """Every option of config `cls`: its fields, a nested config's fields in its place.
+    TypeError when two of them would share a name."""
+    hints = typing.get_type_hints(cls)
+    found: list[Option] = []
+    for field in dataclasses.fields(cls):
+        tp = hints[field.name]
+        if _is_config(tp):
+            found += [dataclasses.replace(o, path=(field.name, *o.path)) for o in options(tp)]
+        else:
+            found.append(Option((field.name,), field, tp))
+    names = [o.name for o in found]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{cls.__name__}: options {sorted({n for n in names if names.count(n) > 1})} twice")
+    return found
+
+
+def env_names(cls: type[Any]) -> set[str]:
+    """The MESHSERVE_* variables config `cls` reads."""
+    return {o.env for o in options(cls)}
+
+
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _option(cls: type[Any], name: str) -> Option:
+    found = [o for o in options(cls) if o.name == name]
+    if not found:
+        raise TypeError(f"{cls.__name__} has no option {name!r}")
+    return found[0]
 
 
 def _base_type(tp: Any) -> Any:
@@ -66,22 +171,46 @@ def _cli_default(field: dataclasses.Field[Any]) -> Any:
 
 
 def build_parser(cls: type[Any], prog: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one `--field-name` option per dataclass field."""
+    """An argparse parser with one `--option-name` per option of config `cls`: its help,
+    then its env variable and default."""
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        tp = hints[field.name]
-        convert = _converter(tp)
-        env = os.environ.get(_env_name(field.name))
-        default = convert(env) if env is not None else _cli_default(field)
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            dest=field.name,
+    groups: dict[tuple[str, ...], Any] = {(): parser}
+    for option in options(cls):
+        convert = _converter(option.type)
+        env = os.environ.get(option.env)
+        default = convert(env) if env is not None else option.default
+        nest = option.path[:-1]
+        if nest not in groups:  # a nested config's options under its field's name
+            groups[nest] = parser.add_argument_group(f"{'.'.join(nest)} options")
+        groups[nest].add_argument(
+            option.flag,
+            dest=option.name,
             type=convert,
             default=default,
-            help=f"(env {_env_name(field.name)}, default {default!r})",
+            help=f"{option.help} (env {option.env}, default {default!r})".lstrip(),
         )
     return parser
+
+
+def from_options(cls: type[T], **values: Any) -> T:
+    """Config `cls` from option values by option name (a nested config's options flat,
+    as on the command line); an option not given takes its default. TypeError names an
+    option `cls` does not have."""
+    unknown = sorted(set(values) - {o.name for o in options(cls)})
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no option(s) {unknown}")
+    return _build(cls, values)
+
+
+def _build(cls: type[T], values: dict[str, Any]) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(typing.cast(Any, cls)):
+        if _is_config(hints[field.name]):
+            kwargs[field.name] = _build(hints[field.name], values)
+        elif field.name in values:
+            kwargs[field.name] = values[field.name]
+    return cls(**kwargs)
 
 
 def load_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
@@ -95,55 +224,76 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | Non
     parser = build_parser(cls, prog)
     namespace = parser.parse_args(list(argv) if argv is not None else [])
     try:
-        return cls(**vars(namespace))
+        return _build(cls, vars(namespace))
     except ValueError as exc:
         parser.error(str(exc))
     raise AssertionError("unreachable")  # parser.error exits
 
 
+def option_values(config: Any) -> dict[str, Any]:
+    """Every option of `config` by name, nested configs' options included."""
+    values: dict[str, Any] = {}
+    for option in options(type(config)):
+        value = config
+        for attribute in option.path:
+            value = getattr(value, attribute)
+        values[option.name] = value
+    return values
+
+
 def env_for(config: Any) -> dict[str, str]:
     """The MESHSERVE_* environment that reproduces `config` in a child process."""
     env: dict[str, str] = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
+    for name, value in option_values(config).items():
         if value is None:
             continue
         if isinstance(value, bool):
-            env[_env_name(field.name)] = "true" if value else "false"
+            env[ENV_PREFIX + name.upper()] = "true" if value else "false"
         elif isinstance(value, tuple):
-            env[_env_name(field.name)] = ",".join(str(v) for v in value)
+            env[ENV_PREFIX + name.upper()] = ",".join(str(v) for v in value)
         else:
-            env[_env_name(field.name)] = str(value)
+            env[ENV_PREFIX + name.upper()] = str(value)
     return env
 
 
 # The largest gRPC message any service sends or accepts (images, embeddings, KV chunks).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+TRACING_MODES = ("none", "console", "otlp", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Options every gRPC service shares: where it listens and how it drains."""
+class ProcessConfig:
+    """Options every service process shares: where it listens, how it logs, traces and drains."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    drain_timeout_s: float = 30.0
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    log_level: str = "INFO"
-    tracing: str = "none"
-    otlp_endpoint: str = ""
-    # Optional TLS / mutual TLS between services (see services/tls.py).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
+    host: str = opt("127.0.0.1", "the address to listen on")
+    port: int = opt(0, "the port to listen on (0: any free port)")
+    drain_timeout_s: float = opt(
+        30.0, "on SIGTERM, new requests are refused and those in flight get this long to finish"
+    )
+    log_level: str = opt("INFO", "Python logging level")
+    tracing: str = opt("none", f"OpenTelemetry tracing: {', '.join(TRACING_MODES)}")
+    otlp_endpoint: str = opt("", "the OTLP/gRPC collector of --tracing otlp (e.g. http://collector:4317)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.tracing not in TRACING_MODES:
+            raise ValueError(f"tracing must be one of {', '.join(TRACING_MODES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig(ProcessConfig):
+    """Options every gRPC service shares: its process options, metrics, message size, TLS."""
+
+    metrics_port: int = opt(0, "Prometheus /metrics port (0: no metrics endpoint)")
+    max_message_bytes: int = opt(MAX_MESSAGE_BYTES, "the largest gRPC message sent or accepted")
+    tls_cert: str = opt("", "PEM certificate of this service (TLS between services; services/tls.py)")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt("", "PEM CA bundle: verifies peers, and with --tls-cert makes TLS mutual")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be > 0")
-        if self.tracing not in ("none", "console", "otlp", "memory"):
-            raise ValueError("tracing must be one of none, console, otlp, memory")

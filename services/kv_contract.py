@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "INDEX_KEY_PREFIX",
     "SEQ_KEY_PREFIX",
     "STREAM_KEY",
@@ -27,6 +28,10 @@ __all__ = [
     "with_lora_key",
     "with_mm_keys",
 ]
+
+# Tokens per KV block unless configured: the workers' --block-size and the scheduler's,
+# which must be equal for prefix-aware routing.
+DEFAULT_BLOCK_SIZE = 16
 
 # Redis stream of KV events (stored / removed block hashes) from every worker.
 STREAM_KEY = "meshserve:kv-events"

@@ -29,16 +29,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import httpx
 
+from encoder_cache_svc.config import EncoderCacheConfig
+from scheduler_svc.config import SchedulerConfig
 from services import ports
+from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
 from services.redis_client import RedisServer, free_port
 from services.rpc import check_health
+from worker_svc.config import WorkerConfig
+from worker_svc.engine.config import EngineConfig
 
 log = logging.getLogger("meshserve.launcher")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,19 +63,6 @@ class ServiceSpec:
     def component(self) -> str:
         """The service kind: `decoder` for `decoder-1`, `scheduler` for `scheduler-2`."""
         return re.sub(r"-\d+$", "", self.name)
-
-
-# Default ports; the Helm chart uses the same ones (tests/deploy checks they agree).
-DEFAULT_PORTS = {
-    "gateway": 8000,
-    "tokenizer": 50051,
-    "scheduler": 50052,
-    "encoder-cache": 50070,
-    "decoder": 50061,
-    "embedding": 50081,
-    "encoder": 50091,
-    "prefill": 50101,
-}
 
 
 @dataclass(frozen=True)
@@ -103,76 +94,83 @@ class BackoffPolicy:
         return min(self.max_s, self.initial_s * self.factor**exponent)
 
 
-def _opt(default: T, help: str) -> T:
-    """A launcher option: its default and the help `--help` shows."""
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class MeshConfig:
     """What to start: the model, how many workers per role, where to listen."""
 
-    model_dir: str = _opt("", "the decoder model: a Hugging Face model directory (required)")
-    embedding_model_dir: str = _opt(
+    model_dir: str = opt("", "the decoder model: a Hugging Face model directory (required)")
+    embedding_model_dir: str = opt(
         "",
         "the embedding model's directory (default: all-MiniLM-L6-v2 when installed; 'none': no embedding worker)",
     )
     # all-MiniLM-L6-v2 ships in a folder named "model": serve it under its real name.
-    embedding_model_name: str = _opt("all-MiniLM-L6-v2", "the embedding model's name in the API")
-    host: str = _opt("127.0.0.1", "the address every service listens on")
-    gateway_port: int = _opt(DEFAULT_PORTS["gateway"], "the gateway's HTTP port")
-    tokenizer_port: int = _opt(DEFAULT_PORTS["tokenizer"], "the tokenizer service's gRPC port")
-    scheduler_port: int = _opt(DEFAULT_PORTS["scheduler"], "the first scheduler replica's gRPC port")
-    encoder_cache_port: int = _opt(DEFAULT_PORTS["encoder-cache"], "the encoder cache's gRPC port")
-    decoder_base_port: int = _opt(DEFAULT_PORTS["decoder"], "decoder i listens on this port + i")
-    embedding_port: int = _opt(DEFAULT_PORTS["embedding"], "the embedding worker's gRPC port")
-    encoder_base_port: int = _opt(DEFAULT_PORTS["encoder"], "encoder i listens on this port + i")
-    prefill_base_port: int = _opt(DEFAULT_PORTS["prefill"], "prefill worker i listens on this port + i")
-    num_decoders: int = _opt(1, "decoder workers")
-    num_prefill: int = _opt(
+    embedding_model_name: str = opt("all-MiniLM-L6-v2", "the embedding model's name in the API")
+    host: str = same_as(ProcessConfig, "host", "the address every service listens on")
+    gateway_port: int = opt(DEFAULT_PORTS["gateway"], "the gateway's HTTP port")
+    tokenizer_port: int = opt(DEFAULT_PORTS["tokenizer"], "the tokenizer service's gRPC port")
+    scheduler_port: int = opt(DEFAULT_PORTS["scheduler"], "the first scheduler replica's gRPC port")
+    encoder_cache_port: int = opt(DEFAULT_PORTS["encoder-cache"], "the encoder cache's gRPC port")
+    decoder_base_port: int = opt(DEFAULT_PORTS["decoder"], "decoder i listens on this port + i")
+    embedding_port: int = opt(DEFAULT_PORTS["embedding"], "the embedding worker's gRPC port")
+    encoder_base_port: int = opt(DEFAULT_PORTS["encoder"], "encoder i listens on this port + i")
+    prefill_base_port: int = opt(DEFAULT_PORTS["prefill"], "prefill worker i listens on this port + i")
+    num_decoders: int = opt(1, "decoder workers")
+    num_prefill: int = opt(
         0,
         "prefill workers (P/D disaggregation): long uncached prompts are prefilled there and their KV "
         "pulled by the decoder (the scheduler's pd_min_prompt_tokens)",
     )
-    num_schedulers: int = _opt(
+    num_schedulers: int = opt(
         1, "scheduler replicas on consecutive ports from --scheduler-port, sharing their state in Redis"
     )
-    num_encoders: int = _opt(
+    num_encoders: int = opt(
         0, "encoder workers of a multimodal model; with one or more the encoder cache starts too"
     )
-    encoder_cache_capacity_mb: int = _opt(1024, "the encoder cache's capacity in MiB")
-    redis_url: str = _opt("", "an existing Redis (default: the launcher starts its own redis-server)")
-    api_keys: str = _opt("", "comma-separated API keys the gateway accepts (default: none needed)")
-    admin_api_keys: str = _opt("", "comma-separated API keys that may also load/unload LoRA adapters")
-    lora_modules: str = _opt(
+    encoder_cache_capacity_mb: int = same_as(
+        EncoderCacheConfig, "capacity_mb", "the encoder cache's capacity in MiB"
+    )
+    redis_url: str = opt("", "an existing Redis (default: the launcher starts its own redis-server)")
+    api_keys: str = opt("", "comma-separated API keys the gateway accepts (default: none needed)")
+    admin_api_keys: str = opt("", "comma-separated API keys that may also load/unload LoRA adapters")
+    lora_modules: str = opt(
         "", "LoRA adapters every decoder loads at start, 'name=path,name=path' (vLLM's --lora-modules)"
     )
-    max_loras: int = _opt(
-        0, "LoRA adapters resident per decoder at once (0: LoRA off, or 4 with --lora-modules)"
+    max_loras: int = same_as(
+        EngineConfig,
+        "max_loras",
+        "LoRA adapters resident per decoder at once (0: LoRA off, or 4 with --lora-modules)",
     )
-    max_lora_rank: int = _opt(16, "the largest LoRA rank a decoder accepts")
-    max_cpu_loras: int = _opt(0, "loaded LoRA adapters a decoder keeps in CPU memory (0: max_loras)")
-    enable_lora_updating: bool = _opt(
+    max_lora_rank: int = same_as(EngineConfig, "max_lora_rank", "the largest LoRA rank a decoder accepts")
+    max_cpu_loras: int = same_as(
+        EngineConfig, "max_cpu_loras", "loaded LoRA adapters a decoder keeps in CPU memory (0: max_loras)"
+    )
+    enable_lora_updating: bool = opt(
         False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only)"
     )
-    routing_policy: str = _opt("prefix", "the scheduler's routing policy")
-    log_dir: str = _opt(".cache/logs", "each service's output goes to LOG_DIR/NAME.log")
-    kv_cache_memory_mb: int = _opt(256, "each decoder's KV cache in MiB")
-    max_num_seqs: int = _opt(64, "the most sequences a decoder runs at once")
-    stream_interval: int = _opt(1, "decoders stream every N-th token after the first")
-    generation_config: str = _opt(
-        "auto",
+    routing_policy: str = same_as(SchedulerConfig, "routing_policy", "the scheduler's routing policy")
+    log_dir: str = opt(".cache/logs", "each service's output goes to LOG_DIR/NAME.log")
+    kv_cache_memory_mb: int = same_as(EngineConfig, "kv_cache_memory_mb", "each decoder's KV cache in MiB")
+    max_num_seqs: int = same_as(EngineConfig, "max_num_seqs", "the most sequences a decoder runs at once")
+    stream_interval: int = same_as(
+        WorkerConfig, "stream_interval", "decoders stream every N-th token after the first"
+    )
+    generation_config: str = same_as(
+        EngineConfig,
+        "generation_config",
         "'auto': unset sampling fields take the model's generation_config.json defaults; 'vllm': ignore it",
     )
-    served_model_name: str = _opt("", "the model's name in the API (default: the model directory's name)")
-    only: str = _opt(
+    served_model_name: str = opt("", "the model's name in the API (default: the model directory's name)")
+    only: str = opt(
         "", "start only these components, comma-separated (e.g. scheduler,tokenizer); run the others by hand"
     )
-    restart_backoff_s: float = _opt(0.5, "first delay before restarting a service that exited")
-    restart_backoff_max_s: float = _opt(10.0, "restart delays double up to this")
-    restart_reset_s: float = _opt(30.0, "a service that ran this long restarts after the first delay again")
-    # Longer than the services' default drain timeout of 30 s, so that a drain is never cut short.
-    stop_timeout_s: float = _opt(40.0, "on stop, SIGKILL a service still draining after this long")
+    restart_backoff_s: float = opt(0.5, "first delay before restarting a service that exited")
+    restart_backoff_max_s: float = opt(10.0, "restart delays double up to this")
+    restart_reset_s: float = opt(30.0, "a service that ran this long restarts after the first delay again")
+    stop_timeout_s: float = opt(
+        default_of(ProcessConfig, "drain_timeout_s") + 10.0,
+        "on stop, SIGKILL a service still draining after this long (longer than the services' "
+        "default drain timeout, so that a drain is never cut short)",
+    )
     # Set on every service, over the launcher's own values (e.g. MESHSERVE_STREAM_INTERVAL).
     extra_env: tuple[tuple[str, str], ...] = ()
     # Prometheus /metrics port per service name (e.g. ("encoder-0", 9102)); none by default.

@@ -1,4 +1,4 @@
-"""`python -m tokenizer_svc --model-dir DIR [--port 50051 ...]` (flags or MESHSERVE_* env)."""
+"""`python -m tokenizer_svc --model-dir DIR [--port PORT ...]` (flags or MESHSERVE_* env)."""
 
 from __future__ import annotations
 

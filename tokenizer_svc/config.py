@@ -5,29 +5,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from services.config import ServerConfig
+from services.config import DEFAULT_PORTS, ServerConfig, opt
 
 
 @dataclass(frozen=True)
 class TokenizerConfig(ServerConfig):
     """Tokenizer service: chat templates, tokenize/detokenize, stop strings, media parsing."""
 
-    port: int = 50051
-    # Hugging Face model directory holding the tokenizer (and config.json). Required.
-    model_dir: str = ""
-    # Name clients use in `model`; empty = basename of model_dir.
-    served_model_name: str = ""
-    # Context length reported to callers; 0 = the model config's max_position_embeddings.
-    max_model_len: int = 0
-    # Accept a Jinja `chat_template` from requests (still sandboxed). Off: callers cannot
-    # run arbitrary templates.
-    allow_request_chat_template: bool = False
-    # Hosts that http(s) image URLs may point to (exact host names); empty = none (no SSRF).
-    allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = 10 * 1024 * 1024
-    # Decoded pixel limit per image (width * height), against decompression bombs.
-    max_image_pixels: int = 4096 * 4096
-    media_fetch_timeout_s: float = 5.0
+    port: int = opt(DEFAULT_PORTS["tokenizer"], "the gRPC port")
+    model_dir: str = opt("", "Hugging Face model directory holding the tokenizer (and config.json); required")
+    served_model_name: str = opt("", "the name clients use in `model` (default: the directory's name)")
+    max_model_len: int = opt(
+        0, "context length reported to callers (0: the model config's max_position_embeddings)"
+    )
+    allow_request_chat_template: bool = opt(
+        False,
+        "accept a Jinja `chat_template` from requests (still sandboxed); off: callers cannot run templates",
+    )
+    allowed_media_domains: tuple[str, ...] = opt(
+        (), "hosts http(s) image URLs may point to (exact host names); empty: none (no SSRF)"
+    )
+    max_image_bytes: int = opt(10 * 1024 * 1024, "the largest image accepted, in bytes")
+    max_image_pixels: int = opt(
+        4096 * 4096, "decoded pixel limit per image (width * height), against decompression bombs"
+    )
+    media_fetch_timeout_s: float = opt(5.0, "deadline of fetching one image URL")
 
     def __post_init__(self) -> None:
         super().__post_init__()

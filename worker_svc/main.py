@@ -24,7 +24,6 @@ from worker_svc.embedding import EmbeddingModel
 from worker_svc.encoder import VisionEncoder
 from worker_svc.encoder_servicer import EncoderServicer
 from worker_svc.engine.async_engine import AsyncLLMEngine
-from worker_svc.engine.config import EngineConfig
 from worker_svc.kv_connector import KvImporter
 from worker_svc.kv_events import KvEventPublisher
 from worker_svc.kv_grpc import SERVICE as KV_SERVICE
@@ -37,32 +36,6 @@ from worker_svc.torch_thread import TorchThread
 log = logging.getLogger(__name__)
 
 SERVICE = "meshserve.v1.Worker"
-
-
-def engine_config(config: WorkerConfig) -> EngineConfig:
-    return EngineConfig(
-        model_dir=config.model_dir,
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks or None,
-        kv_cache_memory_bytes=config.kv_cache_memory_mb * 1024 * 1024,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len or None,
-        enable_prefix_caching=config.enable_prefix_caching,
-        dtype=config.dtype,
-        device=config.device,
-        attention_backend=config.attention_backend,
-        compile_model=config.compile_model,
-        cuda_graphs=config.cuda_graphs,
-        cpu_affinity=config.cpu_affinity,
-        thread_priority=config.engine_priority,
-        generation_config=config.generation_config,
-        kv_transfer_ttl_s=config.kv_transfer_ttl_s,
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-        lora_modules=config.lora_modules,
-    )
 
 
 def _record_decoder(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
@@ -81,8 +54,8 @@ def _descriptor(config: WorkerConfig, identity: WorkerIdentity, port: int) -> sc
         address=config.advertise_address or f"{config.host}:{port}",
         role=role_value(config.role),
         model=identity.model,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
+        block_size=config.engine.block_size,
+        max_num_seqs=config.engine.max_num_seqs,
     )
 
 
@@ -99,7 +72,7 @@ async def _start_decoder(
     config: WorkerConfig, identity: WorkerIdentity, server: GrpcServer, publisher: KvEventPublisher | None
 ) -> tuple[AsyncLLMEngine, DecoderServicer]:
     engine = await asyncio.to_thread(
-        AsyncLLMEngine, engine_config(config), publisher.publish if publisher is not None else None
+        AsyncLLMEngine, config.engine, publisher.publish if publisher is not None else None
     )
     engine.start()
     # Its KV layout names the served model, so only workers of that model pair up (P/D).
@@ -149,7 +122,7 @@ async def _start_encoder(
 ) -> EncoderServicer:
     """Encoder role: vision tower + projector only; embeddings go to the encoder cache."""
     thread = TorchThread("meshserve-encoder")
-    encoder = await thread.run(VisionEncoder, config.model_dir, config.device, config.dtype)
+    encoder = await thread.run(VisionEncoder, config.model_dir, config.engine.device, config.engine.dtype)
     servicer = EncoderServicer(encoder, thread, _cache_client(config), identity.model, identity.role)
     server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     return servicer
@@ -194,7 +167,7 @@ class WorkerProcess:
             return lambda: _record_decoder(engine)
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")
-            model = await thread.run(EmbeddingModel, config.model_dir, config.device)
+            model = await thread.run(EmbeddingModel, config.model_dir, config.engine.device)
             self.embedding = EmbeddingServicer(model, thread, identity)
             server.add_service(SERVICE, worker_pb2_grpc.add_WorkerServicer_to_server, self.embedding)
             return self.embedding.load

@@ -190,7 +190,7 @@ def _engine_config(ctx: StepContext, cuda_graphs: bool) -> EngineConfig:
     return EngineConfig(
         model_dir=ctx.model_dir,
         block_size=BLOCK_SIZE,
-        kv_cache_memory_bytes=p.kv_cache_mb << 20,
+        kv_cache_memory_mb=p.kv_cache_mb,
         max_num_seqs=max(p.concurrencies),
         max_num_batched_tokens=p.max_batch_tokens,
         max_model_len=p.max_model_len,

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from services.config import DEFAULT_PORTS
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import COMPONENTS, config_fields, container, env_of, meshserve_deployments
 
@@ -124,6 +125,7 @@ def test_image_agrees_with_the_chart(values: str, request: pytest.FixtureRequest
     uid, gid = runtime_user()
     env = runtime_env()
     exposed = {int(p) for op, arg in STEPS[FINAL:] if op == "EXPOSE" for p in arg.split()}
+    assert set(DEFAULT_PORTS.values()) <= exposed, "the image exposes every default port"
     assert "/opt/venv/bin" in env["PATH"].split(":") and env["PYTHONPATH"] == "/app"
     for component, deployment in meshserve_deployments(rendered).items():
         c = container(deployment)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from services import launcher
+from services.config import DEFAULT_PORTS
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import COMPONENTS, config_fields, env_of, main_port, meshserve_deployments
 
@@ -34,7 +35,7 @@ def encoder_launcher_specs() -> dict[str, Any]:
 
 def test_launcher_starts_the_encoder_cache_and_encoders(encoder_launcher_specs: dict[str, Any]) -> None:
     assert encoder_launcher_specs["encoder-cache"].module == "encoder_cache_svc"
-    assert encoder_launcher_specs["encoder"].port == launcher.DEFAULT_PORTS["encoder"] == 50091
+    assert encoder_launcher_specs["encoder"].port == DEFAULT_PORTS["encoder"] == 50091
     assert encoder_launcher_specs["encoder"].env["MESHSERVE_ROLE"] == "encoder"
     no_encoders = launcher.service_specs(launcher.MeshConfig(model_dir="/m", embedding_model_dir=""), "")
     assert not [s for s in no_encoders if s.name.startswith("encoder") or CACHE_ENV in s.env]

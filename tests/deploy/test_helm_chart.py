@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 import services.launcher
+from services import config
 from tests.deploy.conftest import CHART, GPU_VALUES, Manifest, Rendered
 
 # component → (python -m module, config module)
@@ -79,15 +80,21 @@ def launcher_specs(launcher: Any) -> dict[str, Any]:
     return specs
 
 
-def config_fields(module_name: str) -> set[str]:
-    """MESHSERVE_* names of every dataclass field defined in a service's config module."""
+def config_classes(module_name: str) -> list[type[Any]]:
+    """The config dataclasses a service's config module defines."""
     module = importlib.import_module(module_name)
-    names: set[str] = set()
-    for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):
-        if inspect.isclass(cls) and cls.__module__ == module.__name__:
-            names |= {"MESHSERVE_" + f.name.upper() for f in dataclasses.fields(cls)}
-    assert names, f"no config dataclass in {module_name}"
-    return names
+    found = [
+        cls
+        for _, cls in inspect.getmembers(module, dataclasses.is_dataclass)
+        if inspect.isclass(cls) and cls.__module__ == module.__name__
+    ]
+    assert found, f"no config dataclass in {module_name}"
+    return found
+
+
+def config_fields(module_name: str) -> set[str]:
+    """MESHSERVE_* names a service's config reads (a nested config's options included)."""
+    return set().union(*(config.env_names(cls) for cls in config_classes(module_name)))
 
 
 @pytest.fixture(scope="session", params=["default", "gpu"])
@@ -247,17 +254,13 @@ def test_ports_match_the_launcher(
     services = any_render.by_component("Service")
     for component, deployment in deployments.items():
         port = main_port(deployment)
-        if component in launcher.DEFAULT_PORTS:
-            assert port == launcher.DEFAULT_PORTS[component], component
+        if component in config.DEFAULT_PORTS:
+            assert port == config.DEFAULT_PORTS[component], component
         if component in launcher_specs:
             assert port == launcher_specs[component].port, component
         assert env_of(deployment)["MESHSERVE_PORT"]["value"] == str(port)
         service_ports = {p["name"]: p["port"] for p in services[component]["spec"]["ports"]}
         assert port in service_ports.values(), component
-    ports = yaml.safe_load((CHART / "values.yaml").read_text())["ports"]
-    chart_ports = {re.sub(r"([A-Z])", lambda m: "-" + m.group(1).lower(), k): v for k, v in ports.items()}
-    for component, port in launcher.DEFAULT_PORTS.items():
-        assert chart_ports.get(component) == port, f"values.yaml ports.{component} != DEFAULT_PORTS"
 
 
 def test_decoders_serve_the_token_path_on_their_grpc_port(any_render: Rendered) -> None:
@@ -300,6 +303,55 @@ def test_env_names_are_config_fields(
         names = {n for n in env_of(meshserve_deployments(r)[component]) if n.startswith("MESHSERVE_")}
         unknown = sorted(names - allowed)
         assert not unknown, f"{component}: {unknown} are not fields of {COMPONENTS[component][1]}"
+
+
+# ---------------------------------------------------------------------------- chart defaults
+
+# MESHSERVE_* values the chart's defaults set on purpose to something other than the
+# service's own default (or to what only the cluster knows), and why.
+CHART_CHOICES = {
+    "MESHSERVE_HOST": "pods listen on every interface",
+    "MESHSERVE_PORT": "each role's port (test_ports_match_the_launcher)",
+    "MESHSERVE_METRICS_PORT": "metrics on by default in a cluster",
+    "MESHSERVE_DRAIN_TIMEOUT_S": "each component's drainTimeoutSeconds, also its termination grace",
+    "MESHSERVE_MODEL_DIR": "the models baked into the image",
+    "MESHSERVE_SERVED_MODEL_NAME": "the embedding model's API name",
+    "MESHSERVE_ROLE": "one Deployment per role",
+    "MESHSERVE_REDIS_URL": "the bundled Redis Service",
+    "MESHSERVE_TOKENIZER_ADDRESS": "the tokenizer Service",
+    "MESHSERVE_SCHEDULER_ADDRESS": "the scheduler Service",
+    "MESHSERVE_ENCODER_CACHE_ADDRESS": "the encoder cache Service",
+    "MESHSERVE_DEVICE": "concrete device from gpus",
+    "MESHSERVE_DTYPE": "concrete dtype from gpus",
+    "MESHSERVE_MAX_LORAS": "lora.enabled turns LoRA on (4 resident, as the launcher with adapters)",
+    "MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING": "lora.runtimeUpdating",
+}
+
+
+def test_chart_defaults_are_the_services(render: Callable[..., Rendered]) -> None:
+    """Every literal MESHSERVE_* value the chart's default values give (every component and
+    LoRA switched on) is the default of the service's config field, unless CHART_CHOICES
+    says why not; and values.yaml's ports are services.config.DEFAULT_PORTS."""
+    every = render({"prefill": {"enabled": True}, "encoder": {"enabled": True}, "lora": {"enabled": True}})
+    (config_map,) = every.of_kind("ConfigMap")
+    checked: set[str] = set()
+    for component, deployment in meshserve_deployments(every).items():
+        options = {o.env: o for cls in config_classes(COMPONENTS[component][1]) for o in config.options(cls)}
+        if component not in WORKERS - {"decoder"}:  # the other roles set their port
+            assert options["MESHSERVE_PORT"].default == config.DEFAULT_PORTS[component], component
+        for name, entry in env_of(deployment).items():
+            key = entry.get("valueFrom", {}).get("configMapKeyRef", {}).get("key")
+            value = config_map["data"][key] if key else entry.get("value")
+            if name not in options or name in CHART_CHOICES or value is None or "$(" in value:
+                continue
+            option = options[name]
+            assert option.parse(value) == option.default, (component, name, value)
+            checked.add(name)
+    assert {"MESHSERVE_MAX_NUM_SEQS", "MESHSERVE_KV_CACHE_MEMORY_MB", "MESHSERVE_BLOCK_SIZE"} <= checked
+    assert {"MESHSERVE_CAPACITY_MB", "MESHSERVE_STREAM_INTERVAL", "MESHSERVE_MAX_LORA_RANK"} <= checked
+    ports = yaml.safe_load((CHART / "values.yaml").read_text())["ports"]
+    chart_ports = {re.sub(r"([A-Z])", lambda m: "-" + m.group(1).lower(), k): v for k, v in ports.items()}
+    assert chart_ports == config.DEFAULT_PORTS
 
 
 # ---------------------------------------------------------------------------- scheduler replicas

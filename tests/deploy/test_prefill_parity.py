@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from services import launcher
+from services.config import DEFAULT_PORTS
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import env_of, main_port, meshserve_deployments
 
@@ -39,7 +40,7 @@ def prefill_render(render: Callable[..., Rendered]) -> Rendered:
 def test_launcher_starts_prefill_workers() -> None:
     config = launcher.MeshConfig(model_dir="/m", embedding_model_dir="", num_prefill=2)
     specs = {s.name: s for s in launcher.service_specs(config, "redis://127.0.0.1:6379/0")}
-    assert specs["prefill-0"].port == launcher.DEFAULT_PORTS["prefill"] == 50101
+    assert specs["prefill-0"].port == DEFAULT_PORTS["prefill"] == 50101
     assert specs["prefill-1"].port == 50102
     assert specs["prefill-1"].env["MESHSERVE_ROLE"] == "prefill"
     assert specs["prefill-1"].env["MESHSERVE_WORKER_ID"] == "prefill-1"
@@ -54,7 +55,7 @@ def test_launcher_starts_prefill_workers() -> None:
 def test_chart_prefill_deployment_matches_the_launcher(prefill_render: Rendered) -> None:
     deployments = meshserve_deployments(prefill_render)
     prefill, decoder = deployments["prefill"], deployments["decoder"]
-    assert main_port(prefill) == launcher.DEFAULT_PORTS["prefill"]
+    assert main_port(prefill) == DEFAULT_PORTS["prefill"]
     env = env_of(prefill)
     assert env["MESHSERVE_ROLE"]["value"] == "prefill"
     for name in ENGINE_ENV:

@@ -10,7 +10,7 @@ import grpc
 
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.config import MAX_MESSAGE_BYTES
+from services.config import MAX_MESSAGE_BYTES, from_options
 from tests.worker_svc.test_generate_stream import PROMPTS, _add, _solo_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -43,7 +43,9 @@ def test_stream_output_and_reuse(tiny_model_dir: Path) -> None:
     their own gets, and the stream is reused."""
 
     async def main() -> None:
-        config = WorkerConfig(port=0, model_dir=str(tiny_model_dir), worker_id="wt", kv_cache_memory_mb=8)
+        config = from_options(
+            WorkerConfig, port=0, model_dir=str(tiny_model_dir), worker_id="wt", kv_cache_memory_mb=8
+        )
         worker = WorkerProcess(config)
         await worker.start()
         streams = WorkerStreams(MAX_MESSAGE_BYTES)

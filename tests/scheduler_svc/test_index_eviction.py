@@ -23,6 +23,7 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
+from services.config import from_options
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from services.server import GrpcServer
@@ -70,7 +71,8 @@ class Stack:
         await self.server.set_serving(True)
         self.channel = grpc.aio.insecure_channel(address)
         self.routes = RouteClient(self.channel)
-        worker_config = WorkerConfig(
+        worker_config = from_options(
+            WorkerConfig,
             port=0, model_dir=str(self.model_dir), served_model_name="tiny", worker_id=WORKER,
             scheduler_address=address, redis_url=self.redis.url, block_size=BLOCK,
             num_kv_blocks=NUM_BLOCKS, max_num_seqs=2, num_threads=1,

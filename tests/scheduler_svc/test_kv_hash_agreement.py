@@ -17,6 +17,7 @@ import redis
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
 from scheduler_svc.route import routing_request
+from services.config import from_options
 from services.kv_contract import index_key
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
@@ -38,7 +39,8 @@ async def mesh(
 ) -> AsyncIterator[tuple[RunningScheduler, WorkerProcess]]:
     redis.Redis.from_url(redis_server.url).delete(index_key(WORKER))
     sched = await start_scheduler(redis_url=redis_server.url, speculative_ttl_s=0, block_size=BLOCK)
-    config = WorkerConfig(
+    config = from_options(
+        WorkerConfig,
         port=0, model_dir=str(tiny_model_dir), served_model_name=MODEL, worker_id=WORKER,
         scheduler_address=sched.address, redis_url=redis_server.url, block_size=BLOCK,
         kv_cache_memory_mb=8, num_threads=1,

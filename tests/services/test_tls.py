@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2
 from services import tls
-from services.config import ServerConfig
+from services.config import ServerConfig, from_options
 from services.rpc import check_health
 from services.server import GrpcServer
 from tests.gateway.test_worker_stream_transport import Sink
@@ -136,7 +136,8 @@ async def test_token_path_uses_mutual_tls(certs: Path, client_env: None, tiny_mo
     """A TLS worker's token path (the gateway's GenerateStream, client certificate from
     the env) gets output."""
     worker = WorkerProcess(
-        WorkerConfig(
+        from_options(
+            WorkerConfig,
             port=0,
             model_dir=str(tiny_model_dir),
             worker_id="tls",

@@ -22,6 +22,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services import tracing
+from services.config import from_options
 from services.redis_client import free_port
 from services.server import GrpcServer
 from tests.tracing.otlp_receiver import SpanRecord, otlp_receiver, otlp_tracing
@@ -51,7 +52,8 @@ async def _mesh(model_dir: Path) -> AsyncIterator[str]:
     sched_server, scheduler = await _scheduler()
     tok_server, _ = await start_server(TokenizerConfig(port=0, model_dir=str(model_dir), tracing="memory"))
     worker = WorkerProcess(
-        WorkerConfig(
+        from_options(
+            WorkerConfig,
             port=0,
             model_dir=str(model_dir),
             worker_id="w0",

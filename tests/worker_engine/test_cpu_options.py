@@ -111,14 +111,14 @@ def test_cpu_affinity_is_validated(text: str) -> None:
 
 
 @pytest.mark.parametrize("value", ["low", "", "IDLE", None])
-def test_thread_priority_is_validated(value: object) -> None:
-    with pytest.raises(ValueError, match="thread_priority"):
-        EngineConfig(model_dir="/x", thread_priority=value)  # type: ignore[arg-type]
+def test_engine_priority_is_validated(value: object) -> None:
+    with pytest.raises(ValueError, match="engine_priority"):
+        EngineConfig(model_dir="/x", engine_priority=value)  # type: ignore[arg-type]
 
 
 def test_auto_thread_priority_is_idle_on_cpu_only() -> None:
     def resolved(device: str, priority: str = "auto") -> str:
-        return resolved_thread_priority(EngineConfig(model_dir="/x", device=device, thread_priority=priority))
+        return resolved_thread_priority(EngineConfig(model_dir="/x", device=device, engine_priority=priority))
 
     assert resolved("cpu") == "idle"
     assert resolved("cuda") == resolved("cuda:1") == "normal"
@@ -132,13 +132,14 @@ def test_parse_cpu_list() -> None:
 
 
 def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
+    from services.config import from_options
     from worker_svc.config import WorkerConfig
 
-    assert WorkerConfig(model_dir="/x", dtype="auto").dtype == default_dtype("cpu")
-    assert WorkerConfig(model_dir="/x").dtype == default_dtype("cpu"), "the worker's default is auto"
-    assert WorkerConfig(model_dir="/x", cpu_affinity="0-1").cpu_affinity == "0-1"
+    assert from_options(WorkerConfig, model_dir="/x", dtype="auto").engine.dtype == default_dtype("cpu")
+    assert from_options(WorkerConfig, model_dir="/x").engine.dtype == default_dtype("cpu"), "default: auto"
+    assert from_options(WorkerConfig, model_dir="/x", cpu_affinity="0-1").engine.cpu_affinity == "0-1"
     with pytest.raises(ValueError, match="cpu_affinity"):
-        WorkerConfig(model_dir="/x", cpu_affinity="z")
+        from_options(WorkerConfig, model_dir="/x", cpu_affinity="z")
 
 
 def test_warm_up_compiles_before_the_first_request(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:

@@ -97,7 +97,7 @@ def foreign():
 
 async def main():
     before = foreign()
-    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", thread_priority=sys.argv[2]))
+    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=sys.argv[2]))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     async for _ in engine.generate("r", list(range(5, 69)), params):
         pass

@@ -165,9 +165,34 @@ async def test_async_engine_changes_adapters_between_steps(
         await engine.call(lambda e: None)
 
 
-def test_scattered_and_contiguous_rows_give_the_peft_sum() -> None:
-    """One projection under interleaved spans (index path) and sorted spans (range path):
-    each row gets base + B(A x) * scaling of its own adapter, none for the base rows."""
+def test_waiting_adapter_not_starved_by_a_busy_one(
+    make_engine: Factory, adapter_dirs: dict[str, str]
+) -> None:
+    """One slot, a new request for adapter a every step: a request for b still gets the
+    slot (a drains), instead of waiting as long as a's stream goes on."""
+    a, b = list(adapter_dirs)[:2]
+    engine = make_engine(max_loras=1, lora_modules=(f"{a}={adapter_dirs[a]}", f"{b}={adapter_dirs[b]}"))
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ps = prompts(*([6] * 40), seed=11)
+    engine.add_request("a-0", ps[0], short, lora_name=a)
+    engine.step()
+    engine.add_request("b", ps[1], short, lora_name=b)
+    for i in range(2, 40):
+        engine.add_request(f"a-{i}", ps[i], short, lora_name=a)
+        if any(out.request_id == "b" and out.finished for out in engine.step()):
+            break
+    else:
+        pytest.fail("the request for adapter b never ran while adapter a kept getting requests")
+    assert i < 15, f"b waited {i} steps"
+    while engine.has_unfinished():
+        engine.step()
+    lora = engine.lora
+    assert lora is not None and lora.num_loads >= 3  # a, then b, then a again
+
+
+def test_each_row_gets_its_own_adapters_delta() -> None:
+    """One projection, rows of two adapters (ranks 2 and 4) and the base model in any
+    order: each row gets base + B(A x) * scaling of its own adapter, none for the base rows."""
     from torch import nn
 
     from worker_svc.engine.lora import LoraAdapter, LoraManager
@@ -203,5 +228,7 @@ def test_scattered_and_contiguous_rows_give_the_peft_sum() -> None:
     torch.testing.assert_close(scattered, want)
     order = sorted(range(7), key=lambda i: names[i])
     with torch.no_grad(), manager.step([(names[i], 1) for i in order], torch.device("cpu")):
-        contiguous = layer.self_attn.q_proj(x[:, order])[0]
-    torch.testing.assert_close(contiguous, want[order])
+        grouped = layer.self_attn.q_proj(x[:, order])[0]
+    torch.testing.assert_close(grouped, want[order])
+    with torch.no_grad(), manager.step([("", 7)], torch.device("cpu")):
+        torch.testing.assert_close(layer.self_attn.q_proj(x)[0], base(x[0]))

@@ -15,11 +15,11 @@ from worker_svc.engine import EngineConfig, SamplingParams
     [
         ("block_size", 0),
         ("block_size", True),
-        ("num_kv_blocks", 0),
+        ("num_kv_blocks", -1),
         ("max_num_seqs", -1),
         ("max_num_batched_tokens", 0),
-        ("max_model_len", 0),
-        ("kv_cache_memory_bytes", 0),
+        ("max_model_len", -1),
+        ("kv_cache_memory_mb", 0),
         ("dtype", "float64"),
         ("device", "tpu"),
         ("attention_backend", "flash"),
@@ -33,7 +33,7 @@ def test_engine_config_rejects(field: str, value: Any) -> None:
 
 def test_engine_config_defaults() -> None:
     cfg = EngineConfig(model_dir="/x")
-    assert cfg.block_size == 16 and cfg.num_kv_blocks is None and cfg.max_num_batched_tokens == 512
+    assert cfg.block_size == 16 and cfg.num_kv_blocks == 0 and cfg.max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="model_dir"):
         EngineConfig(model_dir="")
 

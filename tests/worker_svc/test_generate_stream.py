@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.config import from_options
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -29,7 +30,7 @@ def _add(
     return worker_pb2.GenerateStreamRequest(
         add=common_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, **fields
-        )  # type: ignore[arg-type]
+        )
     )
 
 
@@ -43,7 +44,7 @@ async def running_worker(
 ) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
     """A worker process in this process (`config` adds WorkerConfig fields) and a stub."""
     settings: dict[str, object] = {"worker_id": "ws", "kv_cache_memory_mb": 8, "max_num_seqs": 8} | config
-    worker = WorkerProcess(WorkerConfig(port=0, model_dir=str(model_dir), **settings))  # type: ignore[arg-type]
+    worker = WorkerProcess(from_options(WorkerConfig, port=0, model_dir=str(model_dir), **settings))
     await worker.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:

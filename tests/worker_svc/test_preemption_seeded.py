@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.config import from_options
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -38,7 +39,8 @@ Tokens = dict[int, list[int]]  # sample index -> generated token ids
 
 def _worker(model_dir: Path, worker_id: str, num_kv_blocks: int, prefix_caching: bool) -> WorkerProcess:
     return WorkerProcess(
-        WorkerConfig(
+        from_options(
+            WorkerConfig,
             port=0,
             model_dir=str(model_dir),
             worker_id=worker_id,

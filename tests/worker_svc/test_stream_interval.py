@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
+from services.config import from_options
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
@@ -21,7 +22,8 @@ PROMPT = [5, 17, 33, 8, 90, 41, 7]
 
 async def _generate(model_dir: Path, interval: int, n: int) -> list[common_pb2.GenerateResponse]:
     worker = WorkerProcess(
-        WorkerConfig(
+        from_options(
+            WorkerConfig,
             port=0,
             model_dir=str(model_dir),
             worker_id=f"w{interval}",
@@ -66,4 +68,4 @@ def test_interval_gathers_tokens_without_changing_them(tiny_model_dir: Path, n: 
 
 def test_interval_must_be_positive(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="stream_interval"):
-        WorkerConfig(model_dir=str(tiny_model_dir), stream_interval=0)
+        from_options(WorkerConfig, model_dir=str(tiny_model_dir), stream_interval=0)

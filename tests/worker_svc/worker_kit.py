@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.config import from_options
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
 
@@ -88,7 +89,7 @@ def run_worker(
 
     async def main() -> tuple[T, worker_pb2.LoadStats]:
         options = {"worker_id": "w", "block_size": 4, "kv_cache_memory_mb": 8, **config}
-        worker = WorkerProcess(WorkerConfig(port=0, model_dir=str(model_dir), **options))
+        worker = WorkerProcess(from_options(WorkerConfig, port=0, model_dir=str(model_dir), **options))
         await worker.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:

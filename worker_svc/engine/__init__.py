@@ -12,14 +12,45 @@ language-model-only load of vision-language checkpoints and image-embedding merg
 ``lora``: PEFT LoRA adapters on the projections, batched per slot.
 """
 
-from worker_svc.engine.async_engine import AsyncLLMEngine
-from worker_svc.engine.block_manager import BlockManager, KvEvent
-from worker_svc.engine.config import EngineConfig
-from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
-from worker_svc.engine.model_runner import ModelInfo
-from worker_svc.engine.multimodal import MultiModalInput
-from worker_svc.engine.request import Request, RequestStatus
-from worker_svc.engine.sampling import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker_svc.engine.async_engine import AsyncLLMEngine
+    from worker_svc.engine.block_manager import BlockManager, KvEvent
+    from worker_svc.engine.config import EngineConfig
+    from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
+    from worker_svc.engine.model_runner import ModelInfo
+    from worker_svc.engine.multimodal import MultiModalInput
+    from worker_svc.engine.request import Request, RequestStatus
+    from worker_svc.engine.sampling import SamplingParams
+
+# Loaded on first use: `worker_svc.engine.config` (read by the launcher and the worker's
+# flags) must not pull in torch.
+_EXPORTS = {
+    "AsyncLLMEngine": "worker_svc.engine.async_engine",
+    "BlockManager": "worker_svc.engine.block_manager",
+    "KvEvent": "worker_svc.engine.block_manager",
+    "EngineConfig": "worker_svc.engine.config",
+    "EngineStats": "worker_svc.engine.engine",
+    "EngineStepError": "worker_svc.engine.engine",
+    "LLMEngine": "worker_svc.engine.engine",
+    "RequestOutput": "worker_svc.engine.engine",
+    "ModelInfo": "worker_svc.engine.model_runner",
+    "MultiModalInput": "worker_svc.engine.multimodal",
+    "Request": "worker_svc.engine.request",
+    "RequestStatus": "worker_svc.engine.request",
+    "SamplingParams": "worker_svc.engine.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
 
 __all__ = [
     "AsyncLLMEngine",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from services.config import opt, required
+from services.kv_contract import DEFAULT_BLOCK_SIZE
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
@@ -25,54 +28,69 @@ GENERATION_CONFIGS = ("auto", "vllm")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Static configuration of one :class:`LLMEngine`.
+    """Static configuration of one :class:`LLMEngine`; each field's help says what it sets.
 
-    ``num_kv_blocks=None`` sizes the paged KV cache from ``kv_cache_memory_bytes``;
-    ``max_model_len=None`` takes the model's ``max_position_embeddings``.
-    ``max_num_batched_tokens`` is the per-step token budget shared by decodes and
-    (chunked) prefills. ``dtype="auto"`` is :func:`default_dtype` of the device.
-    ``compile_model`` runs text-only forward passes through ``torch.compile`` (dynamic
-    batch; the first steps of each new shape class pay the compile time).
-    ``cpu_affinity`` (e.g. ``"0"`` or ``"0-1,4"``; empty = no pinning) pins the thread
-    that runs ``step()`` to those CPUs.
-    ``generation_config``: ``"auto"`` takes the sampling defaults of the model's
-    ``generation_config.json`` for the fields a request leaves unset (vLLM's
-    ``--generation-config auto``); ``"vllm"`` ignores them (the engine's own defaults).
-    ``max_loras`` (0: LoRA off) adapters are resident at once, each of rank at most
-    ``max_lora_rank``; ``max_cpu_loras`` (0: ``max_loras``) loaded adapters stay in CPU
-    memory; ``lora_modules`` (``"name=path"`` each) are loaded at start (``lora.py``).
-    ``thread_priority`` is the scheduling class of :class:`AsyncLLMEngine`'s step thread
-    and its OpenMP workers: ``"idle"`` (Linux ``SCHED_IDLE``: any other runnable thread
-    on their CPUs takes the CPU from them at once), ``"normal"``, or ``"auto"`` (idle on
-    CPU, normal on CUDA). See :func:`resolved_thread_priority`.
-    ``cuda_graphs``: on CUDA, decode-only steps replay a CUDA graph captured per batch-size
-    bucket (:mod:`worker_svc.engine.cuda_graphs`); other steps, and every step on CPU, run
-    eagerly.
+    The worker's flags and ``MESHSERVE_*`` variables of the same names set these fields
+    (``worker_svc.config.WorkerConfig.engine``); in-process callers build one directly.
     """
 
-    model_dir: str
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
-    device: str = "cpu"
-    attention_backend: str = "auto"
-    compile_model: bool = False
-    cpu_affinity: str = ""
-    thread_priority: str = "auto"
-    generation_config: str = "auto"
-    cuda_graphs: bool = True
-    # Seconds a prefill-only request's KV stays pinned for its transfer when nobody pulls
-    # or releases it (a decode worker that died mid-hand-off).
-    kv_transfer_ttl_s: float = 30.0
-    max_loras: int = 0
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-    lora_modules: tuple[str, ...] = ()
+    model_dir: str = required("the model: a Hugging Face model directory (required)")
+    block_size: int = opt(
+        DEFAULT_BLOCK_SIZE, "tokens per KV-cache block (the scheduler's --block-size must agree)"
+    )
+    num_kv_blocks: int = opt(0, "KV-cache blocks (0: as many as --kv-cache-memory-mb holds)")
+    kv_cache_memory_mb: int = opt(256, "the KV cache's size in MiB (when --num-kv-blocks is 0)")
+    max_num_seqs: int = opt(64, "the most sequences in one engine step (running at once)")
+    max_num_batched_tokens: int = opt(
+        512, "the per-step token budget shared by decodes and (chunked) prefills"
+    )
+    max_model_len: int = opt(
+        0, "the longest sequence, prompt plus output (0: the model's max_position_embeddings)"
+    )
+    enable_prefix_caching: bool = opt(True, "reuse the KV blocks of an earlier identical prompt prefix")
+    dtype: str = opt(
+        "auto",
+        "weights and KV cache: " + ", ".join(DTYPES) + "; auto: bfloat16 on CUDA and on CPUs with "
+        "native bf16 (avx512_bf16/AMX), else float32",
+    )
+    device: str = opt("cpu", "cpu or cuda[:N]")
+    attention_backend: str = opt("auto", "paged attention kernels: " + ", ".join(ATTENTION_BACKENDS))
+    compile_model: bool = opt(
+        False,
+        "torch.compile the text-only forward (dynamic batch; the first steps of each new shape "
+        "class pay the compile time, ~0.5-2 min on CPU)",
+    )
+    cpu_affinity: str = opt(
+        "", "CPUs the engine's step thread is pinned to, e.g. 0 or 0-1,4 (empty: not pinned)"
+    )
+    engine_priority: str = opt(
+        "auto",
+        "scheduling class of the engine's step thread and its OpenMP workers: idle (SCHED_IDLE: "
+        "any other runnable thread on their CPUs, e.g. the worker's event loop, preempts them at "
+        "once; a CPU-bound neighbour on the same CPUs and cgroup starves them), normal, or auto "
+        "(idle on CPU, normal on CUDA); see resolved_thread_priority",
+    )
+    generation_config: str = opt(
+        "auto",
+        "auto: a request's unset sampling fields take the model's generation_config.json defaults "
+        "(vLLM's --generation-config auto); vllm: the engine's own defaults",
+    )
+    cuda_graphs: bool = opt(
+        True,
+        "on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket "
+        "(worker_svc.engine.cuda_graphs); other steps, and every step on CPU, run eagerly",
+    )
+    kv_transfer_ttl_s: float = opt(
+        30.0,
+        "P/D: seconds a prefill-only request's KV stays held for its transfer when no decode "
+        "worker pulls or releases it (one that died mid-hand-off)",
+    )
+    max_loras: int = opt(0, "LoRA adapters resident at once (0: LoRA off)")
+    max_lora_rank: int = opt(16, "the largest LoRA rank accepted")
+    max_cpu_loras: int = opt(0, "loaded LoRA adapters kept in CPU memory (0: max_loras)")
+    lora_modules: tuple[str, ...] = opt(
+        (), "LoRA adapters loaded at start, name=path,name=path (vLLM's --lora-modules; lora.py)"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model_dir, os.PathLike):
@@ -82,13 +100,11 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
-        if self.num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", self.num_kv_blocks)
-        _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _non_negative_int("num_kv_blocks", self.num_kv_blocks)
+        _positive_int("kv_cache_memory_mb", self.kv_cache_memory_mb)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len)
+        _non_negative_int("max_model_len", self.max_model_len)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching must be a bool")
         if self.dtype not in DTYPES:
@@ -100,9 +116,9 @@ class EngineConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError("cuda_graphs must be a bool")
         parse_cpu_list(self.cpu_affinity)
-        if self.thread_priority not in THREAD_PRIORITIES:
+        if self.engine_priority not in THREAD_PRIORITIES:
             raise ValueError(
-                f"thread_priority must be one of {THREAD_PRIORITIES}, got {self.thread_priority!r}"
+                f"engine_priority must be one of {THREAD_PRIORITIES}, got {self.engine_priority!r}"
             )
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
@@ -117,15 +133,9 @@ class EngineConfig:
             )
 
     def _check_lora(self) -> None:
-        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
-            raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
+        _non_negative_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
-        if (
-            isinstance(self.max_cpu_loras, bool)
-            or not isinstance(self.max_cpu_loras, int)
-            or self.max_cpu_loras < 0
-        ):
-            raise ValueError(f"max_cpu_loras must be an int >= 0, got {self.max_cpu_loras!r}")
+        _non_negative_int("max_cpu_loras", self.max_cpu_loras)
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         modules = parse_lora_modules(self.lora_modules)
@@ -156,7 +166,7 @@ def parse_lora_modules(modules: tuple[str, ...]) -> dict[str, str]:
 
 
 def resolved_thread_priority(config: EngineConfig) -> str:
-    """ "idle" or "normal": what ``config.thread_priority`` means on its device.
+    """ "idle" or "normal": what ``config.engine_priority`` means on its device.
 
     Why idle on CPU: the forward's OpenMP threads fill every CPU they are given and wait
     for each other at every barrier, while the processes that carry its tokens (the
@@ -167,8 +177,8 @@ def resolved_thread_priority(config: EngineConfig) -> str:
     threads on its CPUs leave, so a CPU-bound neighbour on the same CPUs and in the same
     cgroup starves it -- give it CPUs of its own, or "normal". On CUDA the step thread
     launches kernels and must not wait behind anything: normal."""
-    if config.thread_priority != "auto":
-        return config.thread_priority
+    if config.engine_priority != "auto":
+        return config.engine_priority
     return "idle" if config.device.split(":")[0] == "cpu" else "normal"
 
 
@@ -176,6 +186,11 @@ def _positive_int(name: str, value: object) -> None:
     # bool is an int subclass; True as a block size is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def default_dtype(device: str, cpu_flags: frozenset[str] | None = None) -> str:

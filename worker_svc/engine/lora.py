@@ -2,11 +2,14 @@
 
 Each targeted ``nn.Linear`` of the model (``q/k/v/o_proj``, ``gate/up/down_proj`` of every
 decoder layer: the Llama family's names, shared by Qwen2/3 and Mistral) is replaced by a
-:class:`LoraLinear` that holds the stacked A/B weights of ``max_loras`` resident *slots*
-(slot 0 is all zeros: "no adapter"). One forward serves a mixed batch: the step's rows are
-grouped by slot and each adapter present adds ``B @ (A @ x) * scaling`` to its own rows
-(two matmuls per adapter on its rows, not a forward per adapter); the engine scheduler
-orders a step's requests by adapter, so each adapter's rows are one contiguous range.
+:class:`LoraLinear` that holds the A/B weights of ``max_loras`` resident *slots* side by
+side: ``A`` stacked as ``[max_loras * max_rank, in]``, ``B`` as ``[out, max_loras * max_rank]``.
+One forward serves a mixed batch with three ops per projection, however many adapters the
+step uses: ``h = x @ A.T`` for every slot at once, ``h *= mask`` (the step's per-row adapter
+index as a one-hot over the slots' columns, carrying each adapter's scaling; all zero on a
+base-model row), then ``y += h @ B.T``. On CPU a small matmul costs the same ~20 us whatever
+its size, so a fixed op count beats two matmuls per adapter present
+(docs/design-decisions.md, "LoRA as one masked matmul pair").
 
 :class:`LoraManager` owns the adapters: the names it knows (``register``), a CPU-memory LRU
 of ``max_cpu_loras`` loaded adapters (evicted ones are read again from their directory),
@@ -24,7 +27,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -191,70 +194,49 @@ class LoraSnapshot:
     num_evictions: int
 
 
-# The rows of one adapter in a step: a contiguous range (start, end) of the packed rows,
-# or an index tensor when they are scattered.
-Rows = tuple[int, int] | torch.Tensor
-
-
 @dataclass
-class _BatchGroups:
-    """The current step's rows per slot."""
+class _StepMask:
+    """The current step's ``[rows, max_loras * max_rank]`` mask (None: no adapter row)."""
 
-    groups: list[tuple[int, Rows]] = field(default_factory=list)
+    mask: torch.Tensor | None = None
 
 
 class LoraLinear(nn.Module):
-    """``base(x)`` plus, for each slot in the step, its adapter's delta on that slot's rows."""
+    """``base(x)`` plus each row's adapter delta ``B (A x) * scaling`` (module docstring)."""
 
-    lora_a: torch.Tensor  # [slots + 1, max_rank, in_features]
-    lora_b: torch.Tensor  # [slots + 1, out_features, max_rank]
+    lora_a: torch.Tensor  # [slots * max_rank, in_features]
+    lora_b: torch.Tensor  # [out_features, slots * max_rank]
 
-    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, batch: _BatchGroups) -> None:
+    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, step: _StepMask) -> None:
         super().__init__()
         self.base = base
-        self._batch = batch
+        self.max_rank = max_rank
+        self._step = step
         w = base.weight
-        # Slot 0 stays zero: "no adapter".
-        self.register_buffer(
-            "lora_a", torch.zeros(num_slots + 1, max_rank, w.shape[1], dtype=w.dtype, device=w.device)
-        )
-        self.register_buffer(
-            "lora_b", torch.zeros(num_slots + 1, w.shape[0], max_rank, dtype=w.dtype, device=w.device)
-        )
-        self.ranks = [0] * (num_slots + 1)  # 0: the slot's adapter does not target this module
-        self.scalings = [0.0] * (num_slots + 1)
+        width = num_slots * max_rank
+        self.register_buffer("lora_a", torch.zeros(width, w.shape[1], dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_b", torch.zeros(w.shape[0], width, dtype=w.dtype, device=w.device))
 
-    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None, scaling: float) -> None:
-        """Copy an adapter's (A, B) into ``slot`` (None: the adapter does not target this module)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy an adapter's (A, B) into ``slot`` (1-based; None: the adapter does not
+        target this module). Ranks below ``max_rank`` leave zero columns: they add nothing."""
+        cols = slice((slot - 1) * self.max_rank, slot * self.max_rank)
+        self.lora_a[cols].zero_()
+        self.lora_b[:, cols].zero_()
         if weights is None:
-            self.ranks[slot] = 0
             return
         a, b = weights
-        self.lora_a[slot, : a.shape[0]].copy_(a)
-        self.lora_b[slot, :, : b.shape[1]].copy_(b)
-        self.ranks[slot] = a.shape[0]
-        self.scalings[slot] = scaling
+        self.lora_a[cols.start : cols.start + a.shape[0]].copy_(a)
+        self.lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        groups = self._batch.groups
-        if not groups:
+        mask = self._step.mask
+        if mask is None:
             return y
-        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        for slot, rows in groups:
-            r = self.ranks[slot]
-            if r == 0:
-                continue
-            a, b = self.lora_a[slot, :r], self.lora_b[slot, :, :r]
-            if isinstance(rows, tuple):  # contiguous rows: views, and the add fused in place
-                start, end = rows
-                h = nn.functional.linear(flat_x[start:end], a)
-                flat_y[start:end].addmm_(h, b.t(), alpha=self.scalings[slot])
-            else:
-                h = nn.functional.linear(flat_x.index_select(0, rows), a)
-                flat_y.index_add_(0, rows, nn.functional.linear(h, b), alpha=self.scalings[slot])
+        h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a)
+        h.mul_(mask)
+        y.view(-1, y.shape[-1]).addmm_(h, self.lora_b.t())
         return y
 
 
@@ -265,8 +247,8 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
-        self._batch = _BatchGroups()
-        self.layers: dict[Key, LoraLinear] = _wrap_projections(model, max_loras, max_rank, self._batch)
+        self._step = _StepMask()
+        self.layers: dict[Key, LoraLinear] = _wrap_projections(model, max_loras, max_rank, self._step)
         if not self.layers:
             raise LoraError(
                 "LoRA is enabled but the model has no q/k/v/o or gate/up/down projection to adapt"
@@ -276,6 +258,7 @@ class LoraManager:
         self.paths: dict[str, str] = {}  # registered name -> directory
         self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, most recent last
         self.slots: list[str | None] = [None] * (max_loras + 1)  # slot 0 never holds an adapter
+        self.scalings: list[float] = [0.0] * (max_loras + 1)  # each slot's adapter's scaling
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
         self.num_loads = 0  # adapters copied into a slot
         self.num_evictions = 0  # resident adapters replaced in their slot
@@ -303,7 +286,7 @@ class LoraManager:
             slot = self.slots.index(name)
             self.slots[slot] = None
             for layer in self.layers.values():
-                layer.set_slot(slot, None, 0.0)
+                layer.set_slot(slot, None)
 
     def known(self, name: str) -> bool:
         """Whether requests may name adapter ``name``."""
@@ -352,8 +335,9 @@ class LoraManager:
             if self.slots[slot] is not None:
                 self.num_evictions += 1
             for key, layer in self.layers.items():
-                layer.set_slot(slot, adapter.weights.get(key), adapter.scaling)
+                layer.set_slot(slot, adapter.weights.get(key))
             self.slots[slot] = name
+            self.scalings[slot] = adapter.scaling
             self.num_loads += 1
         self._slot_use.move_to_end(slot)
         return slot
@@ -365,30 +349,28 @@ class LoraManager:
         names = {n for n, _ in spans if n}
         if len(names) > self.max_loras:
             raise LoraError(f"a step uses {len(names)} LoRA adapters, max_loras={self.max_loras}")
+        if not names:
+            yield
+            return
         keep: set[int] = {self.slots.index(n) for n in names if n in self.slots}
-        rows: dict[int, list[int]] = {}
+        mask = torch.zeros(sum(n for _, n in spans), self.max_loras * self.max_rank, dtype=self.dtype)
         start = 0
         for name, n in spans:
             if name:
                 slot = self._slot_of(name, keep)
                 keep.add(slot)
-                rows.setdefault(slot, []).extend(range(start, start + n))
+                cols = slice((slot - 1) * self.max_rank, slot * self.max_rank)
+                mask[start : start + n, cols] = self.scalings[slot]
             start += n
-        groups: list[tuple[int, Rows]] = []
-        for slot, idx in rows.items():
-            if idx[-1] - idx[0] + 1 == len(idx):  # one run (the engine scheduler sorts by adapter)
-                groups.append((slot, (idx[0], idx[-1] + 1)))
-            else:
-                groups.append((slot, torch.tensor(idx, dtype=torch.long, device=device)))
-        self._batch.groups = groups
+        self._step.mask = mask.to(device)
         try:
             yield
         finally:
-            self._batch.groups = []
+            self._step.mask = None
 
 
 def _wrap_projections(
-    model: nn.Module, max_loras: int, max_rank: int, batch: _BatchGroups
+    model: nn.Module, max_loras: int, max_rank: int, step: _StepMask
 ) -> dict[Key, LoraLinear]:
     """Replace every targeted projection of ``model`` by a LoraLinear around it."""
     found: list[tuple[str, int, str, nn.Linear]] = []
@@ -400,7 +382,7 @@ def _wrap_projections(
     layers: dict[Key, LoraLinear] = {}
     for mod_name, layer, proj, linear in found:
         parent = model.get_submodule(mod_name.rsplit(".", 1)[0])
-        wrapped = LoraLinear(linear, max_loras, max_rank, batch)
+        wrapped = LoraLinear(linear, max_loras, max_rank, step)
         setattr(parent, proj, wrapped)
         layers[(layer, proj)] = wrapped
     return layers

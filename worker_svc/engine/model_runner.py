@@ -172,12 +172,12 @@ class ModelRunner:
         if max_len > model_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's limit {model_len}")
         num_blocks = self.config.num_kv_blocks
-        if num_blocks is None:
+        if not num_blocks:
             elem = torch.empty((), dtype=self.dtype).element_size()
             per_block = 2 * num_layers * self.config.block_size * num_kv_heads * head_dim * elem
-            num_blocks = self.config.kv_cache_memory_bytes // per_block
+            num_blocks = (self.config.kv_cache_memory_mb << 20) // per_block
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes is smaller than one KV block ({per_block} bytes)")
+                raise ValueError(f"kv_cache_memory_mb is smaller than one KV block ({per_block} bytes)")
         return ModelInfo(
             model_dir=self.config.model_dir,
             max_model_len=max_len,

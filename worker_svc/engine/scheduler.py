@@ -24,8 +24,10 @@ preempted admits no new requests, to avoid thrashing.
 
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
-blocked on: requests behind it (base model, or an adapter already running) go first. A
-step's requests are ordered by adapter (stable), so each adapter's rows are contiguous.
+blocked on: requests behind it (base model, or an adapter already running) go first.
+So that the skipped one is not starved by a steady stream of those, the running adapter
+with the fewest running requests admits no new request while one waits for a slot: it
+drains, its slot frees, and the waiting adapter takes it.
 """
 
 from __future__ import annotations
@@ -117,8 +119,6 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.max_loras:  # each adapter's rows one contiguous range of the step (lora.py)
-            out.scheduled.sort(key=lambda s: s.request.lora_name)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -158,14 +158,30 @@ class Scheduler:
         self.add(victim)
         return refund
 
+    def _draining_adapter(self) -> str:
+        """The running adapter that admits nothing new because a waiting request needs its
+        slot ("" when no request waits for a slot; module docstring)."""
+        counts: dict[str, int] = {}
+        for r in self.running:
+            if r.lora_name:
+                counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        blocked = any(r.lora_name and r.lora_name not in counts for r in self.waiting)
+        if len(counts) < self.max_loras or not blocked:
+            return ""
+        return min(counts, key=lambda name: (counts[name], name))
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         adapters = {r.lora_name for r in self.running if r.lora_name}
+        draining = self._draining_adapter() if self.max_loras else ""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
-            if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.max_loras:
-                i += 1  # its adapter has no slot while these run: later requests may go first
+            if request.lora_name and (
+                request.lora_name == draining
+                or (request.lora_name not in adapters and len(adapters) >= self.max_loras)
+            ):
+                i += 1  # no slot for its adapter now: later requests may go first
                 continue
             cached = bm.num_cached_prefix_tokens(request)
             needed = request.num_tokens - cached

@@ -2,7 +2,9 @@
 Environment of every service: the same MESHSERVE_* names (and ports) that
 services/launcher.py `service_specs()` passes, plus the cluster-only ones (metrics port,
 drain timeout, tracing, pod-IP registration). tests/deploy checks every MESHSERVE_* name
-against the service's config dataclass and against the launcher.
+against the service's config dataclass and against the launcher, and every value the default
+values give against the dataclass default (test_chart_defaults_are_the_services). Values
+come from values.yaml alone: no template restates a default.
 
 Each define takes (dict "root" $ "c" COMPONENT "v" VALUES "port" PORT) and returns a YAML
 list; "meshserve.env" then applies the component's `config:` overrides and `extraEnv`.
@@ -18,7 +20,7 @@ list; "meshserve.env" then applies the component's `config:` overrides and `extr
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_TRACING" "key" "tracing") }}
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_OTLP_ENDPOINT" "key" "otlp-endpoint") }}
 - name: MESHSERVE_DRAIN_TIMEOUT_S
-  value: {{ include "meshserve.scalar" (.v.drainTimeoutSeconds | default 30) | quote }}
+  value: {{ include "meshserve.scalar" .v.drainTimeoutSeconds | quote }}
 {{- if .c.grpc }}
 - name: MESHSERVE_METRICS_PORT
   value: {{ ternary (include "meshserve.scalar" .root.Values.metrics.port) "0" (.root.Values.metrics.enabled | default false) | quote }}
@@ -100,7 +102,7 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 - name: MESHSERVE_SHARD_ID
   value: "$(POD_NAME)"
 - name: MESHSERVE_CAPACITY_MB
-  value: {{ include "meshserve.scalar" (.v.capacityMb | default 1024) | quote }}
+  value: {{ include "meshserve.scalar" .v.capacityMb | quote }}
 {{- end }}
 
 {{/* Shared by the three worker roles. */}}
@@ -144,13 +146,13 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_SERVED_MODEL_NAME" "key" "served-model-name") }}
 {{ include "meshserve.configEnv" (dict "root" .root "env" "MESHSERVE_BLOCK_SIZE" "key" "block-size") }}
 - name: MESHSERVE_KV_CACHE_MEMORY_MB
-  value: {{ include "meshserve.scalar" (.v.kvCacheMemoryMb | default 256) | quote }}
+  value: {{ include "meshserve.scalar" .v.kvCacheMemoryMb | quote }}
 - name: MESHSERVE_MAX_NUM_SEQS
-  value: {{ include "meshserve.scalar" (.v.maxNumSeqs | default 64) | quote }}
+  value: {{ include "meshserve.scalar" .v.maxNumSeqs | quote }}
 - name: MESHSERVE_STREAM_INTERVAL
-  value: {{ include "meshserve.scalar" (.v.streamInterval | default 1) | quote }}
+  value: {{ include "meshserve.scalar" .v.streamInterval | quote }}
 - name: MESHSERVE_GENERATION_CONFIG
-  value: {{ .v.generationConfig | default "auto" | quote }}
+  value: {{ .v.generationConfig | quote }}
 {{- if and .root.Values.encoder.enabled .root.Values.encoderCache.enabled }}
 - name: MESHSERVE_ENCODER_CACHE_ADDRESS
   value: {{ include "meshserve.address" (dict "root" .root "name" "encoder-cache") | quote }}
@@ -164,7 +166,7 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 - name: MESHSERVE_MAX_LORA_RANK
   value: {{ include "meshserve.scalar" .maxLoraRank | quote }}
 - name: MESHSERVE_MAX_CPU_LORAS
-  value: {{ include "meshserve.scalar" (.maxCpuLoras | default 0) | quote }}
+  value: {{ include "meshserve.scalar" .maxCpuLoras | quote }}
 - name: MESHSERVE_LORA_MODULES
   value: {{ join "," $modules | quote }}
 - name: MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING

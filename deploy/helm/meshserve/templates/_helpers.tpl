@@ -133,7 +133,7 @@ float64: 1000000 would otherwise print as 1e+06), lists joined with commas.
 
 {{/* MESHSERVE_DRAIN_TIMEOUT_S rounded up to whole seconds */}}
 {{- define "meshserve.drainSeconds" -}}
-{{- int64 (ceil (float64 (.drainTimeoutSeconds | default 30))) }}
+{{- int64 (ceil (float64 .drainTimeoutSeconds)) }}
 {{- end }}
 
 {{/* env entry for MESHSERVE_REDIS_URL */}}
