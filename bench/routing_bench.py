@@ -8,9 +8,9 @@
         [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
         [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing_open.json] [--plot OUT.png]
 
-For every (load, policy) a fresh cluster is started -- a redis-server, `python -m
-scheduler_svc --routing-policy P` and `--workers` decoder processes (`python -m
-worker_svc`) -- and the same seeded workload is sent as token ids the way the gateway
+For every (load, policy) a fresh mesh is started by `services.launcher.Mesh` -- a
+redis-server, the scheduler with routing policy P and `--workers` decoder processes, no
+gateway or tokenizer -- and the same seeded workload is sent as token ids the way the gateway
 sends it: a route on `Scheduler.RouteStream` (admission + routing, a lease on one
 worker), then the request on that worker (`Worker.GenerateStream`), then the lease's
 release on the stream carrying the actual cached tokens (`LeaseOutcome`). The workload:
@@ -60,7 +60,6 @@ import json
 import math
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,8 +78,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.host import host_info
 from gateway.route_stream import RouteStream
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services import launcher
 from services.kv_hash import block_hashes
-from services.redis_client import RedisServer, free_port
+from services.launcher import free_ports_config
+from services.redis_client import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "routing_open.json"
@@ -161,78 +162,48 @@ class Record:
     predicted_cached_tokens: int = 0
 
 
-@dataclass
-class Cluster:
-    """redis-server + scheduler + worker processes for one policy."""
+def start_mesh(config: BenchConfig, policy: str, log_dir: Path) -> launcher.Mesh:
+    """redis-server, the scheduler with `policy` and `config.workers` decoders on free
+    ports (services.launcher, as `make serve` starts them), once all are healthy."""
+    settings = {
+        "block_size": config.block_size,
+        "num_kv_blocks": config.num_kv_blocks,
+        "num_threads": config.num_threads,
+        "device": config.device,
+        "max_inflight_per_worker": config.max_inflight_per_worker,
+        "log_level": "WARNING",
+    }
+    mesh_config = free_ports_config(
+        model_dir=config.model_dir,
+        served_model_name=MODEL_NAME,
+        embedding_model_dir="",
+        num_decoders=config.workers,
+        only="scheduler,decoder",
+        routing_policy=policy,
+        max_num_seqs=config.max_num_seqs,
+        log_dir=str(log_dir / policy),
+        metrics_ports=(("scheduler", free_port()),),
+        # Each service takes the settings it has (block_size: scheduler and decoders alike).
+        extra_env=tuple((f"MESHSERVE_{name.upper()}", str(value)) for name, value in settings.items()),
+    )
+    return launcher.Mesh(mesh_config).start(timeout=300)
 
-    config: BenchConfig
-    policy: str
-    log_dir: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    redis: RedisServer | None = None
-    address: str = ""
-    metrics_port: int = 0
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        with (self.log_dir / f"{self.policy}-{name}.log").open("wb") as out:
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-                )
-            )
+def metrics_port(mesh: launcher.Mesh) -> int:
+    """The scheduler's Prometheus port."""
+    return dict(mesh.config.metrics_ports)["scheduler"]
 
-    def start(self) -> None:
-        self.redis = RedisServer().start()
-        port = free_port()
-        self.address = f"127.0.0.1:{port}"
-        self.metrics_port = free_port()
-        self._spawn("scheduler", [
-            "scheduler_svc", "--port", str(port), "--redis-url", self.redis.url,
-            "--metrics-port", str(self.metrics_port),
-            "--routing-policy", self.policy, "--block-size", str(self.config.block_size),
-            "--max-inflight-per-worker", str(self.config.max_inflight_per_worker),
-            "--log-level", "WARNING",
-        ])  # fmt: skip
-        for i in range(self.config.workers):
-            self._spawn(f"worker{i}", [
-                "worker_svc", "--model-dir", self.config.model_dir, "--served-model-name", MODEL_NAME,
-                "--port", "0", "--worker-id", f"{self.policy}-w{i}", "--scheduler-address", self.address,
-                "--redis-url", self.redis.url, "--num-kv-blocks", str(self.config.num_kv_blocks),
-                "--max-num-seqs", str(self.config.max_num_seqs), "--block-size", str(self.config.block_size),
-                "--num-threads", str(self.config.num_threads), "--device", self.config.device,
-                "--log-level", "WARNING",
-            ])  # fmt: skip
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self.redis is not None:
-            self.redis.cleanup()
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) used so far by each process (Linux /proc; {} elsewhere)."""
-        result: dict[str, float] = {}
-        for index, proc in enumerate(self.procs):
-            try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            # procs[0] is the scheduler, then the workers in order.
-            name = f"worker{index - 1}" if index else "scheduler"
-            result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return result
-
-    def check_alive(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; logs in {self.log_dir}")
+def cpu_seconds(mesh: launcher.Mesh) -> dict[str, float]:
+    """CPU time (user + system) used so far by each process (Linux /proc; {} elsewhere)."""
+    result: dict[str, float] = {}
+    for name, proc in mesh.procs.items():
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return result
 
 
 def build_workload(config: BenchConfig) -> list[Conversation]:
@@ -305,17 +276,18 @@ def ideal_hit_rate(records: list[Record], capacity_blocks: int, block_size: int)
     return cached / prompt if prompt else 0.0
 
 
-async def wait_ready(
-    stub: scheduler_pb2_grpc.SchedulerStub, cluster: Cluster, timeout: float = 300
-) -> list[str]:
+async def wait_ready(stub: scheduler_pb2_grpc.SchedulerStub, workers: int, timeout: float = 300) -> list[str]:
     """Addresses of the workers once all of them are registered and healthy."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        cluster.check_alive()
         with contextlib.suppress(grpc.aio.AioRpcError):
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=2)
-            healthy = [s.worker.address for s in reply.workers if s.healthy and s.worker.role == "decoder"]
-            if len(healthy) >= cluster.config.workers:
+            healthy = [
+                s.worker.address
+                for s in reply.workers
+                if s.healthy and s.worker.role == worker_pb2.WORKER_ROLE_DECODER
+            ]
+            if len(healthy) >= workers:
                 return healthy
         await asyncio.sleep(0.5)
     raise TimeoutError("workers did not register in time")
@@ -426,7 +398,7 @@ async def run_conversation(
 class OpenLoop:
     """An open-loop run's schedule and client-side gauges (sampled with the workers' queues)."""
 
-    # Session start times (s after `start`) and per-session think times before each turn.
+    # Start times of the sessions (s after `start`) and per-session think times before each turn.
     arrivals: list[float]
     think: list[list[float]]
     start: float = 0.0
@@ -480,7 +452,7 @@ async def run_session(
 
 
 def session_count(config: BenchConfig, rate: float) -> int:
-    """Sessions of an open-loop run at `rate`: rate x duration, else `sessions`/`conversations`."""
+    """How many sessions an open-loop run at `rate` starts: rate x duration, else `sessions`/`conversations`."""
     if config.duration > 0:
         return max(1, round(rate * config.duration))
     return config.sessions or config.conversations
@@ -747,35 +719,34 @@ async def warm_up(mesh: Mesh, config: BenchConfig) -> None:
 async def run_policy(
     config: BenchConfig, policy: str, workload: list[Conversation], log_dir: Path
 ) -> dict[str, Any]:
-    cluster = Cluster(config, policy, log_dir)
-    cluster.start()
+    cluster = await asyncio.to_thread(start_mesh, config, policy, log_dir)
     try:
-        async with grpc.aio.insecure_channel(cluster.address) as channel:
+        async with grpc.aio.insecure_channel(cluster.specs["scheduler"].address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             mesh = Mesh(stub)
             try:
-                await wait_ready(stub, cluster)
+                await wait_ready(stub, config.workers)
                 await warm_up(mesh, config)
                 summary = await measure(config, cluster, stub, mesh, workload)
             finally:
                 await mesh.close()
         return summary
     finally:
-        await asyncio.to_thread(cluster.stop)
+        await asyncio.to_thread(cluster.stop, 30)
 
 
 async def measure(
-    config: BenchConfig, cluster: Cluster, stub: scheduler_pb2_grpc.SchedulerStub, mesh: Mesh,
+    config: BenchConfig, cluster: launcher.Mesh, stub: scheduler_pb2_grpc.SchedulerStub, mesh: Mesh,
     workload: list[Conversation],
 ) -> dict[str, Any]:  # fmt: skip
     """One run of the workload on a ready cluster, then the route probe."""
-    before = await asyncio.to_thread(scrape, cluster.metrics_port)
+    before = await asyncio.to_thread(scrape, metrics_port(cluster))
     records: list[Record] = []
     samples: dict[str, list[int]] = {}
     timeline: list[dict[str, Any]] = []
     loop = open_loop_schedule(config, len(workload)) if config.session_rate > 0 else None
     sampler = asyncio.create_task(sample_queues(stub, samples, loop=loop, timeline=timeline))
-    cpu_before = cluster.cpu_seconds()
+    cpu_before = cpu_seconds(cluster)
     start = time.perf_counter()
     if loop is not None:
         loop.start = start
@@ -789,13 +760,13 @@ async def measure(
         )
     wall = time.perf_counter() - start
     sampler.cancel()
-    cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cluster.cpu_seconds().items()}
-    after = await asyncio.to_thread(scrape, cluster.metrics_port)
+    cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_seconds(cluster).items()}
+    after = await asyncio.to_thread(scrape, metrics_port(cluster))
     await asyncio.sleep(1.0)  # one more heartbeat with the final LoadStats
     listing = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-    probe_before = await asyncio.to_thread(scrape, cluster.metrics_port)
+    probe_before = await asyncio.to_thread(scrape, metrics_port(cluster))
     probe = await probe_route(mesh, records, config.route_probes)
-    probe_after = await asyncio.to_thread(scrape, cluster.metrics_port)
+    probe_after = await asyncio.to_thread(scrape, metrics_port(cluster))
 
     def delta(name: str, first: str, last: str) -> HistogramSnapshot:
         return HistogramSnapshot.parse(last, name).minus(HistogramSnapshot.parse(first, name))

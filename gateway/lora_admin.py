@@ -53,7 +53,11 @@ def _check_admin(request: Request) -> None:
 
 
 def _decoders(workers: scheduler_pb2.ListWorkersResponse) -> list[scheduler_pb2.WorkerStatus]:
-    return [s for s in workers.workers if s.worker.role == "decoder" and s.healthy and not s.draining]
+    return [
+        s
+        for s in workers.workers
+        if s.worker.role == worker_pb2.WORKER_ROLE_DECODER and s.healthy and not s.draining
+    ]
 
 
 async def _on_worker(address: str, call: str, message: object, max_bytes: int) -> worker_pb2.LoraState:

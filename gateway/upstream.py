@@ -34,8 +34,10 @@ from meshserve.v1 import (
     scheduler_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
+    worker_pb2,
 )
 from services.rpc import open_channel
+from services.worker_roles import role_name
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ def _answers(workers: scheduler_pb2.ListWorkersResponse, model: str | None, role
 def _first_model_of(workers: scheduler_pb2.ListWorkersResponse, role: str) -> str | None:
     """The model of the first healthy, not draining worker of `role` in the list."""
     for status in workers.workers:
-        if status.worker.role == role and status.healthy and not status.draining:
+        if role_name(status.worker.role) == role and status.healthy and not status.draining:
             return status.worker.model
     return None
 
@@ -409,4 +411,8 @@ class Upstream:
             )
         except APIError:
             return -1
-        return sum(1 for w in reply.workers if w.healthy and not w.draining and w.worker.role == "decoder")
+        return sum(
+            1
+            for w in reply.workers
+            if w.healthy and not w.draining and w.worker.role == worker_pb2.WORKER_ROLE_DECODER
+        )

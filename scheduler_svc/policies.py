@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.block_hashing import prompt_block_hashes
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import WorkerState
+from services.kv_hash import block_hashes
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RoutingRequest:
     def hashes(self, block_size: int) -> list[int]:
         cached = self._hashes.get(block_size)
         if cached is None:
-            cached = prompt_block_hashes(self.token_ids, block_size, self.extra_keys)
+            cached = block_hashes(self.token_ids, block_size, self.extra_keys)
             self._hashes[block_size] = cached
         return cached
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-ROLES = ("decoder", "prefill", "embedding", "encoder")
+from services.worker_roles import ROLES
 
 
 class Health(StrEnum):

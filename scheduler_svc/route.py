@@ -29,30 +29,7 @@ from scheduler_svc.registry import Lease
 from scheduler_svc.scheduler import Scheduler
 from services.errors import InvalidArgument, Unavailable
 from services.kv_contract import request_extra_keys
-from services.rpc import error_from_rpc
-
-_TRANSPORT_HINTS = (
-    "socket closed",
-    "connection reset",
-    "connection refused",
-    "failed to connect",
-    "rst_stream",
-    "stream removed",
-    "broken pipe",
-    "goaway",
-    "end of tcp stream",
-)
-
-
-def is_worker_failure(exc: grpc.aio.AioRpcError) -> bool:
-    """True for transport-level failures worth retrying elsewhere."""
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return True
-    details = (exc.details() or "").lower()
-    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and (
-        not details or any(hint in details for hint in _TRANSPORT_HINTS)
-    )
+from services.rpc import error_from_rpc, peer_lost
 
 
 @dataclass(frozen=True)
@@ -251,7 +228,7 @@ class Router:
                 ).Embed(request)
                 return reply
             except grpc.aio.AioRpcError as exc:
-                if not is_worker_failure(exc) or attempt == self.max_retries:
+                if not peer_lost(exc) or attempt == self.max_retries:
                     raise error_from_rpc(exc) from exc
                 self.scheduler.worker_failed(spec.worker_id)
                 exclude.add(spec.worker_id)

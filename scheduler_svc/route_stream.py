@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 Send = Callable[[scheduler_pb2.RouteStreamResponse], Awaitable[None]]
 
 
-class RouteStreamSession:
+class RouteStreamCall:
     """The routes in flight on one RouteStream and the answers waiting to be sent."""
 
     def __init__(self, router: Router, lease_ttl_ms: int, draining: Callable[[], bool], send: Send) -> None:
@@ -71,7 +71,7 @@ class RouteStreamSession:
         self._sending += 1
         try:
             await self._send(answer)
-        except Exception as exc:  # the call is over (caller gone): its end closes the session
+        except Exception as exc:  # the call is over (caller gone): its end closes this
             log.debug("route answer %d not sent: %s", answer.call_id, exc)
         finally:
             self._sending -= 1

@@ -10,16 +10,17 @@ import grpc
 from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
 from scheduler_svc.route import Router
-from scheduler_svc.route_stream import RouteStreamSession
+from scheduler_svc.route_stream import RouteStreamCall
 from scheduler_svc.scheduler import Scheduler
 from services.rpc import feed_stream, rpc_handler
+from services.worker_roles import role_name, role_value
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
     return WorkerSpec(
         worker_id=worker.worker_id,
         address=worker.address,
-        role=worker.role or "decoder",
+        role=role_name(worker.role or worker_pb2.WORKER_ROLE_DECODER),
         model=worker.model,
         max_model_len=worker.max_model_len,
         block_size=worker.block_size,
@@ -64,7 +65,7 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
         worker=scheduler_pb2.WorkerDescriptor(
             worker_id=spec.worker_id,
             address=spec.address,
-            role=spec.role,
+            role=role_value(spec.role),
             model=spec.model,
             max_model_len=spec.max_model_len,
             block_size=spec.block_size,
@@ -97,7 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.scheduler = scheduler
         self.router = Router(scheduler)
         self._lease_ttl_ms = int(scheduler.config.lease_ttl_s * 1000)
-        self._sessions: set[RouteStreamSession] = set()
+        self._calls: set[RouteStreamCall] = set()
         self._draining = False
 
     @rpc_handler
@@ -115,22 +116,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             async with writes:
                 await context.write(answer)
 
-        session = RouteStreamSession(self.router, self._lease_ttl_ms, lambda: self._draining, send)
-        self._sessions.add(session)
-        reader = asyncio.create_task(feed_stream(request_iterator, session, "RouteStream"))
+        call = RouteStreamCall(self.router, self._lease_ttl_ms, lambda: self._draining, send)
+        self._calls.add(call)
+        reader = asyncio.create_task(feed_stream(request_iterator, call, "RouteStream"))
         try:
-            await session.ended.wait()
+            await call.ended.wait()
         finally:
             reader.cancel()
-            session.close()
-            self._sessions.discard(session)
+            call.close()
+            self._calls.discard(call)
 
     async def on_drain(self) -> None:
         """Draining: route streams refuse new routes and end once theirs are answered
         (their callers go to another replica)."""
         self._draining = True
-        for session in self._sessions:
-            session.wake()
+        for call in self._calls:
+            call.wake()
 
     @rpc_handler
     async def Embed(

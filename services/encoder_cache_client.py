@@ -18,11 +18,11 @@ import grpc
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
 from services.config import MAX_MESSAGE_BYTES
 from services.errors import Code, MeshError, Unavailable
-from services.rpc import error_from_rpc, open_channel
+from services.rpc import PEER_LOST, error_from_rpc, open_channel
 
 log = logging.getLogger(__name__)
 
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+_UNREACHABLE = PEER_LOST | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class EmbeddingsMissing(MeshError):

@@ -47,31 +47,55 @@ _U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> int:
     """Hash one block chained on ``parent`` (None for the first block); returns a uint64."""
+    if not token_ids:  # block_hashes has no block of size 0
+        return _chain(parent, b"", 0, 1, _keys_suffix(extra_keys))[0]
+    return block_hashes(token_ids, len(token_ids), extra_keys, parent)[0]
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...] = (), parent: int | None = None
+) -> list[int]:
+    """Chained hashes of every *full* block of ``token_ids`` (a partial tail is skipped),
+    the first one chained on ``parent`` (None: ``token_ids`` starts the sequence).
+
+    One pass: the tokens are packed once for all blocks and the constant suffix (extra
+    keys) built once -- the scheduler hashes every prompt it routes with this."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    count = len(token_ids) // block_size
+    if count == 0:
+        return []
+    try:
+        packed = struct.pack(f">{count * block_size}I", *token_ids[: count * block_size])
+    except struct.error as exc:
+        raise ValueError(f"token_ids must be ints in [0, {_U32_MAX}]: {exc}") from exc
+    return _chain(parent, packed, block_size, count, _keys_suffix(extra_keys))
+
+
+def _chain(parent: int | None, packed: bytes, block_size: int, count: int, suffix: bytes) -> list[int]:
+    """The chained hashes of ``count`` blocks of ``block_size`` packed token ids."""
     chain = KV_HASH_SEED if parent is None else parent
     if not 0 <= chain <= _U64_MAX:
         raise ValueError(f"parent hash must be a uint64, got {parent}")
-    parts = [_TAG, struct.pack(">QI", chain, len(token_ids))]
-    try:
-        parts.append(struct.pack(f">{len(token_ids)}I", *token_ids))
-    except struct.error as exc:
-        raise ValueError(f"token_ids must be ints in [0, {_U32_MAX}]: {exc}") from exc
-    parts.append(struct.pack(">I", len(extra_keys)))
+    length = struct.pack(">I", block_size)
+    step = 4 * block_size
+    sha256, to_int, pack_parent = hashlib.sha256, int.from_bytes, struct.Struct(">Q").pack
+    hashes: list[int] = []
+    for index in range(count):
+        block = packed[index * step : (index + 1) * step]
+        digest = sha256(b"".join((_TAG, pack_parent(chain), length, block, suffix)))
+        chain = to_int(digest.digest()[:8], "big")
+        hashes.append(chain)
+    return hashes
+
+
+def _keys_suffix(extra_keys: tuple[str, ...]) -> bytes:
+    """The encoded extra keys every block's input ends with."""
+    parts = [struct.pack(">I", len(extra_keys))]
     for key in extra_keys:
         if not isinstance(key, str):
             raise ValueError(f"extra_keys must be strings, got {type(key).__name__}")
         raw = key.encode("utf-8")
         parts.append(struct.pack(">I", len(raw)))
         parts.append(raw)
-    return int.from_bytes(hashlib.sha256(b"".join(parts)).digest()[:8], "big")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...] = ()) -> list[int]:
-    """Chained hashes of every *full* block of ``token_ids`` (a partial tail is skipped)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
-        hashes.append(parent)
-    return hashes
+    return b"".join(parts)

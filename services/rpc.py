@@ -219,6 +219,19 @@ async def check_health(address: str, service: str = "", timeout: float = 1.0) ->
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+# The codes of a call whose peer is gone rather than one the peer answered: gRPC reports
+# a refused connection, a peer killed or exiting mid-call and a server stopping as
+# UNAVAILABLE, a call the peer dropped as CANCELLED. A peer's own errors (its exceptions:
+# UNKNOWN; INVALID_ARGUMENT, INTERNAL, ...) carry other codes: another peer would fail alike.
+PEER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+def peer_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the call failed because its peer is unreachable or went away: worth
+    trying another replica of the same service."""
+    return exc.code() in PEER_LOST
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> MeshError:
     """Converts a failed call into a MeshError carrying the peer's code and message."""
     try:

@@ -1,1 +1,1 @@
-"""Worker service (decoder, encoder and embedding roles): the gRPC front (servicer.py, stream_session.py) over the engine package (engine/)."""
+"""Worker service (decoder, encoder and embedding roles): the gRPC front (servicer.py, generate_stream.py) over the engine package (engine/)."""

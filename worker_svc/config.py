@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from services.config import DEFAULT_PORTS, ServerConfig, opt
 from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
+from services.worker_roles import ROLES
 from worker_svc.engine.config import EngineConfig, default_dtype
-
-ROLES = ("decoder", "prefill", "embedding", "encoder")
 
 
 @dataclass(frozen=True)

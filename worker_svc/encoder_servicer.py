@@ -20,6 +20,7 @@ from meshserve.v1 import worker_pb2, worker_pb2_grpc
 from services.encoder_cache_client import CachedTensor, EncoderCacheClient, cache_key
 from services.errors import InvalidArgument, NotFound
 from services.rpc import rpc_handler
+from services.worker_roles import role_value
 from worker_svc.encoder import EncodeInput, VisionEncoder, tensor_bytes
 from worker_svc.torch_thread import TorchThread
 
@@ -134,7 +135,7 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
     async def GetModelInfo(
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ModelInfo:
-        return worker_pb2.ModelInfo(model=self.model, role=self.role)
+        return worker_pb2.ModelInfo(model=self.model, role=role_value(self.role))
 
     async def close(self) -> None:
         """Stops the encoder thread and closes the cache channel."""

@@ -17,7 +17,7 @@ from meshserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services import tracing
 from services.errors import InvalidArgument, NotFound, Unavailable
 from services.kv_contract import request_extra_keys
-from services.rpc import open_channel, rpc_handler
+from services.rpc import PEER_LOST, open_channel, rpc_handler
 from worker_svc import metrics
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
@@ -55,7 +55,7 @@ def _transfer_error(exc: grpc.aio.AioRpcError) -> KvTransferError:
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return KvTransferError("timeout", f"prefill worker: {exc.details()}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    if code in PEER_LOST:
         return KvTransferError("unavailable", f"prefill worker: {exc.details()}")
     return KvTransferError("error", f"prefill worker: {code.name} {exc.details()}")
 

@@ -17,6 +17,7 @@ from services.config import load_config
 from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
 from services.server import GrpcServer
+from services.worker_roles import role_value
 from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.embedding import EmbeddingModel
@@ -51,7 +52,7 @@ def _descriptor(config: WorkerConfig, identity: WorkerIdentity, port: int) -> sc
     return scheduler_pb2.WorkerDescriptor(
         worker_id=identity.worker_id,
         address=config.advertise_address or f"{config.host}:{port}",
-        role=config.role,
+        role=role_value(config.role),
         model=identity.model,
         block_size=config.engine.block_size,
         max_num_seqs=config.engine.max_num_seqs,

@@ -13,14 +13,15 @@ from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
+from services.worker_roles import role_value
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import LLMEngine
 from worker_svc.engine.lora import LoraError, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.multimodal import MultiModalInput
+from worker_svc.generate_stream import GenerateStreamCall
 from worker_svc.kv_connector import KvImporter
 from worker_svc.mm_fetch import EmbeddingFetcher
-from worker_svc.stream_session import StreamSession
 from worker_svc.torch_thread import TorchThread
 
 
@@ -65,7 +66,7 @@ def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
 
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     """Runs generation requests on the worker's engine: `GenerateStream`, the token path
-    (many requests per call, batched per engine step, a `StreamSession` each)."""
+    (many requests per call, batched per engine step, a `GenerateStreamCall` each)."""
 
     def __init__(
         self,
@@ -89,12 +90,12 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
         self.fetcher = fetcher
         self._draining = draining
-        self._sessions: set[StreamSession] = set()
+        self._calls: set[GenerateStreamCall] = set()
 
-    def open_session(self) -> StreamSession:
-        """A new session on the engine (one `GenerateStream` call)."""
+    def open_call(self) -> GenerateStreamCall:
+        """The state of a new `GenerateStream` call on the engine."""
         fetch = functools.partial(_fetch_mm, self.fetcher) if self.fetcher is not None else None
-        session = StreamSession(
+        call = GenerateStreamCall(
             self.engine,
             self.identity.worker_id,
             self.identity.model,
@@ -103,13 +104,13 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self._draining,
             self.kv_importer,
         )
-        self._sessions.add(session)
-        return session
+        self._calls.add(call)
+        return call
 
-    def end_session(self, session: StreamSession) -> None:
-        """The session's call ended: its requests still running are aborted."""
-        session.close()
-        self._sessions.discard(session)
+    def end_call(self, call: GenerateStreamCall) -> None:
+        """The call ended: its requests still running are aborted."""
+        call.close()
+        self._calls.discard(call)
 
     @rpc_handler
     async def GenerateStream(
@@ -119,23 +120,23 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         """The token path (see worker.proto): requests in, one message per engine step out
         (written with `context.write`: no generator layers between a step and the wire)."""
-        session = self.open_session()
-        reader = asyncio.create_task(feed_stream(request_iterator, session, "GenerateStream"))
+        call = self.open_call()
+        reader = asyncio.create_task(feed_stream(request_iterator, call, "GenerateStream"))
         try:
-            async for message in session.responses():
+            async for message in call.responses():
                 await context.write(message)
         finally:
             reader.cancel()
-            self.end_session(session)
+            self.end_call(call)
 
     def on_drain(self) -> None:
         """The worker started draining: streams end once their requests have finished."""
-        for session in self._sessions:
-            session.wake()
+        for call in self._calls:
+            call.wake()
 
     def active_lease_ids(self) -> list[str]:
         """Leases of every request running on this worker (heartbeats report them)."""
-        return [lease for session in self._sessions for lease in session.active_lease_ids()]
+        return [lease for call in self._calls for lease in call.active_lease_ids()]
 
     @rpc_handler
     async def GetLoad(
@@ -150,7 +151,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         info = self.engine.model_info
         return worker_pb2.ModelInfo(
             model=self.identity.model,
-            role=self.identity.role,
+            role=role_value(self.identity.role),
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             vocab_size=info.vocab_size,
@@ -266,7 +267,7 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ModelInfo:
         return worker_pb2.ModelInfo(
-            model=self.identity.model, role=self.identity.role, max_model_len=self.model.max_len
+            model=self.identity.model, role=role_value(self.identity.role), max_model_len=self.model.max_len
         )
 
     def close(self) -> None:

@@ -322,7 +322,7 @@ def _cases() -> list[Case]:
                     worker=scheduler_pb2.WorkerDescriptor(
                         worker_id="fuzz-w",
                         address="127.0.0.1:9",
-                        role="wizard",
+                        role=99,  # no WorkerRole has this number
                         model="m",
                         block_size=16,
                         max_num_seqs=1,
@@ -339,7 +339,7 @@ def _cases() -> list[Case]:
                     worker=scheduler_pb2.WorkerDescriptor(
                         worker_id="fuzz-w",
                         address="127.0.0.1:9",
-                        role="decoder",
+                        role=worker_pb2.WORKER_ROLE_DECODER,
                         model="m",
                         block_size=0,
                         max_num_seqs=1,

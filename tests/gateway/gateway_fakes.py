@@ -395,7 +395,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 worker=scheduler_pb2.WorkerDescriptor(
                     worker_id=worker_id,
                     address=address,
-                    role="decoder",
+                    role=worker_pb2.WORKER_ROLE_DECODER,
                     model=MODEL,
                     max_model_len=MAX_MODEL_LEN,
                 ),
@@ -405,7 +405,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             for worker_id, address in self.workers.items()
         ]
         embedding = scheduler_pb2.WorkerStatus(
-            worker=scheduler_pb2.WorkerDescriptor(worker_id="emb-0", role="embedding", model=EMBED_MODEL),
+            worker=scheduler_pb2.WorkerDescriptor(
+                worker_id="emb-0", role=worker_pb2.WORKER_ROLE_EMBEDDING, model=EMBED_MODEL
+            ),
             healthy=True,
         )
         if self.embedding_first:

@@ -30,6 +30,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.server import GrpcServer
+from services.worker_roles import role_value
 from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.kv_events import KvEventPublisher
@@ -108,7 +109,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return scheduler_pb2.WorkerDescriptor(
             worker_id=self.worker_id,
             address=self.address,
-            role=self.role,
+            role=role_value(self.role),
             model=self.model,
             max_model_len=4096,
             block_size=self.block_size,

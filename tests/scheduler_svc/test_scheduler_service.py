@@ -96,7 +96,11 @@ async def test_registry_rpcs(start_scheduler: Any, start_worker: Any) -> None:
     assert all(s.healthy and not s.draining for s in listing.workers)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         bad = scheduler_pb2.WorkerDescriptor(
-            worker_id="x", address="a:1", role="oops", model="m", block_size=4
+            worker_id="x",
+            address="a:1",
+            role=99,
+            model="m",
+            block_size=4,
         )
         await sched.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=bad))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 import pytest
@@ -54,3 +55,48 @@ def test_invalid_inputs() -> None:
         hash_block(-5, [1])
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1, 2], 0)
+
+
+def _spec_block(parent: int, tokens: list[int], keys: tuple[str, ...]) -> int:
+    """One block hashed straight from the scheme in services.kv_hash's docstring."""
+    payload = b"MSKV1" + struct.pack(">QI", parent, len(tokens)) + struct.pack(f">{len(tokens)}I", *tokens)
+    payload += struct.pack(">I", len(keys))
+    for key in keys:
+        payload += struct.pack(">I", len(key.encode())) + key.encode()
+    return int.from_bytes(hashlib.sha256(payload).digest()[:8], "big")
+
+
+@pytest.mark.parametrize(
+    ("length", "block_size", "keys"),
+    [
+        (0, 16, ()),
+        (15, 16, ()),
+        (16, 16, ()),
+        (1800, 16, ()),
+        (37, 16, ("salt:x", "mm:abc")),
+        (70, 8, ("é",)),
+        (64, 16, ("lora:sql", "mm:0f3a")),
+    ],
+)
+def test_one_pass_equals_the_scheme_block_by_block(
+    length: int, block_size: int, keys: tuple[str, ...]
+) -> None:
+    rng = random.Random(length)
+    tokens = [rng.randrange(0, 2**32) for _ in range(length)]
+    expected, parent = [], KV_HASH_SEED
+    for start in range(0, length - block_size + 1, block_size):
+        parent = _spec_block(parent, tokens[start : start + block_size], keys)
+        expected.append(parent)
+    assert block_hashes(tokens, block_size, keys) == expected
+    # A chain continued from a parent (the engine hashes blocks as they fill) is the same chain.
+    if len(expected) >= 2:
+        assert block_hashes(tokens[block_size:], block_size, keys, parent=expected[0]) == expected[1:]
+
+
+def test_one_pass_rejects_what_the_scheme_rejects() -> None:
+    with pytest.raises(ValueError, match="token_ids"):
+        block_hashes([2**32] * 16, 16)
+    with pytest.raises(ValueError, match="extra_keys"):
+        block_hashes([1] * 16, 16, (3,))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="parent"):
+        block_hashes([1] * 16, 16, parent=2**64)

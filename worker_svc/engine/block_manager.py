@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.kv_hash import hash_block
+from services.kv_hash import block_hashes
 from worker_svc.engine.request import Request
 
 __all__ = ["BlockManager", "KVBlock", "KvEvent", "KvEventKind"]
@@ -111,10 +111,10 @@ class BlockManager:
         """Extend ``request.block_hashes`` to its first ``num_blocks`` full blocks."""
         bs = self.block_size
         hashes = request.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, request.token_slice(i * bs, (i + 1) * bs), request.extra_keys))
+        done = len(hashes)
+        if done < num_blocks:
+            tokens = request.token_slice(done * bs, num_blocks * bs)
+            hashes.extend(block_hashes(tokens, bs, request.extra_keys, hashes[-1] if hashes else None))
         return hashes
 
     def _find_cached_prefix(self, request: Request) -> list[KVBlock]:

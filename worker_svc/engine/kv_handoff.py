@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.kv_hash import hash_block
+from services.kv_hash import block_hashes
 from worker_svc.engine.block_manager import BlockManager
 from worker_svc.engine.kv_transfer import (
     KvBlockPayload,
@@ -194,12 +194,7 @@ class KvHandoff:
         bs = self.block_manager.block_size
         if count > (len(token_ids) - 1) // bs:
             raise KvTransferError("hash", f"{count} blocks offered for a prompt of {len(token_ids)} tokens")
-        hashes: list[int] = []
-        for i in range(count):
-            hashes.append(
-                hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys)
-            )
-        return hashes
+        return block_hashes(token_ids[: count * bs], bs, extra_keys)
 
     @staticmethod
     def _verify(payload: KvBlockPayload, index: int, hashes: list[int], block_bytes: int) -> None:

@@ -158,7 +158,7 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
     )
 
 
-class StreamSession:
+class GenerateStreamCall:
     """The requests of one GenerateStream call and the messages it sends."""
 
     def __init__(
