@@ -6,6 +6,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from services.clock import Clock
+
 _MAX_BUCKETS = 100_000
 
 
@@ -18,8 +20,9 @@ class _Bucket:
 class RateLimiter:
     """One token bucket per tenant: `rate` tokens/s refill, `burst` capacity."""
 
-    def __init__(self, rate: float, burst: int = 0) -> None:
+    def __init__(self, rate: float, burst: int = 0, clock: Clock = time.monotonic) -> None:
         self.rate = rate
+        self.clock = clock
         self.capacity = float(burst) if burst > 0 else max(1.0, rate)
         self._buckets: dict[str, _Bucket] = {}
 
@@ -28,11 +31,11 @@ class RateLimiter:
         """False when the limit is off (rate 0)."""
         return self.rate > 0
 
-    def acquire(self, tenant: str, now: float | None = None) -> float:
+    def acquire(self, tenant: str) -> float:
         """Takes one token; returns 0 on success, else seconds until one is available."""
         if not self.enabled:
             return 0.0
-        now = time.monotonic() if now is None else now
+        now = self.clock()
         bucket = self._buckets.get(tenant)
         if bucket is None:
             if len(self._buckets) >= _MAX_BUCKETS:

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import APIError
 from services import redis_client
+from services.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,10 @@ class StoredResponse:
 class ResponseStore:
     """Redis-backed when `redis_url` is set, else in-process (see the module docstring)."""
 
-    def __init__(self, redis_url: str, ttl_s: int) -> None:
+    def __init__(self, redis_url: str, ttl_s: int, clock: Clock = time.monotonic) -> None:
         self.shared = bool(redis_url)
         self.ttl_s = ttl_s
+        self.clock = clock  # the in-process store's expiry (Redis expires its own keys)
         self._redis = redis_client.connect(redis_url) if redis_url else None
         self._local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 
@@ -65,7 +67,7 @@ class ResponseStore:
         """Stores (or replaces) `record` under its response id."""
         key, data = self.key(owner, record.response["id"]), record.to_json()
         if self._redis is None:
-            self._local[key] = (time.monotonic() + self.ttl_s, data)
+            self._local[key] = (self.clock() + self.ttl_s, data)
             self._local.move_to_end(key)
             while len(self._local) > LOCAL_CAPACITY:
                 self._local.popitem(last=False)
@@ -77,7 +79,7 @@ class ResponseStore:
         key = self.key(owner, response_id)
         if self._redis is None:
             entry = self._local.get(key)
-            if entry is None or entry[0] < time.monotonic():
+            if entry is None or entry[0] < self.clock():
                 self._local.pop(key, None)
                 return None
             data: bytes | None = entry[1]

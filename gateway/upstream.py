@@ -36,6 +36,7 @@ from meshserve.v1 import (
     tokenizer_pb2_grpc,
     worker_pb2,
 )
+from services.clock import Clock
 from services.rpc import open_channel
 from services.worker_roles import role_name
 
@@ -140,6 +141,7 @@ class Upstream:
         self.tokenizers = GatewayTokenizers(self.tokenizer, cache_root, self.timeout, self.tokenizer_model)
         self._workers: scheduler_pb2.ListWorkersResponse | None = None
         self._workers_at = 0.0
+        self.clock: Clock = time.monotonic  # the worker list's age (`models_cache_s`)
         self._workers_lock = asyncio.Lock()
         self._workers_refresh: asyncio.Task[None] | None = None
         self._infos: dict[str, tokenizer_pb2.TokenizerInfo] = {}
@@ -285,7 +287,7 @@ class Upstream:
                 ),
                 short_deadline=True,
             )
-            self._workers, self._workers_at = reply, time.monotonic()
+            self._workers, self._workers_at = reply, self.clock()
             self._adapter_parents = adapter_parents(reply)
             return reply
 
@@ -295,7 +297,7 @@ class Upstream:
 
     def _fresh_workers(self, max_age_s: float) -> scheduler_pb2.ListWorkersResponse | None:
         """The cached worker list when it is younger than `max_age_s`, else None."""
-        if self._workers is not None and time.monotonic() - self._workers_at < max_age_s:
+        if self._workers is not None and self.clock() - self._workers_at < max_age_s:
             return self._workers
         return None
 

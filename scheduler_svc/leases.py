@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from scheduler_svc.registry import Lease
+from services.clock import Clock
 
 
 class LeaseState(StrEnum):
@@ -79,9 +80,7 @@ class LeaseRecord:
 class LeaseTable:
     """The live (ISSUED or RUNNING) leases of this replica by id."""
 
-    def __init__(
-        self, ttl_s: float, grace_s: float, clock: Callable[[], float], replica_id: str = ""
-    ) -> None:
+    def __init__(self, ttl_s: float, grace_s: float, clock: Clock, replica_id: str = "") -> None:
         self.ttl_s = ttl_s
         self.grace_s = grace_s
         self._clock = clock

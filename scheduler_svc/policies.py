@@ -27,12 +27,13 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import WorkerState
+from services.clock import Clock
 from services.kv_hash import block_hashes
 
 
@@ -138,7 +139,7 @@ class PrefixAwarePolicy:
         self,
         index: PrefixIndex,
         weights: PrefixWeights | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._index = index
         self._weights = weights or PrefixWeights()

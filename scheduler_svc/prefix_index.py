@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+from services.clock import Clock
 
 KIND_STORED = "stored"
 KIND_REMOVED = "removed"
@@ -52,7 +54,7 @@ class PrefixIndex:
         self,
         speculative_ttl_s: float = 2.0,
         max_speculative_per_worker: int = 65536,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._ttl = speculative_ttl_s
         self._max_speculative = max_speculative_per_worker

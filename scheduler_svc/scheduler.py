@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -31,6 +31,7 @@ from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
 from scheduler_svc.registry_store import RegistryMirror
 from scheduler_svc.worker_client import WorkerChannels
+from services.clock import Clock
 from services.redis_client import connect
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 class Scheduler:
     """Registry + routing + admission + Redis links of one scheduler replica."""
 
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.registry = WorkerRegistry(
             config.worker_timeout_s, config.worker_forget_s, config.max_inflight_per_worker, clock

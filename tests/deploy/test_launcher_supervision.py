@@ -40,6 +40,7 @@ from services.launcher import (
 from services.redis_client import free_port
 from services.rpc import check_health
 from services.server import GrpcServer
+from tests.fake_clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,14 +102,6 @@ class FakeChild:
 
     def healthy(self) -> bool:
         return self.serving
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _supervisor(*names: str, stop: Callable[[], bool] = lambda: False) -> tuple[Supervisor, FakeClock]:

@@ -16,6 +16,7 @@ from gateway_fakes import Harness, RunningGateway
 from gateway import response_store
 from gateway.response_store import ResponseStore, StoredResponse
 from services.redis_client import free_port
+from tests.fake_clock import FakeClock
 
 HELLO = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -125,6 +126,17 @@ async def test_the_local_store_is_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         True,
     ]
     assert await store.get("other", "resp_4") is None
+
+
+async def test_the_local_store_expires_records_after_the_ttl() -> None:
+    clock = FakeClock()
+    store = ResponseStore("", ttl_s=60, clock=clock)
+    await store.put("owner", StoredResponse(response={"id": "resp_1", "output": []}, items=[]))
+    clock.advance(60)
+    assert await store.get("owner", "resp_1") is not None  # exactly the TTL: still kept
+    clock.advance(0.001)
+    assert await store.get("owner", "resp_1") is None
+    assert not await store.delete("owner", "resp_1")  # the expired record is gone, not hidden
 
 
 def test_an_unreachable_redis_is_a_503_not_a_silent_loss(harness: Harness) -> None:

@@ -21,6 +21,7 @@ from gateway_fakes import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import common_pb2
+from tests.fake_clock import FakeClock
 
 HELLO0 = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
 # The ENDLESS script: HELLO0, then a slow tail that only an abort (or max_tokens) ends.
@@ -482,12 +483,17 @@ def test_a_request_without_model_is_not_refused_on_a_stale_list(harness: Harness
     completion runs (it used to be answered from the stale list while a refresh ran)."""
     harness.scheduler.down.update(harness.scheduler.workers)
     gw = harness.start_gateway(harness.config(models_cache_s=0.2))
+    clock = FakeClock(time.monotonic())  # not behind a list the gateway fetched at start
+    gw.app.state.upstream.clock = clock
     try:
         with httpx.Client(base_url=gw.url, timeout=20) as http:
             refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert refused.status_code == 503, refused.text
             harness.scheduler.down.clear()
-            time.sleep(0.3)  # the cached list is older than models_cache_s now
+            clock.advance(0.19)  # the list is younger than models_cache_s: still answered from it
+            refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            clock.advance(0.02)  # older than models_cache_s now
             completion = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert completion.status_code == 200, completion.text
             assert completion.json()["model"] == MODEL

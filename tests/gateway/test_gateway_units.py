@@ -28,6 +28,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.serving import resolve_max_tokens
 from gateway.tools import ToolCallStreamParser, parse_tool_calls
 from services.errors import Code, MeshError, Overloaded
+from tests.fake_clock import FakeClock
 
 CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
 
@@ -69,13 +70,17 @@ def test_stream_parser_holds_back_only_possible_tag_prefixes() -> None:
 
 
 def test_rate_limiter_token_bucket() -> None:
-    limiter = RateLimiter(rate=2.0, burst=2)
-    assert limiter.acquire("a", now=0.0) == 0
-    assert limiter.acquire("a", now=0.0) == 0
-    wait = limiter.acquire("a", now=0.0)
+    clock = FakeClock()
+    limiter = RateLimiter(rate=2.0, burst=2, clock=clock)
+    assert limiter.acquire("a") == 0
+    assert limiter.acquire("a") == 0
+    wait = limiter.acquire("a")
     assert wait == pytest.approx(0.5)
-    assert limiter.acquire("b", now=0.0) == 0  # per tenant
-    assert limiter.acquire("a", now=0.5) == 0  # refilled
+    assert limiter.acquire("b") == 0  # per tenant
+    clock.advance(0.4)
+    assert limiter.acquire("a") == pytest.approx(0.1)  # not refilled yet
+    clock.advance(0.1)
+    assert limiter.acquire("a") == 0  # refilled
     assert RateLimiter(rate=0).acquire("a") == 0  # off
     assert RateLimiter.retry_after_header(0.2) == "1"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ from meshserve.v1 import (
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
+from services.clock import Clock
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.server import GrpcServer
@@ -51,6 +53,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     (set by the test) plus the leases of the requests its `GenerateStream` is running.
     `hang()` stops the heartbeats (the server keeps answering), `resume()` restarts them,
     `kill()` stops everything at once (kill -9). `fail_first` makes Embed fail UNAVAILABLE.
+    Clearing `finish` holds every request before its last token until it is set again.
 
     The scheduler never calls a decoder's GenerateStream; the tests do, after a route, as
     the gateway would. Each request added streams `tokens` deterministic tokens (token i
@@ -79,6 +82,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.fail_first = False
+        self.finish = asyncio.Event()
+        self.finish.set()
         self.draining = False
         self.heartbeating = True
         # Lease ids the heartbeats report besides those of running requests.
@@ -227,6 +232,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             for i in range(limit):
                 await asyncio.sleep(self.delay)
                 last = i == limit - 1
+                if last:
+                    await self.finish.wait()
                 yield common_pb2.GenerateResponse(
                     request_id=rid,
                     deltas=[
@@ -278,6 +285,17 @@ class RunningScheduler:
         await self.channel.close()
         await self.server.server.stop(0)
         await self.core.stop()
+
+    async def wait_heartbeat(self, worker_id: str, timeout: float = 10.0) -> None:
+        """Waits for a heartbeat of `worker_id` handled at the scheduler clock's present
+        time or later (with a fake clock: after its last advance)."""
+        since = self.core.registry.now()
+
+        def beaten() -> bool:
+            state = self.core.registry.get(worker_id)
+            return state is not None and state.last_seen >= since
+
+        await self.wait_for(beaten, timeout)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -335,10 +353,11 @@ SchedulerFactory = Callable[..., Awaitable[RunningScheduler]]
 WorkerFactory = Callable[..., Awaitable[FakeWorker]]
 
 
-async def serve_scheduler(**overrides: Any) -> RunningScheduler:
-    """A real scheduler server on 127.0.0.1:0 with the FAST settings (stop it with `stop`)."""
+async def serve_scheduler(clock: Clock = time.monotonic, **overrides: Any) -> RunningScheduler:
+    """A real scheduler server on 127.0.0.1:0 with the FAST settings (stop it with `stop`);
+    `clock` drives its time windows (lease TTL and grace, heartbeat staleness)."""
     config = SchedulerConfig(port=0, **{**FAST, **overrides})
-    core = Scheduler(config)
+    core = Scheduler(config, clock)
     server = GrpcServer("scheduler-test", config)
     servicer = SchedulerServicer(core)
     server.add_service("meshserve.v1.Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
@@ -360,8 +379,8 @@ async def start_scheduler() -> AsyncIterator[SchedulerFactory]:
     """Starts real scheduler servers on 127.0.0.1:0 (stopped after the test)."""
     started: list[RunningScheduler] = []
 
-    async def factory(**overrides: Any) -> RunningScheduler:
-        running = await serve_scheduler(**overrides)
+    async def factory(clock: Clock = time.monotonic, **overrides: Any) -> RunningScheduler:
+        running = await serve_scheduler(clock, **overrides)
         started.append(running)
         return running
 

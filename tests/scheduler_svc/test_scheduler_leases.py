@@ -7,15 +7,7 @@ import pytest
 
 from scheduler_svc.leases import LeaseRecord, LeaseState, LeaseTable
 from scheduler_svc.registry import Lease, WorkerSpec, WorkerState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.fake_clock import FakeClock
 
 WORKERS = {name: WorkerState(WorkerSpec(name, f"{name}:1", model="m")) for name in ("a", "b")}
 
@@ -24,8 +16,8 @@ def lease(worker: str) -> Lease:
     return Lease(WORKERS[worker], 0.0)
 
 
-def table(ttl_s: float = 60.0, grace_s: float = 2.0) -> tuple[LeaseTable, Clock]:
-    clock = Clock()
+def table(ttl_s: float = 60.0, grace_s: float = 2.0) -> tuple[LeaseTable, FakeClock]:
+    clock = FakeClock(100.0)
     return LeaseTable(ttl_s, grace_s, clock, replica_id="rep1"), clock
 
 
@@ -50,7 +42,7 @@ def test_issue_and_release() -> None:
 
 
 def test_replica_ids_default_unique() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     one, two = LeaseTable(1, 1, clock), LeaseTable(1, 1, clock)
     prefix = one.issue(lease("a"), "r").lease_id.split("-")[0]
     assert prefix and prefix != two.issue(lease("a"), "r").lease_id.split("-")[0]

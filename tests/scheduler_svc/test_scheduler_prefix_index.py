@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from scheduler_svc.prefix_index import ApplyResult, KvRecord, PrefixIndex
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fake_clock import FakeClock
 
 
 def rec(
@@ -70,14 +63,14 @@ def test_match_is_longest_leading_prefix_among_requested_workers() -> None:
 
 
 def test_speculative_entries_expire() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     index = PrefixIndex(speculative_ttl_s=2.0, max_speculative_per_worker=3, clock=clock)
     index.add_speculative("w1", [7, 8])
     assert index.match([7, 8, 9], ["w1", "w2"]) == {"w1": 2, "w2": 0}
-    clock.t = 1.0
+    clock.now = 1.0
     index.add_speculative("w2", [7, 8, 9, 10])  # capped at 3 entries: block 7 dropped
     assert index.match([7, 8, 9], ["w2"]) == {"w2": 0}
-    clock.t = 2.5
+    clock.now = 2.5
     index.expire()
     assert index.match([7, 8], ["w1"]) == {"w1": 0}
     # A "removed" event also drops the speculation of that block.

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.registry import Health, LoadSnapshot, WorkerRegistry, WorkerSpec
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fake_clock import FakeClock
 
 
 def spec(worker_id: str = "w1", model: str = "m", role: str = "decoder", seqs: int = 4) -> WorkerSpec:
@@ -21,12 +14,12 @@ def spec(worker_id: str = "w1", model: str = "m", role: str = "decoder", seqs: i
     )
 
 
-def make(clock: Clock, inflight: int = 0) -> WorkerRegistry:
+def make(clock: FakeClock, inflight: int = 0) -> WorkerRegistry:
     return WorkerRegistry(timeout_s=3.0, forget_s=30.0, max_inflight_per_worker=inflight, clock=clock)
 
 
 def test_register_and_heartbeat_unknown_worker() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = make(clock)
     state, is_new = reg.register(spec())
     assert is_new and state.healthy and state.capacity == 4
@@ -49,30 +42,30 @@ def test_register_and_heartbeat_unknown_worker() -> None:
 )
 def test_register_rejects_bad_spec(bad: WorkerSpec) -> None:
     with pytest.raises(ValueError, match="worker"):
-        make(Clock()).register(bad)
+        make(FakeClock(100.0)).register(bad)
 
 
 def test_silent_worker_marked_down_then_revived_then_forgotten() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = make(clock)
     reg.register(spec("w1"))
     reg.register(spec("w2"))
-    clock.t += 2.0
+    clock.now += 2.0
     reg.heartbeat("w2", LoadSnapshot(), False)
-    clock.t += 1.5
+    clock.now += 1.5
     assert reg.sweep() == (["w1"], [])
     assert reg.get("w1").health is Health.UNHEALTHY  # type: ignore[union-attr]
     assert [w.worker_id for w in reg.candidates("m", "decoder")] == ["w2"]
     assert reg.heartbeat("w1", LoadSnapshot(), False) == (True, True)
     assert {w.worker_id for w in reg.candidates("m", "decoder")} == {"w1", "w2"}
-    clock.t += 31.0
+    clock.now += 31.0
     down, gone = reg.sweep()
     assert sorted(gone) == ["w1", "w2"] and not down
     assert reg.all() == []
 
 
 def test_draining_and_suspect_workers_leave_routing() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = make(clock)
     reg.register(spec("w1"))
     reg.register(spec("w2"))
@@ -84,13 +77,13 @@ def test_draining_and_suspect_workers_leave_routing() -> None:
     assert [w.worker_id for w in reg.candidates("m", "decoder")] == ["w2"]
     reg.heartbeat("w1", LoadSnapshot(), draining=False)
     assert [w.worker_id for w in reg.candidates("m", "decoder")] == ["w1"]
-    clock.t += 2.5
+    clock.now += 2.5
     assert {w.worker_id for w in reg.candidates("m", "decoder")} == {"w1", "w2"}
     assert [w.worker_id for w in reg.candidates("m", "decoder", exclude={"w1"})] == ["w2"]
 
 
 def test_roles_models_and_counts() -> None:
-    reg = make(Clock())
+    reg = make(FakeClock(100.0))
     reg.register(spec("d1"))
     reg.register(spec("e1", model="emb", role="embedding"))
     assert reg.models() == ["emb", "m"]
@@ -103,7 +96,7 @@ def test_roles_models_and_counts() -> None:
 
 
 def test_leases_capacity_and_load_estimate() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = make(clock, inflight=2)
     state, _ = reg.register(spec("w1", seqs=8))
     assert state.capacity == 2
@@ -111,7 +104,7 @@ def test_leases_capacity_and_load_estimate() -> None:
     reg.acquire(state)
     assert not state.has_capacity()
     assert state.estimated_load() == 2
-    clock.t += 0.1
+    clock.now += 0.1
     reg.heartbeat("w1", LoadSnapshot(num_running=5, num_waiting=1), False)
     # The report includes our 2 requests: 4 come from elsewhere (no double counting).
     assert state.external_load == 4 and state.estimated_load() == 6
@@ -122,7 +115,7 @@ def test_leases_capacity_and_load_estimate() -> None:
 
 
 def test_observe_remote_entries() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = make(clock)
     assert reg.observe_remote(spec("r1"), LoadSnapshot(num_running=3), False, age_s=0.5)
     state = reg.get("r1")

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.redis_client import free_port
 from services.rpc import check_health
+from tests.fake_clock import FakeClock
 from tests.reliability.meshkit import metric_value
 from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, generate_request
 from tests.scheduler_svc.route_client import RouteClient
@@ -25,6 +26,9 @@ from tests.worker_svc.worker_kit import generate_one
 from worker_svc.registration import SchedulerLink
 
 pytestmark = pytest.mark.timeout(60)
+# With a fake scheduler clock: its steps (past a lease grace or TTL) must not also make
+# the worker's last heartbeat look stale.
+STEADY_WORKERS = {"worker_timeout_s": 60.0, "worker_forget_s": 120.0}
 
 
 def metric(name: str, **labels: str) -> float:
@@ -245,17 +249,21 @@ async def test_cancelled_queued_route_leaves_the_queue(start_scheduler: Any, sta
 async def test_heartbeats_end_leases_their_worker_no_longer_runs(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    sched = await start_scheduler(lease_grace_s=30)
+    clock = FakeClock()
+    sched = await start_scheduler(clock, lease_grace_s=1.0, **STEADY_WORKERS)
     worker = await start_worker("a", sched)
     kept = await sched.route([1])
     dropped = await sched.route([2])
     # Inside the grace period a lease is kept although the worker does not report it
     # (its request may still be on the way to the worker).
-    await worker.wait_beats(3)
+    clock.advance(0.9)
+    await sched.wait_heartbeat("a")
+    await worker.wait_beats(2)
     assert sched.lease_ids() == {kept.lease_id, dropped.lease_id} and sched.inflight("a") == 2
     # Past the grace, only the leases the worker reports survive its heartbeats.
     worker.lease_ids = {kept.lease_id}
-    sched.core.leases.grace_s = 0.2
+    await worker.wait_beats(2)  # reports listing it reached the scheduler
+    clock.advance(0.2)
     await sched.wait_for(lambda: sched.lease_ids() == {kept.lease_id})
     assert sched.inflight("a") == 1
     assert await sched.release(dropped.lease_id) == 0  # the worker's report ended it
@@ -268,32 +276,47 @@ async def test_lease_of_a_running_request_lasts_until_it_ends(
 ) -> None:
     """No release at all (the gateway died): the worker's reports keep the lease while
     its request runs and end it once the request has finished."""
-    sched = await start_scheduler(lease_grace_s=1.0)
-    worker = await start_worker("a", sched, tokens=100, delay=0.02)
+    clock = FakeClock()
+    sched = await start_scheduler(clock, lease_grace_s=1.0, **STEADY_WORKERS)
+    worker = await start_worker("a", sched, tokens=3)
+    worker.finish.clear()  # the request runs until the test lets it finish
     route = await sched.route([1, 2, 3])
     request = generate_request([1, 2, 3], request_id=route.request_id, lease_id=route.lease_id)
     async with grpc.aio.insecure_channel(route.worker_address) as channel:
         stream = generate_one(worker_pb2_grpc.WorkerStub(channel), request, timeout=20)
         first = await anext(stream)
         assert first.worker_id == "a" and worker.active_lease_ids() == [route.lease_id]
-        await asyncio.sleep(1.3)  # past the grace, several heartbeats
+        for _ in range(3):  # past the grace, several heartbeats
+            clock.advance(0.6)
+            await sched.wait_heartbeat("a")
         assert sched.lease_ids() == {route.lease_id} and sched.inflight("a") == 1
+        worker.finish.set()
         last = first
         async for message in stream:
             last = message
         assert last.finished
+    await worker.wait_beats(2)  # the second was sent after the request ended
+    assert sched.lease_ids() == {route.lease_id}  # unreported for less than the grace
+    clock.advance(1.5)
     await sched.wait_for(lambda: sched.lease_ids() == set())
     assert sched.inflight("a") == 0
 
 
 async def test_lease_ttl_frees_the_slot(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(max_inflight_per_worker=1, lease_ttl_s=0.5, lease_grace_s=60)
+    clock = FakeClock()
+    sched = await start_scheduler(
+        clock, max_inflight_per_worker=1, lease_ttl_s=0.5, lease_grace_s=60, **STEADY_WORKERS
+    )
     await start_worker("a", sched)
     held = await sched.route([1])
     assert held.lease_ttl_ms == 500
     queued = start_route(sched, [2])
     await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
-    reply = await asyncio.wait_for(queued, 5)  # admitted once the first lease expired
+    clock.advance(0.4)
+    await sched.core.housekeep_once()
+    assert held.lease_id in sched.lease_ids() and len(sched.core.dispatcher.queue) == 1
+    clock.advance(0.2)
+    reply = await asyncio.wait_for(queued, 20)  # admitted once the first lease expired
     assert reply.worker_id == "a" and held.lease_id not in sched.lease_ids()
     assert await sched.release(held.lease_id) == 0
 
@@ -352,8 +375,9 @@ async def test_draining_worker_gets_no_new_routes(start_scheduler: Any, start_wo
 async def test_worker_heartbeating_two_replicas(start_scheduler: Any, start_worker: Any) -> None:
     """A worker given two scheduler addresses (no Redis) registers with both; each replica
     reconciles its own leases against the worker's one list."""
-    first = await start_scheduler(lease_grace_s=0.3)
-    second = await start_scheduler(lease_grace_s=0.3)
+    clock = FakeClock()
+    first = await start_scheduler(clock, lease_grace_s=1.0, **STEADY_WORKERS)
+    second = await start_scheduler(clock, lease_grace_s=1.0, **STEADY_WORKERS)
     worker: FakeWorker = await start_worker("w")  # serves, but heartbeats through the link
     load = worker_pb2.LoadStats(num_total_blocks=1000)
     link = SchedulerLink(
@@ -368,15 +392,25 @@ async def test_worker_heartbeating_two_replicas(start_scheduler: Any, start_work
         on_second = await second.route([2])
         worker.lease_ids.add(on_second.lease_id)
         assert on_first.worker_id == on_second.worker_id == "w"
-        await asyncio.sleep(0.6)  # past the grace
+        await beats_after(clock, 0.5, first, second)  # any report sent before the leases: handled
+        await beats_after(clock, 1.0, first, second)  # past the grace
         assert first.lease_ids() == {on_first.lease_id} and second.lease_ids() == {on_second.lease_id}
         worker.lease_ids = {on_first.lease_id}  # the second replica's request ended
+        await beats_after(clock, 0.5, first, second)
+        await beats_after(clock, 1.0, first, second)
         await second.wait_for(lambda: second.lease_ids() == set())
         assert second.inflight("w") == 0
-        await asyncio.sleep(0.3)
         assert first.lease_ids() == {on_first.lease_id} and first.inflight("w") == 1
     finally:
         await link.close()
+
+
+async def beats_after(clock: FakeClock, seconds: float, *schedulers: RunningScheduler) -> None:
+    """Advances the schedulers' clock, then waits for a worker heartbeat on each (heartbeats
+    go one at a time: any sent before this call is handled by the end of it)."""
+    clock.advance(seconds)
+    for sched in schedulers:
+        await sched.wait_heartbeat("w")
 
 
 async def test_embed_routing_and_failover(start_scheduler: Any, start_worker: Any) -> None:

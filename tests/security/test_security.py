@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -148,12 +149,15 @@ def test_rate_limit_is_per_key_with_retry_after(secure_url: str) -> None:
                 await asyncio.gather(*(client.get("/v1/models") for _ in range(3 * RATE_LIMIT_BURST)))
             )
 
+    started = time.monotonic()
     replies = asyncio.run(burst())
+    # Tokens refilled while the burst ran (a busy host stretches it) are served too.
+    refilled = math.ceil((time.monotonic() - started) * RATE_LIMIT_RPS) + 1
     codes = [r.status_code for r in replies]
     limited = [r for r in replies if r.status_code == 429]
     assert set(codes) <= {200, 429}, codes
-    assert len(limited) >= RATE_LIMIT_BURST, codes
-    assert codes.count(200) <= RATE_LIMIT_BURST + 2, codes
+    assert limited, codes
+    assert codes.count(200) <= RATE_LIMIT_BURST + refilled, codes
     for reply in limited:
         assert reply.json()["error"]["type"] == "rate_limit_error"
         assert int(reply.headers["Retry-After"]) >= 1

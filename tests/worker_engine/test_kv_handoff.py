@@ -4,13 +4,13 @@ imported into a second engine as prefix-cache blocks, decoded there; equal to on
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import hf_greedy, prompts, run_all, tokens
 
+from tests.fake_clock import FakeClock
 from worker_svc.engine import LLMEngine, SamplingParams
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvTransferError
 
@@ -137,9 +137,12 @@ def test_release_during_read_is_deferred_and_ttl_releases(make_engine: Callable[
     p.kv.read_blocks(manifest, 0, 2)
     p.kv.end_export("t", complete=False)
     assert p.block_manager.num_used_blocks() == 0
+    p.kv.clock = clock = FakeClock()
     prefill(p, "late", prompt)
-    assert p.kv.expire(now=0.0) == 0
-    assert p.kv.expire(now=time.monotonic() + 6.0) == 1
+    clock.advance(4.9)
+    assert p.kv.expire() == 0 and p.block_manager.num_used_blocks() == 3
+    clock.advance(0.1)
+    assert p.kv.expire() == 1
     assert p.block_manager.num_used_blocks() == 0
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.clock import Clock
 from services.kv_hash import block_hashes
 from worker_svc.engine.block_manager import BlockManager
 from worker_svc.engine.kv_transfer import (
@@ -70,6 +71,7 @@ class KvHandoff:
         write_block: Callable[[int, bytes], None],
         layout: KvLayout,
         ttl_s: float,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.block_manager = block_manager
         self._read_block = read_block
@@ -77,6 +79,7 @@ class KvHandoff:
         # What this engine's blocks hold; a worker names its served model here.
         self.layout = layout
         self.ttl_s = ttl_s
+        self.clock = clock
         self.held: dict[str, _Held] = {}
         self.imports: dict[str, _Import] = {}
 
@@ -84,7 +87,7 @@ class KvHandoff:
     def hold(self, request: Request) -> None:
         """Keep a finished prefill-only request's blocks for its transfer."""
         assert request.transfer_id is not None
-        self.held[request.transfer_id] = _Held(request, time.monotonic() + self.ttl_s)
+        self.held[request.transfer_id] = _Held(request, self.clock() + self.ttl_s)
 
     def begin_export(self, transfer_id: str) -> ExportManifest:
         """Start reading a held transfer (one more reader); KeyError when it is unknown."""
@@ -139,9 +142,9 @@ class KvHandoff:
             self._free(transfer_id)
         return True
 
-    def expire(self, now: float | None = None) -> int:
+    def expire(self) -> int:
         """Release transfers held past their TTL; returns how many."""
-        now = time.monotonic() if now is None else now
+        now = self.clock()
         due = [tid for tid, held in self.held.items() if held.expires_at <= now and not held.released]
         for transfer_id in due:
             self.release(transfer_id)
