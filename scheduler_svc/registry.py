@@ -8,10 +8,11 @@ by other scheduler replicas through `observe_remote`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from services.clock import Clock
 from services.worker_roles import ROLES
 
 
@@ -162,7 +163,7 @@ class WorkerRegistry:
         timeout_s: float,
         forget_s: float,
         max_inflight_per_worker: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._timeout_s = timeout_s
         self._forget_s = forget_s

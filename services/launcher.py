@@ -36,6 +36,7 @@ import httpx
 from encoder_cache_svc.config import EncoderCacheConfig
 from scheduler_svc.config import SchedulerConfig
 from services import ports
+from services.clock import Clock
 from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
 from services.redis_client import RedisServer, free_port
 from services.rpc import check_health
@@ -665,7 +666,7 @@ class Supervisor:
         children: Sequence[Child],
         policy: BackoffPolicy,
         should_stop: Callable[[], bool] = _never,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.children = list(children)
         self.policy = policy
