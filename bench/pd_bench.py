@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.host import host_info
+from bench.host import host_info, pin_engines
 from bench.mesh_client import completion_body, free_ports_config
 from services.launcher import Mesh
 from services.redis_client import free_port
@@ -84,15 +84,6 @@ class Result:
     tokens: int = 0
 
 
-def pin_process(pid: int, cpu: int) -> None:
-    """Every thread of ``pid`` on ``cpu`` (threads started later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except OSError:  # the thread ended meanwhile
-            pass
-
-
 def start_mesh(config: BenchConfig, mode: str) -> Mesh:
     workers = {"pd": (1, 1), "colocated": (2, 0)}[mode]
     mesh_config = free_ports_config(
@@ -110,10 +101,7 @@ def start_mesh(config: BenchConfig, mode: str) -> Mesh:
         ),
     )
     mesh = Mesh(mesh_config).start(timeout=300)
-    cpus = sorted(os.sched_getaffinity(0))
-    engines = sorted(n for n in mesh.procs if n.startswith(("decoder-", "prefill-")))
-    for i, name in enumerate(engines):
-        pin_process(mesh.procs[name].pid, cpus[i % len(cpus)])
+    pin_engines(mesh)
     return mesh
 
 

@@ -464,8 +464,17 @@ class Mesh:
 
     def start(self, timeout: float = 180.0, should_stop: Callable[[], bool] = _never) -> Mesh:
         """Starts Redis (unless `redis_url`) and every service, and waits until all are
-        healthy or `should_stop()`; RuntimeError if a service exits, TimeoutError."""
+        healthy or `should_stop()`; RuntimeError if a service exits, TimeoutError. A start
+        that fails stops what it started before it raises."""
         check_ports_free(service_specs(self.config, ""), self.config.host)
+        try:
+            self._start_all(timeout, should_stop)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_all(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         redis_url = self.config.redis_url
         if not redis_url:
             self.redis = LauncherRedis(self.own_sessions)  # assigned first: stop() cleans up a failed start
@@ -476,7 +485,6 @@ class Mesh:
         for spec in service_specs(self.config, redis_url):
             self.start_service(spec)
         self.wait_healthy(timeout, should_stop)
-        return self
 
     def start_service(self, spec: ServiceSpec) -> None:
         """(Re)starts one service process; its output goes to LOG_DIR/NAME.log."""

@@ -36,6 +36,7 @@ from services.launcher import (
     ServiceSpec,
     Supervisor,
     describe_exit,
+    free_ports_config,
 )
 from services.redis_client import free_port
 from services.rpc import check_health
@@ -389,6 +390,20 @@ def test_a_service_that_cannot_start_fails_the_launch_without_a_restart_loop(
     )
     assert "restarted" not in run.output and "Traceback" not in run.output
     assert not [pid for pid in run.all_pids() if _alive(pid)]
+
+
+def test_a_failed_mesh_start_stops_what_it_started(tmp_path: Path) -> None:
+    """Mesh.start used as a library (tests, benches): when one service exits at start, the
+    others it started (Redis, the tokenizer) are stopped before the error reaches the caller."""
+    config = free_ports_config(
+        model_dir="unused", only="scheduler,tokenizer", routing_policy="bogus", log_dir=str(tmp_path)
+    )
+    mesh = Mesh(config)
+    with pytest.raises(RuntimeError, match="scheduler exited"):
+        mesh.start(timeout=60)
+    assert mesh.procs and mesh.redis is not None
+    assert not [name for name, proc in mesh.procs.items() if proc.poll() is None]
+    assert not mesh.redis.is_running()
 
 
 @pytest.mark.slow
