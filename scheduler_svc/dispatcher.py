@@ -144,18 +144,12 @@ class Dispatcher:
         decision = self.policy.choose(request, candidates)
         metrics.POLICY_SECONDS.labels(policy=self.policy.name).observe(time.perf_counter() - started)
         if request.adapter:
-            self._note_adapter(request.adapter, decision.worker)
-        lease = self.registry.acquire(decision.worker)
+            resident = decision.worker.adapter_resident(request.adapter)
+            metrics.ADAPTER_ROUTES.labels(adapter=request.adapter, resident=str(resident).lower()).inc()
+        lease = self.registry.acquire(decision.worker, request.adapter)
         if self._on_dispatch is not None:
             self._on_dispatch(request, decision)
         return lease, decision
-
-    def _note_adapter(self, adapter: str, worker: WorkerState) -> None:
-        """Counts the route by residency; the worker holds the adapter from now on."""
-        now = self.registry.now()
-        resident = worker.adapter_resident(adapter, now)
-        metrics.ADAPTER_ROUTES.labels(adapter=adapter, resident=str(resident).lower()).inc()
-        worker.adapter_routed[adapter] = now
 
     def _take(self, waiter: Waiter) -> bool:
         if waiter.future.done():

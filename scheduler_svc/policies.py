@@ -19,21 +19,19 @@ Pure domain code. `make_policy` builds the one named by `SchedulerConfig.routing
   none is), so a hot prefix cannot pile onto one worker, while a moderate imbalance (a
   conversation staying where its history is cached) is allowed.
   A request for a LoRA adapter adds ``adapter_weight * affinity`` (1 where the adapter is
-  in a compute slot, or was routed lately: no adapter swap there; 0.5 where a slot is
-  free: nothing evicted); the load cap applies the same, so a hot adapter spreads to a
+  in a compute slot, or requests for it are in flight: no adapter swap there, and waiting
+  requests of one adapter share one load; 0.5 where a slot is free: nothing evicted); the load cap applies the same, so a hot adapter spreads to a
   second worker (which loads it into a slot) rather than queueing behind one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import WorkerState
-from services.clock import Clock
 from services.kv_hash import block_hashes
 
 
@@ -139,11 +137,9 @@ class PrefixAwarePolicy:
         self,
         index: PrefixIndex,
         weights: PrefixWeights | None = None,
-        clock: Clock = time.monotonic,
     ) -> None:
         self._index = index
         self._weights = weights or PrefixWeights()
-        self._clock = clock
         self._least_load = LeastLoadPolicy()
 
     def _matches(
@@ -169,7 +165,6 @@ class PrefixAwarePolicy:
             matches = self._matches(request, candidates)
         loads = [w.estimated_load() for w in candidates]
         low = min(loads)
-        now = self._clock()
         result: dict[str, float] = {}
         for worker, load in zip(candidates, loads, strict=True):
             matched, total = matches[worker.worker_id]
@@ -177,7 +172,7 @@ class PrefixAwarePolicy:
             idle = (low + 1) / (load + 1)
             kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
             w = self._weights
-            affinity = worker.adapter_affinity(request.adapter, now) if request.adapter else 0.0
+            affinity = worker.adapter_affinity(request.adapter) if request.adapter else 0.0
             result[worker.worker_id] = w.prefix * hit + w.queue * idle + w.kv * kv_free + w.adapter * affinity
         return result
 

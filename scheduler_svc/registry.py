@@ -77,11 +77,6 @@ class LoadSnapshot:
         object.__setattr__(self, "lora_resident", tuple(self.lora_resident))
 
 
-# A worker counts as holding an adapter this long after a request for it was routed
-# there (its heartbeats report residency only after the worker loaded it).
-ADAPTER_ROUTED_S = 2.0
-
-
 @dataclass
 class WorkerState:
     """Registry entry of one worker: spec, last load, liveness and our own in-flight count."""
@@ -97,8 +92,8 @@ class WorkerState:
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
     capacity: int = 1
-    # LoRA adapter -> when this scheduler last routed a request for it here.
-    adapter_routed: dict[str, float] = field(default_factory=dict)
+    # LoRA adapter -> requests for it this scheduler sent here that have not finished yet.
+    adapter_inflight: dict[str, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -132,19 +127,19 @@ class WorkerState:
         """Whether requests for `model` (its base model, or a LoRA adapter it has loaded) can run here."""
         return self.spec.model == model or model in self.load.lora_loaded
 
-    def adapter_resident(self, adapter: str, now: float) -> bool:
-        """`adapter` is in a compute slot here, as last reported, or was routed here lately."""
-        routed = self.adapter_routed.get(adapter)
-        return adapter in self.load.lora_resident or (routed is not None and now - routed < ADAPTER_ROUTED_S)
+    def adapter_resident(self, adapter: str) -> bool:
+        """`adapter` is in a compute slot here, as last reported, or requests of ours for it
+        run or wait here (its heartbeat may not list it yet; the next requests for it then
+        share its one load instead of loading it on another worker too)."""
+        return adapter in self.load.lora_resident or self.adapter_inflight.get(adapter, 0) > 0
 
-    def adapter_affinity(self, adapter: str, now: float) -> float:
+    def adapter_affinity(self, adapter: str) -> float:
         """1 when `adapter` is resident here (`adapter_resident`), 0.5 when a slot is free for
         it (no other adapter evicted), else 0."""
-        if self.adapter_resident(adapter, now):
+        if self.adapter_resident(adapter):
             return 1.0
-        recent = {a for a, t in self.adapter_routed.items() if now - t < ADAPTER_ROUTED_S}
-        busy = len(recent | set(self.load.lora_resident))
-        return 0.5 if busy < self.load.lora_slots else 0.0
+        busy = set(self.load.lora_resident) | {a for a, n in self.adapter_inflight.items() if n > 0}
+        return 0.5 if len(busy) < self.load.lora_slots else 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +148,7 @@ class Lease:
 
     worker: WorkerState
     dispatched_at: float
+    adapter: str = ""  # the request's LoRA adapter ("" for a base model)
 
 
 class WorkerRegistry:
@@ -302,14 +298,22 @@ class WorkerRegistry:
             w.spec.model == model for w in workers
         )
 
-    def acquire(self, state: WorkerState) -> Lease:
-        """Counts one more request in flight on `state`."""
+    def acquire(self, state: WorkerState, adapter: str = "") -> Lease:
+        """Counts one more request in flight on `state` (for LoRA adapter `adapter`)."""
         state.inflight += 1
-        return Lease(worker=state, dispatched_at=self._clock())
+        if adapter:
+            state.adapter_inflight[adapter] = state.adapter_inflight.get(adapter, 0) + 1
+        return Lease(worker=state, dispatched_at=self._clock(), adapter=adapter)
 
     def release(self, lease: Lease) -> None:
         state = lease.worker
         state.inflight = max(state.inflight - 1, 0)
+        if lease.adapter:
+            left = state.adapter_inflight.get(lease.adapter, 0) - 1
+            if left > 0:
+                state.adapter_inflight[lease.adapter] = left
+            else:
+                state.adapter_inflight.pop(lease.adapter, None)
 
     def counts(self) -> dict[tuple[str, Health], int]:
         """Number of workers per (role, health), every combination present."""

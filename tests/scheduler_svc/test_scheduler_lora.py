@@ -17,13 +17,12 @@ import redis
 from meshserve.v1 import common_pb2
 from scheduler_svc.policies import PrefixAwarePolicy, RoutingRequest
 from scheduler_svc.prefix_index import PrefixIndex
-from scheduler_svc.registry import ADAPTER_ROUTED_S, LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
+from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
 from scheduler_svc.route import routing_request
 from services.config import from_options
 from services.kv_contract import index_key
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
-from tests.fake_clock import FakeClock
 from tests.lora_kit import build_adapters
 from tests.scheduler_svc.conftest import RunningScheduler, SchedulerFactory
 from tests.scheduler_svc.test_kv_hash_agreement import MODEL, WORKER, published, run_routed
@@ -60,18 +59,24 @@ def test_a_cold_adapter_goes_where_a_slot_is_free() -> None:
     assert policy.choose(RoutingRequest("r", "c", [1, 2, 3], adapter="c"), [full, free]).worker is free
 
 
-def test_an_adapter_routed_lately_counts_as_resident_for_a_while() -> None:
-    """Routed to a worker whose heartbeat does not list it resident yet: the scheduler
-    counts it resident there for ADAPTER_ROUTED_S, then goes by the reports again."""
-    clock = FakeClock()
-    policy = PrefixAwarePolicy(PrefixIndex(speculative_ttl_s=0), clock=clock)
+def test_an_adapter_with_requests_in_flight_counts_as_resident_until_they_end() -> None:
+    """Routed to a worker whose heartbeat does not list it resident (yet): while requests
+    of ours for it run or wait there, later ones follow them (one load serves them all);
+    once the last is released, routing goes by the workers' reports again."""
+    registry = WorkerRegistry(timeout_s=5, forget_s=60)
+    policy = PrefixAwarePolicy(PrefixIndex(speculative_ttl_s=0))
     req = RoutingRequest("r", "a", [1, 2, 3], adapter="a")
-    lately, idle = _worker("w0", 2, ()), _worker("w1", 0, ())
-    lately.adapter_routed["a"] = clock.now
-    clock.advance(ADAPTER_ROUTED_S - 0.1)
-    assert policy.choose(req, [lately, idle]).worker is lately  # beats a 2-request lead
-    clock.advance(0.2)
-    assert policy.choose(req, [lately, idle]).worker is idle
+    holding, idle = _worker("w0", 2, ()), _worker("w1", 0, ())
+    leases = [registry.acquire(holding, "a"), registry.acquire(holding, "a")]
+    holding.external_load = 0  # the two requests of ours are its whole load
+    assert policy.choose(req, [holding, idle]).worker is holding  # beats a 2-request lead
+    assert policy.choose(RoutingRequest("r", "b", [1, 2, 3], adapter="b"), [holding, idle]).worker is idle
+    registry.release(leases[0])
+    assert policy.choose(req, [holding, idle]).worker is holding
+    registry.release(leases[1])
+    assert holding.adapter_inflight == {} and holding.inflight == 0
+    holding.external_load = 1  # another replica's request: no affinity left to outweigh it
+    assert policy.choose(req, [holding, idle]).worker is idle
 
 
 def test_adapters_are_served_models() -> None:
