@@ -2,7 +2,7 @@
 
     python -m bench.lora_bench [--model-dir DIR] [--requests 256] [--concurrency 32]
         [--prompt-len 128] [--output-len 64] [--rank 16]
-        [--routing-adapters 8] [--routing-max-loras 2] [--zipf 1.1]
+        [--routing-adapters 8] [--routing-max-loras 2] [--zipf 1.1] [--repeats 3]
         [--out bench/results/lora_bench.json]
 
 Both parts run the real mesh (services.launcher: redis, scheduler, tokenizer, gateway,
@@ -21,8 +21,10 @@ of rank `--rank` on every projection, built for the model at the start (peft).
    weighed with load) against `round_robin`: adapter loads into slots per 1,000 requests
    (the decoders' `meshserve_worker_lora_loads`), TTFT p50/p99 and output tokens/s.
 
-The JSON (`--out`) records the command, the commit, the CPU model and every number. Timings need an
-otherwise idle machine.
+Every configuration runs `--repeats` rounds in its mesh (fresh prompts each round, and in
+part 2 a fresh adapter sequence, the same for both policies); each figure is the median of
+its rounds, which the JSON also keeps. The JSON (`--out`) records the command, the commit,
+the CPU model and every number. Timings need an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -178,6 +180,11 @@ def summary(results: Sequence[Result], seconds: float) -> dict[str, float]:
     }
 
 
+def medians(rounds: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Each figure's median over the rounds, and the rounds themselves."""
+    return {**{k: statistics.median(r[k] for r in rounds) for k in rounds[0]}, "rounds": list(rounds)}
+
+
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
@@ -191,25 +198,29 @@ def zipf_choices(names: Sequence[str], n: int, s: float, seed: int) -> list[str]
 
 def run_overhead(args: argparse.Namespace, adapters: dict[str, str], base: str, vocab: int) -> dict[str, Any]:
     n, c = args.requests, args.concurrency
-    prompts = prompts_for(n, args.prompt_len, vocab, seed=1)
     four = list(adapters)[:4]
     mix = [four[i % 4] for i in range(n)]
-    out: dict[str, Any] = {}
+    # Fresh prompts each round: no round finds the previous one's in the prefix cache.
+    prompts = [prompts_for(n, args.prompt_len, vocab, seed=1 + 10 * r) for r in range(args.repeats)]
+
+    def loop(url: str, models: list[str], r: int) -> dict[str, float]:
+        return summary(*asyncio.run(closed_loop(url, models, prompts[r], c, args.output_len)))
+
     with mesh(args.model_dir, 1, "prefix") as (m, _):
-        out["base_lora_off"] = summary(
-            *asyncio.run(closed_loop(m.gateway_url, [base] * n, prompts, c, args.output_len))
-        )
+        off = [loop(m.gateway_url, [base] * n, r) for r in range(args.repeats)]
     modules = ",".join(f"{k}={adapters[k]}" for k in four)
-    with mesh(args.model_dir, 1, "prefix", lora_modules=modules, max_loras=4, max_lora_rank=args.rank) as (
-        m,
-        _,
-    ):
-        out["base_lora_on"] = summary(
-            *asyncio.run(closed_loop(m.gateway_url, [base] * n, prompts, c, args.output_len))
-        )
-        out["mix_4_adapters"] = summary(
-            *asyncio.run(closed_loop(m.gateway_url, mix, prompts, c, args.output_len))
-        )
+    lora = {"lora_modules": modules, "max_loras": 4, "max_lora_rank": args.rank}
+    on: list[dict[str, float]] = []
+    mixed: list[dict[str, float]] = []
+    with mesh(args.model_dir, 1, "prefix", **lora) as (m, _):
+        for r in range(args.repeats):  # base and mix alternate, round by round
+            on.append(loop(m.gateway_url, [base] * n, r))
+            mixed.append(loop(m.gateway_url, mix, r))
+    out: dict[str, Any] = {
+        "base_lora_off": medians(off),
+        "base_lora_on": medians(on),
+        "mix_4_adapters": medians(mixed),
+    }
     out["overhead_pct"] = 100 * (
         1 - out["mix_4_adapters"]["output_tok_s"] / out["base_lora_off"]["output_tok_s"]
     )
@@ -222,20 +233,24 @@ def run_overhead(args: argparse.Namespace, adapters: dict[str, str], base: str, 
 def run_routing(args: argparse.Namespace, adapters: dict[str, str], vocab: int) -> dict[str, Any]:
     names = list(adapters)[: args.routing_adapters]
     n = args.requests
-    models = zipf_choices(names, n, args.zipf, seed=2)
-    prompts = prompts_for(n, args.prompt_len, vocab, seed=3)
+    # Each round its own seeded adapter sequence and prompts, the same for every policy.
+    models = [zipf_choices(names, n, args.zipf, seed=2 + 10 * r) for r in range(args.repeats)]
+    prompts = [prompts_for(n, args.prompt_len, vocab, seed=3 + 10 * r) for r in range(args.repeats)]
     modules = ",".join(f"{k}={adapters[k]}" for k in names)
-    out: dict[str, Any] = {"adapter_counts": {k: models.count(k) for k in names}}
+    out: dict[str, Any] = {"adapter_counts": [{k: m.count(k) for k in names} for m in models]}
     for policy in ("prefix", "round_robin"):
         lora = {"lora_modules": modules, "max_loras": args.routing_max_loras, "max_lora_rank": args.rank}
+        rounds = []
         with mesh(args.model_dir, 2, policy, max_cpu_loras=len(names), **lora) as (m, ports):
-            before = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports)
-            results, seconds = asyncio.run(
-                closed_loop(m.gateway_url, models, prompts, args.concurrency, args.output_len)
-            )
-            time.sleep(1.5)  # the gauges refresh every second
-            loads = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports) - before
-        out[policy] = {**summary(results, seconds), "adapter_loads_per_1000": 1000 * loads / n}
+            for r in range(args.repeats):
+                before = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports)
+                results, seconds = asyncio.run(
+                    closed_loop(m.gateway_url, models[r], prompts[r], args.concurrency, args.output_len)
+                )
+                time.sleep(1.5)  # the gauges refresh every second
+                loads = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports) - before
+                rounds.append({**summary(results, seconds), "adapter_loads_per_1000": 1000 * loads / n})
+        out[policy] = medians(rounds)
     return out
 
 
@@ -250,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-adapters", type=int, default=8)
     p.add_argument("--routing-max-loras", type=int, default=2)
     p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--repeats", type=int, default=3, help="rounds per configuration (medians reported)")
     p.add_argument("--parts", default="overhead,routing", help="comma-separated: overhead, routing")
     p.add_argument("--out", default="bench/results/lora_bench.json")
     return p

@@ -3,7 +3,7 @@ percentiles and throughput come from the requests as recorded."""
 
 from __future__ import annotations
 
-from bench.lora_bench import Result, summary, zipf_choices
+from bench.lora_bench import Result, medians, summary, zipf_choices
 
 
 def test_zipf_mix_is_seeded_and_skewed() -> None:
@@ -19,3 +19,10 @@ def test_summary_percentiles_and_throughput() -> None:
     s = summary(results, seconds=4.0)
     assert s["output_tok_s"] == 250.0 and s["requests_s"] == 25.0
     assert s["ttft_p50_ms"] == 505.0 and s["ttft_p99_ms"] == 1000.0
+
+
+def test_each_figure_is_the_median_of_its_rounds() -> None:
+    rounds = [{"output_tok_s": 100.0, "ttft_p50_ms": 9.0}, {"output_tok_s": 300.0, "ttft_p50_ms": 1.0}]
+    rounds.append({"output_tok_s": 200.0, "ttft_p50_ms": 5.0})
+    m = medians(rounds)
+    assert m["output_tok_s"] == 200.0 and m["ttft_p50_ms"] == 5.0 and m["rounds"] == rounds
