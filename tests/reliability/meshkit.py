@@ -155,7 +155,8 @@ class SharedMesh:
 
     def ensure_running(self, timeout: float = 120.0) -> None:
         """Restarts whatever a previous test left dead (Redis included), then waits for
-        every service and the gateway's /health (a decoder registered) to be ready."""
+        every service, the gateway's /health and every decoder registered with the
+        scheduler (one restarted at the end of the previous test may not be yet)."""
         redis = self.mesh.redis
         if redis is not None and not redis.is_running():
             redis.start()
@@ -165,6 +166,8 @@ class SharedMesh:
                 self.mesh.start_service(self.mesh.specs[name])
         self.mesh.wait_healthy(timeout)
         wait_gateway_healthy(self.gateway_url, timeout)
+        for name in self.decoders:
+            self.wait_registered(name, timeout)
 
     def stop(self) -> None:
         """Stops every process and Redis."""
