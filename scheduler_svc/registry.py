@@ -92,7 +92,8 @@ class WorkerState:
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
     capacity: int = 1
-    # LoRA adapter -> requests for it this scheduler sent here that have not finished yet.
+    # LoRA adapter -> requests for it this scheduler sent here that have not finished yet
+    # (an adapter leaves the dict with its last request: `release`).
     adapter_inflight: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -131,14 +132,14 @@ class WorkerState:
         """`adapter` is in a compute slot here, as last reported, or requests of ours for it
         run or wait here (its heartbeat may not list it yet; the next requests for it then
         share its one load instead of loading it on another worker too)."""
-        return adapter in self.load.lora_resident or self.adapter_inflight.get(adapter, 0) > 0
+        return adapter in self.load.lora_resident or adapter in self.adapter_inflight
 
     def adapter_affinity(self, adapter: str) -> float:
         """1 when `adapter` is resident here (`adapter_resident`), 0.5 when a slot is free for
         it (no other adapter evicted), else 0."""
         if self.adapter_resident(adapter):
             return 1.0
-        busy = set(self.load.lora_resident) | {a for a, n in self.adapter_inflight.items() if n > 0}
+        busy = set(self.load.lora_resident) | set(self.adapter_inflight)
         return 0.5 if len(busy) < self.load.lora_slots else 0.0
 
 

@@ -230,29 +230,27 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | Non
     raise AssertionError("unreachable")  # parser.error exits
 
 
-def option_values(config: Any) -> dict[str, Any]:
-    """Every option of `config` by name, nested configs' options included."""
-    values: dict[str, Any] = {}
-    for option in options(type(config)):
-        value = config
-        for attribute in option.path:
-            value = getattr(value, attribute)
-        values[option.name] = value
-    return values
+def _value(config: Any, option: Option) -> Any:
+    """`option`'s value in `config` (following the path into a nested config)."""
+    value = config
+    for attribute in option.path:
+        value = getattr(value, attribute)
+    return value
 
 
 def env_for(config: Any) -> dict[str, str]:
     """The MESHSERVE_* environment that reproduces `config` in a child process."""
     env: dict[str, str] = {}
-    for name, value in option_values(config).items():
+    for option in options(type(config)):
+        value = _value(config, option)
         if value is None:
             continue
         if isinstance(value, bool):
-            env[ENV_PREFIX + name.upper()] = "true" if value else "false"
+            env[option.env] = "true" if value else "false"
         elif isinstance(value, tuple):
-            env[ENV_PREFIX + name.upper()] = ",".join(str(v) for v in value)
+            env[option.env] = ",".join(str(v) for v in value)
         else:
-            env[ENV_PREFIX + name.upper()] = str(value)
+            env[option.env] = str(value)
     return env
 
 

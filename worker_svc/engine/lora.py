@@ -194,6 +194,12 @@ class LoraSnapshot:
     num_evictions: int
 
 
+def _slot_columns(slot: int, max_rank: int) -> slice:
+    """The columns of (1-based) ``slot`` in a LoraLinear's side-by-side A rows / B columns
+    and in a step's mask."""
+    return slice((slot - 1) * max_rank, slot * max_rank)
+
+
 @dataclass
 class _StepMask:
     """The current step's ``[rows, highest slot used * max_rank]`` mask (None: no adapter row)."""
@@ -220,7 +226,7 @@ class LoraLinear(nn.Module):
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A, B) into ``slot`` (1-based; None: the adapter does not
         target this module). Ranks below ``max_rank`` leave zero columns: they add nothing."""
-        cols = slice((slot - 1) * self.max_rank, slot * self.max_rank)
+        cols = _slot_columns(slot, self.max_rank)
         self.lora_a[cols].zero_()
         self.lora_b[:, cols].zero_()
         if weights is None:
@@ -362,8 +368,7 @@ class LoraManager:
             if name:
                 slot = self._slot_of(name, keep)
                 keep.add(slot)
-                cols = slice((slot - 1) * self.max_rank, slot * self.max_rank)
-                mask[start : start + n, cols] = self.scalings[slot]
+                mask[start : start + n, _slot_columns(slot, self.max_rank)] = self.scalings[slot]
             start += n
         self._step.mask = mask[:, : max(keep) * self.max_rank].to(device)
         try:
