@@ -63,13 +63,14 @@ def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> 
 
 
 def wait_up(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> float:
-    """Seconds until `GET /v1/models` answers 200; RuntimeError if the server exits first."""
+    """Seconds until `GET /health` answers 200 (both servers: every component ready; the mesh's
+    `/v1/models` answers before its workers are); RuntimeError if the server exits first."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was up")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass

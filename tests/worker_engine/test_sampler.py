@@ -328,8 +328,28 @@ def test_top_p_nucleus_without_a_vocabulary_sort(monkeypatch: pytest.MonkeyPatch
         kept_fast = {int(t) for t, v in zip(ids[r], vals[r], strict=True) if v > -math.inf}
         assert kept_fast == set(torch.nonzero(full[r] > -math.inf).flatten().tolist()), f"row {r}"
     assert _nucleus_candidates(torch.zeros(1, vocab), [0.9]) is None, "a flat row's nucleus is wider"
+    # A low temperature's nucleus is found among the fewest candidates; a wide one among more.
+    assert _nucleus_candidates(peaked[:1] * 10, [0.9])[1].shape[1] == 64  # type: ignore[index]
+    assert _nucleus_candidates(peaked[2:], [0.99])[1].shape[1] == TOP_K_FAST_MAX  # type: ignore[index]
     monkeypatch.setattr(torch.Tensor, "sort", _boom)
     rows = [Row(SamplingParams(top_p=p)) for p in top_p]
     for _ in range(20):
         toks = Sampler(vocab, [EOS]).sample(peaked, rows).token_ids
         assert all(full[r, t] > -math.inf for r, t in enumerate(toks))
+
+
+def test_probabilities_under_the_floor_are_zero_and_masked_tokens_stay_impossible() -> None:
+    """The sampler's softmax drops what lies more than PROB_FLOOR below a row's best (exp() of it
+    would be a float32 subnormal: slow on x86, and ~1e-44 of the mass); the rest equals softmax,
+    and a masked (-inf) token keeps probability 0."""
+    from worker_svc.engine.sampling import PROB_FLOOR, _probs
+
+    logits = torch.tensor([[0.0, -10.0, -(PROB_FLOOR + 20.0), -math.inf, 2.0]])
+    probs = _probs(logits)
+    exact = torch.softmax(logits, dim=-1)
+    assert exact[0, 2] > 0 and probs[0, 2] == 0 and probs[0, 3] == 0
+    assert torch.allclose(probs, exact, rtol=1e-6, atol=1e-30)
+    assert abs(float(_probs(logits, exact_zeros=False).sum()) - 1.0) < 1e-6
+    rows = [Row(SamplingParams(temperature=0.01))] * 200
+    toks = Sampler(5, [EOS]).sample(logits.expand(200, 5), rows).token_ids
+    assert set(toks) == {4}  # at T=0.01 every other token is > PROB_FLOOR below the best
