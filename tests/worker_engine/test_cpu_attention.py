@@ -75,3 +75,27 @@ def test_cpu_backend_equals_torch_backend_in_a_mixed_step(dtype: torch.dtype) ->
         results[backend] = (out, caches[0])
     torch.testing.assert_close(results["cpu"][0], results["torch"][0], atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(results["cpu"][1], results["torch"][1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_spread_over_threads_equal_each_sequence_alone(dtype: torch.dtype) -> None:
+    """A batch's sequences run on torch's OpenMP team, each with its own score buffer: the
+    batch's output equals every sequence decoded alone (one thread), bit for bit."""
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, bs, num_blocks = 6, 2, 64, 16, 400
+    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.randint(100, 600, (24,), generator=gen, dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:40] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        batch = torch.zeros_like(q)
+        KERNEL(q, cache, tables, lens, torch.arange(len(lens)), batch, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for b in range(len(lens)):
+        alone = torch.zeros_like(q)
+        KERNEL(q, cache, tables[b : b + 1], lens[b : b + 1], torch.tensor([b]), alone, 0.125)
+        assert torch.equal(batch[b], alone[b]), f"sequence {b}"

@@ -47,7 +47,7 @@ _FLAGS = (
     "-fno-math-errno",
     "-fno-trapping-math",
     "-ffp-contract=off",
-    "-fopenmp-simd",
+    "-fopenmp",  # sequences over torch's OpenMP team (csrc/paged_decode.c)
     "-fPIC",
     "-shared",
     "-std=c11",

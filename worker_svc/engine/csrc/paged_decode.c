@@ -1,9 +1,11 @@
 /* Paged decode attention for CPU: one query token per sequence, keys/values read in
  * place from the paged KV cache through the block table (no gather copy, no padding to
  * the longest sequence). Built and loaded by worker_svc/engine/cpu_attention.py with
- * `cc -O3 -march=native` plus the reassociation flags listed there (not -ffast-math:
- * see cpu_attention._FLAGS) and `-fopenmp-simd -shared`; single-threaded
- * (the engine's compute thread calls it); called through ctypes with raw pointers.
+ * `cc -O3 -march=native` plus the flags listed there (not -ffast-math: see
+ * cpu_attention._FLAGS) and `-fopenmp -shared`; called through ctypes with raw pointers from
+ * the engine's compute thread. Its sequences are spread over that thread's OpenMP team:
+ * PyTorch's own (the same libgomp.so.1 once torch is loaded), so the kernel uses the threads
+ * the forward does, and each sequence is computed as by one thread alone (same result).
  *
  * Layout: cache [2, num_blocks, block_size, Hkv, D] contiguous (0 = K, 1 = V); q and out
  * [T, H, D] with d contiguous and the given token/head strides (elements). Query head h
@@ -22,6 +24,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -377,18 +385,22 @@ int meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void
     const char *vc = kc + num_blocks * bs * Hkv * D * esz;
     const int64_t G = H / Hkv;
     const decode_fn fn = pick(D, G);
-    /* Scores of one chunk for every head, and the chunk's slots: heap, too big for a stack. */
-    float(*s)[CHUNK] = malloc((size_t)H * CHUNK * sizeof(float));
-    int64_t *slot = malloc(CHUNK * sizeof(int64_t));
-    if (!s || !slot) {
-        free(s);
-        free(slot);
+    /* Scores of one chunk for every head, and the chunk's slots, per thread: heap, too big for a stack. */
+    const int64_t threads = B > 1 ? omp_get_max_threads() : 1;
+    float(*scores)[CHUNK] = malloc((size_t)threads * H * CHUNK * sizeof(float));
+    int64_t *slots = malloc((size_t)threads * CHUNK * sizeof(int64_t));
+    if (!scores || !slots) {
+        free(scores);
+        free(slots);
         return -1;
     }
     /* bf16 plain causal layers take the flash kernel's exact rounding (see decode_seq_exact). */
     const int exact = dt == DT_BF16 && window == 0 && softcap == 0.f && !sinks && D % 4 == 0 && D <= EXACT_MAX_D;
     const exact_fn efn = exact ? pick_exact(D, G) : NULL;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < B; b++) {
+        float(*s)[CHUNK] = scores + (int64_t)omp_get_thread_num() * H;
+        int64_t *slot = slots + (int64_t)omp_get_thread_num() * CHUNK;
         const char *qb = (const char *)q + rows[b] * q_st * esz;
         char *ob = (char *)out + rows[b] * o_st * esz;
         const int32_t *table = block_tables + b * max_blocks;
@@ -403,7 +415,7 @@ int meshserve_paged_decode(const void *q, int64_t q_st, int64_t q_sh, const void
             decode_seq(qb, q_sh, kc, vc, table, seq_lens[b], ob, o_sh, G, Hkv, D, bs, scale, dt, esz, s, slot,
                        window, softcap, sinks);
     }
-    free(s);
-    free(slot);
+    free(scores);
+    free(slots);
     return 0;
 }
