@@ -167,6 +167,11 @@ class MeshConfig:
     restart_backoff_s: float = opt(0.5, "first delay before restarting a service that exited")
     restart_backoff_max_s: float = opt(10.0, "restart delays double up to this")
     restart_reset_s: float = opt(30.0, "a service that ran this long restarts after the first delay again")
+    start_timeout_s: float = opt(
+        900.0,
+        "every service must report healthy this soon after start (a CPU decoder compiles its "
+        "model's forward first: 1-3 min on 2 cores, longer on a busy host)",
+    )
     stop_timeout_s: float = opt(
         default_of(ProcessConfig, "drain_timeout_s") + 10.0,
         "on stop, SIGKILL a service still draining after this long (longer than the services' "
@@ -185,8 +190,8 @@ class MeshConfig:
         unknown = sorted(set(self.only_components) - set(DEFAULT_PORTS))
         if unknown:
             raise ValueError(f"only: unknown component(s) {unknown}; known: {', '.join(DEFAULT_PORTS)}")
-        if self.stop_timeout_s <= 0:
-            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        if self.stop_timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("start_timeout_s and stop_timeout_s must be > 0")
         _ = self.backoff  # validates the restart settings now rather than at the first crash
 
     @property
@@ -462,13 +467,14 @@ class Mesh:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.config.gateway_port}"
 
-    def start(self, timeout: float = 180.0, should_stop: Callable[[], bool] = _never) -> Mesh:
+    def start(self, timeout: float | None = None, should_stop: Callable[[], bool] = _never) -> Mesh:
         """Starts Redis (unless `redis_url`) and every service, and waits until all are
-        healthy or `should_stop()`; RuntimeError if a service exits, TimeoutError. A start
-        that fails stops what it started before it raises."""
+        healthy (at most `timeout`, default `start_timeout_s`) or `should_stop()`;
+        RuntimeError if a service exits, TimeoutError. A start that fails stops what it
+        started before it raises."""
         check_ports_free(service_specs(self.config, ""), self.config.host)
         try:
-            self._start_all(timeout, should_stop)
+            self._start_all(self.config.start_timeout_s if timeout is None else timeout, should_stop)
         except BaseException:
             self.stop()
             raise

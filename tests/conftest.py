@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # bfloat16 results depend on batch composition. The worker's default, dtype auto, is bf16 on hosts
 # with native bf16; tests/worker_engine/test_bf16_parity.py covers that path.
 os.environ.setdefault("MESHSERVE_DTYPE", "float32")
+# ...and eagerly: a compiled forward costs each worker a minute or more of warm-up before ready. The
+# compiled path has tests of its own (compile_model=True), and the default model's end-to-end
+# tests run the mesh with the worker's defaults (tests/e2e/test_default_model_answers.py).
+os.environ.setdefault("MESHSERVE_COMPILE_MODEL", "false")
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 
 

@@ -50,8 +50,11 @@ def mesh(
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
         embedding_model_dir="",
+        # The worker's default (tests/conftest.py turns it off for every other test): the first
+        # request below must not pay for it.
+        extra_env=(("MESHSERVE_COMPILE_MODEL", "true"),),
     )
-    started = Mesh(config).start(timeout=240)
+    started = Mesh(config).start(timeout=600)
     yield started
     started.stop()
 

@@ -114,7 +114,9 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.encode("The function returns the value of")
     dtype = os.environ["MESHSERVE_DTYPE"]  # the mesh's worker's (tests/conftest.py)
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=dtype, num_kv_blocks=64))
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(model_dir), dtype=dtype, num_kv_blocks=64, compile_model=False)
+    )
     engine.add_request("local", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     expected: list[int] = []
     while engine.has_unfinished():

@@ -85,7 +85,12 @@ def model_name(client: openai.OpenAI) -> str:
 def reference(model_dir: Path) -> LLMEngine:
     """The worker's engine in this process, unchunked, no P/D: what every answer must equal."""
     return LLMEngine(
-        EngineConfig(model_dir=str(model_dir), dtype=os.environ["MESHSERVE_DTYPE"], num_kv_blocks=256)
+        EngineConfig(
+            model_dir=str(model_dir),
+            dtype=os.environ["MESHSERVE_DTYPE"],
+            num_kv_blocks=256,
+            compile_model=False,
+        )
     )
 
 

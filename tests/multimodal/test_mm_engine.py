@@ -26,7 +26,9 @@ def make_engine(vlm_dir: Path) -> Iterator[Factory]:
     engines: list[LLMEngine] = []
 
     def factory(**overrides: Any) -> LLMEngine:
-        config = EngineConfig(model_dir=str(vlm_dir), num_kv_blocks=64, block_size=8, **overrides)
+        config = EngineConfig(
+            model_dir=str(vlm_dir), num_kv_blocks=64, block_size=8, **{"compile_model": False, **overrides}
+        )
         engines.append(LLMEngine(config))
         return engines[-1]
 

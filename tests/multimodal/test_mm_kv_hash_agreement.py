@@ -43,7 +43,8 @@ def test_scheduler_and_engine_hash_images_alike(vlm_dir: Path, salt: str) -> Non
     torch.set_num_threads(1)
     events: list[KvEvent] = []
     engine = LLMEngine(
-        EngineConfig(model_dir=str(vlm_dir), num_kv_blocks=64, block_size=BLOCK), events.extend
+        EngineConfig(model_dir=str(vlm_dir), num_kv_blocks=64, block_size=BLOCK, compile_model=False),
+        events.extend,
     )
     hidden = engine.model_info.hidden_size
     embeddings = {name: torch.randn(IMAGE, hidden) for name in ("img-a", "img-b")}

@@ -70,11 +70,12 @@ def _no_leaked_blocks() -> Iterator[None]:
 
 @pytest.fixture
 def make_engine(tiny_model_dir: str) -> Callable[..., LLMEngine]:
-    """Factory: ``make_engine(**EngineConfig overrides)``; float32 (the reference's dtype)
-    unless overridden, whatever ``dtype="auto"`` would pick on this CPU."""
+    """Factory: ``make_engine(**EngineConfig overrides)``; float32 (the reference's dtype) and
+    eager unless overridden, whatever ``dtype="auto"`` and ``compile_model`` default to."""
 
     def factory(**overrides: Any) -> LLMEngine:
         kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
+        kwargs["compile_model"] = False
         kwargs.update(overrides)
         engine = LLMEngine(EngineConfig(**kwargs))
         _ENGINES.append(engine)

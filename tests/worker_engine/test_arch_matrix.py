@@ -58,6 +58,7 @@ def _engine(path: Path, **overrides: Any) -> LLMEngine:
         "block_size": BLOCK,
         "num_kv_blocks": 64,
         "dtype": "float32",
+        "compile_model": False,
     }
     engine = LLMEngine(EngineConfig(**{**kwargs, **overrides}))
     _ENGINES.append(engine)  # conftest checks that every block is released

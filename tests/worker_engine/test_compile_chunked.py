@@ -21,3 +21,23 @@ def test_compiled_chunked_prefill_matches_transformers(
     out = run_all(engine, [("r", prompt, params)])["r"]
     assert tokens(out) == hf_greedy(hf_model, prompt, 4)
     assert engine.runner.compile_seconds > 0
+
+
+def test_a_model_the_compiler_fails_on_is_served_eagerly(
+    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM
+) -> None:
+    """Compile is on by default: a forward inductor cannot compile (faked: the real compiler
+    handles every tested architecture) must not keep the worker from serving. The warm-up's
+    failure switches the engine to eager, leaves no request or block behind, and says why."""
+    engine = make_engine(compile_model=True)
+
+    def failing_compile(**_: object) -> None:
+        raise RuntimeError("inductor lowering failed")
+
+    engine.runner._compiled = failing_compile
+    engine.warm_up()
+    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks() == 0
+    assert "no (compile failed: RuntimeError)" in engine.describe()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (prompt,) = prompts(19, seed=3)
+    assert tokens(run_all(engine, [("r", prompt, params)])["r"]) == hf_greedy(hf_model, prompt, 4)

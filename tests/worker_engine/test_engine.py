@@ -245,7 +245,10 @@ def test_kv_events_flow(make_engine: Factory, tiny_model_dir: str) -> None:
     events: list[KvEvent] = []
     from worker_svc.engine import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=6), on_kv_events=events.extend)
+    engine = LLMEngine(
+        EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=6, compile_model=False),
+        on_kv_events=events.extend,
+    )
     p = prompts(40, seed=15)[0]
     run_all(engine, [("a", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
     stored = [h for e in events if e.kind == "stored" for h in e.block_hashes]
@@ -291,4 +294,8 @@ def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_di
         make_engine(attention_backend="cpu", dtype="float16")
     assert not triton_attention.backend_supported(torch.device("cpu"), 16)
     with pytest.raises(ValueError, match="attention_backend"):
-        LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton"))
+        LLMEngine(
+            EngineConfig(
+                model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton", compile_model=False
+            )
+        )

@@ -33,7 +33,7 @@ def foreign_threads():
     return {int(t) for t in os.listdir("/proc/self/task")} - python
 
 before = foreign_threads()
-config = EngineConfig(model_dir=sys.argv[1], num_kv_blocks=4096, dtype="float32")
+config = EngineConfig(model_dir=sys.argv[1], num_kv_blocks=4096, dtype="float32", compile_model=False)
 engine = LLMEngine(config) if sys.argv[2] == "caller" else AsyncLLMEngine(config)
 deadline = time.monotonic() + 10  # a freed pool's threads exit just after the join
 while foreign_threads() - before and time.monotonic() < deadline:
@@ -75,7 +75,7 @@ def test_async_engine_build_leaves_no_pool(tiny_model_dir: str) -> None:
 def test_a_failed_build_raises_on_the_callers_thread(tmp_path: Path) -> None:
     """What the builder thread raised reaches the caller, as a build on its own thread would."""
     with pytest.raises(ValueError, match="Unrecognized model"):  # an empty model directory
-        AsyncLLMEngine(EngineConfig(model_dir=str(tmp_path), dtype="float32"))
+        AsyncLLMEngine(EngineConfig(model_dir=str(tmp_path), dtype="float32", compile_model=False))
 
 
 # Runs one request through an AsyncLLMEngine with the given thread_priority and prints the
@@ -97,7 +97,7 @@ def foreign():
 
 async def main():
     before = foreign()
-    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=sys.argv[2]))
+    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=sys.argv[2], compile_model=False))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     async for _ in engine.generate("r", list(range(5, 69)), params):
         pass

@@ -46,7 +46,9 @@ def test_the_engine_reads_the_models_file_unless_told_not_to(
     shutil.copytree(tiny_model_dir, model)
     path = model / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.3, "top_k": 20}))
-    engine = LLMEngine(EngineConfig(model_dir=str(model), num_kv_blocks=8, generation_config=mode))
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(model), num_kv_blocks=8, generation_config=mode, compile_model=False)
+    )
     assert engine.model_info.sampling_defaults == expected
 
 

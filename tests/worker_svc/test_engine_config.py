@@ -24,7 +24,7 @@ ENGINE_FLAGS = {
     "dtype": ("bfloat16", "bfloat16"),
     "device": ("cuda:1", "cuda:1"),
     "attention_backend": ("sdpa", "sdpa"),
-    "compile_model": ("true", True),
+    "compile_model": ("false", False),
     "cpu_affinity": ("0", "0"),
     "engine_priority": ("normal", "normal"),
     "generation_config": ("vllm", "vllm"),

@@ -35,7 +35,9 @@ async def _collect(call: GenerateStreamCall) -> list[worker_pb2.GenerateStreamRe
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncLLMEngine:
-    engine = AsyncLLMEngine(EngineConfig(model_dir=str(tiny_model_dir), num_kv_blocks=32, dtype="float32"))
+    engine = AsyncLLMEngine(
+        EngineConfig(model_dir=str(tiny_model_dir), num_kv_blocks=32, dtype="float32", compile_model=False)
+    )
     yield engine
     await engine.shutdown()
 

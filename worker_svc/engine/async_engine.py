@@ -118,6 +118,8 @@ def _build_and_warm_up(
     config: EngineConfig, on_kv_events: Callable[[list[KvEvent]], None] | None
 ) -> LLMEngine:
     engine = LLMEngine(config, on_kv_events)
+    if config.compiles:
+        log.info("compiling the model's forward before reporting ready (minutes on a small CPU host)")
     seconds = engine.warm_up()
     if seconds:
         log.info("engine warmed up (compiled) in %.1f s", seconds)

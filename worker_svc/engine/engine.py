@@ -338,10 +338,26 @@ class LLMEngine:
         prefix cache it filled. A compiled graph is specialized on whether the step's tokens and
         its sampled rows are 1 or more: one prompt alone (prefill: many tokens, one row; decode:
         one and one), then two together (many and two). Returns the seconds it took (0 when the
-        model is not compiled: eager needs no warm-up)."""
-        if not self.config.compile_model:
+        model is not compiled: eager needs no warm-up). A model the compiler fails on is served
+        eagerly (a warning, and the start-up log says why): slower, never wrong."""
+        if not self.config.compiles:
             return 0.0
         start = time.monotonic()
+        try:
+            self._warm_up_steps()
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, EngineStepError) else exc
+            log.warning("compiling the forward failed, serving it eagerly: %r", cause)
+            self.runner.stop_compiling(f"compile failed: {type(cause).__name__}")
+            for request_id in list(self.requests):
+                self.abort_request(request_id)
+            while self.has_unfinished():
+                self.step()
+        self.num_finished = self.num_steps = self.num_generated_tokens = self.num_aborted = 0
+        self.reset_prefix_cache()
+        return time.monotonic() - start
+
+    def _warm_up_steps(self) -> None:
         for batch in ((("warm-up-0", 9, 2),), (("warm-up-1", 3, 2), ("warm-up-2", 9, 4))):
             for name, prompt_len, max_tokens in batch:
                 ids = [i % self.model_info.vocab_size for i in range(1, prompt_len + 1)]
@@ -349,21 +365,25 @@ class LLMEngine:
                 self.add_request(name, ids, params)
             while self.has_unfinished():
                 self.step()
-        self.num_finished = self.num_steps = self.num_generated_tokens = 0
-        self.reset_prefix_cache()
-        return time.monotonic() - start
 
     def describe(self) -> str:
         """The engine's effective configuration in one line, for the start-up log."""
         info, config = self.model_info, self.config
         defaults = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults) or "none"
         return (
-            f"dtype {info.dtype}, attention {info.attention_backend}, compiled {config.compile_model}, "
+            f"dtype {info.dtype}, attention {info.attention_backend}, compiled {self._compile_summary()}, "
             f"CUDA graphs {self._graphs_summary()}, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"prefix caching {config.enable_prefix_caching}, model sampling defaults: {defaults}"
         )
+
+    def _compile_summary(self) -> str:
+        config = self.config
+        if not config.compile_model:
+            return "no (compile_model off)"
+        skipped = config.compile_skipped() or self.runner.compile_failed
+        return f"no ({skipped})" if skipped else f"yes ({self.runner.compile_seconds:.1f} s)"
 
     def _graphs_summary(self) -> str:
         graphs = self.runner.graphs

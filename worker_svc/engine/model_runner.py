@@ -149,13 +149,14 @@ class ModelRunner:
         # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by
         # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
         self._compiled: Any = None
-        if config.compile_model:
+        if config.compiles:
             if self.dtype in (torch.bfloat16, torch.float16):
                 eager_mean_reduction()
             # Only the guards that can change between steps are checked (runtime_guards).
             options: dict[str, Any] = {"guard_filter_fn": runtime_guards}
             self._compiled = torch.compile(self.model, dynamic=True, options=options)
         self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
+        self.compile_failed = ""  # why the forward runs eagerly after all (stop_compiling)
         self._inductor_patch: Any = None  # inductor_options as a reusable context manager
         self._probe_attention()
         self.graphs: cuda_graphs.DecodeGraphs | None = None
@@ -308,10 +309,15 @@ class ModelRunner:
         return logits
 
     def model_forward(self, **kwargs: Any) -> Any:
-        """The model's forward, compiled when ``compile_model`` (inside attention_context)."""
+        """The model's forward, compiled when the config ``compiles`` (inside attention_context)."""
         if self._compiled is not None:
             return self._compiled_forward(**kwargs)
         return self.model(**kwargs)
+
+    def stop_compiling(self, reason: str) -> None:
+        """Every later step runs the eager forward (the compiler failed on this model)."""
+        self._compiled = None
+        self.compile_failed = reason
 
     def _lora_step(self, batch: Sequence[ScheduledRequest]) -> AbstractContextManager[None]:
         """Each chunk's rows under its request's adapter (nothing to do without LoRA)."""
