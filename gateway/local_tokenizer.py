@@ -306,14 +306,17 @@ class GatewayTokenizers:
         loaded = self._loaded.get(model)
         if loaded is not None:
             return loaded
-        task = self._loading.get(model)
-        if task is None:
-            task = asyncio.create_task(self._load(model), name=f"load-tokenizer-{model}")
-            self._loading[model] = task
-            task.add_done_callback(functools.partial(self._loaded_or_failed, model))
+        task = self._loading.get(model) or self._start_load(model)
         # Shielded: a caller that goes away (client disconnect) must not cancel the load
         # the other callers wait for.
         return await asyncio.shield(task)
+
+    def prefetch(self, model: str) -> None:
+        """Starts loading `model`'s tokenizer unless it is loaded or loading (no wait; a
+        failure is logged, and the next `get` tries again)."""
+        model = self._base_model(model)
+        if model not in self._loaded and model not in self._loading:
+            self._start_load(model)
 
     async def _load(self, model: str) -> LocalTokenizer:
         directory = await fetch_tokenizer_files(self._stub, model, self._cache_root, self._timeout)
@@ -321,6 +324,12 @@ class GatewayTokenizers:
         self._loaded[model] = tokenizer
         log.info("tokenizer of %s loaded from %s (vocab %d)", model, directory, tokenizer.vocab_size)
         return tokenizer
+
+    def _start_load(self, model: str) -> asyncio.Task[LocalTokenizer]:
+        task = asyncio.create_task(self._load(model), name=f"load-tokenizer-{model}")
+        self._loading[model] = task
+        task.add_done_callback(functools.partial(self._loaded_or_failed, model))
+        return task
 
     def _loaded_or_failed(self, model: str, task: asyncio.Task[LocalTokenizer]) -> None:
         if self._loading.get(model) is task:

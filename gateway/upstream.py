@@ -406,15 +406,20 @@ class Upstream:
         return any(states)
 
     async def _decoder_count(self) -> int:
-        """Healthy, non-draining decoder workers (-1 when no scheduler can answer)."""
+        """Healthy, non-draining decoder workers (-1 when no scheduler can answer). Their
+        models' tokenizers start loading now (no wait), so that a first request after the
+        mesh reports ready rarely fetches one (~150 ms of its TTFT)."""
         try:
             reply, _ = await self.on_scheduler(
                 lambda stub: stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S)
             )
         except APIError:
             return -1
-        return sum(
-            1
+        serving = [
+            w.worker
             for w in reply.workers
             if w.healthy and not w.draining and w.worker.role == worker_pb2.WORKER_ROLE_DECODER
-        )
+        ]
+        for model in {w.model for w in serving}:
+            self.tokenizers.prefetch(model)
+        return len(serving)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -382,3 +383,18 @@ def test_stale_model_list_is_refreshed_off_the_request_path(harness: Harness) ->
         finally:
             scheduler.list_workers_gate = None
             harness.loop.call_soon_threadsafe(gate.set)
+
+
+def test_health_that_sees_a_decoder_loads_its_tokenizer_before_any_request(harness: Harness) -> None:
+    """The first request after the mesh reports ready fetches no tokenizer: the /health probe
+    that finds a healthy decoder starts loading its model's (once), without waiting for it."""
+    calls = harness.tokenizer.get_tokenizer_calls
+    with harness.gateway() as gw, httpx.Client(base_url=gw.url, timeout=20) as http:
+        assert http.get("/health").status_code == 200
+        deadline = time.monotonic() + 10
+        while harness.tokenizer.get_tokenizer_calls == calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert harness.tokenizer.get_tokenizer_calls == calls + 1, "no prefetch"
+        assert http.get("/health").status_code == 200
+        assert post(gw.url, chat(max_tokens=2))[0] == 200
+    assert harness.tokenizer.get_tokenizer_calls == calls + 1
