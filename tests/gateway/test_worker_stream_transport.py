@@ -44,7 +44,12 @@ def test_stream_output_and_reuse(tiny_model_dir: Path) -> None:
 
     async def main() -> None:
         config = from_options(
-            WorkerConfig, port=0, model_dir=str(tiny_model_dir), worker_id="wt", kv_cache_memory_mb=8
+            WorkerConfig,
+            compile_model=False,
+            port=0,
+            model_dir=str(tiny_model_dir),
+            worker_id="wt",
+            kv_cache_memory_mb=8,
         )
         worker = WorkerProcess(config)
         await worker.start()

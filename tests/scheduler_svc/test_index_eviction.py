@@ -73,6 +73,7 @@ class Stack:
         self.routes = RouteClient(self.channel)
         worker_config = from_options(
             WorkerConfig,
+            compile_model=False,
             port=0, model_dir=str(self.model_dir), served_model_name="tiny", worker_id=WORKER,
             scheduler_address=address, redis_url=self.redis.url, block_size=BLOCK,
             num_kv_blocks=NUM_BLOCKS, max_num_seqs=2, num_threads=1,

@@ -98,6 +98,7 @@ async def lora_mesh(
     sched = await start_scheduler(redis_url=redis_server.url, speculative_ttl_s=0, block_size=BLOCK)
     config = from_options(
         WorkerConfig,
+        compile_model=False,
         port=0, model_dir=str(tiny_model_dir), served_model_name=MODEL, worker_id=WORKER,
         scheduler_address=sched.address, redis_url=redis_server.url, block_size=BLOCK,
         kv_cache_memory_mb=8, num_threads=1, max_loras=1, lora_modules=(f"ad={adapter}",),

@@ -138,6 +138,7 @@ async def test_token_path_uses_mutual_tls(certs: Path, client_env: None, tiny_mo
     worker = WorkerProcess(
         from_options(
             WorkerConfig,
+            compile_model=False,
             port=0,
             model_dir=str(tiny_model_dir),
             worker_id="tls",

@@ -54,6 +54,7 @@ async def _mesh(model_dir: Path) -> AsyncIterator[str]:
     worker = WorkerProcess(
         from_options(
             WorkerConfig,
+            compile_model=False,
             port=0,
             model_dir=str(model_dir),
             worker_id="w0",

@@ -5,8 +5,10 @@ once dropped the attention ops as dead code: wrong tokens from the next chunk on
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
-from transformers import LlamaForCausalLM
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams
@@ -41,3 +43,21 @@ def test_a_model_the_compiler_fails_on_is_served_eagerly(
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     (prompt,) = prompts(19, seed=3)
     assert tokens(run_all(engine, [("r", prompt, params)])["r"]) == hf_greedy(hf_model, prompt, 4)
+
+
+def test_two_compiled_engines_in_one_process_keep_their_own_models(
+    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM, tmp_path: Path
+) -> None:
+    """The compiled forward checks no guard on the model (runtime_guards): a second engine
+    compiling another model of the same class once ran the first one's graph (its frozen
+    weights; out-of-range token ids past the first's vocabulary). Each keeps its own."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (prompt,) = prompts(15, seed=5)
+    first = make_engine(compile_model=True)
+    assert tokens(run_all(first, [("a", prompt, params)])["a"]) == hf_greedy(hf_model, prompt, 4)
+    torch.manual_seed(0)
+    other = LlamaForCausalLM(LlamaConfig(**{**hf_model.config.to_dict(), "vocab_size": 700}))
+    other.save_pretrained(tmp_path)
+    second = make_engine(compile_model=True, model_dir=str(tmp_path))
+    wide = [*prompt[:-1], 650]  # an id only the second model's vocabulary has
+    assert tokens(run_all(second, [("b", wide, params)])["b"]) == hf_greedy(other.eval(), wide, 4)

@@ -44,7 +44,9 @@ async def running_worker(
 ) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
     """A worker process in this process (`config` adds WorkerConfig fields) and a stub."""
     settings: dict[str, object] = {"worker_id": "ws", "kv_cache_memory_mb": 8, "max_num_seqs": 8} | config
-    worker = WorkerProcess(from_options(WorkerConfig, port=0, model_dir=str(model_dir), **settings))
+    worker = WorkerProcess(
+        from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **settings)
+    )
     await worker.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:

@@ -35,7 +35,9 @@ async def worker(model_dir: Path, role: str, **config: object) -> AsyncIterator[
         "max_num_batched_tokens": 16,
         "kv_transfer_timeout_s": 20.0,
     } | config
-    process = WorkerProcess(from_options(WorkerConfig, port=0, model_dir=str(model_dir), **settings))
+    process = WorkerProcess(
+        from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **settings)
+    )
     await process.start()
     try:
         yield process

@@ -41,6 +41,7 @@ def _worker(model_dir: Path, worker_id: str, num_kv_blocks: int, prefix_caching:
     return WorkerProcess(
         from_options(
             WorkerConfig,
+            compile_model=False,
             port=0,
             model_dir=str(model_dir),
             worker_id=worker_id,

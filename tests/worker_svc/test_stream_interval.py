@@ -24,6 +24,7 @@ async def _generate(model_dir: Path, interval: int, n: int) -> list[common_pb2.G
     worker = WorkerProcess(
         from_options(
             WorkerConfig,
+            compile_model=False,
             port=0,
             model_dir=str(model_dir),
             worker_id=f"w{interval}",
@@ -68,4 +69,4 @@ def test_interval_gathers_tokens_without_changing_them(tiny_model_dir: Path, n: 
 
 def test_interval_must_be_positive(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="stream_interval"):
-        from_options(WorkerConfig, model_dir=str(tiny_model_dir), stream_interval=0)
+        from_options(WorkerConfig, compile_model=False, model_dir=str(tiny_model_dir), stream_interval=0)

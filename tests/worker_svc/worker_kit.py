@@ -89,7 +89,9 @@ def run_worker(
 
     async def main() -> tuple[T, worker_pb2.LoadStats]:
         options = {"worker_id": "w", "block_size": 4, "kv_cache_memory_mb": 8, **config}
-        worker = WorkerProcess(from_options(WorkerConfig, port=0, model_dir=str(model_dir), **options))
+        worker = WorkerProcess(
+            from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **options)
+        )
         await worker.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:

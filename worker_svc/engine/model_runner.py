@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,7 +156,7 @@ class ModelRunner:
                 eager_mean_reduction()
             # Only the guards that can change between steps are checked (runtime_guards).
             options: dict[str, Any] = {"guard_filter_fn": runtime_guards}
-            self._compiled = torch.compile(self.model, dynamic=True, options=options)
+            self._compiled = torch.compile(own_forward(self.model), dynamic=True, options=options)
         self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
         self.compile_failed = ""  # why the forward runs eagerly after all (stop_compiling)
         self._inductor_patch: Any = None  # inductor_options as a reusable context manager
@@ -384,6 +386,24 @@ _GLOBAL_GUARDS = frozenset(
         "TORCH_FUNCTION_STATE",
     }
 )
+
+
+_FORWARD_SERIAL = itertools.count()
+
+
+def own_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """``model(**kwargs)`` under a code object of its own, for ``torch.compile``.
+
+    Dynamo keys compiled graphs by code object, and :func:`runtime_guards` drops the guards
+    that tell two models apart: two runners in one process (tests, benches, an engine built
+    again) compiling the same class's forward would share the first one's graph -- its
+    frozen weights, its vocabulary. A distinct code object per runner keeps them apart."""
+
+    def forward(**kwargs: Any) -> Any:
+        return model(**kwargs)
+
+    code = forward.__code__.replace(co_name=f"meshserve_forward_{next(_FORWARD_SERIAL)}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
 
 
 def runtime_guards(entries: Sequence[Any]) -> list[bool]:
