@@ -10,10 +10,9 @@ import grpc
 
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.config import MAX_MESSAGE_BYTES, from_options
+from services.config import MAX_MESSAGE_BYTES
 from tests.worker_svc.test_generate_stream import PROMPTS, _add, _solo_tokens
-from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
+from tests.worker_svc.worker_kit import worker_process
 
 
 class Sink:
@@ -43,15 +42,7 @@ def test_stream_output_and_reuse(tiny_model_dir: Path) -> None:
     their own gets, and the stream is reused."""
 
     async def main() -> None:
-        config = from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0,
-            model_dir=str(tiny_model_dir),
-            worker_id="wt",
-            kv_cache_memory_mb=8,
-        )
-        worker = WorkerProcess(config)
+        worker = worker_process(tiny_model_dir, worker_id="wt", kv_cache_memory_mb=8)
         await worker.start()
         streams = WorkerStreams(MAX_MESSAGE_BYTES)
         address = f"127.0.0.1:{worker.server.port}"

@@ -23,14 +23,11 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
-from services.config import from_options
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from services.server import GrpcServer
 from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
-from tests.worker_svc.worker_kit import generate_one
-from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
+from tests.worker_svc.worker_kit import generate_one, worker_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -71,14 +68,11 @@ class Stack:
         await self.server.set_serving(True)
         self.channel = grpc.aio.insecure_channel(address)
         self.routes = RouteClient(self.channel)
-        worker_config = from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0, model_dir=str(self.model_dir), served_model_name="tiny", worker_id=WORKER,
+        self.worker = worker_process(
+            self.model_dir, served_model_name="tiny", worker_id=WORKER,
             scheduler_address=address, redis_url=self.redis.url, block_size=BLOCK,
             num_kv_blocks=NUM_BLOCKS, max_num_seqs=2, num_threads=1,
         )  # fmt: skip
-        self.worker = WorkerProcess(worker_config)
         port = await self.worker.start()
         self.worker_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 60

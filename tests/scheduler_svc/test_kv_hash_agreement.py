@@ -17,13 +17,11 @@ import redis
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
 from scheduler_svc.route import routing_request
-from services.config import from_options
 from services.kv_contract import index_key
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from tests.scheduler_svc.conftest import RunningScheduler, SchedulerFactory
-from tests.worker_svc.worker_kit import generate_one
-from worker_svc.config import WorkerConfig
+from tests.worker_svc.worker_kit import generate_one, worker_process
 from worker_svc.main import WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,14 +37,11 @@ async def mesh(
 ) -> AsyncIterator[tuple[RunningScheduler, WorkerProcess]]:
     redis.Redis.from_url(redis_server.url).delete(index_key(WORKER))
     sched = await start_scheduler(redis_url=redis_server.url, speculative_ttl_s=0, block_size=BLOCK)
-    config = from_options(
-        WorkerConfig,
-        compile_model=False,
-        port=0, model_dir=str(tiny_model_dir), served_model_name=MODEL, worker_id=WORKER,
+    worker = worker_process(
+        tiny_model_dir, served_model_name=MODEL, worker_id=WORKER,
         scheduler_address=sched.address, redis_url=redis_server.url, block_size=BLOCK,
         kv_cache_memory_mb=8, num_threads=1,
     )  # fmt: skip
-    worker = WorkerProcess(config)
     await worker.start()
     try:
         await sched.wait_for(lambda: sched.core.registry.get(WORKER) is not None, timeout=20)

@@ -19,14 +19,13 @@ from scheduler_svc.policies import PrefixAwarePolicy, RoutingRequest
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
 from scheduler_svc.route import routing_request
-from services.config import from_options
 from services.kv_contract import index_key
 from services.kv_hash import block_hashes
 from services.redis_client import RedisServer
 from tests.lora_kit import build_adapters
 from tests.scheduler_svc.conftest import RunningScheduler, SchedulerFactory
 from tests.scheduler_svc.test_kv_hash_agreement import MODEL, WORKER, published, run_routed
-from worker_svc.config import WorkerConfig
+from tests.worker_svc.worker_kit import worker_process
 from worker_svc.main import WorkerProcess
 
 BLOCK = 4
@@ -96,14 +95,11 @@ async def lora_mesh(
     adapter = build_adapters(tiny_model_dir, tmp_path, ["ad-all"])["ad-all"]
     redis.Redis.from_url(redis_server.url).delete(index_key(WORKER))
     sched = await start_scheduler(redis_url=redis_server.url, speculative_ttl_s=0, block_size=BLOCK)
-    config = from_options(
-        WorkerConfig,
-        compile_model=False,
-        port=0, model_dir=str(tiny_model_dir), served_model_name=MODEL, worker_id=WORKER,
+    worker = worker_process(
+        tiny_model_dir, served_model_name=MODEL, worker_id=WORKER,
         scheduler_address=sched.address, redis_url=redis_server.url, block_size=BLOCK,
         kv_cache_memory_mb=8, num_threads=1, max_loras=1, lora_modules=(f"ad={adapter}",),
     )  # fmt: skip
-    worker = WorkerProcess(config)
     await worker.start()
     try:
         await sched.wait_for(lambda: sched.core.registry.is_adapter("ad"), timeout=20)

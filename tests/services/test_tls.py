@@ -15,12 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2
 from services import tls
-from services.config import ServerConfig, from_options
+from services.config import ServerConfig
 from services.rpc import check_health
 from services.server import GrpcServer
 from tests.gateway.test_worker_stream_transport import Sink
-from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
+from tests.worker_svc.worker_kit import worker_process
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -135,18 +134,13 @@ async def test_mutual_tls_between_services(certs: Path, client_env: None) -> Non
 async def test_token_path_uses_mutual_tls(certs: Path, client_env: None, tiny_model_dir: Path) -> None:
     """A TLS worker's token path (the gateway's GenerateStream, client certificate from
     the env) gets output."""
-    worker = WorkerProcess(
-        from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0,
-            model_dir=str(tiny_model_dir),
-            worker_id="tls",
-            kv_cache_memory_mb=8,
-            tls_cert=str(certs / "server.pem"),
-            tls_key=str(certs / "server.key"),
-            tls_ca=str(certs / "ca.pem"),
-        )
+    worker = worker_process(
+        tiny_model_dir,
+        worker_id="tls",
+        kv_cache_memory_mb=8,
+        tls_cert=str(certs / "server.pem"),
+        tls_key=str(certs / "server.key"),
+        tls_ca=str(certs / "ca.pem"),
     )
     await worker.start()
     streams = WorkerStreams(1 << 20)

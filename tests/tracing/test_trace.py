@@ -22,14 +22,12 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services import tracing
-from services.config import from_options
 from services.redis_client import free_port
 from services.server import GrpcServer
 from tests.tracing.otlp_receiver import SpanRecord, otlp_receiver, otlp_tracing
+from tests.worker_svc.worker_kit import worker_process
 from tokenizer_svc.config import TokenizerConfig
 from tokenizer_svc.server import start_server
-from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
 
 
 async def _scheduler() -> tuple[GrpcServer, Scheduler]:
@@ -51,17 +49,12 @@ async def _scheduler() -> tuple[GrpcServer, Scheduler]:
 async def _mesh(model_dir: Path) -> AsyncIterator[str]:
     sched_server, scheduler = await _scheduler()
     tok_server, _ = await start_server(TokenizerConfig(port=0, model_dir=str(model_dir), tracing="memory"))
-    worker = WorkerProcess(
-        from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0,
-            model_dir=str(model_dir),
-            worker_id="w0",
-            tracing="memory",
-            kv_cache_memory_mb=16,
-            scheduler_address=f"127.0.0.1:{sched_server.port}",
-        )
+    worker = worker_process(
+        model_dir,
+        worker_id="w0",
+        tracing="memory",
+        kv_cache_memory_mb=16,
+        scheduler_address=f"127.0.0.1:{sched_server.port}",
     )
     await worker.start()
     port = free_port()

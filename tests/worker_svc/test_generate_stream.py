@@ -14,9 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.config import from_options
-from tests.worker_svc.worker_kit import generate_one
-from worker_svc.config import WorkerConfig
+from tests.worker_svc.worker_kit import generate_one, worker_process
 from worker_svc.main import WorkerProcess
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [9, 3, 77, 12], [44, 45, 46, 47, 48, 49], [2, 300, 301]]
@@ -44,9 +42,7 @@ async def running_worker(
 ) -> AsyncIterator[tuple[WorkerProcess, worker_pb2_grpc.WorkerStub]]:
     """A worker process in this process (`config` adds WorkerConfig fields) and a stub."""
     settings: dict[str, object] = {"worker_id": "ws", "kv_cache_memory_mb": 8, "max_num_seqs": 8} | config
-    worker = WorkerProcess(
-        from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **settings)
-    )
+    worker = worker_process(model_dir, **settings)
     await worker.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:

@@ -16,9 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from meshserve.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
-from services.config import from_options
-from tests.worker_svc.worker_kit import generate_one, settled_load
-from worker_svc.config import WorkerConfig
+from tests.worker_svc.worker_kit import generate_one, settled_load, worker_process
 from worker_svc.kv_grpc import GrpcKvConnector
 from worker_svc.main import WorkerProcess
 
@@ -35,9 +33,7 @@ async def worker(model_dir: Path, role: str, **config: object) -> AsyncIterator[
         "max_num_batched_tokens": 16,
         "kv_transfer_timeout_s": 20.0,
     } | config
-    process = WorkerProcess(
-        from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **settings)
-    )
+    process = worker_process(model_dir, **settings)
     await process.start()
     try:
         yield process

@@ -16,9 +16,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.config import from_options
-from tests.worker_svc.worker_kit import generate_one
-from worker_svc.config import WorkerConfig
+from tests.worker_svc.worker_kit import generate_one, worker_process
 from worker_svc.main import WorkerProcess
 
 BLOCK_SIZE = 4
@@ -38,21 +36,16 @@ Tokens = dict[int, list[int]]  # sample index -> generated token ids
 
 
 def _worker(model_dir: Path, worker_id: str, num_kv_blocks: int, prefix_caching: bool) -> WorkerProcess:
-    return WorkerProcess(
-        from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0,
-            model_dir=str(model_dir),
-            worker_id=worker_id,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_mb=8,
-            enable_prefix_caching=prefix_caching,
-            # bf16 results depend on batch composition; seeded sampling across preemption is
-            # batch-independent in float32 only.
-            dtype="float32",
-        )
+    return worker_process(
+        model_dir,
+        worker_id=worker_id,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_memory_mb=8,
+        enable_prefix_caching=prefix_caching,
+        # bf16 results depend on batch composition; seeded sampling across preemption is
+        # batch-independent in float32 only.
+        dtype="float32",
     )
 
 

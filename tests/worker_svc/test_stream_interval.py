@@ -12,25 +12,19 @@ import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
 from services.config import from_options
-from tests.worker_svc.worker_kit import generate_one
+from tests.worker_svc.worker_kit import generate_one, worker_process
 from worker_svc.config import WorkerConfig
-from worker_svc.main import WorkerProcess
 
 MAX_TOKENS = 11
 PROMPT = [5, 17, 33, 8, 90, 41, 7]
 
 
 async def _generate(model_dir: Path, interval: int, n: int) -> list[common_pb2.GenerateResponse]:
-    worker = WorkerProcess(
-        from_options(
-            WorkerConfig,
-            compile_model=False,
-            port=0,
-            model_dir=str(model_dir),
-            worker_id=f"w{interval}",
-            kv_cache_memory_mb=8,
-            stream_interval=interval,
-        )
+    worker = worker_process(
+        model_dir,
+        worker_id=f"w{interval}",
+        kv_cache_memory_mb=8,
+        stream_interval=interval,
     )
     await worker.start()
     try:
@@ -69,4 +63,4 @@ def test_interval_gathers_tokens_without_changing_them(tiny_model_dir: Path, n: 
 
 def test_interval_must_be_positive(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="stream_interval"):
-        from_options(WorkerConfig, compile_model=False, model_dir=str(tiny_model_dir), stream_interval=0)
+        from_options(WorkerConfig, model_dir=str(tiny_model_dir), stream_interval=0)

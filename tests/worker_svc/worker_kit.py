@@ -81,6 +81,15 @@ async def settled_load(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) 
         await asyncio.sleep(0.05)
 
 
+def worker_process(model_dir: Path | str, **options: Any) -> WorkerProcess:
+    """An in-process worker on a free port (not started), `options` as WorkerConfig fields.
+    Eager, like every worker the tests start (tests/conftest.py): a compiled forward would
+    cost each one a warm-up; the compiled path has tests of its own."""
+    return WorkerProcess(
+        from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **options)
+    )
+
+
 def run_worker(
     model_dir: Path, body: Callable[[worker_pb2_grpc.WorkerStub], Awaitable[T]], **config: Any
 ) -> tuple[T, worker_pb2.LoadStats]:
@@ -89,9 +98,7 @@ def run_worker(
 
     async def main() -> tuple[T, worker_pb2.LoadStats]:
         options = {"worker_id": "w", "block_size": 4, "kv_cache_memory_mb": 8, **config}
-        worker = WorkerProcess(
-            from_options(WorkerConfig, compile_model=False, port=0, model_dir=str(model_dir), **options)
-        )
+        worker = worker_process(model_dir, **options)
         await worker.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
