@@ -144,9 +144,11 @@ class EngineConfig:
             raise ValueError("lora_modules needs max_loras >= 1")
 
     def compile_skipped(self) -> str:
-        """Why the forward runs eagerly although ``compile_model`` is on ("" when it compiles):
-        on CUDA decode steps replay CUDA graphs (worker_svc.engine.cuda_graphs); LoRA's
-        per-step slot mask changes the forward's inputs from step to step."""
+        """Why the forward runs eagerly ("" when it compiles): ``compile_model`` off; on CUDA
+        decode steps replay CUDA graphs (worker_svc.engine.cuda_graphs); LoRA's per-step
+        slot mask changes the forward's inputs from step to step."""
+        if not self.compile_model:
+            return "compile_model off"
         if self.device.startswith("cuda"):
             return "CUDA: decode replays CUDA graphs"
         if self.max_loras:
@@ -155,8 +157,8 @@ class EngineConfig:
 
     @property
     def compiles(self) -> bool:
-        """Whether the model's forward is compiled (``compile_model`` and nothing skips it)."""
-        return self.compile_model and not self.compile_skipped()
+        """Whether the model's forward is compiled (nothing skips it)."""
+        return not self.compile_skipped()
 
     @property
     def cpu_lora_capacity(self) -> int:

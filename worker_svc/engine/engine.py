@@ -379,10 +379,7 @@ class LLMEngine:
         )
 
     def _compile_summary(self) -> str:
-        config = self.config
-        if not config.compile_model:
-            return "no (compile_model off)"
-        skipped = config.compile_skipped() or self.runner.compile_failed
+        skipped = self.config.compile_skipped() or self.runner.compile_failed
         return f"no ({skipped})" if skipped else f"yes ({self.runner.compile_seconds:.1f} s)"
 
     def _graphs_summary(self) -> str:

@@ -303,10 +303,10 @@ def _draw(
             probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
         )
         probs = probs.masked_fill(probs < thresh, 0.0)
-    chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if len(unseeded) == len(rows):
         return _inverse_cdf(probs)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
     if unseeded:
         chosen[unseeded] = _inverse_cdf(probs[unseeded])
     seeded = [j for j, r in enumerate(rows) if r.generator is not None]
