@@ -5,8 +5,8 @@ Layers, bottom up: ``services.kv_hash`` (block hash scheme) -> ``block_manager``
 prefill, preemption) -> ``model_runner`` + ``attention`` (transformers model with a
 paged attention function; ``arch``: per-layer attention properties -- sliding windows,
 softcap, sinks -- and the load-time refusal of models we cannot serve exactly;
-``cpu_attention`` + ``csrc/paged_decode.c``: the native CPU decode kernel) ->
-``sampling`` (+ ``structured``: grammar bitmasks) -> ``engine`` (sync step loop) ->
+``cpu_attention``: the native CPU decode kernel, ``native`` builds ``csrc/``) ->
+``sampling`` (+ ``structured``: grammar bitmasks; ``cpu_sampling``: the native draw) -> ``engine`` (sync step loop) ->
 ``async_engine`` (asyncio front with a dedicated engine thread). ``multimodal``: the
 language-model-only load of vision-language checkpoints and image-embedding merging.
 ``lora``: PEFT LoRA adapters on the projections, batched per slot.

@@ -11,47 +11,22 @@ the result equals ``F.scaled_dot_product_attention`` over the sequence's keys bi
 (what transformers' sdpa attention computes at a decode step: greedy bf16 parity with
 ``generate``); see :func:`exact_bf16_verified` for where that is verified.
 
-Optional: without a compiler (or when the build fails) :func:`load` returns None and
-the runner keeps the torch path. The shared object is cached per source, flags and CPU
-(``-march=native``) under ``$MESHSERVE_KERNEL_CACHE`` (default ``~/.cache/meshserve``).
+Optional: without a compiler (or when the build fails, see :mod:`native`) :func:`load`
+returns None and the runner keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from worker_svc.engine import native
+
 __all__ = ["DecodeKernel", "exact_bf16_verified", "load"]
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# Not -ffast-math: linking a shared object with it pulls in crtfastmath.o, whose constructor
-# turns on flush-to-zero / denormals-are-zero for the WHOLE process that loads it (numerics
-# elsewhere change; hypothesis refuses to run). No reassociation (-fassociative-math,
-# -freciprocal-math) and no implicit FMA contraction either: the bf16 path reproduces the
-# flash kernel's float32 operation order exactly (csrc/paged_decode.c); the float32 path's
-# reductions still vectorize through `omp simd reduction`.
-_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-ffp-contract=off",
-    "-fopenmp",  # sequences over torch's OpenMP team (csrc/paged_decode.c)
-    "-fPIC",
-    "-shared",
-    "-std=c11",
-)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -120,45 +95,8 @@ def exact_bf16_verified(flags: frozenset[str]) -> bool:
 
 @functools.cache
 def load() -> DecodeKernel | None:
-    """The built kernel, or None when it cannot be built here (logged once)."""
+    """The built kernel, or None when it cannot be built here."""
     if os.environ.get("MESHSERVE_DISABLE_NATIVE_ATTENTION") == "1":
         return None
-    try:
-        return DecodeKernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("native CPU paged attention unavailable, using the torch path: %s", exc)
-        return None
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode() + _cpu_flags()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("MESHSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "meshserve")
-    target = cache_dir / f"paged_decode-{key}.so"
-    if target.is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename: concurrent builders never see a partial file.
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True, capture_output=True, timeout=120
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags: ``-march=native`` output is only valid on the same CPU."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
+    lib = native.library()
+    return None if lib is None else DecodeKernel(lib)

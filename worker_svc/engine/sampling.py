@@ -15,8 +15,9 @@ Processing order for one step (all rows at once where possible):
    it does not allow now (``structured.apply_grammar_masks``, one bitmask per step for
    all constrained rows). Rows without any of these skip this entirely.
 4. temperature 0 -> greedy argmax of the penalized logits; otherwise divide by
-   temperature, apply top-k, top-p, min-p, and draw with the exponential race
-   ``argmax(probs / E)``, ``E ~ Exp(1)`` per candidate token. A seeded request draws its
+   temperature, apply top-k, top-p, min-p, and draw: an unseeded row by inverse CDF (one
+   uniform against the row's running probability mass), a seeded row with the exponential
+   race ``argmax(probs / E)``, ``E ~ Exp(1)`` per candidate token. A seeded request draws its
    ``E`` from its own ``torch.Generator``, re-seeded at every step from (seed, output
    position), one value per vocabulary entry: its tokens depend neither on which other
    requests share the batch (nor on the path the batch takes), nor on where earlier
@@ -24,11 +25,14 @@ Processing order for one step (all rows at once where possible):
    with its output so far, draws exactly what an uninterrupted run would.
 
 Fast paths (same results, less work): a batch of plain greedy rows (no penalties,
-min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy);
-when every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
+min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy),
+and a batch of plain unseeded rows sampling the whole vocabulary is one native draw on them
+(:mod:`worker_svc.engine.cpu_sampling`, temperature and min-p included); on CPU every
+inverse-CDF draw runs in that kernel. When every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
 from ``topk`` instead of a full-vocabulary sort, and so do a batch's top-p nuclei when they
-lie within the best :data:`TOP_K_FAST_MAX` tokens; the draw runs over those candidates only (a seeded row still draws ``vocab`` values and races its candidates
-with the values of their token ids, so both paths pick the same token).
+lie within the best :data:`TOP_K_FAST_MAX` tokens; the draw runs over those candidates
+only (a seeded row still draws ``vocab`` values and races its candidates with the values
+of their token ids, so both paths pick the same token).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Protocol
 import torch
 
 from services.grammar import StructuredSpec
+from worker_svc.engine import cpu_sampling
 from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
@@ -213,6 +218,10 @@ class Sampler:
             # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
             # is ~4x faster than argmax on CPU for [32, 32000] bf16 logits.
             return SamplerOutput(token_ids=_first_argmax(logits).tolist(), logprobs=[None] * len(rows))
+        if all(_plain_random(r) for r in rows):
+            params = [r.sampling_params for r in rows]
+            tokens = _draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params])
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
@@ -294,40 +303,59 @@ def _draw(
 
     ``candidates`` maps the columns to token ids when ``logits`` holds top-k candidates
     only (``None``: the columns are the vocabulary)."""
-    params = [r.sampling_params for r in rows]
     dev = logits.device
-    probs = _probs(logits)
-    min_p = [p.min_p for p in params]
-    if any(mp > 0.0 for mp in min_p):
-        thresh = (
-            probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
-        )
-        probs = probs.masked_fill(probs < thresh, 0.0)
+    floors = _floors([r.sampling_params for r in rows])
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if len(unseeded) == len(rows):
-        return _inverse_cdf(probs)
+        return _draw_unseeded(logits, floors)
     chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
     if unseeded:
-        chosen[unseeded] = _inverse_cdf(probs[unseeded])
+        chosen[unseeded] = _draw_unseeded(logits[unseeded], [floors[j] for j in unseeded])
     seeded = [j for j, r in enumerate(rows) if r.generator is not None]
-    if seeded:
-        race = torch.stack(
-            [
-                _seeded_draws(rows[j], vocab, probs.dtype, candidates[j] if candidates is not None else None)
-                for j in seeded
-            ]
-        )
-        chosen[seeded] = (probs[seeded] / race).argmax(dim=-1)
+    probs = _probs(logits[seeded], torch.tensor([floors[j] for j in seeded], dtype=logits.dtype, device=dev))
+    race = torch.stack(
+        [
+            _seeded_draws(rows[j], vocab, probs.dtype, candidates[j] if candidates is not None else None)
+            for j in seeded
+        ]
+    )
+    chosen[seeded] = (probs / race).argmax(dim=-1)
     return chosen
 
 
-def _probs(logits: torch.Tensor, exact_zeros: bool = True) -> torch.Tensor:
-    """``softmax`` per row, computed as if every logit more than ``PROB_FLOOR`` below its row's
-    largest were that far below: at a low temperature most of a row's logits are, and exp()
-    of them yields float32 subnormals, ~10x slower on x86 (10-30 ms a step for 32 rows of a
-    49k vocabulary). Those entries then hold under vocab * e**-80 (~1e-30) of a row's mass;
-    with ``exact_zeros`` they are 0, so that a masked (-inf) token stays impossible."""
-    floor = logits.amax(dim=-1, keepdim=True) - PROB_FLOOR
+def _floors(params: Sequence[SamplingParams]) -> list[float]:
+    """How far below its row's best a logit may lie and still be drawn: ``PROB_FLOOR``, or
+    less under min-p, which keeps p >= min_p * max p, i.e. logits within -log(min_p)."""
+    return [min(PROB_FLOOR, -math.log(p.min_p)) if p.min_p > 0.0 else PROB_FLOOR for p in params]
+
+
+def _draw_unseeded(
+    logits: torch.Tensor, floors: list[float], scales: list[float] | None = None
+) -> torch.Tensor:
+    """Column per row by inverse CDF of softmax(logits * scales[row]), columns more than
+    ``floors[row]`` below the row's best weighing 0: the native kernel on CPU (same draw,
+    ~10x faster), else torch ops. ``scales`` None: the logits are already scaled."""
+    n = logits.shape[0]
+    native = cpu_sampling.load() if logits.device.type == "cpu" else None
+    if native is not None and logits.dtype in native.dtypes and logits.stride(1) == 1:
+        scale = torch.ones(n) if scales is None else torch.tensor(scales)
+        return native(logits, scale, torch.tensor(floors), torch.rand(n))
+    if scales is not None:
+        logits = logits.to(torch.float32) * torch.tensor(scales, device=logits.device).unsqueeze(1)
+    return _inverse_cdf(_probs(logits, torch.tensor(floors, dtype=logits.dtype, device=logits.device)))
+
+
+def _probs(
+    logits: torch.Tensor, floors: torch.Tensor | None = None, exact_zeros: bool = True
+) -> torch.Tensor:
+    """``softmax`` per row, computed as if every logit more than ``floors[row]`` (default
+    ``PROB_FLOOR``) below its row's largest were that far below: at a low temperature most
+    of a row's logits are, and exp() of them yields float32 subnormals, ~10x slower on x86
+    (10-30 ms a step for 32 rows of a 49k vocabulary). Below ``PROB_FLOOR`` entries hold under
+    vocab * e**-80 (~1e-30) of a row's mass; with ``exact_zeros`` they are 0, so that a masked
+    (-inf) token stays impossible (and min-p's floor, ``-log(min_p)``, is exact)."""
+    below = PROB_FLOOR if floors is None else floors.unsqueeze(1)
+    floor = logits.amax(dim=-1, keepdim=True) - below
     probs = torch.softmax(torch.maximum(logits, floor), dim=-1)
     return probs.masked_fill_(logits < floor, 0.0) if exact_zeros else probs
 
@@ -374,18 +402,30 @@ def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _plain_greedy(row: SamplingState) -> bool:
-    """Greedy with nothing that needs float32 logits: no penalties, min_tokens or logprobs."""
+def _unedited(row: SamplingState) -> bool:
+    """Whether the row's logits are sampled as they come: no penalties, pending min_tokens,
+    token rules or logprobs (each of which needs a float32 copy)."""
     p = row.sampling_params
     return (
-        p.greedy
-        and p.logprobs is None
+        p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and len(row.output_token_ids) >= p.min_tokens
         and not p.token_rules
     )
+
+
+def _plain_greedy(row: SamplingState) -> bool:
+    """Greedy with nothing that needs float32 logits."""
+    return row.sampling_params.greedy and _unedited(row)
+
+
+def _plain_random(row: SamplingState) -> bool:
+    """Unseeded sampling from the whole vocabulary (min-p at most) with nothing that needs
+    float32 logits: one draw from the logits as they come, temperature included."""
+    p = row.sampling_params
+    return not p.greedy and p.top_k <= 0 and p.top_p == 1.0 and row.generator is None and _unedited(row)
 
 
 def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:

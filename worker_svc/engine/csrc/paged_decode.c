@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -32,13 +34,6 @@ static inline int omp_get_thread_num(void) { return 0; }
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -100,28 +95,6 @@ enum { EXACT_MAX_D = 256 };
  * Keys are split into blocks of 512 like the flash kernel (online softmax between blocks).
  * The file is built with -ffp-contract=off and without reassociation flags: every float
  * operation here happens as written (fmaf where the kernel fuses). */
-
-static inline float fexp_u20(float x) {
-    const float c0 = 0.00010703434948458272f, c1 = 0.30354260500649682f;
-    const float c2 = -0.22433836478672356f, c3 = -0.079204240219773236f;
-    const float log2e = 1.44269502162933349609375f;  /* 0x3fb8aa3b */
-    const float ln_min = -87.3365478515625f, ln_max = 88.7228393554687f;  /* 0xc2aeac50, 0x42b17218 */
-    /* In-range inputs compute exactly as ATen does; the clamp only keeps the float->int
-     * conversion defined for x = -inf or x < ln_min, whose result the select replaces. */
-    const float xc = x < ln_min ? ln_min : x > ln_max ? ln_max : x;
-    float src = xc * log2e;
-    const float frac = src - floorf(src);
-    float res = fmaf(frac, c3, c2);
-    res = fmaf(frac, res, c1);
-    res = fmaf(frac, res, c0);
-    src = src - res;
-    int32_t bits = (int32_t)fmaf(8388608.f, src, 1065353216.f); /* 2^23 * (src + 127), truncated */
-    bits = x < ln_min ? 0 : bits;
-    bits = x > ln_max ? 0x7f800000 : bits; /* selects, not branches: the 16-lane loop vectorizes */
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 /* Scores of n keys starting at position start: s[h][t] = (q_h . k_t) * scale, 4-lane order. */
 static inline __attribute__((always_inline)) void exact_scores(const float (*qf)[EXACT_MAX_D], const char *kc,
