@@ -24,25 +24,22 @@ import os
 import torch
 
 from worker_svc.engine import native
+from worker_svc.engine.native import DTYPE_CODES, I64, PTR
 
 __all__ = ["DecodeKernel", "exact_bf16_verified", "load"]
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 
 class DecodeKernel:
     """Callable wrapper of ``meshserve_paged_decode`` (float32 and bfloat16 caches)."""
 
-    dtypes = frozenset(_DTYPE_CODES)
+    dtypes = frozenset(DTYPE_CODES)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.meshserve_paged_decode
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
-        fn.argtypes += [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
-        fn.argtypes += [_I64, ctypes.c_float, _PTR]  # window, softcap, sinks
+        fn.argtypes = [PTR, I64, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64]
+        fn.argtypes += [I64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [I64, ctypes.c_float, PTR]  # window, softcap, sinks
         self._fn = fn
 
     def __call__(
@@ -69,8 +66,8 @@ class DecodeKernel:
         heads = q.shape[1]
         if q.stride(2) != 1 or out.stride(2) != 1 or not cache.is_contiguous():
             raise ValueError("paged decode needs d-contiguous q/out and a contiguous cache")
-        if q.dtype != cache.dtype or out.dtype != cache.dtype or cache.dtype not in _DTYPE_CODES:
-            raise ValueError(f"paged decode supports {sorted(map(str, _DTYPE_CODES))} only")
+        if q.dtype != cache.dtype or out.dtype != cache.dtype or cache.dtype not in DTYPE_CODES:
+            raise ValueError(f"paged decode supports {sorted(map(str, DTYPE_CODES))} only")
         sink_f32 = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
         if sink_f32 is not None and sink_f32.shape != (heads,):
             raise ValueError(f"sinks must have shape [{heads}], got {list(sink_f32.shape)}")
@@ -78,7 +75,7 @@ class DecodeKernel:
             q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(), nb,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
             out.data_ptr(), out.stride(0), out.stride(1),
-            rows.shape[0], heads, hkv, d, bs, scale, _DTYPE_CODES[cache.dtype],
+            rows.shape[0], heads, hkv, d, bs, scale, DTYPE_CODES[cache.dtype],
             window, softcap, None if sink_f32 is None else sink_f32.data_ptr(),
         )  # fmt: skip
         if status != 0:

@@ -14,23 +14,20 @@ import functools
 import torch
 
 from worker_svc.engine import native
+from worker_svc.engine.native import DTYPE_CODES, I64, PTR
 
 __all__ = ["RowSampler", "load"]
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 
 class RowSampler:
     """Callable wrapper of ``meshserve_sample_rows`` (float32 and bfloat16 logits)."""
 
-    dtypes = frozenset(_DTYPE_CODES)
+    dtypes = frozenset(DTYPE_CODES)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.meshserve_sample_rows
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+        fn.argtypes = [PTR, ctypes.c_int, I64, I64, I64, PTR, PTR, PTR, PTR]
         self._fn = fn
 
     def __call__(
@@ -44,14 +41,14 @@ class RowSampler:
         (``u`` in [0, 1)). ``scale``, ``floor`` and ``u`` are float32 ``[rows]``.
         """
         rows, cols = logits.shape
-        if logits.device.type != "cpu" or logits.dtype not in _DTYPE_CODES or logits.stride(1) != 1:
+        if logits.device.type != "cpu" or logits.dtype not in DTYPE_CODES or logits.stride(1) != 1:
             raise ValueError("row sampling needs CPU float32/bfloat16 logits with contiguous columns")
         args = [t.to(torch.float32).contiguous() for t in (scale, floor, u)]
         if any(t.shape != (rows,) for t in args):
             raise ValueError(f"scale, floor and u must have shape [{rows}]")
         out = torch.empty(rows, dtype=torch.long)
         status = self._fn(
-            logits.data_ptr(), _DTYPE_CODES[logits.dtype], rows, cols, logits.stride(0),
+            logits.data_ptr(), DTYPE_CODES[logits.dtype], rows, cols, logits.stride(0),
             args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if status != 0:

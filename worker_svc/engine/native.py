@@ -18,9 +18,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["library"]
+import torch
+
+__all__ = ["DTYPE_CODES", "I64", "PTR", "library"]
 
 log = logging.getLogger(__name__)
+
+# The kernels' calling convention: element dtypes by code (DT_* in csrc/cpu_math.h) and
+# the ctypes types of their int64 and pointer arguments.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+I64 = ctypes.c_int64
+PTR = ctypes.c_void_p
 
 _CSRC = Path(__file__).with_name("csrc")
 # Not -ffast-math: linking a shared object with it pulls in crtfastmath.o, whose constructor

@@ -6,6 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Element dtype codes (worker_svc/engine/native.py DTYPE_CODES). */
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;

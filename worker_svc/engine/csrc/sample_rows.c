@@ -19,8 +19,6 @@
 
 #include "cpu_math.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
 /* Weights are summed per block of BLOCK columns (vectorized), the draw then walks blocks and
  * one block's columns only: no sequential pass over the whole row. */
 enum { BLOCK = 64 };
