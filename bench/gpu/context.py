@@ -74,6 +74,7 @@ PROFILES = {
             "engine_eager": 100,
             "mesh": 120,
             "hf_naive": 45,
+            "c1_anatomy": 270,
         },
     ),
     "cpu-dry-run": Profile(
@@ -106,6 +107,7 @@ PROFILES = {
             "engine_eager": 60,
             "mesh": 120,
             "hf_naive": 30,
+            "c1_anatomy": 60,
         },
     ),
 }

@@ -20,6 +20,10 @@ rewritten after every step, so a crash leaves what was measured until then):
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
   gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency.
 * ``hf_naive``: transformers ``generate`` one request at a time (c=1).
+* ``c1_anatomy``: where a c=1 decode step's time goes: the step's wall time, the graph
+  replay alone (GPU), the rest (host), cProfile's top functions and the kernels one
+  forward launches; on CUDA again with the forward compiled under the graphs, with its
+  float32 greedy parity against transformers.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.
@@ -58,10 +62,20 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "engine_eager": steps.engine_eager,
         "mesh": steps.mesh,
         "hf_naive": steps.hf_naive,
+        "c1_anatomy": steps.c1_anatomy,
     }
 
 
-STEPS = ("build", "correctness", "roofline", "engine_graphs", "engine_eager", "mesh", "hf_naive")
+STEPS = (
+    "build",
+    "correctness",
+    "roofline",
+    "engine_graphs",
+    "engine_eager",
+    "mesh",
+    "hf_naive",
+    "c1_anatomy",
+)
 # Fault injection for the kit's own test: the named step hangs, as a CUDA fault or a stuck
 # collective would, so that its time box is what ends it (a real step's speed varies).
 HANG_STEP_ENV = "MESHSERVE_KIT_HANG_STEP"
@@ -186,6 +200,13 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
             next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
             for x, y in zip(best["c1_tokens"], naive["c1_tokens"], strict=False)
         ]
+    anatomy = _ok(steps, "c1_anatomy")
+    for label, variant in anatomy.get("variants", {}).items():
+        for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step"):
+            if variant.get(key) is not None:
+                out.setdefault(f"c1_{label}", {})[key] = variant[key]
+    if "compiled_parity" in anatomy:
+        out["c1_compiled_parity_all_match"] = all(c["match"] for c in anatomy["compiled_parity"].values())
     if naive and 1 in inproc:
         out["c1_engine_over_hf_naive_tok_s"] = (
             inproc[1]["output_tok_per_s"] / naive["row"]["output_tok_per_s"]

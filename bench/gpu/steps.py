@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import gc
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,42 +118,56 @@ def _graph_stats(engine: LLMEngine) -> dict[str, Any]:
     return {**graphs.stats(), "engine_steps": engine.num_steps}  # replays / engine_steps: decode-only share
 
 
-def correctness(ctx: StepContext) -> None:
-    """Engine greedy tokens == transformers ``generate`` per architecture, graphs off / on."""
+def _arch_reference(ctx: StepContext, name: str) -> tuple[str, list[list[int]], list[list[int]]]:
+    """A tiny random float32 model of one devtools.arch_matrix case saved in the work
+    directory, the correctness prompts and transformers' greedy tokens for them."""
     from transformers import AutoModelForCausalLM
 
     from devtools.arch_matrix import CASES, build_config
 
-    device, cuda = ctx.profile.device, _cuda(ctx)
+    device = ctx.profile.device
+    case = next(c for c in CASES if c.name == name)
+    path = ctx.work / "arch" / name.replace(" ", "_")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    ref = ref.to(device).eval()
+    gen = torch.Generator().manual_seed(1)
+    vocab = int(ref.config.vocab_size)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in CORRECTNESS_PROMPTS]
+    return str(path), prompts, [_greedy_reference(ref, p, device) for p in prompts]
+
+
+def _arch_config(ctx: StepContext, path: str, graphs: bool) -> EngineConfig:
+    cuda = _cuda(ctx)
+    return EngineConfig(
+        model_dir=path, block_size=BLOCK_SIZE, num_kv_blocks=64, dtype="float32", device=ctx.profile.device,
+        attention_backend="triton" if cuda else "auto", max_num_batched_tokens=64, cuda_graphs=graphs,
+        compile_model=False,
+    )  # fmt: skip
+
+
+def _parity(config: EngineConfig, prompts: list[list[int]], expected: list[list[int]]) -> dict[str, Any]:
+    got, stats = _engine_greedy(config, prompts)
+    return {
+        "match": got == expected,
+        "matching_requests": sum(map(list.__eq__, got, expected)),
+        "cuda_graphs": stats,
+    }
+
+
+def correctness(ctx: StepContext) -> None:
+    """Engine greedy tokens == transformers ``generate`` per architecture, graphs off / on."""
     results: dict[str, Any] = {}
     for name in ARCHS:
-        case = next(c for c in CASES if c.name == name)
-        path = ctx.work / "arch" / name.replace(" ", "_")
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(path)
-        ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-        ref = ref.to(device).eval()
-        gen = torch.Generator().manual_seed(1)
-        vocab = int(ref.config.vocab_size)
-        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in CORRECTNESS_PROMPTS]
-        expected = [_greedy_reference(ref, p, device) for p in prompts]
+        path, prompts, expected = _arch_reference(ctx, name)
         case_out: dict[str, Any] = {}
         for graphs in (False, True):
             label = "graphs" if graphs else "eager"
-            if graphs and not cuda:
+            if graphs and not _cuda(ctx):
                 case_out[label] = {"skipped": "CUDA graphs need CUDA"}
                 continue
-            config = EngineConfig(
-                model_dir=str(path), block_size=BLOCK_SIZE, num_kv_blocks=64, dtype="float32", device=device,
-                attention_backend="triton" if cuda else "auto", max_num_batched_tokens=64, cuda_graphs=graphs,
-                compile_model=False,
-            )  # fmt: skip
-            got, stats = _engine_greedy(config, prompts)
-            case_out[label] = {
-                "match": got == expected,
-                "matching_requests": sum(map(list.__eq__, got, expected)),
-            }
-            case_out[label]["cuda_graphs"] = stats
+            case_out[label] = _parity(_arch_config(ctx, path, graphs), prompts, expected)
         results[name] = case_out
         ctx.record("archs", results)
     ran = [v["match"] for case in results.values() for v in case.values() if "match" in v]
@@ -276,3 +290,171 @@ def hf_naive(ctx: StepContext) -> None:
     row, timings = bench_hf_naive(model, workload, ctx.profile.naive_requests)
     ctx.record("row", asdict(row))
     ctx.record("c1_tokens", [t.tokens for t in timings])
+
+
+# -------------------------------------------------------------- c1_anatomy
+ANATOMY_MAX_SEQS = 8  # buckets 1, 2, 4, 8: enough for a c=1 step, quick to capture (and compile)
+
+
+class _CompiledOnCuda(EngineConfig):
+    """The engine's config with the forward compiled on CUDA as well (there, by default,
+    decode replays CUDA graphs of the eager forward): graphs then capture the compiled one."""
+
+    def compile_skipped(self) -> str:
+        return "" if self.compile_model else "compile_model off"
+
+
+def _anatomy_config(ctx: StepContext, compiled: bool) -> EngineConfig:
+    base = replace(_engine_config(ctx, cuda_graphs=True), max_num_seqs=ANATOMY_MAX_SEQS)
+    if not compiled:
+        return base
+    return _compiled_on_cuda(base)
+
+
+def _compiled_on_cuda(base: EngineConfig) -> EngineConfig:
+    return _CompiledOnCuda(
+        **{f.name: getattr(base, f.name) for f in fields(base) if f.init} | {"compile_model": True}
+    )
+
+
+def _one_request(
+    engine: LLMEngine, prompt: list[int], new_tokens: int, rid: str
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens of one request alone, and the wall time of each decode step (ms)."""
+    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    step_ms: list[float] = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+        step_ms.append((time.perf_counter() - start) * 1000)
+    return tokens, step_ms[1:]  # the first step is the prefill
+
+
+def _replay_ms(engine: LLMEngine, cuda: bool) -> float | None:
+    """GPU time of the batch-1 graph's replay alone (CUDA events over 100 replays)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not cuda:
+        return None
+    replay = graphs._replays[graphs.bucket(1)]
+    replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(100):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 100
+
+
+def _host_profile(
+    engine: LLMEngine, prompt: list[int], new_tokens: int, top: int = 25
+) -> list[dict[str, Any]]:
+    """cProfile of one c=1 request: the functions with the most own time per decode step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _one_request(engine, prompt, new_tokens, "anatomy-profiled")
+    prof.disable()
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in list(stats.stats.items()):  # type: ignore[attr-defined]
+        rows.append({"fn": f"{Path(path).name}:{line}({name})", "calls_per_step": calls / new_tokens,
+                     "own_us_per_step": own / new_tokens * 1e6, "cum_us_per_step": cum / new_tokens * 1e6})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
+
+
+def _kernels_per_forward(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
+    """The batch-1 forward run outside its graph under the torch profiler: how many GPU
+    kernels one decode step launches and their summed GPU time (writes K/V only into the
+    scratch block: the static buffers hold padding after _fill of an empty bucket)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs.slots[:1].fill_(graphs.scratch_block * graphs.block_size)
+    graphs.tables[:1].fill_(graphs.scratch_block)
+    graphs.lens[:1].fill_(1)
+    forward = graphs._bucket_forward(1)
+    forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "kernels": len(kernels),
+        "gpu_us": round(sum(e.time_range.elapsed_us() for e in kernels), 1),
+        "top": [{"kernel": k, "count": len(v), "us": round(sum(v), 1)} for k, v in top],
+    }
+
+
+def _anatomy(ctx: StepContext, compiled: bool) -> dict[str, Any]:
+    cuda, p = _cuda(ctx), ctx.profile
+    start = time.monotonic()
+    engine = LLMEngine(_anatomy_config(ctx, compiled))
+    warm_s = engine.warm_up()
+    out: dict[str, Any] = {"load_s": round(time.monotonic() - start, 2), "warm_up_s": round(warm_s, 2)}
+    out["engine"] = engine.describe()
+    prompts = _workload(ctx, 3, seed=7).prompts
+    _one_request(engine, prompts[0], p.output_len, "anatomy-warm")
+    tokens, step_ms = _one_request(engine, prompts[1], p.output_len, "anatomy-timed")
+    out["decode_step_ms_p50"] = sorted(step_ms)[len(step_ms) // 2]
+    out["tokens"] = tokens
+    replay = _replay_ms(engine, cuda)
+    if replay is not None:
+        out["graph_replay_ms"] = replay
+        out["host_ms_per_step"] = out["decode_step_ms_p50"] - replay
+    out["host_profile"] = _host_profile(engine, prompts[2], p.output_len)
+    try:  # the profiler's event API moves between torch versions: keep the other figures
+        out["kernels_per_forward"] = _kernels_per_forward(engine, cuda)
+    except Exception as exc:
+        out["kernels_per_forward"] = {"error": repr(exc)}
+    out["cuda_graphs"] = _graph_stats(engine)
+    del engine
+    gc.collect()
+    return out
+
+
+def _compiled_parity(ctx: StepContext) -> None:
+    """Greedy parity with transformers (float32, tiny models) of the compiled forward under
+    CUDA graphs, per architecture while the step's time box allows."""
+    results: dict[str, Any] = {}
+    for name in ARCHS:
+        if ctx.left_s() < 45:
+            ctx.record("compiled_parity_cut", f"time box reached before {name}")
+            break
+        path, prompts, expected = _arch_reference(ctx, name)
+        base = _arch_config(ctx, path, graphs=True)
+        results[name] = _parity(_compiled_on_cuda(base), prompts, expected)
+        ctx.record("compiled_parity", results)
+
+
+def c1_anatomy(ctx: StepContext) -> None:
+    """Where a c=1 decode step's time goes, graphs on: the step's wall time, the graph replay
+    alone (GPU), the rest (host), the host's top functions (cProfile) and the kernels one
+    forward launches; then the same with the forward compiled under the graphs (CUDA only)."""
+    variants = [("graphs", False)] + ([("graphs_compiled", True)] if _cuda(ctx) else [])
+    done: dict[str, Any] = {}
+    for label, compiled in variants:
+        done[label] = _anatomy(ctx, compiled)
+        ctx.record("variants", done)
+    if len(done) == 2:
+        _compiled_parity(ctx)
+        a, b = done["graphs"]["tokens"], done["graphs_compiled"]["tokens"]
+        ctx.record(
+            "compiled_tokens_first_diff",
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None),
+        )
+        ctx.record(
+            "compiled_over_eager_step",
+            done["graphs_compiled"]["decode_step_ms_p50"] / done["graphs"]["decode_step_ms_p50"],
+        )
