@@ -3,6 +3,7 @@ import, so the kit's parent process never holds a CUDA context)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -11,8 +12,10 @@ from typing import Any
 from bench.host import ROOT, host_info
 
 PACKAGES = ("torch", "triton", "transformers", "grpcio", "protobuf", "fastapi", "llguidance")
-# Written by prepare.sh: the GPU host gets a copy of the working tree without .git.
+# Written by prepare.sh, where the commit is known; run.sh names it in COMMIT_ENV, since the
+# GPU host's copy of the tree may hold no .git, or a stale one beside the newer files.
 COMMIT_FILE = ROOT / ".gpu-kit" / "commit.txt"
+COMMIT_ENV = "MESHSERVE_KIT_COMMIT"
 
 
 def gpus() -> list[dict[str, str]]:
@@ -43,6 +46,8 @@ def versions() -> dict[str, str]:
 def collect() -> dict[str, Any]:
     """The kit's `env` block."""
     info = host_info()
-    if info["commit"] == "unknown" and Path(COMMIT_FILE).exists():
+    if os.environ.get(COMMIT_ENV):
+        info["commit"] = os.environ[COMMIT_ENV]
+    elif info["commit"] == "unknown" and Path(COMMIT_FILE).exists():
         info["commit"] = COMMIT_FILE.read_text().strip()
     return {**info, "gpus": gpus(), "packages": versions()}

@@ -49,6 +49,7 @@ print("run.sh: imports ok; torch", torch.__version__, "cuda", torch.version.cuda
 EOF
 
 export PYTHONUNBUFFERED=1
+export MESHSERVE_KIT_COMMIT=$(cat "$KIT/commit.txt" 2>/dev/null)  # bench/gpu/env_info.py
 # The kit keeps its own budget (420 s) and writes the JSON after every step; this is the backstop.
 # KIT_STEPS runs a subset (comma-separated, kit order) into KIT_OUT, leaving gpu.json as it is.
 RESULT=${KIT_OUT:-bench/results/gpu.json}

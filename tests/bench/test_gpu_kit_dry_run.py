@@ -36,6 +36,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "engine_graphs": "skipped",
         "engine_eager": "ok",
         "hf_naive": "ok",
+        "c1_anatomy": "ok",
     }, {name: got[name].get("error") for name in steps}
     assert "CUDA" in got["engine_graphs"]["reason"]
     assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
@@ -46,6 +47,11 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert got["build"]["weight_bytes"] <= roof["weight_bytes"] < got["build"]["weight_bytes"] * 1.01
     _rows_ok(got["engine_eager"]["rows"], DRY.concurrencies)
     assert got["hf_naive"]["row"]["output_tokens"] == DRY.naive_requests * DRY.output_len
+    # CPU: the graph-less variant only (no replay, no kernels), with its host profile.
+    anatomy = got["c1_anatomy"]["variants"]
+    assert list(anatomy) == ["graphs"] and anatomy["graphs"]["kernels_per_forward"] is None
+    assert anatomy["graphs"]["decode_step_ms_p50"] > 0 and len(anatomy["graphs"]["tokens"]) == DRY.output_len
+    assert any("forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"])
     summary = report["summary"]
     assert summary["correctness_all_match"] is True
     assert summary["c1_tpot_over_roofline_eager"] > 0 and summary["c1_engine_over_hf_naive_tok_s"] > 0
