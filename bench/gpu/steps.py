@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -367,33 +368,45 @@ def _host_profile(
     return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
 
 
-def _kernels_per_forward(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
-    """The batch-1 forward run outside its graph under the torch profiler: how many GPU
-    kernels one decode step launches and their summed GPU time (writes K/V only into the
-    scratch block: the static buffers hold padding after _fill of an empty bucket)."""
-    graphs = engine.runner.graphs
-    if graphs is None or not cuda:
-        return None
+def _kernel_profile(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``fn`` once under the torch profiler (CUDA activity): its kernels, their summed GPU
+    time, the span from the first kernel's start to the last one's end (the difference is
+    time the GPU spent between kernels) and the kernels with the most time."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs.slots[:1].fill_(graphs.scratch_block * graphs.block_size)
-    graphs.tables[:1].fill_(graphs.scratch_block)
-    graphs.lens[:1].fill_(1)
-    forward = graphs._bucket_forward(1)
-    forward()
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward()
+        fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return {"kernels": 0}
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
     return {
         "kernels": len(kernels),
         "gpu_us": round(sum(e.time_range.elapsed_us() for e in kernels), 1),
+        "span_us": round(span, 1),
         "top": [{"kernel": k, "count": len(v), "us": round(sum(v), 1)} for k, v in top],
+    }
+
+
+def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
+    """The batch-1 forward's kernels, run outside its graph and as its graph's replay (the
+    static buffers set to padding first: K/V go only to the scratch block)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not cuda:
+        return None
+    graphs.slots[:1].fill_(graphs.scratch_block * graphs.block_size)
+    graphs.tables[:1].fill_(graphs.scratch_block)
+    graphs.lens[:1].fill_(1)
+    return {
+        "eager_forward": _kernel_profile(graphs._bucket_forward(1)),
+        "graph_replay": _kernel_profile(graphs._replays[graphs.bucket(1)]),
     }
 
 
@@ -415,9 +428,9 @@ def _anatomy(ctx: StepContext, compiled: bool) -> dict[str, Any]:
         out["host_ms_per_step"] = out["decode_step_ms_p50"] - replay
     out["host_profile"] = _host_profile(engine, prompts[2], p.output_len)
     try:  # the profiler's event API moves between torch versions: keep the other figures
-        out["kernels_per_forward"] = _kernels_per_forward(engine, cuda)
+        out["kernels"] = _kernels(engine, cuda)
     except Exception as exc:
-        out["kernels_per_forward"] = {"error": repr(exc)}
+        out["kernels"] = {"error": repr(exc)}
     out["cuda_graphs"] = _graph_stats(engine)
     del engine
     gc.collect()

@@ -49,7 +49,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert got["hf_naive"]["row"]["output_tokens"] == DRY.naive_requests * DRY.output_len
     # CPU: the graph-less variant only (no replay, no kernels), with its host profile.
     anatomy = got["c1_anatomy"]["variants"]
-    assert list(anatomy) == ["graphs"] and anatomy["graphs"]["kernels_per_forward"] is None
+    assert list(anatomy) == ["graphs"] and anatomy["graphs"]["kernels"] is None
     assert anatomy["graphs"]["decode_step_ms_p50"] > 0 and len(anatomy["graphs"]["tokens"]) == DRY.output_len
     assert any("forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"])
     summary = report["summary"]
