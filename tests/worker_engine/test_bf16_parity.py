@@ -14,6 +14,7 @@ anywhere, and :func:`worker_svc.engine.model_runner.inductor_options`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -127,14 +128,55 @@ def test_inductor_options_keep_eager_rounding_in_low_precision() -> None:
     assert options == {
         "freezing": True,
         "cpp_wrapper": True,
+        "cpp.enable_concat_linear": True,
         "emulate_precision_casts": True,
         "pattern_matcher": False,
     }
     assert inductor_options("cpu", torch.float16)["emulate_precision_casts"] is True
     # float32 is already exact with inductor's fusions (test_cpu_options): they stay on.
-    assert inductor_options("cpu", torch.float32) == {"freezing": True, "cpp_wrapper": True}
-    assert inductor_options("cuda", torch.bfloat16)["freezing"] is False
-    assert inductor_options("cuda", torch.bfloat16)["cpp_wrapper"] is False
+    assert inductor_options("cpu", torch.float32) == {
+        "freezing": True,
+        "cpp_wrapper": True,
+        "cpp.enable_concat_linear": True,
+    }
+    for key in ("freezing", "cpp_wrapper", "cpp.enable_concat_linear"):
+        assert inductor_options("cuda", torch.bfloat16)[key] is False
+
+
+class _Qkv(torch.nn.Module):
+    """Three linears reading one input, as an attention block's q/k/v projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(64, 64, bias=False)
+        self.k = torch.nn.Linear(64, 32, bias=False)
+        self.v = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q(x), self.k(x), self.v(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_linears_on_one_input_run_as_one_gemm_with_eager_values(dtype: torch.dtype) -> None:
+    """On CPU the q/k/v projections compile to ONE linear over the concatenated
+    weights (cpp.enable_concat_linear), and each output equals eager ``F.linear`` bit for bit."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    module = _Qkv().to(dtype).eval()
+    x = torch.randn(8, 64).to(dtype)
+    options = inductor_options("cpu", dtype)
+    options.pop("post_grad_custom_post_pass", None)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(options):
+        got, (code, *_) = run_and_get_code(torch.compile(module), x)
+        expected = module(x)
+    torch._dynamo.reset()
+    # bf16 runs oneDNN's linear, float32 MKL's: one call of either, over all three weights.
+    assert len(re.findall(r"(?:_linear_pointwise|_mkl_linear)\(", code)) == 1, code
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_compiled_mean_sums_like_eager() -> None:
