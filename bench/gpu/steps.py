@@ -7,7 +7,8 @@ import argparse
 import asyncio
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -338,7 +339,7 @@ def _replay_ms(engine: LLMEngine, cuda: bool) -> float | None:
     graphs = engine.runner.graphs
     if graphs is None or not cuda:
         return None
-    replay = graphs._replays[graphs.bucket(1)]
+    replay = graphs._replays[graphs.buckets[0]]
     replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
@@ -406,17 +407,40 @@ def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
     graphs.lens[:1].fill_(1)
     return {
         "eager_forward": _kernel_profile(graphs._bucket_forward(1)),
-        "graph_replay": _kernel_profile(graphs._replays[graphs.bucket(1)]),
+        "graph_replay": _kernel_profile(graphs._replays[graphs.buckets[0]]),
     }
 
 
-def _anatomy(ctx: StepContext, compiled: bool) -> dict[str, Any]:
+@contextmanager
+def _frozen(on: bool) -> Iterator[None]:
+    """While on, the engine compiles with inductor's ``freezing`` on CUDA too (it sets it on
+    CPU only): the weights become constants, and the linears that read one input (q/k/v,
+    gate/up) are merged into one GEMM -- inductor's concat-linear pattern, which on CUDA
+    needs no flag. The merged weights are copies: ``gpu_mem_gb`` shows what that costs."""
+    from worker_svc.engine import model_runner
+
+    original = model_runner.inductor_options
+    if on:
+        model_runner.inductor_options = lambda device_type, dtype: {
+            **original(device_type, dtype),
+            "freezing": True,
+        }
+    try:
+        yield
+    finally:
+        model_runner.inductor_options = original
+
+
+def _anatomy(ctx: StepContext, compiled: bool, frozen: bool = False) -> dict[str, Any]:
     cuda, p = _cuda(ctx), ctx.profile
     start = time.monotonic()
-    engine = LLMEngine(_anatomy_config(ctx, compiled))
-    warm_s = engine.warm_up()
+    with _frozen(frozen):
+        engine = LLMEngine(_anatomy_config(ctx, compiled))
+        warm_s = engine.warm_up()
     out: dict[str, Any] = {"load_s": round(time.monotonic() - start, 2), "warm_up_s": round(warm_s, 2)}
     out["engine"] = engine.describe()
+    if cuda:
+        out["gpu_mem_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     prompts = _workload(ctx, 3, seed=7).prompts
     _one_request(engine, prompts[0], p.output_len, "anatomy-warm")
     tokens, step_ms = _one_request(engine, prompts[1], p.output_len, "anatomy-timed")
@@ -437,7 +461,7 @@ def _anatomy(ctx: StepContext, compiled: bool) -> dict[str, Any]:
     return out
 
 
-def _compiled_parity(ctx: StepContext) -> None:
+def _compiled_parity(ctx: StepContext, frozen: bool) -> None:
     """Greedy parity with transformers (float32, tiny models) of the compiled forward under
     CUDA graphs, per architecture while the step's time box allows."""
     results: dict[str, Any] = {}
@@ -447,27 +471,35 @@ def _compiled_parity(ctx: StepContext) -> None:
             break
         path, prompts, expected = _arch_reference(ctx, name)
         base = _arch_config(ctx, path, graphs=True)
-        results[name] = _parity(_compiled_on_cuda(base), prompts, expected)
+        with _frozen(frozen):
+            results[name] = _parity(_compiled_on_cuda(base), prompts, expected)
         ctx.record("compiled_parity", results)
+
+
+# (label, compiled, frozen): the default CUDA forward first, then the compiled one to weigh
+# against it. Measured on an H200 so far: compiled without freezing, 0.81x the step
+# (bench/README.md); now compiled with freezing (merged linears).
+CUDA_VARIANTS = (("graphs", False, False), ("graphs_compiled_frozen", True, True))
 
 
 def c1_anatomy(ctx: StepContext) -> None:
     """Where a c=1 decode step's time goes, graphs on: the step's wall time, the graph replay
     alone (GPU), the rest (host), the host's top functions (cProfile) and the kernels one
     forward launches; then the same with the forward compiled under the graphs (CUDA only)."""
-    variants = [("graphs", False)] + ([("graphs_compiled", True)] if _cuda(ctx) else [])
+    variants = list(CUDA_VARIANTS if _cuda(ctx) else CUDA_VARIANTS[:1])
     done: dict[str, Any] = {}
-    for label, compiled in variants:
-        done[label] = _anatomy(ctx, compiled)
+    for label, compiled, frozen in variants:
+        done[label] = _anatomy(ctx, compiled, frozen)
         ctx.record("variants", done)
-    if len(done) == 2:
-        _compiled_parity(ctx)
-        a, b = done["graphs"]["tokens"], done["graphs_compiled"]["tokens"]
-        ctx.record(
-            "compiled_tokens_first_diff",
-            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None),
-        )
-        ctx.record(
-            "compiled_over_eager_step",
-            done["graphs_compiled"]["decode_step_ms_p50"] / done["graphs"]["decode_step_ms_p50"],
-        )
+    if len(done) < 2:
+        return
+    label, _, frozen = variants[1]
+    _compiled_parity(ctx, frozen)
+    a, b = done["graphs"]["tokens"], done[label]["tokens"]
+    ctx.record(
+        "compiled_tokens_first_diff",
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None),
+    )
+    ctx.record(
+        "compiled_over_eager_step", done[label]["decode_step_ms_p50"] / done["graphs"]["decode_step_ms_p50"]
+    )
