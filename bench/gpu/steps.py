@@ -362,10 +362,15 @@ def _host_profile(
     _one_request(engine, prompt, new_tokens, "anatomy-profiled")
     prof.disable()
     stats = pstats.Stats(prof).sort_stats("tottime")
-    rows = []
-    for (path, line, name), (_, calls, own, cum, _) in list(stats.stats.items()):  # type: ignore[attr-defined]
-        rows.append({"fn": f"{Path(path).name}:{line}({name})", "calls_per_step": calls / new_tokens,
-                     "own_us_per_step": own / new_tokens * 1e6, "cum_us_per_step": cum / new_tokens * 1e6})  # fmt: skip
+    rows = [
+        {
+            "fn": f"{Path(path).name}:{line}({name})",
+            "calls_per_step": calls / new_tokens,
+            "own_us_per_step": own / new_tokens * 1e6,
+            "cum_us_per_step": cum / new_tokens * 1e6,
+        }
+        for (path, line, name), (_, calls, own, cum, _) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
     return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
 
 
@@ -477,8 +482,8 @@ def _compiled_parity(ctx: StepContext, frozen: bool) -> None:
 
 
 # (label, compiled, frozen): the default CUDA forward first, then the compiled one to weigh
-# against it. Measured on an H200 so far: compiled without freezing, 0.81x the step
-# (bench/README.md); now compiled with freezing (merged linears).
+# against it, frozen so that the linears sharing an input merge (the unfrozen compile's
+# figures are in bench/README.md).
 CUDA_VARIANTS = (("graphs", False, False), ("graphs_compiled_frozen", True, True))
 
 

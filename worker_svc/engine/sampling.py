@@ -28,11 +28,11 @@ Fast paths (same results, less work): a batch of plain greedy rows (no penalties
 min_tokens or logprobs) is one ``argmax`` on the logits as they come (no float32 copy),
 and a batch of plain unseeded rows sampling the whole vocabulary is one native draw on them
 (:mod:`worker_svc.engine.cpu_sampling`, temperature and min-p included); on CPU every
-inverse-CDF draw runs in that kernel. When every sampled row has a top-k of at most :data:`TOP_K_FAST_MAX`, candidates come
-from ``topk`` instead of a full-vocabulary sort, and so do a batch's top-p nuclei when they
-lie within the best :data:`TOP_K_FAST_MAX` tokens; the draw runs over those candidates
-only (a seeded row still draws ``vocab`` values and races its candidates with the values
-of their token ids, so both paths pick the same token).
+inverse-CDF draw runs in that kernel. When every sampled row has a top-k of at most
+:data:`TOP_K_FAST_MAX`, candidates come from ``topk`` instead of a full-vocabulary sort, and
+so do a batch's top-p nuclei when they lie within the best :data:`TOP_K_FAST_MAX` tokens;
+the draw runs over those candidates only (a seeded row still draws ``vocab`` values and
+races its candidates with the values of their token ids, so both paths pick the same token).
 """
 
 from __future__ import annotations
