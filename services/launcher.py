@@ -218,7 +218,8 @@ class MeshConfig:
 def free_ports_config(**options: Any) -> MeshConfig:
     """A MeshConfig with ``options`` whose services all listen on free loopback ports (a
     mesh beside another: tests, benchmarks)."""
-    ports = {f.name: free_port() for f in dataclasses.fields(MeshConfig) if f.name.endswith("_port")}
+    # Base ports get room for replicas (decoder_base_port + i, scheduler_port + i).
+    ports = {f.name: free_port(count=8) for f in dataclasses.fields(MeshConfig) if f.name.endswith("_port")}
     return MeshConfig(**{**ports, **options})
 
 

@@ -51,7 +51,9 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     anatomy = got["c1_anatomy"]["variants"]
     assert list(anatomy) == ["graphs"] and anatomy["graphs"]["kernels"] is None
     assert anatomy["graphs"]["decode_step_ms_p50"] > 0 and len(anatomy["graphs"]["tokens"]) == DRY.output_len
-    assert any("forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"])
+    assert any(
+        "forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"]
+    )
     summary = report["summary"]
     assert summary["correctness_all_match"] is True
     assert summary["c1_tpot_over_roofline_eager"] > 0 and summary["c1_engine_over_hf_naive_tok_s"] > 0

@@ -730,13 +730,6 @@ class WorkerHandle:
         return self.worker.worker_id
 
 
-def free_port() -> int:
-    """A port nothing listens on (for "upstream down" tests)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     """Polls `predicate` until true or `timeout`."""
     deadline = time.monotonic() + timeout

@@ -8,9 +8,10 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fakes import EMBED_MODEL, MODEL, Harness, free_port, wait_for
+from gateway_fakes import EMBED_MODEL, MODEL, Harness, wait_for
 
 from gateway.middleware import tenant_of
+from services.redis_client import free_port
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

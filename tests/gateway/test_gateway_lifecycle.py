@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_fakes import MODEL, Harness, free_port, wait_for
+from gateway_fakes import MODEL, Harness, wait_for
+
+from services.redis_client import free_port
 
 CHAT = "/v1/chat/completions"
 SLOW = [{"role": "user", "content": "SLOW"}]
