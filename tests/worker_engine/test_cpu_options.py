@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
 from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
@@ -143,10 +144,13 @@ def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
 
 
 def test_warm_up_compiles_before_the_first_request(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
-    """What the worker runs before it reports ready: afterwards no request compiles (a single
+    """What the worker runs before it reports ready: two graphs (a step of 1 token and one of
+    many; the row count is not specialized), afterwards no request compiles (a single
     sequence and a batch), the prefix cache is empty again and the counters start at 0."""
     engine = make_engine(compile_model=True, max_num_batched_tokens=32)
+    graphs = counters["stats"]["unique_graphs"]
     assert engine.warm_up() > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 2
     compiled = engine.runner.compile_seconds
     assert engine.stats().num_free_blocks == engine.model_info.num_kv_blocks
     assert (engine.num_steps, engine.num_finished, engine.num_generated_tokens) == (0, 0, 0)

@@ -335,11 +335,12 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Runs each shape class of the forward once, so that a compiled model compiles now,
         before the worker reports ready, not on a user's first request; then empties the
-        prefix cache it filled. A compiled graph is specialized on whether the step's tokens and
-        its sampled rows are 1 or more: one prompt alone (prefill: many tokens, one row; decode:
-        one and one), then two together (many and two). Returns the seconds it took (0 when the
-        model is not compiled: eager needs no warm-up). A model the compiler fails on is served
-        eagerly (a warning, and the start-up log says why): slower, never wrong."""
+        prefix cache it filled. A compiled graph is specialized on whether the step has 1 token
+        or more: one prompt alone (prefill: many tokens, one row; decode: one and one), then two
+        together (many tokens and rows: the same graph as prefill, which a warm-up checks rather
+        than assumes). Returns the seconds it took (0 when the model is not compiled: eager
+        needs no warm-up). A model the compiler fails on is served eagerly (a warning, and the
+        start-up log says why): slower, never wrong."""
         if not self.config.compiles:
             return 0.0
         start = time.monotonic()

@@ -148,8 +148,9 @@ class ModelRunner:
             self.lora = LoraManager(
                 self.model, config.max_loras, config.max_lora_rank, config.cpu_lora_capacity
             )
-        # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by
-        # torch's 0/1 specialization). Attention stays an opaque custom op in the graph.
+        # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by torch's
+        # 0/1 specialization; the kept rows are unbacked, _compiled_forward). Attention stays
+        # an opaque custom op in the graph.
         self._compiled: Any = None
         if config.compiles:
             if self.dtype in (torch.bfloat16, torch.float16):
@@ -367,6 +368,12 @@ class ModelRunner:
         # The patch object is built once: building it per call was ~1 % of a decode step.
         if self._inductor_patch is None:
             self._inductor_patch = inductor_config.patch(inductor_options(self.device.type, self.dtype))
+        keep = kwargs.get("logits_to_keep")
+        if keep is not None and kwargs["input_ids"].shape[1] > 1:
+            # Past one token the sampled rows' count is unbacked, so 1 row is not specialized:
+            # one graph serves prefill of one prompt and batches alike; a step of one token (one
+            # row) keeps its own graph (docs/design-decisions.md).
+            torch._dynamo.decorators.mark_unbacked(keep, 0)
         with self._inductor_patch:
             out = self._compiled(**kwargs)
         if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
