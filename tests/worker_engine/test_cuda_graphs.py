@@ -96,8 +96,14 @@ def test_windowed_model_replays_like_eager(tmp_path: Any, backend: str) -> None:
     case = next(c for c in CASES if c.name == "Gemma 3")  # sliding window of 8, shorter than the prompts
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(tmp_path)
+    # Eager, as CUDA graphs capture it (a compiled forward is CPU's default, not the graphs').
     config = EngineConfig(
-        model_dir=str(tmp_path), block_size=4, num_kv_blocks=64, dtype="float32", max_num_seqs=4
+        model_dir=str(tmp_path),
+        block_size=4,
+        num_kv_blocks=64,
+        dtype="float32",
+        max_num_seqs=4,
+        compile_model=False,
     )
     eager, engine = LLMEngine(config), LLMEngine(config)
     _ENGINES.extend((eager, engine))
