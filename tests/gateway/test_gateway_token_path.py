@@ -24,12 +24,12 @@ from gateway_fakes import (
     Harness,
     decode,
     encode,
-    free_port,
     start_fake,
     wait_for,
 )
 
 from meshserve.v1 import scheduler_pb2_grpc
+from services.redis_client import free_port
 
 CHAT = "/v1/chat/completions"
 HELLO0 = "Hello from choice 0! The quick brown fox jumps over the lazy dog."
