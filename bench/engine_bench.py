@@ -230,7 +230,7 @@ class VllmServer:
 
     def __init__(self, venv: str, model_dir: str, dtype: str, log_path: str) -> None:
         from bench.mesh_client import model_name
-        from services.redis_client import free_port
+        from services.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.host import host_info, pin_engines
 from bench.mesh_client import free_ports_config
 from services.launcher import Mesh
-from services.redis_client import free_port
+from services.ports import free_port
 
 DEFAULT_MODEL = Path(".cache/models/smollm2-135m-instruct")
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

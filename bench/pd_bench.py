@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.host import host_info, pin_engines
 from bench.mesh_client import completion_body, free_ports_config
 from services.launcher import Mesh
-from services.redis_client import free_port
+from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pd_bench.json"

@@ -81,7 +81,7 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from services import launcher
 from services.kv_hash import block_hashes
 from services.launcher import free_ports_config
-from services.redis_client import free_port
+from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "routing_open.json"

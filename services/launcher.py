@@ -38,7 +38,7 @@ from scheduler_svc.config import SchedulerConfig
 from services import ports
 from services.clock import Clock
 from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
-from services.redis_client import RedisServer, free_port
+from services.redis_client import RedisServer
 from services.rpc import check_health
 from worker_svc.config import WorkerConfig
 from worker_svc.engine.config import EngineConfig
@@ -219,8 +219,10 @@ def free_ports_config(**options: Any) -> MeshConfig:
     """A MeshConfig with ``options`` whose services all listen on free loopback ports (a
     mesh beside another: tests, benchmarks)."""
     # Base ports get room for replicas (decoder_base_port + i, scheduler_port + i).
-    ports = {f.name: free_port(count=8) for f in dataclasses.fields(MeshConfig) if f.name.endswith("_port")}
-    return MeshConfig(**{**ports, **options})
+    chosen = {
+        f.name: ports.free_port(count=8) for f in dataclasses.fields(MeshConfig) if f.name.endswith("_port")
+    }
+    return MeshConfig(**{**chosen, **options})
 
 
 def _common_env(config: MeshConfig, redis_url: str) -> dict[str, str]:

@@ -1,10 +1,12 @@
 """Who listens on a TCP port: the launcher's checks that a port is free and that the process
-answering on it is the one it started (Linux /proc; elsewhere nothing is known and nothing is refused).
+answering on it is the one it started (Linux /proc; elsewhere nothing is known and nothing is refused),
+and free ports for meshes started beside others.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -77,3 +79,22 @@ def busy(host: str, port: int) -> str | None:
             holders = ", ".join(f"pid {pid} ({_command(pid)})" for pid in listeners(port))
             return holders or exc.strerror or str(exc)
     return None
+
+
+# Ports for services started beside others (tests, benchmarks) come from below the kernel's
+# ephemeral range (32768-60999 by default): a port bind(0) just returned can be taken by any
+# outgoing connection before the service binds it; these cannot.
+_PORT_RANGE = (20000, 32768)
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of `count` consecutive ports free on `host`, none handed out before by this
+    process (a service with replicas listens on port + i)."""
+    for _ in range(1000):
+        start = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
+        ports = range(start, start + count)
+        if _handed_out.isdisjoint(ports) and not any(busy(host, p) for p in ports):
+            _handed_out.update(ports)
+            return start
+    raise RuntimeError(f"no {count} consecutive free ports in {_PORT_RANGE} on {host}")

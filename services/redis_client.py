@@ -4,7 +4,6 @@ local launcher."""
 from __future__ import annotations
 
 import logging
-import random
 import shutil
 import socket
 import subprocess
@@ -12,6 +11,8 @@ import tempfile
 import time
 
 import redis.asyncio as aioredis
+
+from services.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -28,35 +29,6 @@ def connect(url: str) -> aioredis.Redis:
         health_check_interval=5,
         decode_responses=False,
     )
-
-
-# Ports for services started beside others (tests, benchmarks) come from below the kernel's
-# ephemeral range (32768-60999 by default): a port bind(0) just returned can be taken by any
-# outgoing connection before the service binds it; these cannot.
-_PORT_RANGE = (20000, 32768)
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
-    """The first of `count` consecutive ports free on `host`, none handed out before by this
-    process (a service with replicas listens on port + i)."""
-    for _ in range(1000):
-        start = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
-        ports = range(start, start + count)
-        if not _handed_out.isdisjoint(ports) or not all(_bindable(host, p) for p in ports):
-            continue
-        _handed_out.update(ports)
-        return start
-    raise RuntimeError(f"no {count} consecutive free ports in {_PORT_RANGE} on {host}")
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class RedisServer:

@@ -38,7 +38,7 @@ from services.launcher import (
     describe_exit,
     free_ports_config,
 )
-from services.redis_client import free_port
+from services.ports import free_port
 from services.rpc import check_health
 from services.server import GrpcServer
 from tests.fake_clock import FakeClock

@@ -23,7 +23,8 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
 from services.launcher import Mesh, free_ports_config
-from services.redis_client import RedisServer, free_port
+from services.ports import free_port
+from services.redis_client import RedisServer
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
 GREEDY = {"temperature": 0}  # the anthropic SDK has no sampling arguments: sent as extra body

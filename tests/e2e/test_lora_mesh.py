@@ -18,7 +18,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
 from services.launcher import Mesh, free_ports_config
-from services.redis_client import RedisServer, free_port
+from services.ports import free_port
+from services.redis_client import RedisServer
 from tests.lora_kit import base_model, build_adapters, greedy, peft_greedy
 from tests.reliability.meshkit import metric_value
 

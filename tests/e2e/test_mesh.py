@@ -15,7 +15,8 @@ from openai.types import Completion
 from transformers import AutoTokenizer
 
 from services.launcher import Mesh, free_ports_config
-from services.redis_client import RedisServer, free_port
+from services.ports import free_port
+from services.redis_client import RedisServer
 from tests.reliability.meshkit import metric_value
 from worker_svc.embedding import default_embedding_model_dir
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams

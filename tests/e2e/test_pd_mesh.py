@@ -19,7 +19,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.launcher import Mesh, free_ports_config
-from services.redis_client import RedisServer, free_port
+from services.ports import free_port
+from services.redis_client import RedisServer
 from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from worker_svc.kv_grpc import FAULT_ENV

@@ -15,7 +15,7 @@ from gateway_fakes import Harness, RunningGateway
 
 from gateway import response_store
 from gateway.response_store import ResponseStore, StoredResponse
-from services.redis_client import free_port
+from services.ports import free_port
 from tests.fake_clock import FakeClock
 
 HELLO = "Hello from choice 0! The quick brown fox jumps over the lazy dog."

@@ -11,7 +11,7 @@ import pytest
 from gateway_fakes import EMBED_MODEL, MODEL, Harness, wait_for
 
 from gateway.middleware import tenant_of
-from services.redis_client import free_port
+from services.ports import free_port
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

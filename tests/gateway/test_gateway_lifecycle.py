@@ -17,7 +17,7 @@ import httpx
 import pytest
 from gateway_fakes import MODEL, Harness, wait_for
 
-from services.redis_client import free_port
+from services.ports import free_port
 
 CHAT = "/v1/chat/completions"
 SLOW = [{"role": "user", "content": "SLOW"}]

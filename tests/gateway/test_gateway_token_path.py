@@ -29,7 +29,7 @@ from gateway_fakes import (
 )
 
 from meshserve.v1 import scheduler_pb2_grpc
-from services.redis_client import free_port
+from services.ports import free_port
 
 CHAT = "/v1/chat/completions"
 HELLO0 = "Hello from choice 0! The quick brown fox jumps over the lazy dog."

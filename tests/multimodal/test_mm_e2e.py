@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from services.launcher import Mesh, free_ports_config
-from services.redis_client import RedisServer, free_port
+from services.ports import free_port
+from services.redis_client import RedisServer
 from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes
 from tests.reliability.meshkit import metric_value
 

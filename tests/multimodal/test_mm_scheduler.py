@@ -24,7 +24,7 @@ from encoder_cache_svc.servicer import EncoderCacheServicer, RedisMetadata
 from encoder_cache_svc.store import EncoderCacheStore
 from meshserve.v1 import common_pb2, encoder_cache_pb2_grpc, worker_pb2
 from services.encoder_cache_client import CachedTensor, EncoderCacheClient, cache_key
-from services.redis_client import free_port
+from services.ports import free_port
 from services.server import GrpcServer
 from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, SchedulerFactory
 from tests.scheduler_svc.conftest import start_scheduler as _start_scheduler  # noqa: F401  (a fixture)

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.launcher import Mesh, MeshConfig, ServiceSpec, free_ports_config
-from services.redis_client import free_port
+from services.ports import free_port
 
 MODEL_NAME = "tiny"
 IMAGE_SEQ_LENGTH = 4

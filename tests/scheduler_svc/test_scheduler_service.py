@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.redis_client import free_port
+from services.ports import free_port
 from services.rpc import check_health
 from tests.fake_clock import FakeClock
 from tests.reliability.meshkit import metric_value

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import redis_client
-from services.redis_client import free_port
+from services import ports
+from services.ports import free_port
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -40,5 +40,5 @@ def test_a_port_another_socket_holds_is_skipped(monkeypatch: pytest.MonkeyPatch)
                 continue
         held.listen()
         choices = iter([port - 1, port + 50])
-        monkeypatch.setattr(redis_client.random, "randrange", lambda *_: next(choices))
+        monkeypatch.setattr(ports.random, "randrange", lambda *_: next(choices))
         assert free_port(count=2) == port + 50

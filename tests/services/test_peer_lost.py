@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
-from services.redis_client import free_port
+from services.ports import free_port
 from services.rpc import peer_lost
 
 pytestmark = pytest.mark.timeout(60)

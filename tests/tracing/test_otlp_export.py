@@ -22,7 +22,7 @@ import pytest
 
 from meshserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services import tracing
-from services.redis_client import free_port
+from services.ports import free_port
 from services.rpc import check_health
 from tests.tracing.otlp_receiver import SpanRecord, otlp_receiver, otlp_tracing
 

@@ -22,7 +22,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services import tracing
-from services.redis_client import free_port
+from services.ports import free_port
 from services.server import GrpcServer
 from tests.tracing.otlp_receiver import SpanRecord, otlp_receiver, otlp_tracing
 from tests.worker_svc.worker_kit import worker_process
