@@ -1,10 +1,13 @@
-"""The engine leaves no OpenMP thread pool behind on the thread that builds it.
+"""The engine leaves no OpenMP thread pool behind on the thread that builds it, and
+runs its forward at the scheduling class it was given.
 
 libgomp keeps a pool per thread that ran a parallel region, for the thread's life; one
 left on the builder's thread beside the engine thread's makes libgomp manage more
 threads than CPUs and cut every barrier's spin short, so the engine thread sleeps and is
-woken at almost every op (async_engine._build_on_own_thread; bench/README "Session 17").
-Each check runs in a fresh interpreter: a pool made by an earlier test would hide it.
+woken at almost every op (async_engine._build_on_own_thread; docs/design-decisions.md,
+"Torch work on one long-lived thread per process"). The checks run in fresh
+interpreters, one per module-scoped fixture: a pool made by an earlier test of this
+process would hide what they look for.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from worker_svc.engine import AsyncLLMEngine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Prints how many native threads that Python did not start (OpenMP's pool workers) the
-# build left in the process. A KV cache of a few MB makes its zero-fill a parallel region.
+# Builds an AsyncLLMEngine, then an LLMEngine on the calling thread, and prints after
+# each build how many native threads that Python did not start (OpenMP's pool workers)
+# the builds have left in the process. The async build comes first: a pool left by the
+# caller's build would be counted against it. A KV cache of a few MB makes its zero-fill
+# a parallel region.
 _PROBE = r"""
 import os, sys, threading, time
 import torch
@@ -34,16 +40,18 @@ def foreign_threads():
 
 before = foreign_threads()
 config = EngineConfig(model_dir=sys.argv[1], num_kv_blocks=4096, dtype="float32", compile_model=False)
-engine = LLMEngine(config) if sys.argv[2] == "caller" else AsyncLLMEngine(config)
-deadline = time.monotonic() + 10  # a freed pool's threads exit just after the join
-while foreign_threads() - before and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(len(foreign_threads() - before))
+engines = []
+for where in ("async", "caller"):
+    engines.append(LLMEngine(config) if where == "caller" else AsyncLLMEngine(config))
+    deadline = time.monotonic() + 10  # a freed pool's threads exit just after the join
+    while foreign_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(where, len(foreign_threads() - before))
 """
 
 
-def _run_probe(probe: str, *args: str) -> str:
-    """Runs `probe` in a fresh interpreter; the last line it printed."""
+def _run_probe(probe: str, *args: str) -> list[str]:
+    """Runs `probe` in a fresh interpreter; the lines it printed."""
     # OpenBLAS (numpy's, scipy's) starts server threads of its own at import: not OpenMP's.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -52,24 +60,27 @@ def _run_probe(probe: str, *args: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         check=True,
     )
-    return done.stdout.strip().splitlines()[-1]
+    return done.stdout.strip().splitlines()
 
 
-def _pool_threads_left(model_dir: str, where: str) -> int:
-    return int(_run_probe(_PROBE, model_dir, where))
+@pytest.fixture(scope="module")
+def pool_threads_left(tiny_model_dir: str) -> dict[str, int]:
+    """Where the engine was built ("async", "caller") -> OpenMP pool threads left."""
+    lines = _run_probe(_PROBE, tiny_model_dir)
+    return {where: int(count) for where, count in (line.split() for line in lines[-2:])}
 
 
-def test_building_on_the_callers_thread_leaves_a_pool(tiny_model_dir: str) -> None:
+def test_building_on_the_callers_thread_leaves_a_pool(pool_threads_left: dict[str, int]) -> None:
     """The probe sees the pool a build on the caller's thread leaves (else the next
     test could pass for want of a parallel region in the build)."""
-    assert _pool_threads_left(tiny_model_dir, "caller") >= 1
+    assert pool_threads_left["caller"] >= 1
 
 
-def test_async_engine_build_leaves_no_pool(tiny_model_dir: str) -> None:
-    assert _pool_threads_left(tiny_model_dir, "async") == 0
+def test_async_engine_build_leaves_no_pool(pool_threads_left: dict[str, int]) -> None:
+    assert pool_threads_left["async"] == 0
 
 
 def test_a_failed_build_raises_on_the_callers_thread(tmp_path: Path) -> None:
@@ -78,10 +89,10 @@ def test_a_failed_build_raises_on_the_callers_thread(tmp_path: Path) -> None:
         AsyncLLMEngine(EngineConfig(model_dir=str(tmp_path), dtype="float32", compile_model=False))
 
 
-# Runs one request through an AsyncLLMEngine with the given thread_priority and prints the
-# scheduling policy (field 41 of /proc/<tid>/stat) of: the caller's thread, the engine's
-# step thread, and every thread the run started that Python did not (the OpenMP workers
-# of the step thread's forward).
+# For each engine_priority given, runs one request through an AsyncLLMEngine (shut down
+# before the next) and prints the priority and the scheduling policy (field 41 of
+# /proc/<tid>/stat) of: the caller's thread, the engine's step thread, and every thread
+# the run started that Python did not (the OpenMP workers of the step thread's forward).
 _PRIORITY_PROBE = r"""
 import asyncio, os, sys, threading
 import torch
@@ -95,15 +106,20 @@ def policy(tid):
 def foreign():
     return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
 
-async def main():
+async def run(priority):
     before = foreign()
-    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=sys.argv[2], compile_model=False))
+    engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=priority, compile_model=False))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     async for _ in engine.generate("r", list(range(5, 69)), params):
         pass
     step = next(t for t in threading.enumerate() if t.name == "meshserve-engine")
-    print(policy(threading.get_native_id()), policy(step.native_id), sorted(policy(t) for t in foreign() - before))
+    workers = sorted(policy(t) for t in foreign() - before)
+    print(priority, policy(threading.get_native_id()), policy(step.native_id), ",".join(map(str, workers)))
     await engine.shutdown()
+
+async def main():
+    for priority in sys.argv[2:]:
+        await run(priority)
 
 asyncio.run(main())
 """
@@ -111,22 +127,31 @@ asyncio.run(main())
 _SCHED_IDLE = 5
 
 
-def _policies(model_dir: str, priority: str) -> tuple[int, int, list[int]]:
-    caller, step, workers = _run_probe(_PRIORITY_PROBE, model_dir, priority).split(" ", 2)
-    return int(caller), int(step), [int(p) for p in workers.strip("[]").split(",") if p.strip()]
+@pytest.fixture(scope="module")
+def policies(tiny_model_dir: str) -> dict[str, tuple[int, int, list[int]]]:
+    """engine_priority -> scheduling policies of (caller's thread, step thread, OpenMP workers)."""
+    result = {}
+    for line in _run_probe(_PRIORITY_PROBE, tiny_model_dir, "auto", "normal")[-2:]:
+        priority, caller, step, workers = [*line.split(), ""][:4]
+        result[priority] = (int(caller), int(step), [int(p) for p in workers.split(",") if p])
+    return result
 
 
-def test_idle_priority_covers_the_forward_and_nothing_else(tiny_model_dir: str) -> None:
+def test_idle_priority_covers_the_forward_and_nothing_else(
+    policies: dict[str, tuple[int, int, list[int]]],
+) -> None:
     """ "auto" on CPU: the step thread and the OpenMP workers of its forward run at
     SCHED_IDLE (so the relays sharing their CPUs preempt them at once); the caller's
     thread keeps its class."""
-    caller, step, workers = _policies(tiny_model_dir, "auto")
+    caller, step, workers = policies["auto"]
     assert caller == os.SCHED_OTHER
     assert step == _SCHED_IDLE
     assert workers and set(workers) == {_SCHED_IDLE}, workers
 
 
-def test_normal_priority_leaves_the_engine_threads_alone(tiny_model_dir: str) -> None:
-    caller, step, workers = _policies(tiny_model_dir, "normal")
+def test_normal_priority_leaves_the_engine_threads_alone(
+    policies: dict[str, tuple[int, int, list[int]]],
+) -> None:
+    caller, step, workers = policies["normal"]
     assert (caller, step) == (os.SCHED_OTHER, os.SCHED_OTHER)
     assert workers and set(workers) == {os.SCHED_OTHER}, workers
