@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from worker_svc.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
@@ -68,20 +70,67 @@ def _no_leaked_blocks() -> Iterator[None]:
         assert engine.block_manager.num_used_blocks() == 0, "test leaked KV blocks"
 
 
+def new_engine(model_dir: str, **overrides: Any) -> LLMEngine:
+    """An engine of `model_dir`: float32 (the reference's dtype) and eager unless
+    overridden, whatever ``dtype="auto"`` and ``compile_model`` default to."""
+    kwargs: dict[str, Any] = {"model_dir": model_dir, "num_kv_blocks": 128, "dtype": "float32"}
+    kwargs["compile_model"] = False
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir: str) -> Callable[..., LLMEngine]:
-    """Factory: ``make_engine(**EngineConfig overrides)``; float32 (the reference's dtype) and
-    eager unless overridden, whatever ``dtype="auto"`` and ``compile_model`` default to."""
+    """Factory: ``make_engine(**EngineConfig overrides)`` (see `new_engine`)."""
 
     def factory(**overrides: Any) -> LLMEngine:
-        kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
-        kwargs["compile_model"] = False
-        kwargs.update(overrides)
-        engine = LLMEngine(EngineConfig(**kwargs))
+        engine = new_engine(overrides.pop("model_dir", tiny_model_dir), **overrides)
         _ENGINES.append(engine)
         return engine
 
     return factory
+
+
+@dataclass(frozen=True)
+class WarmedUp:
+    """A compiled engine right after `warm_up`, and what the warm-up did."""
+
+    engine: LLMEngine
+    seconds: float
+    new_graphs: int
+    free_blocks: int
+    counts: tuple[int, int, int]  # steps, finished requests, generated tokens
+
+
+@pytest.fixture(scope="session")
+def _warmed_up(tiny_model_dir: str) -> WarmedUp:
+    engine = new_engine(tiny_model_dir, compile_model=True, max_num_batched_tokens=32)
+    graphs = counters["stats"]["unique_graphs"]
+    # Under the tests' one thread (_no_leaked_blocks; set after this session fixture):
+    # dynamo's global-state guard includes torch's thread count, so graphs compiled under
+    # another count would compile again on the tests' first step.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = engine.warm_up()
+    finally:
+        torch.set_num_threads(threads)
+    return WarmedUp(
+        engine,
+        seconds,
+        counters["stats"]["unique_graphs"] - graphs,
+        engine.stats().num_free_blocks,
+        (engine.num_steps, engine.num_finished, engine.num_generated_tokens),
+    )
+
+
+@pytest.fixture
+def warmed_up(_warmed_up: WarmedUp) -> WarmedUp:
+    """One compiled engine of the tiny model, warmed up as the worker does before it
+    reports ready, shared by the tests of the compiled forward (each compile takes most
+    of a minute on 2 cores); each test using it must leave no KV block in use."""
+    _ENGINES.append(_warmed_up.engine)
+    return _warmed_up
 
 
 def prompts(*lengths: int, seed: int = 1) -> list[list[int]]:

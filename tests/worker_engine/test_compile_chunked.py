@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
+from tests.worker_engine.conftest import WarmedUp, hf_greedy, prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams
 
 
@@ -46,14 +46,14 @@ def test_a_model_the_compiler_fails_on_is_served_eagerly(
 
 
 def test_two_compiled_engines_in_one_process_keep_their_own_models(
-    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM, tmp_path: Path
+    warmed_up: WarmedUp, make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM, tmp_path: Path
 ) -> None:
     """The compiled forward checks no guard on the model (runtime_guards): a second engine
     compiling another model of the same class once ran the first one's graph (its frozen
     weights; out-of-range token ids past the first's vocabulary). Each keeps its own."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     (prompt,) = prompts(15, seed=5)
-    first = make_engine(compile_model=True)
+    first = warmed_up.engine
     assert tokens(run_all(first, [("a", prompt, params)])["a"]) == hf_greedy(hf_model, prompt, 4)
     torch.manual_seed(0)
     other = LlamaForCausalLM(LlamaConfig(**{**hf_model.config.to_dict(), "vocab_size": 700}))

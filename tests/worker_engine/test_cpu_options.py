@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
-from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
+from tests.worker_engine.conftest import WarmedUp, hf_greedy, prompts, run_all, tokens
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
 from worker_svc.engine.config import cpu_flags, default_dtype, parse_cpu_list, resolved_thread_priority
 
@@ -51,17 +50,20 @@ def test_bf16_greedy_matches_transformers_generate_in_bf16(make_engine: Factory,
         assert tokens(outs[f"r{i}"]) == hf_greedy(reference, p, GREEDY.max_tokens), f"prompt {i}"
 
 
-def test_compiled_forward_matches_transformers(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+def test_compiled_forward_matches_transformers(warmed_up: WarmedUp, hf_model: LlamaForCausalLM) -> None:
     """One batch (several sequences, chunked prefill mixed with decodes), then one sequence
-    alone (batch size 1 is its own compiled graph): greedy tokens equal ``generate``."""
-    engine = make_engine(compile_model=True, max_num_batched_tokens=32)
+    alone (a one-token decode step is its own compiled graph): greedy tokens equal
+    ``generate``, and no request compiles after the warm-up."""
+    engine = warmed_up.engine
+    compiled = engine.runner.compile_seconds
+    assert compiled > 0
     ps = prompts(7, 30, 45, seed=4)
     outs = run_all(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)])
     solo = run_all(engine, [("solo", ps[0], GREEDY)])
     for i, p in enumerate(ps):
         assert tokens(outs[f"r{i}"]) == hf_greedy(hf_model, p, GREEDY.max_tokens), f"prompt {i}"
     assert tokens(solo["solo"]) == tokens(outs["r0"])
-    assert engine.runner.compile_seconds > 0
+    assert engine.runner.compile_seconds == compiled, "a request compiled after the warm-up"
 
 
 def test_runtime_guards_keep_shape_and_input_guards_only() -> None:
@@ -143,17 +145,18 @@ def test_worker_config_resolves_auto_dtype_and_checks_affinity() -> None:
         from_options(WorkerConfig, model_dir="/x", cpu_affinity="z")
 
 
-def test_warm_up_compiles_before_the_first_request(make_engine: Factory, hf_model: LlamaForCausalLM) -> None:
+def test_warm_up_compiles_before_the_first_request(
+    warmed_up: WarmedUp, make_engine: Factory, hf_model: LlamaForCausalLM
+) -> None:
     """What the worker runs before it reports ready: two graphs (a step of 1 token and one of
     many; the row count is not specialized), afterwards no request compiles (a single
     sequence and a batch), the prefix cache is empty again and the counters start at 0."""
-    engine = make_engine(compile_model=True, max_num_batched_tokens=32)
-    graphs = counters["stats"]["unique_graphs"]
-    assert engine.warm_up() > 0
-    assert counters["stats"]["unique_graphs"] - graphs == 2
+    engine = warmed_up.engine
+    assert warmed_up.seconds > 0
+    assert warmed_up.new_graphs == 2
+    assert warmed_up.free_blocks == engine.model_info.num_kv_blocks
+    assert warmed_up.counts == (0, 0, 0)
     compiled = engine.runner.compile_seconds
-    assert engine.stats().num_free_blocks == engine.model_info.num_kv_blocks
-    assert (engine.num_steps, engine.num_finished, engine.num_generated_tokens) == (0, 0, 0)
     ps = prompts(5, 21, seed=7)
     outs = run_all(engine, [("solo", ps[0], GREEDY)])
     outs.update(run_all(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]))
