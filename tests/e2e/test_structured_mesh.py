@@ -137,17 +137,18 @@ def test_extras_choice_regex(client: openai.OpenAI, model: str) -> None:
         extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
     )
     assert reply.choices[0].message.content in ("alpha", "beta")
+    # [0-9], not \d: llguidance's \d is any Unicode decimal digit (a random model once
+    # sampled U+10D48, a digit Python's Unicode tables predate).
+    code = r"[A-Z]{2}-[0-9]{3}"
     done = client.completions.create(
         model=model,
         prompt="Code:",
         max_tokens=20,
         temperature=1.0,
-        # [0-9], not \d: llguidance's \d is any Unicode decimal digit (a random model once
-        # sampled U+10D48, a digit Python's Unicode tables predate).
-        extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-[0-9]{3}"}},
+        extra_body={"structured_outputs": {"regex": code}},
     )
     text = done.choices[0].text
-    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", text), text
+    assert re.fullmatch(code, text), text
 
 
 def test_json_object_and_grammar_through_the_mesh(client: openai.OpenAI, model: str) -> None:

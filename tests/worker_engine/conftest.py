@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,18 +53,25 @@ def hf_model(tiny_model_dir: str) -> LlamaForCausalLM:
 _ENGINES: list[LLMEngine] = []
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_blocks() -> Iterator[None]:
-    """Every engine a test made must end with all KV blocks released.
-
-    Also pins torch to one intra-op thread for the test: the tiny model gains nothing
-    from parallelism, and on a loaded 2-core box OpenMP barriers cost milliseconds/op.
-    """
-    _ENGINES.clear()
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Torch on one intra-op thread inside: the tiny model gains nothing from parallelism,
+    and on a loaded 2-core box OpenMP barriers cost milliseconds/op."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_blocks() -> Iterator[None]:
+    """Every engine a test made must end with all KV blocks released; the test runs on
+    one torch thread (`_one_torch_thread`)."""
+    _ENGINES.clear()
+    with _one_torch_thread():
+        yield
     engines = list(_ENGINES)
     _ENGINES.clear()
     for engine in engines:
@@ -109,12 +117,8 @@ def _warmed_up(tiny_model_dir: str) -> WarmedUp:
     # Under the tests' one thread (_no_leaked_blocks; set after this session fixture):
     # dynamo's global-state guard includes torch's thread count, so graphs compiled under
     # another count would compile again on the tests' first step.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_torch_thread():
         seconds = engine.warm_up()
-    finally:
-        torch.set_num_threads(threads)
     return WarmedUp(
         engine,
         seconds,
