@@ -4,7 +4,8 @@
         --model tiny-llama=/tmp/peer/tiny-llama --model smollm2-135m-instruct=.cache/models/smollm2-135m-instruct \\
         --concurrency 1,8,32 --rounds 3 --out bench/results/served_vs_vllm.json
 
-The client is vLLM's `vllm bench serve` (random prompts, 128 in / 64 out, ignore_eos). Per model and
+The client is vLLM's `vllm bench serve` (random prompts, 128 in / 64 out, ignore_eos, max(64, 4c)
+prompts per run: `--min-prompts`). Per model and
 round, each server is started, benchmarked at every concurrency and stopped before the other starts
 (they share the host's cores); the order of the two alternates between rounds. The mesh runs as
 `make serve` runs it (`python -m services.launcher up --model-dir DIR`, its defaults, no flags); vLLM
@@ -90,9 +91,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def bench_command(vllm: str, port: int, name: str, tokenizer: str, concurrency: int, out: Path) -> list[str]:
+def bench_command(
+    vllm: str, port: int, name: str, tokenizer: str, concurrency: int, min_prompts: int, out: Path
+) -> list[str]:
     """`vllm bench serve` at one concurrency, its result saved as JSON in `out`."""
-    prompts = max(16, 4 * concurrency)
+    prompts = max(min_prompts, 4 * concurrency)
     return [
         vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
         "--endpoint", "/v1/completions", "--model", name, "--tokenizer", tokenizer,
@@ -105,7 +108,7 @@ def bench_command(vllm: str, port: int, name: str, tokenizer: str, concurrency: 
 
 
 def run_server(
-    server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int]
+    server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
 ) -> list[dict]:
     """Starts `server`, benchmarks it at each concurrency, stops it; one record per run."""
     records = []
@@ -120,7 +123,7 @@ def run_server(
             up_s = wait_up(server.port, proc)
             for c in concurrencies:
                 out = Path(tmp) / f"c{c}.json"
-                cmd = bench_command(vllm, server.port, name, tokenizer, c, out)
+                cmd = bench_command(vllm, server.port, name, tokenizer, c, min_prompts, out)
                 subprocess.run(
                     cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True
                 )
@@ -168,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per model and system (default 3)")
+    parser.add_argument(
+        "--min-prompts",
+        type=int,
+        default=64,
+        help="prompts per run: max(this, 4 * concurrency) (default 64; fewer leave a TTFT median to chance)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/served_vs_vllm.json")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -175,8 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict = {
         "command": " ".join(["python -m bench.served_vs_vllm", *(argv if argv is not None else sys.argv[1:])]),
         "host": host_info(), "dtype": dtype,
-        "workload": "vllm bench serve, random 128 in / 64 out, ignore_eos, max(16, 4*c) prompts", "models": {},
-        "client_command": " ".join(bench_command(args.vllm, 0, "NAME", "DIR", 0, Path("RESULT.json"))),
+        "workload": f"vllm bench serve, random 128 in / 64 out, ignore_eos, max({args.min_prompts}, 4*c) prompts",
+        "models": {},
+        "client_command": " ".join(
+            bench_command(args.vllm, 0, "NAME", "DIR", 0, args.min_prompts, Path("RESULT.json"))
+        ),
     }  # fmt: skip
     for spec in args.model:
         name, model_dir = spec.split("=", 1)
@@ -185,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for round_index in range(args.rounds):
             print(f"{name}: round {round_index + 1}/{args.rounds}", flush=True)
             for server in pair if round_index % 2 == 0 else pair[::-1]:
-                for record in run_server(server, args.vllm, name, model_dir, concurrencies):
+                for record in run_server(server, args.vllm, name, model_dir, concurrencies, args.min_prompts):
                     runs.append({"round": round_index + 1, **record})
         commands = {s.system: " ".join(s.command) for s in pair}
         report["models"][name] = {
