@@ -5,13 +5,12 @@
         --concurrency 1,8,32 --rounds 3 --out bench/results/served_vs_vllm.json
 
 The client is vLLM's `vllm bench serve` (random prompts, 128 in / 64 out, ignore_eos, max(64, 4c)
-prompts per run: `--min-prompts`). Per model and
-round, each server is started, benchmarked at every concurrency and stopped before the other starts
-(they share the host's cores); the order of the two alternates between rounds. The mesh runs as
-`make serve` runs it (`python -m services.launcher up --model-dir DIR`, its defaults, no flags); vLLM
-gets the dtype the mesh resolves on this host (`default_dtype`), so both compute alike. The JSON holds
-every run, the medians per system and concurrency, the ratios mesh / vLLM, the host's CPU model and
-the exact commands.
+prompts per run: `--min-prompts`). Per model and round, each server is started, benchmarked at every
+concurrency and stopped before the other starts (they share the host's cores); the order of the two
+alternates between rounds. The mesh runs as `make serve` runs it (`python -m services.launcher up
+--model-dir DIR`, its defaults, no flags); vLLM gets the dtype the mesh resolves on this host
+(`default_dtype`), so both compute alike. The JSON holds every run, the medians per system and
+concurrency, the ratios mesh / vLLM, the host's CPU model and the exact commands.
 """
 
 from __future__ import annotations
