@@ -407,9 +407,7 @@ def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
     graphs = engine.runner.graphs
     if graphs is None or not cuda:
         return None
-    graphs.slots[:1].fill_(graphs.scratch_block * graphs.block_size)
-    graphs.tables[:1].fill_(graphs.scratch_block)
-    graphs.lens[:1].fill_(1)
+    graphs.pad(1)
     return {
         "eager_forward": _kernel_profile(graphs._bucket_forward(1)),
         "graph_replay": _kernel_profile(graphs._replays[graphs.buckets[0]]),

@@ -148,6 +148,16 @@ def test_padding_rows_point_at_the_scratch_block() -> None:
     assert graphs.padded_rows == 1
 
 
+def test_pad_turns_rows_back_into_padding() -> None:
+    graphs, _ = _recording_graphs((1, 4))
+    assert graphs.slots.tolist() == [9 * 4] * 4 and graphs.lens.tolist() == [1] * 4  # built as padding
+    graphs.run([(5, 1, [3, 7]), (0, 1, [2]), (9, 1, [1, 4, 6])], [11, 12, 13], [5, 0, 9], [0, 1, 2])
+    graphs.pad(2)
+    assert graphs.slots[:3].tolist() == [9 * 4, 9 * 4, 6 * 4 + 1]
+    assert graphs.tables[:3, :3].tolist() == [[9, 9, 9], [9, 9, 9], [1, 4, 6]]
+    assert graphs.lens[:3].tolist() == [1, 1, 10]
+
+
 def test_steps_outside_the_buckets_fall_back() -> None:
     graphs, _ = _recording_graphs((1, 2))
     decode = [(4, 1, [0, 1]), (2, 1, [2]), (3, 1, [3])]

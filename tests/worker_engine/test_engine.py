@@ -299,3 +299,19 @@ def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_di
                 model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton", compile_model=False
             )
         )
+
+
+def test_start_up_line_names_the_effective_configuration(make_engine: Factory) -> None:
+    engine = make_engine(max_num_seqs=7, max_num_batched_tokens=96, enable_prefix_caching=False)
+    line = engine.describe()
+    for part in (
+        "dtype float32",
+        f"attention {engine.model_info.attention_backend}",
+        "compiled no",
+        f"{torch.get_num_threads()} threads",
+        "128 KV blocks of 16 tokens",
+        "max_num_seqs 7",
+        "96 tokens per step",
+        "prefix caching False",
+    ):
+        assert part in line, (part, line)

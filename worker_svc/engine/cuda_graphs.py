@@ -121,15 +121,24 @@ class DecodeGraphs:
         n, width = self.buckets[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros((1, n), dtype=torch.long, device=device)
         self.positions = torch.zeros((1, n), dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
-        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=device)
-        self.lens = torch.ones((n,), dtype=torch.int32, device=device)
+        self.slots = torch.empty((n,), dtype=torch.long, device=device)
+        self.tables = torch.empty((n, width), dtype=torch.int32, device=device)
+        self.lens = torch.empty((n,), dtype=torch.int32, device=device)
+        self.pad(n)
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.capture_s = 0.0
         self.replays = 0  # steps that ran a graph
         self.padded_rows = 0  # padding rows those steps computed
         self.oversize = 0  # decode-only steps larger than the largest bucket (eager)
+
+    def pad(self, rows: int) -> None:
+        """Makes the first ``rows`` rows padding: their K/V go to the scratch block only
+        (slot and block table on it, length 1). `_fill` writes the same values in its one
+        transfer."""
+        self.slots[:rows].fill_(self.scratch_block * self.block_size)
+        self.tables[:rows].fill_(self.scratch_block)
+        self.lens[:rows].fill_(1)
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a bucket: views of the static buffers."""

@@ -376,6 +376,7 @@ class LLMEngine:
             f"CUDA graphs {self._graphs_summary()}, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
+            f"{config.max_num_batched_tokens} tokens per step, "
             f"prefix caching {config.enable_prefix_caching}, model sampling defaults: {defaults}"
         )
 
