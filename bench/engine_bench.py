@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from bench.host import host_info
+from bench.host import host_info, rss_bytes
 from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
 from worker_svc.engine.config import default_dtype
 
@@ -447,10 +447,8 @@ def _patch_cb_memory_probe() -> None:
     import transformers.generation.continuous_batching.cache as cb_cache
 
     def probe() -> tuple[torch.device, int, int, int]:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = page * os.sysconf("SC_PHYS_PAGES")
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * page
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        rss = rss_bytes()
         return torch.device("cpu"), total, rss, rss
 
     if not torch.cuda.is_available():

@@ -25,12 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench.host import ROOT, host_info
+from bench.host import ROOT, host_info, rss_bytes
 from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
-
-
-def _rss_mib() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _prefill_ms(engine: LLMEngine, length: int, index: int) -> float:
@@ -70,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         for length in range(lo, hi + 1):
             count += 1
             times.append(round(_prefill_ms(engine, length, count), 2))
-        rounds.append({"prefill_ms": times, "median_ms": statistics.median(times), "rss_mib": _rss_mib()})
+        rounds.append(
+            {"prefill_ms": times, "median_ms": statistics.median(times), "rss_mib": rss_bytes() / 2**20}
+        )
         print(f"round {len(rounds)}: median {rounds[-1]['median_ms']:.1f} ms", flush=True)
     report = {
         "command": "python -m bench.first_shape " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -49,6 +49,12 @@ def host_info() -> dict[str, Any]:
     }
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def pin_process(pid: int, cpu: int) -> None:
     """Every thread of ``pid`` on ``cpu`` (threads started later inherit it)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
