@@ -122,7 +122,7 @@ def _build_and_warm_up(
         log.info("compiling the model's forward before reporting ready (minutes on a small CPU host)")
     seconds = engine.warm_up()
     if seconds:
-        log.info("engine warmed up (compiled) in %.1f s", seconds)
+        log.info("engine warmed up in %.1f s", seconds)
     log.info("engine: %s", engine.describe())
     return engine
 

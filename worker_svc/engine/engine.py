@@ -333,17 +333,23 @@ class LLMEngine:
         return ok
 
     def warm_up(self) -> float:
-        """Runs each shape class of the forward once, so that a compiled model compiles now,
-        before the worker reports ready, not on a user's first request; then empties the
-        prefix cache it filled. A compiled graph is specialized on whether the step has 1 token
-        or more: one prompt alone (prefill: many tokens, one row; decode: one and one), then two
-        together (many tokens and rows: the same graph as prefill, which a warm-up checks rather
-        than assumes). Returns the seconds it took (0 when the model is not compiled: eager
-        needs no warm-up). A model the compiler fails on is served eagerly (a warning, and the
-        start-up log says why): slower, never wrong."""
-        if not self.config.compiles:
+        """Readies every step shape before the worker reports ready, so that no user's request
+        pays for it: a compiled model compiles now, and a step size a CPU step is padded to
+        (``ModelRunner.step_sizes``) gets its kernels built. A compiled graph is specialized
+        on whether the step has 1 token or more: one prompt alone (prefill: many tokens, one
+        row; decode: one and one), then two together (many tokens and rows: the same graph as
+        prefill, which a warm-up checks rather than assumes); then the prefix cache it filled
+        is emptied. Returns the seconds it took. A model the compiler fails on is served
+        eagerly (a warning, and the start-up log says why): slower, never wrong."""
+        if not (self.config.compiles or self.runner.step_sizes):
             return 0.0
         start = time.monotonic()
+        if self.config.compiles:
+            self._compile_steps()
+        self.runner.warm_step_sizes()
+        return time.monotonic() - start
+
+    def _compile_steps(self) -> None:
         try:
             self._warm_up_steps()
         except Exception as exc:
@@ -356,7 +362,6 @@ class LLMEngine:
                 self.step()
         self.num_finished = self.num_steps = self.num_generated_tokens = self.num_aborted = 0
         self.reset_prefix_cache()
-        return time.monotonic() - start
 
     def _warm_up_steps(self) -> None:
         for batch in ((("warm-up-0", 9, 2),), (("warm-up-1", 3, 2), ("warm-up-2", 9, 4))):

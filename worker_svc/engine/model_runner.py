@@ -164,6 +164,11 @@ class ModelRunner:
         self._probe_attention()
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs, self.graphs_note = cuda_graphs.for_runner(self)
+        # oneDNN (CPU bf16/fp16 linears) builds a kernel per step token count on first use;
+        # steps are padded to these sizes, warmed before ready (docs/design-decisions.md).
+        self.step_sizes: tuple[int, ...] = ()
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            self.step_sizes = cpu_step_sizes(config.max_num_batched_tokens)
 
     def _model_info(self, cfg: Any, gen_cfg: Any) -> ModelInfo:
         num_layers = int(cfg.num_hidden_layers)
@@ -284,6 +289,10 @@ class ModelRunner:
             replayed = self.graphs.run(chunks, ids, positions, keep)
             if replayed is not None:
                 return replayed
+        pad = self._padding(len(ids))
+        if pad:
+            chunks += [(0, 1, [self.scratch_block])] * pad
+            ids, positions = [*ids, *[0] * pad], [*positions, *[0] * pad]
         meta = build_attention_metadata(
             chunks,
             self.config.block_size,
@@ -298,7 +307,7 @@ class ModelRunner:
         kwargs: dict[str, Any] = {"use_cache": False}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
-        with torch.inference_mode(), attention_context(meta), self._lora_step(batch):
+        with torch.inference_mode(), attention_context(meta), self._lora_step(batch, pad):
             if image_rows[0]:
                 # Image placeholders in this step: token embeddings with the image rows replaced.
                 embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
@@ -322,11 +331,39 @@ class ModelRunner:
         self._compiled = None
         self.compile_failed = reason
 
-    def _lora_step(self, batch: Sequence[ScheduledRequest]) -> AbstractContextManager[None]:
-        """Each chunk's rows under its request's adapter (nothing to do without LoRA)."""
+    def _lora_step(self, batch: Sequence[ScheduledRequest], pad: int) -> AbstractContextManager[None]:
+        """Each chunk's rows under its request's adapter, padding rows under none (nothing to
+        do without LoRA)."""
         if self.lora is None:
             return nullcontext()
-        return self.lora.step([(it.request.lora_name, it.num_new_tokens) for it in batch], self.device)
+        spans = [(it.request.lora_name, it.num_new_tokens) for it in batch] + [("", pad)] * bool(pad)
+        return self.lora.step(spans, self.device)
+
+    def _padding(self, rows: int) -> int:
+        """How many padding rows take a step of ``rows`` tokens to its step size (0 past the
+        largest, or where steps are not padded)."""
+        size = next((s for s in self.step_sizes if s >= rows), rows)
+        return size - rows
+
+    def warm_step_sizes(self) -> None:
+        """One forward of padding rows only at each step size: oneDNN builds its kernels
+        for them now, before the worker reports ready, not on a user's request."""
+        for size in self.step_sizes:
+            chunks = [(0, 1, [self.scratch_block])] * size
+            meta = build_attention_metadata(
+                chunks,
+                self.config.block_size,
+                self.kv_caches,
+                self.device,
+                self.info.attention_backend,
+                self.attention.layer_windows,
+            )
+            ids = torch.zeros((1, size), dtype=torch.long, device=self.device)
+            kwargs: dict[str, Any] = {"use_cache": False}
+            if self._supports_logits_to_keep:
+                kwargs["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=self.device)
+            with torch.inference_mode(), attention_context(meta):
+                self.model_forward(input_ids=ids, position_ids=torch.zeros_like(ids), **kwargs)
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):
@@ -508,6 +545,20 @@ def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
         options.update(emulate_precision_casts=True, pattern_matcher=False)
         options["post_grad_custom_post_pass"] = _MEAN_KEY  # see eager_mean_reduction
     return options
+
+
+def cpu_step_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The token counts a CPU step is padded to, up to ``max_tokens`` (itself one): every
+    count to 16 (small decode batches waste nothing), multiples of 16 to 256 (under 16 rows
+    wasted), then 8 sizes per doubling (under 1/8 of the rows); 39 sizes for 512 tokens."""
+    sizes = {*range(1, min(16, max_tokens) + 1), max_tokens}
+    size, spacing = 16, 16
+    while size + spacing < max_tokens:
+        size += spacing
+        sizes.add(size)
+        if size >= 256 and size & (size - 1) == 0:
+            spacing *= 2
+    return tuple(sorted(sizes))
 
 
 def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:
