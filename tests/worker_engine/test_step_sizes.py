@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from tests.worker_engine.conftest import prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams
@@ -80,3 +81,12 @@ def test_warm_up_runs_each_step_size_into_the_scratch_block_only(make_engine: Fa
     assert engine.stats().num_free_blocks == engine.model_info.num_kv_blocks
     for layer in range(engine.model_info.num_layers):
         assert (_real_blocks(engine, layer) == 1.0).all(), f"warm-up wrote a real block of layer {layer}"
+
+
+def test_compiled_warm_up_adds_no_graph_for_step_sizes(make_engine: Factory) -> None:
+    """The step sizes run the two graphs the compile warm-up made (one token, many):
+    a guard they failed would compile a graph per size class on every start."""
+    engine = make_engine(dtype="bfloat16", compile_model=True, max_num_batched_tokens=20)
+    graphs = counters["stats"]["unique_graphs"]
+    engine.warm_up()
+    assert counters["stats"]["unique_graphs"] - graphs == 2

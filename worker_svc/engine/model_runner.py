@@ -293,6 +293,20 @@ class ModelRunner:
         if pad:
             chunks += [(0, 1, [self.scratch_block])] * pad
             ids, positions = [*ids, *[0] * pad], [*positions, *[0] * pad]
+        return self._run(chunks, ids, positions, keep, self._lora_step(batch, pad), image_rows)
+
+    def _run(
+        self,
+        chunks: list[tuple[int, int, list[int]]],
+        ids: list[int],
+        positions: list[int],
+        keep: list[int],
+        lora: AbstractContextManager[None],
+        image_rows: tuple[list[int], list[torch.Tensor]],
+    ) -> torch.Tensor:
+        """The forward of one packed step (``chunks`` as ``build_attention_metadata``'s);
+        the logits of the ``keep`` rows. Its input tensors are made outside inference
+        mode: a compiled graph is guarded on that."""
         meta = build_attention_metadata(
             chunks,
             self.config.block_size,
@@ -307,7 +321,7 @@ class ModelRunner:
         kwargs: dict[str, Any] = {"use_cache": False}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
-        with torch.inference_mode(), attention_context(meta), self._lora_step(batch, pad):
+        with torch.inference_mode(), attention_context(meta), lora:
             if image_rows[0]:
                 # Image placeholders in this step: token embeddings with the image rows replaced.
                 embeds = merge_mm_rows(self.model.get_input_embeddings()(input_ids), *image_rows)
@@ -349,21 +363,8 @@ class ModelRunner:
         """One forward of padding rows only at each step size: oneDNN builds its kernels
         for them now, before the worker reports ready, not on a user's request."""
         for size in self.step_sizes:
-            chunks = [(0, 1, [self.scratch_block])] * size
-            meta = build_attention_metadata(
-                chunks,
-                self.config.block_size,
-                self.kv_caches,
-                self.device,
-                self.info.attention_backend,
-                self.attention.layer_windows,
-            )
-            ids = torch.zeros((1, size), dtype=torch.long, device=self.device)
-            kwargs: dict[str, Any] = {"use_cache": False}
-            if self._supports_logits_to_keep:
-                kwargs["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=self.device)
-            with torch.inference_mode(), attention_context(meta):
-                self.model_forward(input_ids=ids, position_ids=torch.zeros_like(ids), **kwargs)
+            pads = [0] * size
+            self._run([(0, 1, [self.scratch_block])] * size, pads, pads, [0], nullcontext(), ([], []))
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):
