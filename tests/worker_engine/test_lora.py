@@ -55,6 +55,19 @@ def test_mixed_batch_matches_peft_generate(
         assert got[rid] == want, f"{rid} under {name or 'the base model'}"
 
 
+def test_padded_bf16_steps_match_unpadded(make_engine: Factory, adapter_dirs: dict[str, str]) -> None:
+    """CPU bf16 steps are padded to step sizes (test_step_sizes): padding rows run under no
+    adapter, and base and adapter requests batched together answer as unpadded."""
+    modules = tuple(f"{n}={p}" for n, p in adapter_dirs.items())
+    ps = prompts(7, 19, 33, 12, seed=9)
+    reqs = [(f"r{i}", p, name) for i, (p, name) in enumerate(zip(ps, ["", *adapter_dirs], strict=True))]
+    padded = make_engine(dtype="bfloat16", max_loras=3, lora_modules=modules)
+    plain = make_engine(dtype="bfloat16", max_loras=3, lora_modules=modules)
+    plain.runner.step_sizes = ()
+    assert padded.runner.step_sizes, "bf16 on CPU pads its steps"
+    assert _run(padded, reqs) == _run(plain, reqs)
+
+
 def test_slots_evict_and_cpu_lru_reloads(make_engine: Factory, adapter_dirs: dict[str, str]) -> None:
     """One slot, a CPU LRU of one: three adapters take turns (requests of an adapter
     without a slot wait), are evicted and read again, and still answer as alone."""
