@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import itertools
 import time
@@ -291,7 +292,7 @@ class ModelRunner:
                 return replayed
         pad = self._padding(len(ids))
         if pad:
-            chunks += [(0, 1, [self.scratch_block])] * pad
+            chunks += self._padding_chunks(pad)
             ids, positions = [*ids, *[0] * pad], [*positions, *[0] * pad]
         return self._run(chunks, ids, positions, keep, self._lora_step(batch, pad), image_rows)
 
@@ -356,15 +357,20 @@ class ModelRunner:
     def _padding(self, rows: int) -> int:
         """How many padding rows take a step of ``rows`` tokens to its step size (0 past the
         largest, or where steps are not padded)."""
-        size = next((s for s in self.step_sizes if s >= rows), rows)
-        return size - rows
+        i = bisect.bisect_left(self.step_sizes, rows)
+        return self.step_sizes[i] - rows if i < len(self.step_sizes) else 0
+
+    def _padding_chunks(self, rows: int) -> list[tuple[int, int, list[int]]]:
+        """``rows`` padding rows, as CUDA graphs pad: one token at position 0 each, its K/V
+        in the scratch block."""
+        return [(0, 1, [self.scratch_block])] * rows
 
     def warm_step_sizes(self) -> None:
         """One forward of padding rows only at each step size: oneDNN builds its kernels
         for them now, before the worker reports ready, not on a user's request."""
         for size in self.step_sizes:
             pads = [0] * size
-            self._run([(0, 1, [self.scratch_block])] * size, pads, pads, [0], nullcontext(), ([], []))
+            self._run(self._padding_chunks(size), pads, pads, [0], nullcontext(), ([], []))
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):
