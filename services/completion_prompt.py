@@ -1,10 +1,10 @@
 """A completion prompt as the model takes it: text tokenized, or token ids validated.
 
-One function for the tokenizer service (`RenderCompletion`) and the gateway, which
-renders text-only completion prompts in-process with the tokenizer files it already
-holds for detokenizing (one round trip less before the first token, as vLLM's frontend
-and SGLang's router tokenize in-process). Chat templates, tools and images stay in the
-tokenizer service. No grpc here.
+The gateway renders completion prompts in-process with the tokenizer files it already
+holds for detokenizing (no round trip before the first token, as vLLM's frontend and
+SGLang's router tokenize in-process); chat templates, tools and images stay in the
+tokenizer service. The token-id and image-placeholder rules here are the ones the
+tokenizer service and the engine apply too. No grpc here.
 """
 
 from __future__ import annotations

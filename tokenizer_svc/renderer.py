@@ -18,7 +18,7 @@ from typing import Any
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.completion_prompt import ImageToken, check_token_ids, completion_token_ids, refuse_image_token
+from services.completion_prompt import ImageToken, check_token_ids, refuse_image_token
 from services.errors import InvalidArgument
 from services.image_preprocess import ImagePreprocessor
 from services.model_files import eos_token_ids, read_json
@@ -266,16 +266,6 @@ class Renderer:
         refuse_image_token(token_ids, self.image_token, param)
 
     # -- completion, tokenize, detokenize --------------------------------------------------
-
-    def render_completion(
-        self, text: str | None = None, token_ids: Sequence[int] | None = None, add_special_tokens: bool = True
-    ) -> RenderResult:
-        """A completion prompt from text (tokenized) or token ids (validated, decoded)."""
-        ids = completion_token_ids(
-            self.tokenizer, self.vocab_size, self.image_token, text, token_ids, add_special_tokens
-        )
-        prompt_text = text if text is not None else self.decode(ids, skip_special_tokens=False)
-        return RenderResult(ids, prompt_text)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (never truncated)."""

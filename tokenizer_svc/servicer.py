@@ -94,18 +94,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         )
 
     @rpc_handler
-    async def RenderCompletion(
-        self, request: tokenizer_pb2.RenderCompletionRequest, context: grpc.aio.ServicerContext
-    ) -> tokenizer_pb2.RenderResponse:
-        """Renders a completion prompt: text is tokenized, token ids are validated."""
-        renderer = self._ready(request.model)
-        kind = request.WhichOneof("prompt")
-        text = request.text if kind == "text" else None
-        ids = list(request.token_ids.ids) if kind == "token_ids" else None
-        result = await asyncio.to_thread(renderer.render_completion, text, ids, request.add_special_tokens)
-        return _render_pb(result)
-
-    @rpc_handler
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:

@@ -20,7 +20,6 @@ from meshserve.v1 import worker_pb2, worker_pb2_grpc
 from services.encoder_cache_client import CachedTensor, EncoderCacheClient, cache_key
 from services.errors import InvalidArgument, NotFound
 from services.rpc import rpc_handler
-from services.worker_roles import role_value
 from worker_svc.encoder import EncodeInput, VisionEncoder, tensor_bytes
 from worker_svc.torch_thread import TorchThread
 
@@ -39,7 +38,7 @@ ITEMS = Counter("meshserve_encoder_items_total", "Multimodal items encoded (visi
 
 
 class EncoderServicer(worker_pb2_grpc.WorkerServicer):
-    """Encode / GetLoad / GetModelInfo of an encoder worker."""
+    """Encode of an encoder worker; its load goes out with heartbeats."""
 
     def __init__(
         self,
@@ -119,23 +118,12 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
         dtype, shape, data = tensor_bytes(tensor)
         return CachedTensor(cache_key(self.model, item.identifier), dtype, shape, data)
 
-    @rpc_handler
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadStats:
-        """Encodes running / queued now; `num_finished` counts items encoded since start."""
-        return self.load()
-
     def load(self) -> worker_pb2.LoadStats:
+        """Encodes running / queued now; `num_finished` counts items encoded since start
+        (heartbeats report them)."""
         return worker_pb2.LoadStats(
             num_running=self._running, num_waiting=self._waiting, num_finished=self._finished
         )
-
-    @rpc_handler
-    async def GetModelInfo(
-        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ModelInfo:
-        return worker_pb2.ModelInfo(model=self.model, role=role_value(self.role))
 
     async def close(self) -> None:
         """Stops the encoder thread and closes the cache channel."""

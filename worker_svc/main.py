@@ -38,11 +38,6 @@ log = logging.getLogger(__name__)
 SERVICE = "meshserve.v1.Worker"
 
 
-def _record_decoder(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
-    worker_metrics.record_lora(lora_state(engine))
-    return worker_metrics.record(load_stats(engine))
-
-
 def _identity(config: WorkerConfig) -> WorkerIdentity:
     worker_id = config.worker_id or f"{config.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return WorkerIdentity(worker_id=worker_id, model=config.model_name, role=config.role)
@@ -128,13 +123,6 @@ async def _start_encoder(
     return servicer
 
 
-async def _refresh_metrics(load: Callable[[], object], period_s: float = 1.0) -> None:
-    """Keeps the /metrics gauges fresh even when no scheduler polls this worker."""
-    while True:
-        load()
-        await asyncio.sleep(period_s)
-
-
 class WorkerProcess:
     """One worker: its gRPC server, its model (engine or embedder) and its scheduler link."""
 
@@ -147,7 +135,6 @@ class WorkerProcess:
         self.embedding: EmbeddingServicer | None = None
         self.link: SchedulerLink | None = None
         self.publisher: KvEventPublisher | None = None
-        self._refresher: asyncio.Task[None] | None = None
         self._load: Callable[[], worker_pb2.LoadStats] | None = None
         self.decoder: DecoderServicer | None = None
         self.kv_transfer: KvTransferServicer | None = None
@@ -164,7 +151,7 @@ class WorkerProcess:
                 server.add_service(
                     KV_SERVICE, kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, self.kv_transfer
                 )
-            return lambda: _record_decoder(engine)
+            return lambda: load_stats(engine)
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")
             model = await thread.run(EmbeddingModel, config.model_dir, config.engine.device)
@@ -185,16 +172,16 @@ class WorkerProcess:
             descriptor.max_model_len = self.engine.model_info.max_model_len
             descriptor.num_total_blocks = self.engine.stats().num_total_blocks
             descriptor.kv_layout.CopyFrom(layout_to_proto(self.engine.engine.kv.layout))
+        engine = self.engine
+        loras = (lambda: lora_state(engine)) if engine is not None else (lambda: None)
         if self.config.scheduler_address:
-            engine = self.engine
-            loras = (lambda: lora_state(engine)) if engine is not None else (lambda: None)
             self.link = SchedulerLink(
                 self.config.scheduler_address, descriptor, load, self._active_leases, loras
             )
             self.server.on_drain(self.link.drain)
             self.link.start()
-        if self.config.metrics_port > 0:
-            self._refresher = asyncio.create_task(_refresh_metrics(load))
+        if self.config.metrics_port > 0 and self.engine is not None:
+            worker_metrics.watch(load, loras)
         await self.server.set_serving(True)
         log.info(
             "worker %s (%s, pid %d) serving %s on port %d",
@@ -216,8 +203,6 @@ class WorkerProcess:
 
     async def close(self) -> None:
         """Releases what `start` acquired (after the server has drained and stopped)."""
-        if self._refresher is not None:
-            self._refresher.cancel()
         if self.link is not None:
             await self.link.close()
         if self.decoder is not None and self.decoder.kv_importer is not None:

@@ -1,7 +1,9 @@
-"""Prometheus metrics of a decoder or prefill worker: gauges refreshed from engine stats,
-and the KV hand-off's counters (P/D disaggregation)."""
+"""Prometheus metrics of a decoder or prefill worker: gauges read from the engine's stats
+when scraped, and the KV hand-off's counters (P/D disaggregation)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -48,21 +50,26 @@ LORA_REQUESTS = Counter(
 )
 
 
-def record_lora(state: worker_pb2.LoraState | None) -> None:
-    """Publishes the worker's adapter counters (nothing when LoRA is off)."""
-    if state is None:
-        return
-    LORA_LOADS.set(state.num_loads)
-    LORA_EVICTIONS.set(state.num_evictions)
-    LORA_RESIDENT.set(len(state.resident))
+def watch(
+    load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_pb2.LoraState | None]
+) -> None:
+    """Reads the gauges from `load` and `loras` whenever /metrics is scraped, so they are
+    as fresh as the engine's latest step (both read its stats snapshot, safe from the
+    metrics thread)."""
+    fields: dict[Gauge, str] = {
+        NUM_RUNNING: "num_running",
+        NUM_WAITING: "num_waiting",
+        KV_USAGE: "kv_usage",
+        PREFIX_HIT_RATE: "prefix_cache_hit_rate",
+        PREEMPTIONS: "num_preemptions",
+        FINISHED: "num_finished",
+    }
+    for gauge, name in fields.items():
+        gauge.set_function(lambda name=name: float(getattr(load(), name)))
+    LORA_LOADS.set_function(lambda: float(_lora(loras).num_loads))
+    LORA_EVICTIONS.set_function(lambda: float(_lora(loras).num_evictions))
+    LORA_RESIDENT.set_function(lambda: float(len(_lora(loras).resident)))
 
 
-def record(load: worker_pb2.LoadStats) -> worker_pb2.LoadStats:
-    """Publishes `load` to the gauges and returns it (so it can wrap a load function)."""
-    NUM_RUNNING.set(load.num_running)
-    NUM_WAITING.set(load.num_waiting)
-    KV_USAGE.set(load.kv_usage)
-    PREFIX_HIT_RATE.set(load.prefix_cache_hit_rate)
-    PREEMPTIONS.set(load.num_preemptions)
-    FINISHED.set(load.num_finished)
-    return load
+def _lora(loras: Callable[[], worker_pb2.LoraState | None]) -> worker_pb2.LoraState:
+    return loras() or worker_pb2.LoraState()  # LoRA off: every LoRA gauge reads 0

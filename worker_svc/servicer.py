@@ -13,7 +13,6 @@ from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import tracing
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
-from services.worker_roles import role_value
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import LLMEngine
@@ -139,26 +138,6 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
         return [lease for call in self._calls for lease in call.active_lease_ids()]
 
     @rpc_handler
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadStats:
-        return load_stats(self.engine)
-
-    @rpc_handler
-    async def GetModelInfo(
-        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ModelInfo:
-        info = self.engine.model_info
-        return worker_pb2.ModelInfo(
-            model=self.identity.model,
-            role=role_value(self.identity.role),
-            max_model_len=info.max_model_len,
-            block_size=info.block_size,
-            vocab_size=info.vocab_size,
-            eos_token_ids=list(info.eos_token_ids),
-        )
-
-    @rpc_handler
     async def LoadLora(
         self, request: worker_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoraState:
@@ -253,22 +232,9 @@ class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens=result.prompt_tokens,
         )
 
-    @rpc_handler
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadStats:
-        return self.load()
-
     def load(self) -> worker_pb2.LoadStats:
+        """Embeddings running now and finished since start (heartbeats report them)."""
         return worker_pb2.LoadStats(num_running=self._running, num_finished=self._finished)
-
-    @rpc_handler
-    async def GetModelInfo(
-        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ModelInfo:
-        return worker_pb2.ModelInfo(
-            model=self.identity.model, role=role_value(self.identity.role), max_model_len=self.model.max_len
-        )
 
     def close(self) -> None:
         """Stops the torch thread once its current call returns."""

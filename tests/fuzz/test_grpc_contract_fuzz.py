@@ -373,24 +373,9 @@ def _cases() -> list[Case]:
             _tok("Detokenize", tokenizer_pb2.DetokenizeRequest(model=MODEL_NAME, token_ids=[-1])),
         ),
         Case(
-            "tokenizer-render-completion-empty-text",
+            "tokenizer-tokenize-empty-text",
             "tokenizer",
-            _tok("RenderCompletion", tokenizer_pb2.RenderCompletionRequest(model=MODEL_NAME, text="")),
-        ),
-        Case(
-            "tokenizer-render-completion-no-prompt",
-            "tokenizer",
-            _tok("RenderCompletion", tokenizer_pb2.RenderCompletionRequest(model=MODEL_NAME)),
-        ),
-        Case(
-            "tokenizer-render-completion-bad-ids",
-            "tokenizer",
-            _tok(
-                "RenderCompletion",
-                tokenizer_pb2.RenderCompletionRequest(
-                    model=MODEL_NAME, token_ids=tokenizer_pb2.TokenIds(ids=[-9, 2**31 - 1])
-                ),
-            ),
+            _tok("Tokenize", tokenizer_pb2.TokenizeRequest(model=MODEL_NAME, text="")),
         ),
         Case("tokenizer-render-chat-bad-json", "tokenizer", _render_chat("{not json")),
         Case("tokenizer-render-chat-empty-messages", "tokenizer", _render_chat("[]")),
@@ -812,16 +797,9 @@ def test_fuzzed_generate_stream_adds_never_fail_server_side(
     ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
 )
 def test_fuzzed_tokenizer_calls_never_fail_server_side(mesh: SharedMesh, text: str, ids: list[int]) -> None:
-    """Random Tokenize / RenderCompletion / Detokenize / RenderChat inputs."""
+    """Random Tokenize / Detokenize / RenderChat inputs."""
     calls: list[Call] = [
         _tok("Tokenize", tokenizer_pb2.TokenizeRequest(model=MODEL_NAME, text=text, return_token_strs=True)),
-        _tok("RenderCompletion", tokenizer_pb2.RenderCompletionRequest(model=MODEL_NAME, text=text)),
-        _tok(
-            "RenderCompletion",
-            tokenizer_pb2.RenderCompletionRequest(
-                model=MODEL_NAME, token_ids=tokenizer_pb2.TokenIds(ids=ids)
-            ),
-        ),
         _tok("Detokenize", tokenizer_pb2.DetokenizeRequest(model=MODEL_NAME, token_ids=ids)),
         _render_chat(text),
     ]

@@ -213,20 +213,6 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             ids = [BOS, *ids]
         return tokenizer_pb2.RenderResponse(prompt_token_ids=ids, prompt_text="".join(parts))
 
-    async def RenderCompletion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._check_model(request.model, context)
-        if request.WhichOneof("prompt") == "token_ids":
-            ids = list(request.token_ids.ids)
-            if any(not 0 <= i < VOCAB_SIZE for i in ids):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "prompt: token id outside the vocabulary"
-                )
-            return tokenizer_pb2.RenderResponse(prompt_token_ids=ids, prompt_text=decode(ids, False))
-        ids = encode(request.text)
-        if request.add_special_tokens:
-            ids = [BOS, *ids]
-        return tokenizer_pb2.RenderResponse(prompt_token_ids=ids, prompt_text=request.text)
-
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._check_model(request.model, context)
         ids = ([BOS] if request.add_special_tokens else []) + encode(request.text)

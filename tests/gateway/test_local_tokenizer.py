@@ -130,11 +130,9 @@ async def test_gateway_renders_completion_prompts_like_the_service(
     assert not info.HasField("image_token_id")  # a text-only model
     for text in [*TEXTS, "<s> literal special token text </s>", " "]:
         for special in (True, False):
-            remote = await service.RenderCompletion(
-                tokenizer_pb2.RenderCompletionRequest(text=text, add_special_tokens=special)
-            )
+            remote = await service.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=special))
             mine = completion_token_ids(local.tokenizer, info.vocab_size, None, text, None, special)
-            assert mine == list(remote.prompt_token_ids), (text, special)
+            assert mine == list(remote.token_ids), (text, special)
     with pytest.raises(InvalidArgument) as error:
         completion_token_ids(local.tokenizer, info.vocab_size, None, None, [1, info.vocab_size], True)
     assert error.value.param == "prompt"

@@ -37,7 +37,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher import Mesh, MeshConfig, ServiceSpec, free_ports_config
 from services.ports import free_port
 
@@ -184,26 +184,31 @@ class SharedMesh:
         return self.metric(name, "meshserve_rpc_requests_total", method=method, code=code)
 
     def metric(self, name: str, metric: str, **labels: str) -> float:
-        """One sample of a service started with MESHSERVE_METRICS_PORT (the scheduler
-        is); 0 when never observed."""
+        """One sample of a service started with MESHSERVE_METRICS_PORT (the scheduler and
+        the decoders are); 0 when never observed."""
         port = int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
         return metric_value(port, metric, **labels)
 
-    def worker_load(self, name: str, timeout: float = 5.0) -> worker_pb2.LoadStats:
-        """`Worker.GetLoad` of one decoder."""
-        return asyncio.run(_get_load(self.address(name), timeout))
+    def worker_load(self, name: str) -> WorkerLoad:
+        """One decoder's load gauges, read from its /metrics (as of its latest step)."""
+        return WorkerLoad(
+            num_running=int(self.metric(name, "meshserve_worker_num_running")),
+            num_waiting=int(self.metric(name, "meshserve_worker_num_waiting")),
+            kv_usage=self.metric(name, "meshserve_worker_kv_usage"),
+            num_finished=int(self.metric(name, "meshserve_worker_num_finished")),
+        )
 
     def wait_kv_idle(
         self, timeout: float = 20.0, names: list[str] | None = None
-    ) -> dict[str, worker_pb2.LoadStats]:
+    ) -> dict[str, WorkerLoad]:
         """Waits until every decoder (or those `names`) reports nothing running or waiting and every KV block
-        free (kv_usage 0, num_free_blocks == num_total_blocks; cached-but-unused blocks
-        count as free). Returns the last LoadStats per decoder; raises on timeout."""
+        free (kv_usage 0; cached-but-unused blocks count as free). Returns the last load
+        per decoder; raises on timeout."""
         deadline = time.monotonic() + timeout
-        loads: dict[str, worker_pb2.LoadStats] = {}
+        loads: dict[str, WorkerLoad] = {}
         while True:
             loads = {name: self.worker_load(name) for name in (names or self.decoders)}
-            if all(_idle(load) for load in loads.values()):
+            if all(load.idle for load in loads.values()):
                 return loads
             if time.monotonic() > deadline:
                 detail = {n: _load_text(load) for n, load in loads.items()}
@@ -244,27 +249,22 @@ class SharedMesh:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _idle(load: worker_pb2.LoadStats) -> bool:
-    return (
-        load.num_running == 0
-        and load.num_waiting == 0
-        and load.kv_usage == 0.0
-        and load.num_free_blocks == load.num_total_blocks
-    )
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A decoder's load as its /metrics gauges show it."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_finished: int
+
+    @property
+    def idle(self) -> bool:
+        return self.num_running == 0 and self.num_waiting == 0 and self.kv_usage == 0.0
 
 
-def _load_text(load: worker_pb2.LoadStats) -> str:
-    return (
-        f"running={load.num_running} waiting={load.num_waiting} kv_usage={load.kv_usage:.3f} "
-        f"free={load.num_free_blocks}/{load.num_total_blocks}"
-    )
-
-
-async def _get_load(address: str, timeout: float) -> worker_pb2.LoadStats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        reply: worker_pb2.LoadStats = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
-        return reply
+def _load_text(load: WorkerLoad) -> str:
+    return f"running={load.num_running} waiting={load.num_waiting} kv_usage={load.kv_usage:.3f}"
 
 
 async def _list_workers(address: str) -> scheduler_pb2.ListWorkersResponse:
@@ -301,8 +301,9 @@ def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
         # one (or both) must cost no stream in flight.
         num_schedulers=2,
         log_dir=str(log_dir),
-        # The scheduler's lease counters (the fuzz suite checks its releases there).
-        metrics_ports=(("scheduler", free_port()),),
+        # The scheduler's lease counters (the fuzz suite checks its releases there) and the
+        # decoders' load gauges (`worker_load`).
+        metrics_ports=tuple((name, free_port()) for name in ("scheduler", "decoder-0", "decoder-1")),
         kv_cache_memory_mb=16,
         max_num_seqs=64,
         extra_env=(

@@ -254,9 +254,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.pop(rid, None)
 
-    async def GetLoad(self, request: Any, context: Any) -> Any:
-        return worker_pb2.LoadStats(num_running=len(self.active))
-
     async def Embed(self, request: Any, context: Any) -> Any:
         self.started.append(request.request_id)
         if self.fail_first:

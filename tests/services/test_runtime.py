@@ -57,17 +57,17 @@ class SlowWorker(worker_pb2_grpc.WorkerServicer):
         self.started = asyncio.Event()
 
     @rpc_handler
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadStats:
+    async def ListLoras(
+        self, request: worker_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraState:
         self.started.set()
         await asyncio.sleep(0.5)
-        return worker_pb2.LoadStats(num_running=7)
+        return worker_pb2.LoraState(num_loads=7)
 
     @rpc_handler
-    async def GetModelInfo(
-        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ModelInfo:
+    async def UnloadLora(
+        self, request: worker_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraState:
         raise InvalidArgument("role is not valid here", param="role")
 
 
@@ -87,7 +87,7 @@ async def test_health_errors_and_drain() -> None:
         await server.set_serving(True)
         assert await _health(health) == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as bad:
-            await worker.GetModelInfo(worker_pb2.GetModelInfoRequest())
+            await worker.UnloadLora(worker_pb2.UnloadLoraRequest(name="a"))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "role" in (bad.value.details() or "")
         assert error_from_rpc(bad.value).param == "role"
@@ -99,16 +99,16 @@ async def test_health_errors_and_drain() -> None:
             await raw(b"\x0a\x02\x80\x80")  # field 1 (string) holding invalid UTF-8
         assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed request" in (malformed.value.details() or "")
-        in_flight = asyncio.ensure_future(worker.GetLoad(worker_pb2.GetLoadRequest()))
+        in_flight = asyncio.ensure_future(worker.ListLoras(worker_pb2.ListLorasRequest()))
         await servicer.started.wait()
         drained = asyncio.create_task(server.drain_and_stop())
         # The call in flight finishes during the drain ...
-        assert (await in_flight).num_running == 7
+        assert (await in_flight).num_loads == 7
         await drained
     # ... and the stopped server refuses new calls.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
+            await worker_pb2_grpc.WorkerStub(channel).ListLoras(worker_pb2.ListLorasRequest(), timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 

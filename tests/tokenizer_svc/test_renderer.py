@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from services.completion_prompt import completion_token_ids
 from services.errors import InvalidArgument
 from tokenizer_svc.renderer import Renderer
 
@@ -230,18 +231,26 @@ def test_images_expand_to_placeholder_runs(
 def test_literal_image_token_without_image_refused(vlm_renderer: Renderer) -> None:
     with invalid("messages", match="image placeholder"):
         vlm_renderer.render_chat([{"role": "user", "content": "look: <image>"}])
-    with invalid("prompt", match="image placeholder"):
-        vlm_renderer.render_completion(text="<image>")
+    with invalid("prompt", match="image placeholder"):  # a completion prompt, as the gateway renders it
+        _completion(vlm_renderer, text="<image>")
 
 
-def test_render_completion(renderer: Renderer) -> None:
-    by_text = renderer.render_completion(text="Hello world", add_special_tokens=False)
-    assert by_text.prompt_token_ids == renderer.encode("Hello world", False)
-    by_ids = renderer.render_completion(token_ids=by_text.prompt_token_ids)
-    assert by_ids.prompt_text == "Hello world" and by_ids.prompt_token_ids == by_text.prompt_token_ids
+def _completion(
+    renderer: Renderer, text: str | None = None, token_ids: list[int] | None = None, special: bool = True
+) -> list[int]:
+    """A completion prompt rendered as the gateway renders it, with this renderer's tokenizer."""
+    return completion_token_ids(
+        renderer.tokenizer, renderer.vocab_size, renderer.image_token, text, token_ids, special
+    )
+
+
+def test_completion_prompt(renderer: Renderer) -> None:
+    by_text = _completion(renderer, text="Hello world", special=False)
+    assert by_text == renderer.encode("Hello world", False)
+    assert _completion(renderer, token_ids=by_text) == by_text
     for kwargs in ({"token_ids": [1, renderer.vocab_size]}, {"token_ids": [-1]}, {}, {"text": ""}):
         with invalid("prompt") as info:
-            renderer.render_completion(**kwargs)
+            _completion(renderer, **kwargs)  # type: ignore[arg-type]
         assert info.value.param == "prompt"
 
 

@@ -51,15 +51,6 @@ async def test_render_chat(stub: Stub, renderer: Renderer) -> None:
     assert not (await stub.RenderChat(request)).prompt_text.endswith("assistant\n")
 
 
-async def test_render_completion(stub: Stub, renderer: Renderer) -> None:
-    reply = await stub.RenderCompletion(tokenizer_pb2.RenderCompletionRequest(text="Hello"))
-    assert list(reply.prompt_token_ids) == renderer.encode("Hello", False)
-    by_ids = tokenizer_pb2.RenderCompletionRequest(
-        token_ids=tokenizer_pb2.TokenIds(ids=reply.prompt_token_ids)
-    )
-    assert (await stub.RenderCompletion(by_ids)).prompt_text == "Hello"
-
-
 async def test_tokenize_detokenize_round_trip(stub: Stub) -> None:
     text = "Grüße, 世界! 🎉"
     tokens = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, return_token_strs=True))
@@ -93,8 +84,7 @@ async def test_invalid_argument_names_the_field(stub: Stub) -> None:
     tools = tokenizer_pb2.RenderChatRequest(messages_json=json.dumps(MESSAGES), tools_json='{"x": 1}')
     await _expect_invalid(stub.RenderChat(tools), "tools")
     await _expect_invalid(stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=[10**6])), "token_ids")
-    ids = tokenizer_pb2.RenderCompletionRequest(token_ids=tokenizer_pb2.TokenIds(ids=[-3]))
-    await _expect_invalid(stub.RenderCompletion(ids), "prompt")
+    await _expect_invalid(stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=[-3])), "token_ids")
 
 
 async def test_unknown_model_is_not_found(stub: Stub) -> None:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker_svc.worker_kit import generate_one, worker_process
+from tests.worker_svc.worker_kit import generate_one, settled_load, worker_process
 from worker_svc.main import WorkerProcess
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [9, 3, 77, 12], [44, 45, 46, 47, 48, 49], [2, 300, 301]]
@@ -102,19 +102,6 @@ async def _solo_tokens(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> l
     return [t async for r in generate_one(stub, request, 60) for d in r.deltas for t in d.token_ids]
 
 
-async def _kv_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) -> worker_pb2.LoadStats:
-    async with asyncio.timeout(timeout):
-        while True:
-            load = await stub.GetLoad(worker_pb2.GetLoadRequest())
-            if (
-                load.num_running == 0
-                and load.num_waiting == 0
-                and load.num_free_blocks == load.num_total_blocks
-            ):
-                return load
-            await asyncio.sleep(0.05)
-
-
 def run(body: Callable[..., Awaitable[None]], model_dir: Path) -> None:
     async def main() -> None:
         async with running_worker(model_dir) as (worker, stub):
@@ -166,7 +153,8 @@ def test_bad_request_fails_alone_and_abort_frees_blocks(tiny_model_dir: Path) ->
         assert last.deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert len(client.tokens("long")) < 1500
         assert len(client.tokens("ok")) == MAX_TOKENS
-        await _kv_idle(stub)
+        load = await settled_load(worker)
+        assert load.num_free_blocks == load.num_total_blocks, "the aborted request leaked KV blocks"
         client.send(None)
 
     run(body, tiny_model_dir)
@@ -178,8 +166,8 @@ def test_client_going_away_aborts_its_requests(tiny_model_dir: Path) -> None:
         client.send(_add("a", PROMPTS[0], max_tokens=400), _add("b", PROMPTS[2], max_tokens=400))
         await client.read_until(lambda: len(client.tokens("a")) >= 2)
         client.call.cancel()
-        load = await _kv_idle(stub)
-        assert load.num_running == 0
+        load = await settled_load(worker)
+        assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks
         assert worker.engine is not None and worker.engine.stats().num_aborted == 2  # not run to the end
 
     run(body, tiny_model_dir)

@@ -66,8 +66,7 @@ async def _generate(address: str, request: common_pb2.GenerateRequest) -> tuple[
 
 
 async def _idle(process: WorkerProcess) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{process.server.port}") as channel:
-        load = await settled_load(worker_pb2_grpc.WorkerStub(channel), timeout=20)
+    load = await settled_load(process, timeout=20)
     assert load.num_free_blocks == load.num_total_blocks, f"{process.config.role} leaked KV blocks"
 
 

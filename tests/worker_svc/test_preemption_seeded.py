@@ -18,6 +18,7 @@ import pytest
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.worker_kit import generate_one, worker_process
 from worker_svc.main import WorkerProcess
+from worker_svc.servicer import load_stats
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 30
@@ -78,7 +79,8 @@ async def _run(
                 results = await asyncio.gather(*(_generate(stub, *request) for request in REQUESTS))
             else:
                 results = [await _generate(stub, *request) for request in REQUESTS]
-            load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+            assert worker.engine is not None
+            load = load_stats(worker.engine)
             return {request[0]: tokens for request, tokens in zip(REQUESTS, results, strict=True)}, load
     finally:
         await worker.server.server.stop(0)

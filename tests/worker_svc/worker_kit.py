@@ -1,5 +1,6 @@
 """A real worker process on loopback for tests that talk to it over gRPC: start it, run a
-body against its stub, and read its load once the engine's stats have settled; and one
+body against its stub, and read its load (in-process, as its heartbeats report it) once
+the engine's stats have settled; and one
 request on a `Worker.GenerateStream` of its own (`generate_one`)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.config import from_options
 from worker_svc.config import WorkerConfig
 from worker_svc.main import WorkerProcess
+from worker_svc.servicer import load_stats
 
 T = TypeVar("T")
 Tokens = dict[int, list[int]]  # sample index -> generated token ids
@@ -66,13 +68,15 @@ async def generate_tokens(
     return tokens
 
 
-async def settled_load(stub: worker_pb2_grpc.WorkerStub, timeout: float = 10.0) -> worker_pb2.LoadStats:
-    """GetLoad once nothing runs or waits and every block is free, or after `timeout`: the
-    engine refreshes its stats after its last step, so a reply right after the last
-    output may still count the request running (a block still held then is a leak)."""
+async def settled_load(worker: WorkerProcess, timeout: float = 10.0) -> worker_pb2.LoadStats:
+    """The worker's load (as its heartbeats report it) once nothing runs or waits and every
+    block is free, or after `timeout`: the engine refreshes its stats after its last step,
+    so a read right after the last output may still count the request running (a block
+    still held then is a leak)."""
+    assert worker.engine is not None, "not a decoder or prefill worker"
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        load = load_stats(worker.engine)
         idle = load.num_running == 0 and load.num_waiting == 0
         if (
             idle and load.num_free_blocks == load.num_total_blocks
@@ -104,7 +108,7 @@ def run_worker(
             async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 result = await body(stub)
-                return result, await settled_load(stub)
+                return result, await settled_load(worker)
         finally:
             await worker.server.server.stop(0)
             await worker.close()
