@@ -150,7 +150,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             engine.load_lora(request.name, request.path)
 
         await self._lora_call(load)
-        return await self.ListLoras(worker_pb2.ListLorasRequest(), context)
+        return await self._lora_state()
 
     @rpc_handler
     async def UnloadLora(
@@ -163,13 +163,10 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             engine.unload_lora(request.name)
 
         await self._lora_call(unload)
-        return await self.ListLoras(worker_pb2.ListLorasRequest(), context)
+        return await self._lora_state()
 
-    @rpc_handler
-    async def ListLoras(
-        self, request: worker_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoraState:
-        """The worker's adapters now (empty when LoRA is off)."""
+    async def _lora_state(self) -> worker_pb2.LoraState:
+        """The worker's adapters once the change took effect (empty when LoRA is off)."""
         snap = await self.engine.call(lambda engine: engine.stats().lora)
         return lora_proto(snap) if snap is not None else worker_pb2.LoraState()
 

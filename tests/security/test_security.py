@@ -317,7 +317,7 @@ def _oversized(length: int) -> bytes:
 GRPC_SERVICES = [
     ("tokenizer", "/meshserve.v1.Tokenizer/GetTokenizerInfo"),
     ("scheduler", "/meshserve.v1.Scheduler/ListWorkers"),
-    ("decoder-0", "/meshserve.v1.Worker/ListLoras"),
+    ("decoder-0", "/meshserve.v1.Worker/LoadLora"),
     ("decoder-1", "/meshserve.v1.Worker/Embed"),
     ("encoder-cache", "/meshserve.v1.EncoderCache/Has"),
 ]

@@ -57,8 +57,8 @@ class SlowWorker(worker_pb2_grpc.WorkerServicer):
         self.started = asyncio.Event()
 
     @rpc_handler
-    async def ListLoras(
-        self, request: worker_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
+    async def LoadLora(
+        self, request: worker_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoraState:
         self.started.set()
         await asyncio.sleep(0.5)
@@ -99,7 +99,7 @@ async def test_health_errors_and_drain() -> None:
             await raw(b"\x0a\x02\x80\x80")  # field 1 (string) holding invalid UTF-8
         assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed request" in (malformed.value.details() or "")
-        in_flight = asyncio.ensure_future(worker.ListLoras(worker_pb2.ListLorasRequest()))
+        in_flight = asyncio.ensure_future(worker.LoadLora(worker_pb2.LoadLoraRequest(name="a")))
         await servicer.started.wait()
         drained = asyncio.create_task(server.drain_and_stop())
         # The call in flight finishes during the drain ...
@@ -108,7 +108,7 @@ async def test_health_errors_and_drain() -> None:
     # ... and the stopped server refuses new calls.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await worker_pb2_grpc.WorkerStub(channel).ListLoras(worker_pb2.ListLorasRequest(), timeout=2)
+            await worker_pb2_grpc.WorkerStub(channel).LoadLora(worker_pb2.LoadLoraRequest(name="a"), timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 

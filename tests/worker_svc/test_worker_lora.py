@@ -1,6 +1,6 @@
 """A real worker with LoRA over gRPC: `model` naming an adapter runs under it (== PEFT's
-greedy generate), unknown names are NOT_FOUND, LoadLora / UnloadLora / ListLoras change
-and report the adapters, an unfit directory is INVALID_ARGUMENT naming it and changes
+greedy generate), unknown names are NOT_FOUND, LoadLora / UnloadLora change and report
+the adapters, an unfit directory is INVALID_ARGUMENT naming it and changes
 nothing, and heartbeats would carry the state (`lora_state`)."""
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ def test_worker_serves_and_manages_adapters(model_dir: Path, tmp_path: Path) -> 
 
     async def body(stub: worker_pb2_grpc.WorkerStub) -> dict[str, object]:
         seen: dict[str, object] = {}
-        seen["first"] = await stub.ListLoras(worker_pb2.ListLorasRequest(), timeout=30)
         seen["ad-all"] = (await generate_tokens(stub, _request("a", "ad-all")))[0]
         seen["base"] = (await generate_tokens(stub, _request("b", base_name)))[0]
         with pytest.raises(RequestFailed) as unknown:
@@ -56,7 +55,6 @@ def test_worker_serves_and_manages_adapters(model_dir: Path, tmp_path: Path) -> 
         enable_runtime_lora_updating=True,
         dtype="float32",  # the reference's (auto is bf16 on some hosts)
     )
-    assert list(seen["first"].loaded) == ["ad-all"]  # type: ignore[attr-defined]
     base = greedy(base_model(model_dir), PROMPT, MAX_TOKENS)
     assert seen["base"] == base
     for name in ("ad-all", "ad-attn"):
