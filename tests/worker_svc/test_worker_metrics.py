@@ -4,6 +4,7 @@ scraped (no refresh timer), the same load its heartbeats carry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -42,11 +43,13 @@ def test_load_gauges_are_read_when_scraped(tiny_model_dir: Path) -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 replies = 0
-                async for _ in generate_one(stub, _request("long", 1000)):
-                    replies += 1
-                    if replies == 3:  # mid-stream: running, holding KV blocks
-                        running = await _gauges(port)
-                        break  # leaving cancels the call: the request is aborted
+                stream = generate_one(stub, _request("long", 1000))
+                async with contextlib.aclosing(stream):  # closing cancels the call: an abort
+                    async for _ in stream:
+                        replies += 1
+                        if replies == 3:  # mid-stream: running, holding KV blocks
+                            running = await _gauges(port)
+                            break
                 assert running["num_running"] == 1 and running["kv_usage"] > 0, running
                 await settled_load(worker)
                 async for _ in generate_one(stub, _request("short", 4)):
