@@ -3,6 +3,7 @@ when scraped, and the KV hand-off's counters (P/D disaggregation)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -50,9 +51,7 @@ LORA_REQUESTS = Counter(
 )
 
 
-def watch(
-    load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_pb2.LoraState | None]
-) -> None:
+def watch(load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_pb2.LoraState | None]) -> None:
     """Reads the gauges from `load` and `loras` whenever /metrics is scraped, so they are
     as fresh as the engine's latest step (both read its stats snapshot, safe from the
     metrics thread)."""
@@ -65,10 +64,14 @@ def watch(
         FINISHED: "num_finished",
     }
     for gauge, name in fields.items():
-        gauge.set_function(lambda name=name: float(getattr(load(), name)))
+        gauge.set_function(functools.partial(_field, load, name))
     LORA_LOADS.set_function(lambda: float(_lora(loras).num_loads))
     LORA_EVICTIONS.set_function(lambda: float(_lora(loras).num_evictions))
     LORA_RESIDENT.set_function(lambda: float(len(_lora(loras).resident)))
+
+
+def _field(load: Callable[[], worker_pb2.LoadStats], name: str) -> float:
+    return float(getattr(load(), name))
 
 
 def _lora(loras: Callable[[], worker_pb2.LoraState | None]) -> worker_pb2.LoraState:

@@ -130,7 +130,9 @@ async def test_gateway_renders_completion_prompts_like_the_service(
     assert not info.HasField("image_token_id")  # a text-only model
     for text in [*TEXTS, "<s> literal special token text </s>", " "]:
         for special in (True, False):
-            remote = await service.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=special))
+            remote = await service.Tokenize(
+                tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=special)
+            )
             mine = completion_token_ids(local.tokenizer, info.vocab_size, None, text, None, special)
             assert mine == list(remote.token_ids), (text, special)
     with pytest.raises(InvalidArgument) as error:

@@ -198,9 +198,7 @@ class SharedMesh:
             num_finished=int(self.metric(name, "meshserve_worker_num_finished")),
         )
 
-    def wait_kv_idle(
-        self, timeout: float = 20.0, names: list[str] | None = None
-    ) -> dict[str, WorkerLoad]:
+    def wait_kv_idle(self, timeout: float = 20.0, names: list[str] | None = None) -> dict[str, WorkerLoad]:
         """Waits until every decoder (or those `names`) reports nothing running or waiting and every KV block
         free (kv_usage 0; cached-but-unused blocks count as free). Returns the last load
         per decoder; raises on timeout."""

@@ -108,7 +108,9 @@ async def test_health_errors_and_drain() -> None:
     # ... and the stopped server refuses new calls.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await worker_pb2_grpc.WorkerStub(channel).LoadLora(worker_pb2.LoadLoraRequest(name="a"), timeout=2)
+            await worker_pb2_grpc.WorkerStub(channel).LoadLora(
+                worker_pb2.LoadLoraRequest(name="a"), timeout=2
+            )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
