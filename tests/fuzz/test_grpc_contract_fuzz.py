@@ -372,11 +372,6 @@ def _cases() -> list[Case]:
             "tokenizer",
             _tok("Detokenize", tokenizer_pb2.DetokenizeRequest(model=MODEL_NAME, token_ids=[-1])),
         ),
-        Case(
-            "tokenizer-tokenize-empty-text",
-            "tokenizer",
-            _tok("Tokenize", tokenizer_pb2.TokenizeRequest(model=MODEL_NAME, text="")),
-        ),
         Case("tokenizer-render-chat-bad-json", "tokenizer", _render_chat("{not json")),
         Case("tokenizer-render-chat-empty-messages", "tokenizer", _render_chat("[]")),
         Case("tokenizer-render-chat-messages-not-list", "tokenizer", _render_chat('{"role": "user"}')),
