@@ -335,11 +335,10 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Readies every step shape before the worker reports ready, so that no user's request
         pays for it: a compiled model compiles now, and a step size a CPU step is padded to
-        (``ModelRunner.step_sizes``) gets its kernels built. A compiled graph is specialized
-        on whether the step has 1 token or more: one prompt alone (prefill: many tokens, one
-        row; decode: one and one), then two together (many tokens and rows: the same graph as
-        prefill, which a warm-up checks rather than assumes); then the prefix cache it filled
-        is emptied. Returns the seconds it took. A model the compiler fails on is served
+        (``ModelRunner.step_sizes``) gets its kernels built. One compiled graph serves every
+        step: one prompt alone (prefill: many tokens, one row; decode: one and one), then two
+        together (many tokens and rows), the same graph each time, which a warm-up checks
+        rather than assumes; then the prefix cache it filled is emptied. Returns the seconds it took. A model the compiler fails on is served
         eagerly (a warning, and the start-up log says why): slower, never wrong."""
         if not (self.config.compiles or self.runner.step_sizes):
             return 0.0

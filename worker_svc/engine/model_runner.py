@@ -149,9 +149,9 @@ class ModelRunner:
             self.lora = LoraManager(
                 self.model, config.max_loras, config.max_lora_rank, config.cpu_lora_capacity
             )
-        # Dynamic shapes: one graph serves every batch size (T == 1 gets its own, by torch's
-        # 0/1 specialization; the kept rows are unbacked, _compiled_forward). Attention stays
-        # an opaque custom op in the graph.
+        # Dynamic shapes: one graph serves every step, from one token to a full batch (the
+        # token and kept-row counts are unbacked, _compiled_forward). Attention stays an
+        # opaque custom op in the graph.
         self._compiled: Any = None
         if config.compiles:
             if self.dtype in (torch.bfloat16, torch.float16):
@@ -162,6 +162,7 @@ class ModelRunner:
         self.compile_seconds = 0.0  # wall time of the steps that (re)compiled
         self.compile_failed = ""  # why the forward runs eagerly after all (stop_compiling)
         self._inductor_patch: Any = None  # inductor_options as a reusable context manager
+        self._dynamo_patch: Any = None  # _DYNAMO_OPTIONS as one
         self._probe_attention()
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs, self.graphs_note = cuda_graphs.for_runner(self)
@@ -409,24 +410,31 @@ class ModelRunner:
         frames = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         # Set for our calls only (graphs compile lazily, inside them), not process-wide.
-        # The patch object is built once: building it per call was ~1 % of a decode step.
+        # The patch objects are built once: building them per call was ~1 % of a decode step.
         if self._inductor_patch is None:
             self._inductor_patch = inductor_config.patch(inductor_options(self.device.type, self.dtype))
-        keep = kwargs.get("logits_to_keep")
-        if keep is not None and kwargs["input_ids"].shape[1] > 1:
-            # Past one token the sampled rows' count is unbacked, so 1 row is not specialized:
-            # one graph serves prefill of one prompt and batches alike; a step of one token (one
-            # row) keeps its own graph (docs/design-decisions.md).
-            torch._dynamo.decorators.mark_unbacked(keep, 0)
-        with self._inductor_patch:
+            self._dynamo_patch = torch._dynamo.config.patch(_DYNAMO_OPTIONS)
+        # Unbacked, a count of 1 is not specialized: the step of one token (batch-1 decode)
+        # runs the graph every other step runs, and the worker compiles one graph, not two
+        # (docs/design-decisions.md, "The forward is compiled by default").
+        for name, dim in _UNBACKED_DIMS:
+            if name in kwargs:
+                torch._dynamo.decorators.mark_unbacked(kwargs[name], dim)
+        with self._dynamo_patch, self._inductor_patch:
             out = self._compiled(**kwargs)
         if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
             self.compile_seconds += time.perf_counter() - start
         return out
 
 
+# Python floats are constants of the traced graph: left symbolic (torch's default), one the
+# compiler cannot turn into a tensor restarts the whole trace, half again of a cold compile.
+_DYNAMO_OPTIONS: dict[str, Any] = {"specialize_float": True}
+# The step's token count (ids and positions are [1, T]) and its sampled rows' count.
+_UNBACKED_DIMS = (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0))
+
 # Process-wide state a compiled graph depends on (checked in C++, cheap); SHAPE_ENV holds
-# the symbolic shape guards (e.g. the batch-size-1 specialization).
+# the symbolic shape guards.
 _GLOBAL_GUARDS = frozenset(
     {
         "GLOBAL_STATE",
