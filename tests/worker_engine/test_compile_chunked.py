@@ -15,13 +15,16 @@ from worker_svc.engine import LLMEngine, SamplingParams
 
 
 def test_compiled_chunked_prefill_matches_transformers(
-    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM
+    warmed_up: WarmedUp, hf_model: LlamaForCausalLM
 ) -> None:
+    """A prompt of 2.5 step budgets: two steps of one prefill chunk each, which sample nothing."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    (prompt,) = prompts(27, seed=11)
-    engine = make_engine(compile_model=True, max_num_batched_tokens=8, block_size=4)
+    engine = warmed_up.engine
+    (prompt,) = prompts(engine.config.max_num_batched_tokens * 5 // 2, seed=11)
+    steps = engine.num_steps
     out = run_all(engine, [("r", prompt, params)])["r"]
     assert tokens(out) == hf_greedy(hf_model, prompt, 4)
+    assert engine.num_steps - steps == 3 + 3, "three prefill steps, then three decode steps"
     assert engine.runner.compile_seconds > 0
 
 
