@@ -22,7 +22,7 @@ import redis
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from services.launcher import Mesh, free_ports_config
+from services.launcher import Mesh, free_ports_config, service_specs
 from services.ports import free_port
 from services.redis_client import RedisServer
 
@@ -64,15 +64,12 @@ def mesh(
     )
     started = Mesh(config)
     try:
-        started.start(timeout=240)
-        spec = started.specs["gateway"]
+        # The second gateway starts beside the mesh's services; start() waits for it too.
+        spec = next(s for s in service_specs(config, redis_server.url) if s.name == "gateway")
         port = free_port()
-        started.start_service(
-            dataclasses.replace(
-                spec, name="gateway-2", port=port, env={**spec.env, "MESHSERVE_PORT": str(port)}
-            )
-        )
-        started.wait_healthy(120)
+        env = {**spec.env, "MESHSERVE_PORT": str(port)}
+        started.start_service(dataclasses.replace(spec, name="gateway-2", port=port, env=env))
+        started.start(timeout=240)
         yield started
     finally:
         started.stop()
