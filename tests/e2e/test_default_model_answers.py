@@ -17,6 +17,10 @@ from pydantic import BaseModel
 from services.launcher import Mesh, free_ports_config
 from services.redis_client import RedisServer
 
+# The first test's set-up compiles the default model's forward, as `make serve` does (2-3 min of
+# a 2-vCPU host): pytest's per-test limit is the mesh start's own.
+pytestmark = pytest.mark.timeout(600)
+
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
