@@ -60,10 +60,10 @@ dupcheck: deps
 typecheck: deps proto
 	$(BIN)/mypy
 
+# mypy (one core, ~35 s) runs beside the suite's first tests; either failing fails the target.
 test: deps proto model dupcheck
 	$(BIN)/ruff check .
-	$(BIN)/mypy
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/mypy & mypy=$$!; $(BIN)/python -m pytest -q $(PYTEST_ARGS); tests=$$?; wait $$mypy && exit $$tests
 
 soak: deps proto model
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

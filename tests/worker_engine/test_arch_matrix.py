@@ -10,9 +10,6 @@ again on a KV cache too small for them together (preemption and recompute).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,33 +187,6 @@ def test_windowed_layers_on_the_triton_backend(name: str, tmp_path: Path) -> Non
     assert engine.model_info.attention_backend == "triton"
     outs = run_all(engine, reqs)
     assert {k: tokens(v) for k, v in outs.items()} == {k: tokens(v) for k, v in ref.items()}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
-@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
-def test_triton_backend_under_interpreter() -> None:
-    # TRITON_INTERPRET must be set before triton compiles: run the test above and the
-    # kernel's own tests (test_triton_layers.py) in a child.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"{__file__}::test_windowed_layers_on_the_triton_backend",
-            str(Path(__file__).with_name("test_triton_layers.py")),
-        ],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "7 passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
 
 
 def test_gemma3_vision_checkpoint_is_refused(tmp_path: Path) -> None:

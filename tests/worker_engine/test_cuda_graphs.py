@@ -9,11 +9,7 @@ real graphs.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +21,7 @@ from worker_svc.engine.attention import AttentionMetadata
 from worker_svc.engine.cuda_graphs import DecodeGraphs, attach, bucket_sizes
 
 # The graph backends this machine runs: the native CPU kernel, and the Triton kernel with
-# CUDA or under TRITON_INTERPRET=1 (test_triton_graphs_under_interpreter runs this file so).
+# CUDA or under TRITON_INTERPRET=1 (test_triton_interpret.py runs the triton case so).
 BACKENDS = [
     pytest.param("cpu", marks=pytest.mark.skipif(cpu_attention.load() is None, reason="needs a C compiler")),
     pytest.param(
@@ -166,29 +162,6 @@ def test_steps_outside_the_buckets_fall_back() -> None:
     assert graphs.run([(0, 2, [0])], [1, 2], [0, 1], [1]) is None  # a prefill chunk
     assert graphs.run([(4, 1, [0, 1])], [1], [4], []) is None  # a row not sampled
     assert graphs.replays == 0
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
-@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
-def test_triton_graphs_under_interpreter() -> None:
-    # TRITON_INTERPRET must be set before triton compiles: the triton cases run in a child.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        "triton and not interpreter",
-        __file__,
-    ]
-    result = subprocess.run(
-        cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.gpu
