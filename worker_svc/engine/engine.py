@@ -338,8 +338,9 @@ class LLMEngine:
         (``ModelRunner.step_sizes``) gets its kernels built. One compiled graph serves every
         step: one prompt alone (prefill: many tokens, one row; decode: one and one), then two
         together (many tokens and rows), the same graph each time, which a warm-up checks
-        rather than assumes; then the prefix cache it filled is emptied. Returns the seconds it took. A model the compiler fails on is served
-        eagerly (a warning, and the start-up log says why): slower, never wrong."""
+        rather than assumes; then the prefix cache it filled is emptied. Returns the seconds
+        it took. A model the compiler fails on is served eagerly (a warning, and the start-up
+        log says why): slower, never wrong."""
         if not (self.config.compiles or self.runner.step_sizes):
             return 0.0
         start = time.monotonic()
