@@ -71,6 +71,17 @@ def build_vlm_model(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
+def unlabelled_samples(text: str, prefix: str) -> dict[str, float]:
+    """The samples without labels of a /metrics page whose names start with `prefix`, by
+    name without it."""
+    return {
+        sample.name.removeprefix(prefix): float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(prefix) and not sample.labels
+    }
+
+
 def metric_value(port: int, name: str, **labels: str) -> float:
     """One sample of the /metrics endpoint on 127.0.0.1:`port` (0 when absent)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -186,16 +197,21 @@ class SharedMesh:
     def metric(self, name: str, metric: str, **labels: str) -> float:
         """One sample of a service started with MESHSERVE_METRICS_PORT (the scheduler and
         the decoders are); 0 when never observed."""
-        port = int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
-        return metric_value(port, metric, **labels)
+        return metric_value(self._metrics_port(name), metric, **labels)
+
+    def _metrics_port(self, name: str) -> int:
+        return int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
 
     def worker_load(self, name: str) -> WorkerLoad:
-        """One decoder's load gauges, read from its /metrics (as of its latest step)."""
+        """One decoder's load gauges, read from one scrape of its /metrics (as of its
+        latest step)."""
+        text = httpx.get(f"http://127.0.0.1:{self._metrics_port(name)}/metrics", timeout=5).text
+        gauges = unlabelled_samples(text, "meshserve_worker_")
         return WorkerLoad(
-            num_running=int(self.metric(name, "meshserve_worker_num_running")),
-            num_waiting=int(self.metric(name, "meshserve_worker_num_waiting")),
-            kv_usage=self.metric(name, "meshserve_worker_kv_usage"),
-            num_finished=int(self.metric(name, "meshserve_worker_num_finished")),
+            num_running=int(gauges.get("num_running", 0)),
+            num_waiting=int(gauges.get("num_waiting", 0)),
+            kv_usage=gauges.get("kv_usage", 0.0),
+            num_finished=int(gauges.get("num_finished", 0)),
         )
 
     def wait_kv_idle(self, timeout: float = 20.0, names: list[str] | None = None) -> dict[str, WorkerLoad]:

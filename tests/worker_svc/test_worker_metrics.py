@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
 from services.ports import free_port
+from tests.reliability.meshkit import unlabelled_samples
 from tests.worker_svc.worker_kit import generate_one, settled_load, worker_process
 
 PROMPT = [5, 17, 33, 8, 90, 41, 7]
@@ -26,12 +26,7 @@ def _request(request_id: str, max_tokens: int) -> common_pb2.GenerateRequest:
 async def _gauges(port: int) -> dict[str, float]:
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
-    return {
-        sample.name.removeprefix("meshserve_worker_"): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("meshserve_worker_") and not sample.labels
-    }
+    return unlabelled_samples(text, "meshserve_worker_")
 
 
 def test_load_gauges_are_read_when_scraped(tiny_model_dir: Path) -> None:
