@@ -30,7 +30,10 @@ def test_ports_are_free_distinct_and_not_ephemeral() -> None:
 
 
 def test_a_port_another_socket_holds_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The picker's first choice is a port something already listens on: it moves on."""
+    """The picker's first choice is a port something already listens on: it moves on. The
+    process-wide record of ports handed out starts empty here, so what earlier tests were
+    given cannot veto the scripted choices."""
+    monkeypatch.setattr(ports, "_handed_out", set())
     with socket.socket() as held:
         for port in range(24000, 24100):
             try:
