@@ -53,22 +53,3 @@ def rss_bytes() -> int:
     """This process's resident memory (/proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def pin_process(pid: int, cpu: int) -> None:
-    """Every thread of ``pid`` on ``cpu`` (threads started later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except OSError:  # the thread ended meanwhile
-            pass
-
-
-def pin_engines(mesh: Any) -> None:
-    """Each decoder and prefill worker of a started ``services.launcher.Mesh`` on a core of
-    its own (round robin over this process's CPUs): engines started with one thread each
-    then never share a core, whose OpenMP spin-waits would otherwise stall each other."""
-    cpus = sorted(os.sched_getaffinity(0))
-    engines = sorted(n for n in mesh.procs if n.startswith(("decoder-", "prefill-")))
-    for i, name in enumerate(engines):
-        pin_process(mesh.procs[name].pid, cpus[i % len(cpus)])

@@ -14,7 +14,7 @@ of rank `--rank` on every projection, built for the model at the start (peft).
    requests on a decoder without LoRA, then on a decoder with `--max-loras 4` and 4
    adapters: base-only requests, and a uniform mix of the 4 adapters. Overhead % =
    1 - mix / base (LoRA off).
-2. Routing: 2 decoders (one engine thread each, each pinned to a core of its own),
+2. Routing: 2 decoders (each on half of the CPUs, as the launcher places them),
    `--routing-adapters` (8) adapters loaded on both, `--routing-max-loras` (2) slots each,
    each request's adapter drawn from a Zipf(`--zipf`) law over them (same seeded sequence
    for every policy). The scheduler's `prefix` policy (adapter residency
@@ -47,7 +47,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.host import host_info, pin_engines
+from bench.host import host_info
 from bench.mesh_client import free_ports_config
 from services.launcher import Mesh
 from services.ports import free_port
@@ -92,13 +92,9 @@ def mesh(model_dir: str, decoders: int, policy: str, **lora: Any) -> Iterator[tu
         routing_policy=policy,
         log_dir=tempfile.mkdtemp(prefix="meshserve-lora-bench-"),
         metrics_ports=tuple((f"decoder-{i}", port) for i, port in enumerate(ports)),
-        # Several decoders on one host: one engine thread each, each on a core of its own.
-        extra_env=(("MESHSERVE_NUM_THREADS", "1"),) if decoders > 1 else (),
         **lora,
     )
-    started = Mesh(config).start(timeout=600)
-    if decoders > 1:
-        pin_engines(started)
+    started = Mesh(config).start(timeout=600)  # several decoders: the launcher shares the CPUs
     try:
         yield started, ports
     finally:

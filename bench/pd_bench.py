@@ -7,16 +7,16 @@ same two cores both ways, under short streaming chats while long prompts keep ar
         [--pd-min-prompt-tokens 512] [--out bench/results/pd_bench.json]
 
 Modes, each a fresh mesh (services.launcher.Mesh: Redis, gateway, tokenizer, scheduler, two
-engine workers, one torch thread each):
+engine workers):
 
 * ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); prompts with at least
   ``--pd-min-prompt-tokens`` uncached tokens are prefilled on the prefill worker and their
   KV pulled by the decoder;
 * ``colocated``: ``decoder-0`` + ``decoder-1``, each prefilling its own prompts.
 
-Each worker process (every thread of it) is pinned to one core with sched_setaffinity:
-the first worker to the first allowed CPU, the second to the second. The gateway,
-tokenizer, scheduler and this client are not pinned.
+The launcher places the two workers as it does for users: each on half of the CPUs this
+process may use, with as many torch threads (services.cpus). The gateway, tokenizer,
+scheduler and this client are not pinned.
 
 Workload per round (``--duration-s``): ``--chats`` closed-loop clients each send short
 streaming completions (``--chat-prompt`` random token ids, ``--chat-tokens`` output) back
@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.host import host_info, pin_engines
+from bench.host import host_info
 from bench.mesh_client import completion_body, free_ports_config
 from services.launcher import Mesh
 from services.ports import free_port
@@ -95,14 +95,11 @@ def start_mesh(config: BenchConfig, mode: str) -> Mesh:
         log_dir=tempfile.mkdtemp(prefix=f"meshserve-pd-bench-{mode}-"),
         metrics_ports=(("decoder-0", free_port()),),
         extra_env=(
-            ("MESHSERVE_NUM_THREADS", "1"),
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(config.max_num_batched_tokens)),
             ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(config.pd_min_prompt_tokens)),
         ),
     )
-    mesh = Mesh(mesh_config).start(timeout=300)
-    pin_engines(mesh)
-    return mesh
+    return Mesh(mesh_config).start(timeout=300)
 
 
 async def wait_workers(base_url: str, mode: str, timeout: float = 120.0) -> None:

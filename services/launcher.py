@@ -35,7 +35,7 @@ import httpx
 
 from encoder_cache_svc.config import EncoderCacheConfig
 from scheduler_svc.config import SchedulerConfig
-from services import ports
+from services import cpus, ports
 from services.clock import Clock
 from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
 from services.redis_client import RedisServer
@@ -55,6 +55,8 @@ class ServiceSpec:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     grpc: bool = True
+    # The CPUs it is started on (empty: the launcher's own), see `place_on_cpus`.
+    cpus: frozenset[int] = frozenset()
 
     @property
     def address(self) -> str:
@@ -363,6 +365,7 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
     if config.only_components:
         specs = [s for s in specs if s.component in config.only_components]
     _check_ports(specs)
+    specs = place_on_cpus(specs, {**os.environ, **dict(config.extra_env)})
     metrics = {name: {"MESHSERVE_METRICS_PORT": str(port)} for name, port in config.metrics_ports}
     return [
         dataclasses.replace(
@@ -378,6 +381,37 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
         )
         for s in specs
     ]
+
+
+# Decoders and prefill workers compute steadily; encoders and the embedding worker in bursts.
+_MAIN_ROLES = ("decoder", "prefill")
+
+
+def place_on_cpus(specs: Sequence[ServiceSpec], user_env: dict[str, str]) -> list[ServiceSpec]:
+    """Each engine process on a disjoint share of the launcher's CPUs with as many torch
+    threads (`services.cpus.place_engines`), the other services on what is left. A user's
+    MESHSERVE_NUM_THREADS (environment or extra_env) keeps its thread count, and an engine
+    told MESHSERVE_CPU_AFFINITY is not placed: the user's word wins."""
+    engines = [s for s in specs if s.module == "worker_svc"]
+    plan = cpus.place_engines(
+        cpus.affinity(),
+        [s.name for s in engines if s.env.get("MESHSERVE_ROLE") in _MAIN_ROLES],
+        [s.name for s in engines if s.env.get("MESHSERVE_ROLE") not in _MAIN_ROLES],
+        cpus.cgroup_cpu_limit(),
+    )
+    placed = []
+    for spec in specs:
+        where = plan.engines.get(spec.name)
+        if where is None:
+            placed.append(dataclasses.replace(spec, cpus=plan.rest))
+        elif "MESHSERVE_CPU_AFFINITY" not in user_env:
+            env = {"MESHSERVE_NUM_THREADS": str(where.threads), **spec.env}
+            if "MESHSERVE_NUM_THREADS" in user_env:
+                del env["MESHSERVE_NUM_THREADS"]
+            placed.append(dataclasses.replace(spec, cpus=where.cpus, env=env))
+        else:
+            placed.append(spec)
+    return placed
 
 
 def _check_ports(specs: Sequence[ServiceSpec]) -> None:
@@ -508,7 +542,9 @@ class Mesh:
             )
         self.specs[spec.name] = spec
         self.started_at[spec.name] = time.monotonic()
-        log.info("started %s (pid %d) on %s", spec.name, self.procs[spec.name].pid, spec.address)
+        pid = self.procs[spec.name].pid
+        where = _pin(pid, spec)
+        log.info("started %s (pid %d) on %s%s", spec.name, pid, spec.address, where)
 
     def wait_healthy(self, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
         """Waits until every service is healthy (or `should_stop()` turns true)."""
@@ -604,6 +640,21 @@ class Child(Protocol):
 
     def healthy(self) -> bool:
         """True once it serves (gRPC health SERVING, the gateway's /health 200)."""
+
+
+def _pin(pid: int, spec: ServiceSpec) -> str:
+    """Puts a just-started process on its CPUs, before it starts a thread (every thread it
+    starts inherits them); returns where it runs, for the start-up log."""
+    threads = spec.env.get("MESHSERVE_NUM_THREADS")
+    where = f", {threads} threads" if threads and spec.module == "worker_svc" else ""
+    if not spec.cpus:
+        return where
+    try:
+        os.sched_setaffinity(pid, spec.cpus)
+    except (AttributeError, OSError) as exc:  # not Linux, or CPUs outside the launcher's cgroup
+        log.warning("%s: CPUs %s not applied: %s", spec.name, cpus.format_cpus(spec.cpus), exc)
+        return where
+    return f", CPUs {cpus.format_cpus(spec.cpus)}{where}"
 
 
 class ServiceChild:

@@ -29,7 +29,10 @@ class WorkerConfig(ServerConfig):
     )
     scheduler_address: str = opt("", "scheduler(s) to register with, host:port[,host:port]")
     redis_url: str = opt("", "Redis for KV events (the scheduler's prefix index); empty: none published")
-    num_threads: int = opt(0, "torch threads of the forward (0: torch's default)")
+    num_threads: int = opt(
+        0,
+        "torch threads of the forward (0: as many as this process's CPU affinity and cgroup CPU quota allow)",
+    )
     stream_interval: int = opt(
         1,
         "stream every N-th token per sequence after the first (1: every token); larger values "

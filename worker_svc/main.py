@@ -14,6 +14,7 @@ import torch
 
 from meshserve.v1 import kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
+from services.cpus import affinity, format_cpus, usable_threads
 from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
 from services.server import GrpcServer
@@ -221,8 +222,10 @@ class WorkerProcess:
 async def main(argv: Sequence[str]) -> None:
     config = load_config(WorkerConfig, argv, prog="worker_svc")
     setup_logging(f"worker:{config.role}", config.log_level)
-    if config.num_threads > 0:
-        torch.set_num_threads(config.num_threads)
+    # Auto: what this process may use (its affinity, its cgroup's CPU quota), not the host's
+    # core count torch would take (docs/design-decisions.md, "Engines on one machine ...").
+    torch.set_num_threads(config.num_threads or usable_threads())
+    log.info("%d torch threads, CPUs %s", torch.get_num_threads(), format_cpus(affinity()))
     worker = WorkerProcess(config)
     await worker.start()
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher import BackoffPolicy, MeshConfig, _parse, service_specs
+from services import cpus
+from services.launcher import BackoffPolicy, MeshConfig, ServiceSpec, _parse, service_specs
 
 
 def _env(config: MeshConfig, name: str) -> dict[str, str]:
@@ -90,3 +91,47 @@ def test_supervision_options_reach_the_policy() -> None:
     config = _parse([*base, *restarts])
     assert config.num_schedulers == 2
     assert config.backoff == BackoffPolicy(initial_s=0.25, max_s=4.0, reset_after_s=60.0)
+
+
+def _placed(config: MeshConfig, monkeypatch: pytest.MonkeyPatch, cpus_: int) -> dict[str, ServiceSpec]:
+    """The specs as the launcher places them on a machine whose launcher may use `cpus_` CPUs."""
+    monkeypatch.setattr(cpus, "affinity", lambda: list(range(cpus_)))
+    monkeypatch.setattr(cpus, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.delenv("MESHSERVE_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MESHSERVE_CPU_AFFINITY", raising=False)
+    return {s.name: s for s in service_specs(config, "")}
+
+
+def test_engines_are_started_on_cpus_of_their_own_with_a_thread_per_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = MeshConfig(model_dir="/m", embedding_model_dir="/e", num_decoders=2, num_prefill=1)
+    specs = _placed(config, monkeypatch, 13)
+    assert {
+        n: cpus.format_cpus(specs[n].cpus) for n in ("decoder-0", "decoder-1", "prefill-0", "embedding-0")
+    } == {
+        "decoder-0": "0-3",
+        "decoder-1": "4-7",
+        "prefill-0": "8-11",
+        "embedding-0": "12",
+    }
+    assert [specs[n].env["MESHSERVE_NUM_THREADS"] for n in ("decoder-0", "prefill-0", "embedding-0")] == [
+        "4",
+        "4",
+        "1",
+    ]
+    assert not specs["gateway"].cpus and "MESHSERVE_NUM_THREADS" not in specs["gateway"].env
+
+
+def test_the_users_threads_and_affinity_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = MeshConfig(
+        model_dir="/m", embedding_model_dir="", num_decoders=2, extra_env=(("MESHSERVE_NUM_THREADS", "3"),)
+    )
+    specs = _placed(config, monkeypatch, 8)
+    assert specs["decoder-1"].env["MESHSERVE_NUM_THREADS"] == "3"
+    assert cpus.format_cpus(specs["decoder-1"].cpus) == "4-7"
+    config = MeshConfig(
+        model_dir="/m", embedding_model_dir="", num_decoders=2, extra_env=(("MESHSERVE_CPU_AFFINITY", "0"),)
+    )
+    specs = _placed(config, monkeypatch, 8)
+    assert not specs["decoder-0"].cpus and "MESHSERVE_NUM_THREADS" not in specs["decoder-0"].env

@@ -323,7 +323,6 @@ def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
         extra_env=(
             ("MESHSERVE_DEFAULT_MAX_TOKENS", "16"),
             ("MESHSERVE_DRAIN_TIMEOUT_S", str(DRAIN_TIMEOUT_S)),
-            ("MESHSERVE_NUM_THREADS", "1"),
             ("MESHSERVE_LOG_LEVEL", "INFO"),
         ),
     )

@@ -1,0 +1,130 @@
+"""Several engines on one machine: the same chat load through a mesh of 1 decoder, then
+of 2, each a fresh mesh that the launcher places on the machine's CPUs as `make serve`
+would (services.cpus). With the machine's cores shared, twice the decoders must do at
+least as much work per second as one.
+
+    python -m bench.engines_bench --model-dir /tmp/peer/tiny-llama [--decoders 1,2]
+        [--requests 60 --concurrency 16 --max-tokens 200] [--rounds 3] [--compile]
+        [--out bench/results/engines_bench.json]
+
+Each round sends `--requests` streamed chat completions (`--max-tokens` tokens each,
+ignore_eos), `--concurrency` at a time, and records the wall time, output tokens/s and
+the median and p90 stream duration; the JSON keeps every round, their medians, and where
+the launcher put each engine (its CPUs and threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.host import host_info
+from services.cpus import format_cpus
+from services.launcher import Mesh, free_ports_config
+
+
+async def _one_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """Streams one chat; returns its duration and the completion tokens of its usage."""
+    start = time.perf_counter()
+    tokens = 0
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                tokens = usage.get("completion_tokens", tokens)
+    return time.perf_counter() - start, tokens
+
+
+async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: int) -> dict[str, float]:
+    """One round: `requests` chats, `concurrency` in flight."""
+    gate = asyncio.Semaphore(args.concurrency)
+    url = base_url + "/v1/chat/completions"
+
+    async def chat(i: int, session: aiohttp.ClientSession) -> tuple[float, int]:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Round {round_no}, story {i}: tell me about the sea."}],
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with gate:
+            return await _one_chat(session, url, body)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+        done = await asyncio.gather(*(chat(i, session) for i in range(args.requests)))
+        wall = time.perf_counter() - start
+    durations = sorted(d for d, _ in done)
+    return {
+        "wall_s": wall,
+        "output_tok_s": sum(t for _, t in done) / wall,
+        "stream_s_p50": statistics.median(durations),
+        "stream_s_p90": durations[int(0.9 * (len(durations) - 1))],
+    }
+
+
+def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
+    config = free_ports_config(
+        model_dir=args.model_dir,
+        num_decoders=decoders,
+        embedding_model_dir="",
+        log_dir=tempfile.mkdtemp(prefix=f"meshserve-engines-bench-{decoders}-"),
+        extra_env=(("MESHSERVE_COMPILE_MODEL", "true" if args.compile else "false"),),
+    )
+    mesh = Mesh(config).start(timeout=900)
+    try:
+        placement = {
+            name: {"cpus": format_cpus(spec.cpus), "threads": spec.env.get("MESHSERVE_NUM_THREADS", "")}
+            for name, spec in mesh.specs.items()
+            if name.startswith("decoder-")
+        }
+        model = Path(args.model_dir).name
+        asyncio.run(_load(mesh.gateway_url, model, args, -1))  # warm-up, not recorded
+        rounds = [asyncio.run(_load(mesh.gateway_url, model, args, r)) for r in range(args.rounds)]
+    finally:
+        mesh.stop()
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    return {"placement": placement, "rounds": rounds, "median": median}
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.engines_bench", description=__doc__)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--decoders", default="1,2", help="decoder counts to measure, comma-separated")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile the forward (default: eager)")
+    parser.add_argument("--out", default="bench/results/engines_bench.json")
+    args = parser.parse_args(argv)
+    results = {}
+    for count in (int(n) for n in args.decoders.split(",")):
+        results[f"{count}_decoders"] = _run_decoders(args, count)
+        print(f"{count} decoder(s): {json.dumps(results[f'{count}_decoders']['median'])}", flush=True)
+    report = {
+        "command": "python -m bench.engines_bench " + " ".join(argv),
+        "host": host_info(),
+        "results": results,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
