@@ -44,7 +44,7 @@ model: $(MODEL_STAMP)
 
 # Starts Redis (or uses REDIS_URL) and every service as its own process on 127.0.0.1.
 serve: deps proto model
-	$(BIN)/python -m services.launcher up --model-dir $(MODEL_DIR)
+	$(BIN)/python -m launcher up --model-dir $(MODEL_DIR)
 
 lint: deps proto dupcheck
 	$(BIN)/ruff check .

@@ -10,7 +10,7 @@ tokens, random prompts so no prefix is shared):
   ``concurrency`` requests in flight (TTFT/TPOT measured per request from submission).
 * ``mesh``: the same workload through the full mesh — gateway (`/v1/completions`,
   token-id prompts, SSE) → scheduler → decoder worker, each its own process
-  (``services.launcher.Mesh``, real Redis). ``notes`` gives its overhead vs in-process.
+  (``launcher.mesh.Mesh``, real Redis). ``notes`` gives its overhead vs in-process.
   ``--stream-intervals 1,16`` adds ``mesh_si16`` rows: a mesh whose decoder sends 16
   tokens per stream message after the first (fewer messages through every hop).
 * ``hf_naive``: ``model.generate`` one request at a time (concurrency 1); TTFT/TPOT via

@@ -29,7 +29,7 @@ import aiohttp
 
 from bench.host import host_info
 from services.cpus import format_cpus
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 
 
 async def _one_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:

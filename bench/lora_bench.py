@@ -5,7 +5,7 @@
         [--routing-adapters 8] [--routing-max-loras 2] [--zipf 1.1] [--repeats 3]
         [--out bench/results/lora_bench.json]
 
-Both parts run the real mesh (services.launcher: redis, scheduler, tokenizer, gateway,
+Both parts run the real mesh (launcher.mesh: redis, scheduler, tokenizer, gateway,
 decoder processes) and send token-id prompts to the gateway's `/v1/completions` (SSE), a
 closed loop of `--concurrency` requests in flight; the adapters are random PEFT adapters
 of rank `--rank` on every projection, built for the model at the start (peft).
@@ -49,7 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
 from bench.mesh_client import free_ports_config
-from services.launcher import Mesh
+from launcher.mesh import Mesh
 from services.ports import free_port
 
 DEFAULT_MODEL = Path(".cache/models/smollm2-135m-instruct")

@@ -1,6 +1,6 @@
 """Full-mesh path for the engine benchmark: the same workload sent through the
 gateway's OpenAI `/v1/completions` (token-id prompts, SSE streaming), with every
-service running as its own process (services.launcher.Mesh) and a real Redis."""
+service running as its own process (launcher.mesh.Mesh) and a real Redis."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 
 
 @contextmanager

@@ -3,7 +3,7 @@
     python -m bench.mm_bench [--model-dir DIR] [--requests 48 --images 4 --concurrency 4]
         [--max-tokens 8 --repeats 1] [--out bench/results/multimodal.json]
 
-For each mode a fresh mesh is started (services.launcher.Mesh: Redis, gateway, tokenizer,
+For each mode a fresh mesh is started (launcher.mesh.Mesh: Redis, gateway, tokenizer,
 scheduler, encoder cache, one encoder worker, one decoder worker) and the same seeded
 workload is sent through the gateway as streaming chat completions with the images as
 data URLs: `--requests` requests cycling over `--images` distinct images, at most
@@ -45,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
 from bench.mesh_client import free_ports_config
-from services.launcher import Mesh
+from launcher.mesh import Mesh
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ same two cores both ways, under short streaming chats while long prompts keep ar
         [--long-prompt 2000 --long-every-s 4 --long-tokens 8]
         [--pd-min-prompt-tokens 512] [--out bench/results/pd_bench.json]
 
-Modes, each a fresh mesh (services.launcher.Mesh: Redis, gateway, tokenizer, scheduler, two
+Modes, each a fresh mesh (launcher.mesh.Mesh: Redis, gateway, tokenizer, scheduler, two
 engine workers):
 
 * ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); prompts with at least
@@ -49,7 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
 from bench.mesh_client import completion_body, free_ports_config
-from services.launcher import Mesh
+from launcher.mesh import Mesh
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@
         [--cache-fraction 1.1 | --num-kv-blocks N] [--max-inflight-per-worker 32]
         [--hot-prefix-share 0.8] [--repeats 3] [--out bench/results/routing_open.json] [--plot OUT.png]
 
-For every (load, policy) a fresh mesh is started by `services.launcher.Mesh` -- a
+For every (load, policy) a fresh mesh is started by `launcher.mesh.Mesh` -- a
 redis-server, the scheduler with routing policy P and `--workers` decoder processes, no
 gateway or tokenizer -- and the same seeded workload is sent as token ids the way the gateway
 sends it: a route on `Scheduler.RouteStream` (admission + routing, a lease on one
@@ -80,7 +80,7 @@ from gateway.route_stream import RouteStream
 from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import launcher
 from services.kv_hash import block_hashes
-from services.launcher import free_ports_config
+from launcher.mesh import free_ports_config
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ class Record:
 
 def start_mesh(config: BenchConfig, policy: str, log_dir: Path) -> launcher.Mesh:
     """redis-server, the scheduler with `policy` and `config.workers` decoders on free
-    ports (services.launcher, as `make serve` starts them), once all are healthy."""
+    ports (launcher.mesh, as `make serve` starts them), once all are healthy."""
     settings = {
         "block_size": config.block_size,
         "num_kv_blocks": config.num_kv_blocks,

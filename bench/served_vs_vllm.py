@@ -7,7 +7,7 @@
 The client is vLLM's `vllm bench serve` (random prompts, 128 in / 64 out, ignore_eos, max(64, 4c)
 prompts per run: `--min-prompts`). Per model and round, each server is started, benchmarked at every
 concurrency and stopped before the other starts (they share the host's cores); the order of the two
-alternates between rounds. The mesh runs as `make serve` runs it (`python -m services.launcher up
+alternates between rounds. The mesh runs as `make serve` runs it (`python -m launcher up
 --model-dir DIR`, its defaults, no flags); vLLM gets the dtype the mesh resolves on this host
 (`default_dtype`), so both compute alike. The JSON holds every run, the medians per system and
 concurrency, the ratios mesh / vLLM, the host's CPU model and the exact commands.
@@ -53,7 +53,7 @@ def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> 
     """vLLM's server and the mesh, each serving `model_dir` as `name`."""
     vllm_cmd = [vllm, "serve", model_dir, "--host", "127.0.0.1", "--port", "8011"]
     vllm_cmd += ["--served-model-name", name, "--dtype", dtype, "--max-model-len", "1024"]
-    mesh_cmd = [sys.executable, "-m", "services.launcher", "up", "--model-dir", model_dir]
+    mesh_cmd = [sys.executable, "-m", "launcher", "up", "--model-dir", model_dir]
     mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir)]
     vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     return [

@@ -1,6 +1,6 @@
 """The Helm chart (deploy/helm/meshserve) rendered with its default values and with the GPU
 example: well-formed objects, the expected Deployments/Services/HPAs/PDBs, gRPC probes,
-and agreement with the local launcher (services/launcher.py: service list, ports, env names)
+and agreement with the local launcher (launcher/mesh.py: service list, ports, env names)
 and with the services' config dataclasses (every MESHSERVE_* name is a real field)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-import services.launcher
+import launcher.mesh as launcher_mesh
 from services import config
 from tests.deploy.conftest import CHART, GPU_VALUES, Manifest, Rendered
 
@@ -67,7 +67,7 @@ def main_port(deployment: Manifest) -> int:
 @pytest.fixture(scope="session")
 def launcher() -> Any:
     # A plain import: an ImportError in the launcher must fail these tests, not skip them.
-    return services.launcher
+    return launcher_mesh
 
 
 @pytest.fixture(scope="session")

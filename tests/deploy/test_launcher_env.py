@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services import cpus
-from services.launcher import BackoffPolicy, MeshConfig, ServiceSpec, _parse, service_specs
+from launcher.mesh import BackoffPolicy, MeshConfig, ServiceSpec, _parse, service_specs
 
 
 def _env(config: MeshConfig, name: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
-"""The launcher supervises its children like a Kubernetes Deployment (services/launcher.py).
+"""The launcher supervises its children like a Kubernetes Deployment (launcher/mesh.py).
 
 Unit level: the backoff policy and the supervisor's decisions, with fake children and a
-fake clock. Process level: `python -m services.launcher up` as a real subprocess with a
+fake clock. Process level: `python -m launcher up` as a real subprocess with a
 small mesh (Redis + two scheduler replicas, which start in about a second): a child killed
 with SIGKILL comes back (new pid, gRPC health SERVING) while the others keep their pids;
 SIGTERM / Ctrl-C stop everything with exit code 0 and no traceback. The full-mesh variant
@@ -28,7 +28,7 @@ import pytest
 
 from services import ports
 from services.config import ServerConfig
-from services.launcher import (
+from launcher.mesh import (
     BackoffPolicy,
     Mesh,
     MeshConfig,
@@ -236,11 +236,11 @@ def _free_ports(count: int) -> int:
 
 
 class LauncherRun:
-    """`python -m services.launcher up ARGS` as a subprocess; its output collected by a
+    """`python -m launcher up ARGS` as a subprocess; its output collected by a
     thread, the pids of the children it started read from its log lines."""
 
     def __init__(self, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "services.launcher", "up", *args]
+        cmd = [sys.executable, "-m", "launcher", "up", *args]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -504,7 +504,7 @@ def test_every_launcher_option_has_a_help_string() -> None:
         if f.name not in ("extra_env", "metrics_ports"):
             assert f.metadata.get("help"), f.name
     out = subprocess.run(
-        [sys.executable, "-m", "services.launcher", "--help"],
+        [sys.executable, "-m", "launcher", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ import redis
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from services.launcher import Mesh, free_ports_config, service_specs
+from launcher.mesh import Mesh, free_ports_config, service_specs
 from services.ports import free_port
 from services.redis_client import RedisServer
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.redis_client import RedisServer
 
 # The first test's set-up compiles the default model's forward, as `make serve` does (2-3 min of

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.lora_kit import base_model, build_adapters, greedy, peft_greedy

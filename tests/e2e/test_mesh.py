@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion
 from transformers import AutoTokenizer
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.reliability.meshkit import metric_value

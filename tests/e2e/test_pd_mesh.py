@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.redis_client import RedisServer
 
 CHUNK = 16

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.redis_client import RedisServer
 
 MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]

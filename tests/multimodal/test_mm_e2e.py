@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.launcher import Mesh, free_ports_config
+from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes

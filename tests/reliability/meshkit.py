@@ -38,7 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.launcher import Mesh, MeshConfig, ServiceSpec, free_ports_config
+from launcher.mesh import Mesh, MeshConfig, ServiceSpec, free_ports_config
 from services.ports import free_port
 
 MODEL_NAME = "tiny"

@@ -25,7 +25,10 @@ def test_ports_are_free_distinct_and_not_ephemeral() -> None:
     assert len(set(ports)) == len(ports), "a port was handed out twice"
     assert not [p for p in ports if low <= p <= high], "a port from the ephemeral range"
     for port in ports:
+        # As the services bind (SO_REUSEADDR): a port whose last connection is in TIME_WAIT
+        # is free for them, and for the picker.
         with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
 
 

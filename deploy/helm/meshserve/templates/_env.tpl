@@ -1,6 +1,6 @@
 {{/*
 Environment of every service: the same MESHSERVE_* names (and ports) that
-services/launcher.py `service_specs()` passes, plus the cluster-only ones (metrics port,
+launcher/mesh.py `service_specs()` passes, plus the cluster-only ones (metrics port,
 drain timeout, tracing, pod-IP registration). tests/deploy checks every MESHSERVE_* name
 against the service's config dataclass and against the launcher, and every value the default
 values give against the dataclass default (test_chart_defaults_are_the_services). Values

@@ -72,7 +72,7 @@ app.kubernetes.io/component: {{ .name }}
 {{- end }}
 
 {{/*
-The services of the mesh. `name` is the component (as in services/launcher.py service
+The services of the mesh. `name` is the component (as in launcher/mesh.py service
 names and DEFAULT_PORTS), `key` its block in values.yaml and in .Values.ports, `module` the
 `python -m` entry point. grpc: serves grpc.health.v1 (else HTTP /health). worker: a model
 worker (startup probe, headless Service, pod-IP registration). model: mounts the model volume.

@@ -1,6 +1,6 @@
 """Local launcher: Redis plus every service as its own process on one machine, supervised.
 
-`python -m services.launcher up --model-dir DIR` (what `make serve` runs) starts the
+`python -m launcher up --model-dir DIR` (what `make serve` runs) starts the
 mesh, waits for every service to report healthy, prints the URL, then supervises it the
 way a Kubernetes Deployment does: a service (or the launcher's own Redis) that exits is
 restarted with exponential backoff while the rest of the mesh keeps serving. Ctrl-C,
@@ -830,7 +830,7 @@ class StopSignals:
 
 
 def _parse(argv: Sequence[str]) -> MeshConfig:
-    parser = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__)
     parser.add_argument("command", choices=["up"])
     defaults = MeshConfig(model_dir="")
     for f in dataclasses.fields(MeshConfig):
@@ -907,6 +907,3 @@ def main(argv: Sequence[str]) -> int:
         mesh.stop(config.stop_timeout_s)
         log.info("meshserve stopped")
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
