@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 
 from bench.host import host_info
-from services.cpus import format_cpus
 from launcher.mesh import Mesh, free_ports_config
+from services.cpus import format_cpus
 
 
 async def _one_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:

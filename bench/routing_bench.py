@@ -77,10 +77,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
 from gateway.route_stream import RouteStream
-from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services import launcher
-from services.kv_hash import block_hashes
+from launcher import mesh as launcher
 from launcher.mesh import free_ports_config
+from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.kv_hash import block_hashes
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -906,4 +906,3 @@ def main(argv: Sequence[str]) -> int:
         log.info("stopping meshserve%s...", f" ({stop.received})" if stop.received else "")
         mesh.stop(config.stop_timeout_s)
         log.info("meshserve stopped")
-

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services import launcher
+from launcher import mesh as launcher
 from services.config import DEFAULT_PORTS
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import COMPONENTS, config_fields, env_of, main_port, meshserve_deployments

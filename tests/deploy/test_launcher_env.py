@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services import cpus
 from launcher.mesh import BackoffPolicy, MeshConfig, ServiceSpec, _parse, service_specs
+from services import cpus
 
 
 def _env(config: MeshConfig, name: str) -> dict[str, str]:

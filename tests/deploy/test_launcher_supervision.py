@@ -26,8 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from services import ports
-from services.config import ServerConfig
 from launcher.mesh import (
     BackoffPolicy,
     Mesh,
@@ -38,6 +36,8 @@ from launcher.mesh import (
     describe_exit,
     free_ports_config,
 )
+from services import ports
+from services.config import ServerConfig
 from services.ports import free_port
 from services.rpc import check_health
 from services.server import GrpcServer

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services import launcher
+from launcher import mesh as launcher
 from services.config import DEFAULT_PORTS
 from tests.deploy.conftest import Rendered
 from tests.deploy.test_helm_chart import env_of, main_port, meshserve_deployments

@@ -37,8 +37,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from launcher.mesh import Mesh, MeshConfig, ServiceSpec, free_ports_config
+from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.ports import free_port
 
 MODEL_NAME = "tiny"
