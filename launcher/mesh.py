@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -173,6 +174,9 @@ class MeshConfig:
         900.0,
         "every service must report healthy this soon after start (a CPU decoder compiles its "
         "model's forward first: 1-3 min on 2 cores, longer on a busy host)",
+    )
+    progress_every_s: float = opt(
+        15.0, "while starting, say this often what the launcher still waits on (0: never)"
     )
     stop_timeout_s: float = opt(
         default_of(ProcessConfig, "drain_timeout_s") + 10.0,
@@ -547,17 +551,21 @@ class Mesh:
         log.info("started %s (pid %d) on %s%s", spec.name, pid, spec.address, where)
 
     def wait_healthy(self, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
-        """Waits until every service is healthy (or `should_stop()` turns true)."""
+        """Waits until every service is healthy (or `should_stop()` turns true), saying every
+        `progress_every_s` what it still waits on (`StartProgress`)."""
         deadline = time.monotonic() + timeout
         pending = list(self.specs)
+        progress = StartProgress(self, self.config.progress_every_s)
         while pending and not should_stop():
             self._check_alive()
             pending = [name for name in pending if not self.serving(name)]
+            progress.update(pending)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(pending)
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {names} (logs in {self.log_dir})")
             if pending:
                 time.sleep(0.3)
+        progress.save()
 
     def serving(self, name: str) -> bool:
         """True when the process the mesh started as `name` listens on its port and reports
@@ -640,6 +648,67 @@ class Child(Protocol):
 
     def healthy(self) -> bool:
         """True once it serves (gRPC health SERVING, the gateway's /health 200)."""
+
+
+_READY_TIMES = "ready_s.json"  # in the log directory: each service's latest time to healthy
+_LOG_LINE = re.compile(r"^\S+ \S+ (?:INFO|WARNING|ERROR) \[[^]]+\] [\w.]+: (.*)$")
+
+
+class StartProgress:
+    """What a start waits on, said every `every_s` seconds: each service not yet healthy,
+    how long it has been starting, how long its previous start took (the log directory
+    keeps each service's latest time to healthy), and the latest line of its own log (a
+    decoder says there what its warm-up is doing)."""
+
+    def __init__(self, mesh: Mesh, every_s: float) -> None:
+        self.mesh = mesh
+        self.every_s = every_s
+        self.previous = _read_ready_times(mesh.log_dir / _READY_TIMES)
+        self.ready_s: dict[str, float] = {}
+        self.next_at = time.monotonic() + every_s
+
+    def update(self, pending: Sequence[str]) -> None:
+        now = time.monotonic()
+        for name in self.mesh.specs:
+            if name not in pending and name not in self.ready_s:
+                self.ready_s[name] = now - self.mesh.started_at[name]
+        if not pending or now < self.next_at or self.every_s <= 0:
+            return
+        self.next_at = now + self.every_s
+        for name in pending:
+            took = self.previous.get(name)
+            expected = f" of ~{took:.0f} s, as its last start took" if took else ""
+            doing = _latest_log_line(self.mesh.log_dir / f"{name}.log")
+            log.info("waiting on %s: %.0f s%s%s", name, now - self.mesh.started_at[name], expected, doing)
+
+    def save(self) -> None:
+        """Keeps the times to healthy of this start for the next one's expectations."""
+        try:
+            (self.mesh.log_dir / _READY_TIMES).write_text(json.dumps({**self.previous, **self.ready_s}))
+        except OSError as exc:
+            log.warning("start times not kept: %s", exc)
+
+
+def _read_ready_times(path: Path) -> dict[str, float]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+
+
+def _latest_log_line(path: Path) -> str:
+    """`: MESSAGE` of the latest line the service's own logger wrote ("" if none yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if match := _LOG_LINE.match(line):
+            return f": {match.group(1)[:160]}"
+    return ""
 
 
 def _pin(pid: int, spec: ServiceSpec) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from launcher.mesh import (
     MeshConfig,
     ServiceChild,
     ServiceSpec,
+    StartProgress,
     Supervisor,
     describe_exit,
     free_ports_config,
@@ -511,3 +513,30 @@ def test_every_launcher_option_has_a_help_string() -> None:
         check=True,
     ).stdout
     assert "the gateway's HTTP port (default: 8000)" in " ".join(out.split())
+
+
+def test_a_start_says_what_it_waits_on_its_elapsed_and_expected_time_and_latest_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a decoder compiles, the launcher is not silent: it names the decoder, how long
+    it has been starting against how long its last start took, and what its log last said;
+    once it is healthy its time is kept for the next start."""
+    mesh = Mesh(MeshConfig(model_dir="unused", log_dir=str(tmp_path)))
+    mesh.specs["decoder-0"] = ServiceSpec("decoder-0", "worker_svc", 1)
+    mesh.started_at["decoder-0"] = time.monotonic() - 42
+    (tmp_path / "ready_s.json").write_text(json.dumps({"decoder-0": 150.0}))
+    (tmp_path / "decoder-0.log").write_text(
+        "2026-11-29 00:11:54,106 INFO [worker:decoder] worker_svc.main: 2 torch threads, CPUs 0-1\n"
+        "2026-11-29 00:11:55,001 INFO [worker:decoder] worker_svc.engine.async_engine: compiling the forward\n"
+        "/torch/_inductor/x.py:12: UserWarning: not a line of the service's own logger\n"
+    )
+    progress = StartProgress(mesh, every_s=0.01)
+    time.sleep(0.02)
+    with caplog.at_level(logging.INFO, logger="meshserve.launcher"):
+        progress.update(["decoder-0"])
+    assert (
+        "waiting on decoder-0: 42 s of ~150 s, as its last start took: compiling the forward" in caplog.text
+    )
+    progress.update([])
+    progress.save()
+    assert json.loads((tmp_path / "ready_s.json").read_text())["decoder-0"] == pytest.approx(42, abs=2)
