@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The services the tests start compute in float32 whatever the host: the tests compare their tokens
 # with float32 references (transformers' generate, an in-process engine, an earlier answer), and
 # bfloat16 results depend on batch composition. The worker's default, dtype auto, is bf16 on hosts
-# with native bf16; tests/worker_engine/test_bf16_parity.py covers that path.
+# with native bf16; tests/worker_engine/test_bf16_parity.py and the default model's answers
+# (tests/e2e/test_default_model_answers.py, the worker's defaults exactly) cover that path.
 os.environ.setdefault("MESHSERVE_DTYPE", "float32")
 # ...and eagerly: a compiled forward costs each worker a minute or more of warm-up before ready. The
 # compiled path has tests of its own (compile_model=True), and the default model's end-to-end

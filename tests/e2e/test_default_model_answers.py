@@ -54,9 +54,10 @@ def mesh(
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
         embedding_model_dir="",
-        # The worker's default (tests/conftest.py turns it off for every other test): the first
-        # request below must not pay for it.
-        extra_env=(("MESHSERVE_COMPILE_MODEL", "true"),),
+        # The worker's defaults, which tests/conftest.py pins for every other test: the forward
+        # compiled (the first request below must not pay for it) in the host's dtype (bfloat16
+        # where the CPU has native bf16, as `make serve` runs it).
+        extra_env=(("MESHSERVE_COMPILE_MODEL", "true"), ("MESHSERVE_DTYPE", "auto")),
     )
     started = Mesh(config).start(timeout=600)
     yield started
