@@ -9,8 +9,8 @@ least as much work per second as one.
 
 Each round sends `--requests` streamed chat completions (`--max-tokens` tokens each,
 ignore_eos), `--concurrency` at a time, and records the wall time, output tokens/s and
-the median and p90 stream duration; the JSON keeps every round, their medians, and where
-the launcher put each engine (its CPUs and threads).
+the median and p90 stream duration; the JSON keeps every round, their medians, where the
+launcher put each engine (its CPUs and threads) and how many requests each one served.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
 from launcher.mesh import Mesh, free_ports_config
 from services.cpus import format_cpus
+from services.ports import free_port
 
 
 async def _one_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:
@@ -77,12 +80,25 @@ async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: i
     }
 
 
+def _finished(port: int) -> float:
+    """A decoder's requests finished so far (its /metrics)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return next(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "meshserve_worker_num_finished"
+    )
+
+
 def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
+    metrics = tuple((f"decoder-{i}", free_port()) for i in range(decoders))
     config = free_ports_config(
         model_dir=args.model_dir,
         num_decoders=decoders,
         embedding_model_dir="",
         log_dir=tempfile.mkdtemp(prefix=f"meshserve-engines-bench-{decoders}-"),
+        metrics_ports=metrics,
         extra_env=(("MESHSERVE_COMPILE_MODEL", "true" if args.compile else "false"),),
     )
     mesh = Mesh(config).start(timeout=900)
@@ -95,10 +111,11 @@ def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
         model = Path(args.model_dir).name
         asyncio.run(_load(mesh.gateway_url, model, args, -1))  # warm-up, not recorded
         rounds = [asyncio.run(_load(mesh.gateway_url, model, args, r)) for r in range(args.rounds)]
+        served = {name: _finished(port) for name, port in metrics}  # warm-up included
     finally:
         mesh.stop()
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    return {"placement": placement, "rounds": rounds, "median": median}
+    return {"placement": placement, "requests_served": served, "rounds": rounds, "median": median}
 
 
 def main(argv: Sequence[str]) -> None:
