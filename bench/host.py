@@ -23,6 +23,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU features that decide a CPU host's class: its default dtype and its kernels.
+_CLASS_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_flags() -> list[str]:
+    """Those of `_CLASS_FLAGS` this CPU has (/proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in _CLASS_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def host_class(flags: list[str]) -> str:
+    """The class a CPU result is kept under: `amx` (bf16 on AMX tiles), `avx512-bf16` (bf16
+    dot products without AMX), `avx2` (no native bf16: float32), else `other`."""
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    return "avx2" if "avx2" in flags else "other"
+
+
 def commit() -> str:
     """The checkout's commit, with "+dirty" when the tree has uncommitted changes."""
     try:
@@ -40,6 +66,8 @@ def host_info() -> dict[str, Any]:
     """The `host` block of a bench result."""
     return {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "host_class": host_class(cpu_flags()),
         "cores": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
         "python": platform.python_version(),

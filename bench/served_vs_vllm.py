@@ -10,7 +10,9 @@ concurrency and stopped before the other starts (they share the host's cores); t
 alternates between rounds. The mesh runs as `make serve` runs it (`python -m launcher up
 --model-dir DIR`, its defaults, no flags); vLLM gets the dtype the mesh resolves on this host
 (`default_dtype`), so both compute alike. The JSON holds every run, the medians per system and
-concurrency, the ratios mesh / vLLM, the host's CPU model and the exact commands.
+concurrency, the ratios mesh / vLLM, the host's CPU model, flags and class, both sides' dtype,
+compile settings and versions, and the exact commands; it is kept in `--out` under the host's
+class (`amx`, `avx512-bf16`, `avx2`) beside the other classes' latest results.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.host import host_info
-from services.config import DEFAULT_PORTS
-from worker_svc.engine.config import default_dtype
+from bench.host import commit, host_info
+from services.config import DEFAULT_PORTS, default_of
+from worker_svc.engine.config import EngineConfig, default_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / ".cache/logs/served_vs_vllm"  # each server's output, and the mesh's services' logs
@@ -162,6 +164,34 @@ def summarize(runs: list[dict], concurrencies: Sequence[int]) -> dict:
     return {"medians": medians, "mesh_over_vllm": ratios}
 
 
+def settings(vllm: str, dtype: str) -> dict[str, dict[str, str]]:
+    """What each side ran: the peer's version, both sides' dtype and compile settings."""
+    version = subprocess.run([vllm, "--version"], capture_output=True, text=True, check=False)
+    return {
+        "vllm": {
+            "version": version.stdout.strip().splitlines()[-1] if version.stdout.strip() else "unknown",
+            "dtype": dtype,
+            "compile": "its CPU backend's defaults (no compilation flags given)",
+        },
+        "meshserve": {
+            "version": commit(),
+            "dtype": f"{dtype} (worker default: auto)",
+            "compile": f"compile_model={default_of(EngineConfig, 'compile_model')} (worker default)",
+        },
+    }
+
+
+def keep(out: Path, report: dict) -> None:
+    """Writes `report` into `out` under its host class, keeping the other classes' results:
+    one current result per class (an AMX host's bf16 run never replaces an AVX2 host's)."""
+    try:
+        kept = json.loads(out.read_text()).get("by_host_class", {})
+    except (OSError, ValueError):
+        kept = {}
+    kept[report["host"]["host_class"]] = report
+    out.write_text(json.dumps({"by_host_class": dict(sorted(kept.items()))}, indent=2) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--vllm", required=True, help="the vllm command (of an environment of its own)")
@@ -183,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict = {
         "command": " ".join(["python -m bench.served_vs_vllm", *(argv if argv is not None else sys.argv[1:])]),
         "host": host_info(), "dtype": dtype,
+        "settings": settings(args.vllm, dtype),
         "workload": f"vllm bench serve, random 128 in / 64 out, ignore_eos, max({args.min_prompts}, 4*c) prompts",
         "models": {},
         "client_command": " ".join(
@@ -205,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs": runs,
             **summarize(runs, concurrencies),
         }
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        keep(args.out, report)
     print(json.dumps({n: m["mesh_over_vllm"] for n, m in report["models"].items()}, indent=2))
     return 0
 
