@@ -1,0 +1,143 @@
+"""Host work per engine step, the forward excluded: what the engine's own Python costs a GPU
+step (scheduler, block manager, input preparation, attention metadata, sampler, outputs),
+measured on any host with the model's forward replaced by one that returns at once.
+
+    python -m bench.host_overhead [--concurrency 1,64,256] [--steps 200] [--rounds 3]
+        [--prompt-tokens 128] [--profile-at 256] [--out bench/results/host_overhead.json]
+
+The model is the tests' tiny Llama (devtools.build_model --tiny: vocab 1000), so the
+sampler's arithmetic is negligible and what is timed is host work. Per concurrency c: c
+requests with random `--prompt-tokens`-token prompts, greedy, ignore_eos, are admitted and
+prefilled; then `--steps` decode steps of all c rows are timed one by one (LLMEngine.step);
+per round the median and mean ms per step; the JSON has every round and their medians.
+`--profile-at C` adds cProfile's top functions of the steps at that concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from bench.host import ROOT, host_info
+from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+
+
+def build_model(out: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "devtools.build_model", "--tiny", "--out", str(out)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    return out
+
+
+def stub_forward(engine: LLMEngine) -> None:
+    """The model's forward returns zero logits for the kept rows at once."""
+    vocab = engine.model_info.vocab_size
+    dtype = getattr(torch, engine.model_info.dtype)
+
+    def forward(**kwargs: Any) -> Any:
+        rows = (
+            kwargs["logits_to_keep"].numel() if "logits_to_keep" in kwargs else kwargs["input_ids"].shape[1]
+        )
+        return SimpleNamespace(logits=torch.zeros(1, rows, vocab, dtype=dtype))
+
+    engine.runner.model_forward = forward  # type: ignore[method-assign]
+
+
+def decode_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace, seed: int) -> list[float]:
+    """Admits `concurrency` requests, prefills them, then times `args.steps` decode steps (s each)."""
+    rng = random.Random(seed)
+    vocab = engine.model_info.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+    for i in range(concurrency):
+        prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+        engine.add_request(f"s{seed}-r{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()  # every row decodes from here on
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return times
+
+
+def profile_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode_steps(engine, concurrency, args, seed=10_000)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__)
+    parser.add_argument("--concurrency", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--profile-at", type=int, default=0, help="cProfile the steps at this concurrency")
+    parser.add_argument("--out", default="bench/results/host_overhead.json")
+    args = parser.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "tiny")
+        config = EngineConfig(
+            model_dir=str(model), dtype="float32", compile_model=False, max_num_seqs=max(concurrencies),
+            max_num_batched_tokens=max(512, max(concurrencies)), num_kv_blocks=max(concurrencies) * 32,
+        )  # fmt: skip
+        engine = LLMEngine(config)
+        stub_forward(engine)
+        torch.set_num_threads(1)
+        results: dict[str, Any] = {}
+        for c in concurrencies:
+            rounds = []
+            for r in range(args.rounds):
+                times = decode_steps(engine, c, args, seed=r)
+                rounds.append(
+                    {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
+                )
+            results[str(c)] = {
+                "rounds": rounds,
+                "median_ms": statistics.median(x["median_ms"] for x in rounds),
+            }
+            print(f"c={c}: {results[str(c)]['median_ms']:.3f} ms per step (host)", flush=True)
+        profile = profile_steps(engine, args.profile_at, args) if args.profile_at else ""
+    report = {
+        "command": "python -m bench.host_overhead " + " ".join(argv),
+        "host": host_info(),
+        "config": {"steps": args.steps, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens},
+        "results": results,
+        "targets_ms": {"1": 0.5, "64": 1.0, "256": 2.0},
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if profile:
+        print(profile)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
