@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import hf_greedy, prompts, run_all, tokens
 
 from tests.fake_clock import FakeClock
+from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvTransferError
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import prompts, run_all, tokens
 from transformers import AutoTokenizer
 
 from services.grammar import StructuredSpec
+from tests.worker_engine.conftest import prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams
 
 SCHEMA = {
