@@ -173,12 +173,13 @@ def build_attention_metadata(
     row = 0
     for start, q_len, table in chunks:
         end = start + q_len
-        slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         if q_len == 1:
+            slot_list.append(table[start // block_size] * block_size + start % block_size)
             dec_rows.append(row)
             dec_tables.append(table)
             dec_lens.append(end)
         else:
+            slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             prefills.append(_prefill_chunk(row, start, q_len, table, block_size, device))
         row += q_len
     meta = AttentionMetadata(
@@ -216,8 +217,13 @@ def _fill_decode(
     device: torch.device,
 ) -> None:
     max_blocks = -(-max(lens) // block_size)
-    padded = [list(t[:max_blocks]) + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
-    table_t = torch.tensor(padded, dtype=torch.long, device=device)
+    # One flat list (a nested one costs torch.tensor a Python sequence check per row).
+    flat: list[int] = []
+    zeros = [0] * max_blocks
+    for t in tables:
+        flat.extend(t[:max_blocks])
+        flat.extend(zeros[: max_blocks - min(len(t), max_blocks)])
+    table_t = torch.tensor(flat, dtype=torch.long, device=device).view(len(tables), max_blocks)
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     meta.decode_token_idx = torch.tensor(rows, dtype=torch.long, device=device)
     meta.decode_table, meta.decode_lens = table_t, lens_t

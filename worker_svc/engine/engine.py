@@ -429,9 +429,12 @@ class LLMEngine:
                 failed = self._fail(sched.scheduled)
                 self.block_manager.flush_events()
                 raise EngineStepError(failed, exc) from exc
+            block_size = self.block_manager.block_size
             for item in sched.scheduled:
                 item.request.num_computed_tokens = item.end
-                self.block_manager.mark_computed(item.request)
+                # A decode row fills a block only at a block's last slot: else nothing to register.
+                if item.num_new_tokens > 1 or item.end % block_size == 0:
+                    self.block_manager.mark_computed(item.request)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs

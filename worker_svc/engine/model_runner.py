@@ -250,8 +250,12 @@ class ModelRunner:
         for item in batch:
             row0 = len(ids)
             row0s.append(row0)
-            ids.extend(item.request.token_slice(item.start, item.end))
-            positions.extend(range(item.start, item.end))
+            if item.num_new_tokens == 1:  # a decode row: most rows of most steps
+                ids.append(item.request.token_id(item.start))
+                positions.append(item.start)
+            else:
+                ids.extend(item.request.token_slice(item.start, item.end))
+                positions.extend(range(item.start, item.end))
             if _needs_prompt_logits(item):
                 prompt_spans.append((item, len(keep), len(keep) + item.num_new_tokens))
                 keep.extend(range(row0, row0 + item.num_new_tokens))
