@@ -33,8 +33,10 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         """True for the three terminal states (compared by identity: hashing an enum member
         runs Python code, and this is read for every row of every step)."""
-        return self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH or (
-            self is RequestStatus.FINISHED_ABORTED
+        return (
+            self is RequestStatus.FINISHED_STOPPED
+            or self is RequestStatus.FINISHED_LENGTH
+            or (self is RequestStatus.FINISHED_ABORTED)
         )
 
 
