@@ -481,16 +481,17 @@ class LLMEngine:
     def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
+        self.num_generated_tokens += len(items)
         for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
             request = item.request
             request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.num_generated_tokens += 1
-            if self._advance_grammar(request, token):
+            if request.grammar is None or self._advance_grammar(request, token):
                 self._check_stop(request, token)
-            outputs.append(self._output(request, [token], [logprob] if logprob is not None else None))
-            if request.is_finished:
+            output = self._output(request, [token], [logprob] if logprob is not None else None)
+            outputs.append(output)
+            if output.finished:
                 self._finish(request)
         return outputs
 
@@ -525,7 +526,8 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens and (
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
             (not params.ignore_eos and token in self._eos) or token in params.stop_token_ids
         ):
             request.status = RequestStatus.FINISHED_STOPPED
@@ -534,8 +536,8 @@ class LLMEngine:
             # The grammar is complete and allows nothing more: the output is whole.
             request.status = RequestStatus.FINISHED_STOPPED
         elif (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.model_info.max_model_len
+            num_output >= params.max_tokens
+            or len(request.prompt_token_ids) + num_output >= self.model_info.max_model_len
         ):
             request.status = RequestStatus.FINISHED_LENGTH
 
@@ -546,12 +548,13 @@ class LLMEngine:
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent and tokens:
             prompt_lps = request.prompt_logprobs
             request.prompt_logprobs_sent = True
+        finished = request.status.is_finished
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
             new_logprobs=logprobs,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
             stop_token_id=request.stop_token_id,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,

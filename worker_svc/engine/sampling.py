@@ -37,6 +37,7 @@ races its candidates with the values of their token ids, so both paths pick the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +116,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature ~ 0)."""
         return self.temperature < _GREEDY_EPS
+
+    @functools.cached_property
+    def unedited(self) -> bool:
+        """No penalties, token rules or logprobs: once min_tokens is reached, logits are
+        sampled as they come (read for every row of every step, so computed once)."""
+        return (
+            self.logprobs is None
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and not self.token_rules
+        )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first offending field."""
@@ -406,14 +419,7 @@ def _unedited(row: SamplingState) -> bool:
     """Whether the row's logits are sampled as they come: no penalties, pending min_tokens,
     token rules or logprobs (each of which needs a float32 copy)."""
     p = row.sampling_params
-    return (
-        p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and len(row.output_token_ids) >= p.min_tokens
-        and not p.token_rules
-    )
+    return p.unedited and len(row.output_token_ids) >= p.min_tokens
 
 
 def _plain_greedy(row: SamplingState) -> bool:
