@@ -94,6 +94,33 @@ def profile_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace)
     return text.getvalue()
 
 
+def measure(
+    model_dir: str, device: str, concurrencies: Sequence[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Median host ms per decode step at each concurrency (``args``: steps, rounds,
+    prompt_tokens, profile_at), on ``device`` without CUDA graphs (they would replay the
+    real forward); with cProfile's top functions when ``args.profile_at`` is set."""
+    config = EngineConfig(
+        model_dir=model_dir, device=device, dtype="float32", compile_model=False, cuda_graphs=False,
+        max_num_seqs=max(concurrencies), max_num_batched_tokens=max(512, max(concurrencies)),
+        num_kv_blocks=max(concurrencies) * 32,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    stub_forward(engine)
+    results: dict[str, Any] = {}
+    for c in concurrencies:
+        rounds = []
+        for r in range(args.rounds):
+            times = decode_steps(engine, c, args, seed=r)
+            rounds.append(
+                {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
+            )
+        results[str(c)] = {"rounds": rounds, "median_ms": statistics.median(x["median_ms"] for x in rounds)}
+    if args.profile_at:
+        results["profile"] = profile_steps(engine, args.profile_at, args)
+    return results
+
+
 def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__)
     parser.add_argument("--concurrency", default="1,64,256")
@@ -103,30 +130,13 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--profile-at", type=int, default=0, help="cProfile the steps at this concurrency")
     parser.add_argument("--out", default="bench/results/host_overhead.json")
     args = parser.parse_args(argv)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "tiny")
-        config = EngineConfig(
-            model_dir=str(model), dtype="float32", compile_model=False, max_num_seqs=max(concurrencies),
-            max_num_batched_tokens=max(512, max(concurrencies)), num_kv_blocks=max(concurrencies) * 32,
-        )  # fmt: skip
-        engine = LLMEngine(config)
-        stub_forward(engine)
-        torch.set_num_threads(1)
-        results: dict[str, Any] = {}
-        for c in concurrencies:
-            rounds = []
-            for r in range(args.rounds):
-                times = decode_steps(engine, c, args, seed=r)
-                rounds.append(
-                    {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
-                )
-            results[str(c)] = {
-                "rounds": rounds,
-                "median_ms": statistics.median(x["median_ms"] for x in rounds),
-            }
-            print(f"c={c}: {results[str(c)]['median_ms']:.3f} ms per step (host)", flush=True)
-        profile = profile_steps(engine, args.profile_at, args) if args.profile_at else ""
+        results = measure(str(model), "cpu", [int(c) for c in args.concurrency.split(",")], args)
+    profile = results.pop("profile", "")
+    for c, row in results.items():
+        print(f"c={c}: {row['median_ms']:.3f} ms per step (host)")
     report = {
         "command": "python -m bench.host_overhead " + " ".join(argv),
         "host": host_info(),

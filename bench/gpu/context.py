@@ -38,6 +38,9 @@ class Profile:
     copy_mb: int
     budget_s: float  # the whole run; a step starts only while enough of it is left
     step_s: dict[str, float] = field(default_factory=dict)
+    # bench.host_overhead within the kit: decode steps timed per concurrency.
+    host_concurrencies: tuple[int, ...] = (1, 64, 256)
+    host_steps: int = 100
 
     def num_requests(self, concurrency: int) -> int:
         return max(concurrency * self.waves, self.min_requests)
@@ -65,7 +68,7 @@ PROFILES = {
         max_batch_tokens=8192,
         kv_cache_mb=12288,
         copy_mb=1024,
-        budget_s=420,
+        budget_s=465,
         step_s={
             "build": 60,
             "correctness": 75,
@@ -75,6 +78,7 @@ PROFILES = {
             "mesh": 120,
             "hf_naive": 45,
             "c1_anatomy": 270,
+            "host_overhead": 45,
         },
     ),
     "cpu-dry-run": Profile(
@@ -108,7 +112,10 @@ PROFILES = {
             "mesh": 120,
             "hf_naive": 30,
             "c1_anatomy": 60,
+            "host_overhead": 60,
         },
+        host_concurrencies=(1, 8),
+        host_steps=10,
     ),
 }
 

@@ -24,6 +24,8 @@ rewritten after every step, so a crash leaves what was measured until then):
   replay alone (GPU), the rest (host), cProfile's top functions and the kernels one
   forward launches; on CUDA again with the forward compiled under the graphs, with its
   float32 greedy parity against transformers.
+* ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
+  stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.
@@ -63,6 +65,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "mesh": steps.mesh,
         "hf_naive": steps.hf_naive,
         "c1_anatomy": steps.c1_anatomy,
+        "host_overhead": steps.host_overhead,
     }
 
 
@@ -75,6 +78,7 @@ STEPS = (
     "mesh",
     "hf_naive",
     "c1_anatomy",
+    "host_overhead",
 )
 # Fault injection for the kit's own test: the named step hangs, as a CUDA fault or a stuck
 # collective would, so that its time box is what ends it (a real step's speed varies).
@@ -207,6 +211,9 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
     if "compiled_parity" in anatomy:
         out["c1_compiled_parity_all_match"] = all(c["match"] for c in anatomy["compiled_parity"].values())
+    host = _ok(steps, "host_overhead")
+    if host:
+        out["host_ms_per_step"] = {k: v for k, v in host.items() if k.endswith("_host_ms_per_step")}
     if naive and 1 in inproc:
         out["c1_engine_over_hf_naive_tok_s"] = (
             inproc[1]["output_tok_per_s"] / naive["row"]["output_tok_per_s"]

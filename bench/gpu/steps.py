@@ -506,3 +506,16 @@ def c1_anatomy(ctx: StepContext) -> None:
     ctx.record(
         "compiled_over_eager_step", done[label]["decode_step_ms_p50"] / done["graphs"]["decode_step_ms_p50"]
     )
+
+
+def host_overhead(ctx: StepContext) -> None:
+    """The engine's host work per decode step with the forward stubbed out
+    (bench.host_overhead) on this device: input tensors made on it, the sampler's argmax and
+    its copy back included; the tests' tiny model, so the device's arithmetic is nil."""
+    from bench.host_overhead import build_model, measure
+
+    model = build_model(ctx.work / "host-overhead-model")
+    p = ctx.profile
+    args = argparse.Namespace(steps=p.host_steps, rounds=2, prompt_tokens=p.prompt_len, profile_at=0)
+    for c, row in measure(str(model), p.device, p.host_concurrencies, args).items():
+        ctx.record(f"c{c}_host_ms_per_step", row["median_ms"])

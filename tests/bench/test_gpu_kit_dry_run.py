@@ -37,6 +37,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "engine_eager": "ok",
         "hf_naive": "ok",
         "c1_anatomy": "ok",
+        "host_overhead": "ok",
     }, {name: got[name].get("error") for name in steps}
     assert "CUDA" in got["engine_graphs"]["reason"]
     assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
@@ -55,6 +56,8 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"]
     )
     summary = report["summary"]
+    assert set(summary["host_ms_per_step"]) == {f"c{c}_host_ms_per_step" for c in DRY.host_concurrencies}
+    assert all(ms > 0 for ms in summary["host_ms_per_step"].values())
     assert summary["correctness_all_match"] is True
     assert summary["c1_tpot_over_roofline_eager"] > 0 and summary["c1_engine_over_hf_naive_tok_s"] > 0
     # float32 on CPU: the engine's greedy tokens are transformers' (the comparison works).
