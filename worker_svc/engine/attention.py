@@ -194,6 +194,14 @@ def build_attention_metadata(
     return meta
 
 
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` (strictly increasing) as a long tensor: ``arange`` when they are every row
+    from 0 (a decode step's rows and kept logits), without reading a Python list."""
+    if rows and rows[0] == 0 and rows[-1] == len(rows) - 1:
+        return torch.arange(len(rows), dtype=torch.long, device=device)
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def _prefill_chunk(
     row: int, start: int, q_len: int, table: Sequence[int], block_size: int, device: torch.device
 ) -> PrefillChunk:
@@ -225,7 +233,7 @@ def _fill_decode(
         flat.extend(zeros[: max_blocks - min(len(t), max_blocks)])
     table_t = torch.tensor(flat, dtype=torch.long, device=device).view(len(tables), max_blocks)
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    meta.decode_token_idx = torch.tensor(rows, dtype=torch.long, device=device)
+    meta.decode_token_idx = row_index(rows, device)
     meta.decode_table, meta.decode_lens = table_t, lens_t
     if meta.backend in ("triton", "cpu"):
         meta.decode_block_tables = table_t.to(torch.int32)

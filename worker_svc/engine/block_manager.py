@@ -184,7 +184,8 @@ class BlockManager:
         Registers blocks that became full and computed since the last call. Returns
         False (nothing allocated) when there are not enough free blocks.
         """
-        self.mark_computed(request)
+        if request.num_computed_tokens // self.block_size > self._num_registered.get(request.request_id, 0):
+            self.mark_computed(request)  # a block filled since the last registration
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         missing = needed - len(request.block_table)
         if missing <= 0:  # most decode steps: the last block has room

@@ -29,6 +29,7 @@ from worker_svc.engine.attention import (
     attention_context,
     build_attention_metadata,
     register_paged_attention,
+    row_index,
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.lora import LoraManager
@@ -323,7 +324,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        keep_t = row_index(keep, self.device)
         kwargs: dict[str, Any] = {"use_cache": False}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
