@@ -15,8 +15,11 @@ anywhere, and :func:`worker_svc.engine.model_runner.inductor_options`.
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -157,23 +160,43 @@ class _Qkv(torch.nn.Module):
         return self.q(x), self.k(x), self.v(x)
 
 
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own: dynamo caches compiled code per code object, so
+    compiling this copy under patched options compiles afresh without torch._dynamo.reset(),
+    which would drop every other compiled graph of the process (the session's warmed-up
+    engine would then compile again in whichever test uses it next)."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_linears_on_one_input_run_as_one_gemm_with_eager_values(dtype: torch.dtype) -> None:
     """On CPU the q/k/v projections compile to ONE linear over the concatenated
     weights (cpp.enable_concat_linear), and each output equals eager ``F.linear`` bit for bit."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
+    from torch._inductor.graph import GraphLowering
 
     torch.manual_seed(0)
     module = _Qkv().to(dtype).eval()
     x = torch.randn(8, 64).to(dtype)
     options = inductor_options("cpu", dtype)
     options.pop("post_grad_custom_post_pass", None)
-    torch._dynamo.reset()
-    with torch.no_grad(), inductor_config.patch(options):
-        got, (code, *_) = run_and_get_code(torch.compile(module), x)
+
+    def qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return module(t)
+
+    codes: list[str] = []
+    # The generated code, as inductor's run_and_get_code keeps it, without the global
+    # torch._dynamo.reset() that helper makes first (see _fresh).
+    with (
+        torch.no_grad(),
+        inductor_config.patch(options),
+        mock.patch.object(GraphLowering, "save_output_code", codes.append),
+    ):
+        got = torch.compile(_fresh(qkv))(x)
         expected = module(x)
-    torch._dynamo.reset()
+    (code,) = codes
     # float32 runs MKL's linear; bf16 oneDNN's where the CPU has bf16 instructions, ATen's mm where
     # it has not (AVX2 only): one call of any of them, over all three weights.
     assert len(re.findall(r"(?:_linear_pointwise|_mkl_linear|_mm_out)\(", code)) == 1, code
@@ -196,10 +219,8 @@ def test_compiled_mean_sums_like_eager() -> None:
     def variance(t: torch.Tensor) -> torch.Tensor:
         return t.float().pow(2).mean(-1, keepdim=True)
 
-    torch._dynamo.reset()
     with torch.inference_mode(), inductor_config.patch(inductor_options("cpu", torch.bfloat16)):
-        compiled = torch.compile(variance, dynamic=True)(x)
-    torch._dynamo.reset()
+        compiled = torch.compile(_fresh(variance), dynamic=True)(x)
     assert torch.equal(compiled, variance(x))
 
 
