@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker_svc.engine.config import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,16 +29,10 @@ def cpu_model() -> str:
 _CLASS_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 
-def cpu_flags() -> list[str]:
-    """Those of `_CLASS_FLAGS` this CPU has (/proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in _CLASS_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+def class_flags() -> list[str]:
+    """Those of `_CLASS_FLAGS` this CPU has (the engine's own reading of /proc/cpuinfo)."""
+    present = cpu_flags()
+    return [flag for flag in _CLASS_FLAGS if flag in present]
 
 
 def host_class(flags: list[str]) -> str:
@@ -66,8 +62,8 @@ def host_info() -> dict[str, Any]:
     """The `host` block of a bench result."""
     return {
         "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
-        "host_class": host_class(cpu_flags()),
+        "cpu_flags": (flags := class_flags()),
+        "host_class": host_class(flags),
         "cores": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
         "python": platform.python_version(),
