@@ -48,15 +48,17 @@ def build_model(out: Path) -> Path:
 
 
 def stub_forward(engine: LLMEngine) -> None:
-    """The model's forward returns zero logits for the kept rows at once."""
+    """The model's forward returns zero logits for the kept rows at once, on the engine's
+    device (on a GPU the sampler's argmax and its copy back stay in the timed step)."""
     vocab = engine.model_info.vocab_size
     dtype = getattr(torch, engine.model_info.dtype)
+    device = engine.runner.device
 
     def forward(**kwargs: Any) -> Any:
         rows = (
             kwargs["logits_to_keep"].numel() if "logits_to_keep" in kwargs else kwargs["input_ids"].shape[1]
         )
-        return SimpleNamespace(logits=torch.zeros(1, rows, vocab, dtype=dtype))
+        return SimpleNamespace(logits=torch.zeros(1, rows, vocab, dtype=dtype, device=device))
 
     engine.runner.model_forward = forward  # type: ignore[method-assign]
 
