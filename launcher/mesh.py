@@ -39,6 +39,7 @@ from scheduler_svc.config import SchedulerConfig
 from services import cpus, ports
 from services.clock import Clock
 from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
+from services.log import logged_message
 from services.redis_client import RedisServer
 from services.rpc import check_health
 from worker_svc.config import WorkerConfig
@@ -651,7 +652,6 @@ class Child(Protocol):
 
 
 _READY_TIMES = "ready_s.json"  # in the log directory: each service's latest time to healthy
-_LOG_LINE = re.compile(r"^\S+ \S+ (?:INFO|WARNING|ERROR) \[[^]]+\] [\w.]+: (.*)$")
 
 
 class StartProgress:
@@ -706,8 +706,8 @@ def _latest_log_line(path: Path) -> str:
     except OSError:
         return ""
     for line in reversed(lines):
-        if match := _LOG_LINE.match(line):
-            return f": {match.group(1)[:160]}"
+        if (message := logged_message(line)) is not None:
+            return f": {message[:160]}"
     return ""
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 _FORMAT = "%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s"
+# A line of _FORMAT (asctime is "date time"), read back by the launcher while a service starts.
+_LINE = re.compile(r"^\S+ \S+ [A-Z]+ \[[^]]+\] [\w.]+: (.*)$")
 
 
 def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
@@ -21,3 +24,10 @@ def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
     for noisy in ("httpx", "urllib3", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(service)
+
+
+def logged_message(line: str) -> str | None:
+    """The message of a line `setup_logging`'s format wrote; None for any other line (a
+    library's warning printed to stderr, a traceback)."""
+    match = _LINE.match(line)
+    return match.group(1) if match else None
