@@ -8,7 +8,7 @@ import sys
 
 _FORMAT = "%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s"
 # A line of _FORMAT (asctime is "date time"), read back by the launcher while a service starts.
-_LINE = re.compile(r"^\S+ \S+ [A-Z]+ \[[^]]+\] [\w.]+: (.*)$")
+_LINE = re.compile(r"^\S+ \S+ [A-Z]+ \[[^]]+\] \S+?: (.*)$")
 
 
 def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
