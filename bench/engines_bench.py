@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
+from bench.mesh_client import metric_sample
 from launcher.mesh import Mesh, free_ports_config
 from services.cpus import format_cpus
 from services.ports import free_port
@@ -80,17 +79,6 @@ async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: i
     }
 
 
-def _finished(port: int) -> float:
-    """A decoder's requests finished so far (its /metrics)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return next(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "meshserve_worker_num_finished"
-    )
-
-
 def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
     metrics = tuple((f"decoder-{i}", free_port()) for i in range(decoders))
     config = free_ports_config(
@@ -111,7 +99,9 @@ def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
         model = Path(args.model_dir).name
         asyncio.run(_load(mesh.gateway_url, model, args, -1))  # warm-up, not recorded
         rounds = [asyncio.run(_load(mesh.gateway_url, model, args, r)) for r in range(args.rounds)]
-        served = {name: _finished(port) for name, port in metrics}  # warm-up included
+        served = {
+            name: metric_sample(port, "meshserve_worker_num_finished") for name, port in metrics
+        }  # warm-up included
     finally:
         mesh.stop()
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}

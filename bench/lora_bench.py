@@ -44,11 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
-from bench.mesh_client import free_ports_config
+from bench.mesh_client import free_ports_config, metric_sample
 from launcher.mesh import Mesh
 from services.ports import free_port
 
@@ -99,16 +97,6 @@ def mesh(model_dir: str, decoders: int, policy: str, **lora: Any) -> Iterator[tu
         yield started, ports
     finally:
         started.stop()
-
-
-def gauge(port: int, name: str) -> float:
-    """One unlabelled sample of a decoder's /metrics."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    return 0.0
 
 
 async def one_request(
@@ -239,12 +227,12 @@ def run_routing(args: argparse.Namespace, adapters: dict[str, str], vocab: int) 
         rounds = []
         with mesh(args.model_dir, 2, policy, max_cpu_loras=len(names), **lora) as (m, ports):
             for r in range(args.repeats):
-                before = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports)
+                before = sum(metric_sample(p, "meshserve_worker_lora_loads") for p in ports)
                 results, seconds = asyncio.run(
                     closed_loop(m.gateway_url, models[r], prompts[r], args.concurrency, args.output_len)
                 )
                 time.sleep(1.5)  # the gauges refresh every second
-                loads = sum(gauge(p, "meshserve_worker_lora_loads") for p in ports) - before
+                loads = sum(metric_sample(p, "meshserve_worker_lora_loads") for p in ports) - before
                 rounds.append({**summary(results, seconds), "adapter_loads_per_1000": 1000 * loads / n})
         out[policy] = medians(rounds)
     return out

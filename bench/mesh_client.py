@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.mesh import Mesh, free_ports_config
 
@@ -103,3 +104,13 @@ async def _sse_lines(
 
 def model_name(model_dir: str) -> str:
     return Path(model_dir).name
+
+
+def metric_sample(port: int, name: str) -> float:
+    """One unlabelled sample of a service's /metrics on `port` (0 when absent)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return 0.0
