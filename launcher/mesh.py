@@ -410,10 +410,10 @@ def place_on_cpus(specs: Sequence[ServiceSpec], user_env: dict[str, str]) -> lis
         if where is None:
             placed.append(dataclasses.replace(spec, cpus=plan.rest))
         elif "MESHSERVE_CPU_AFFINITY" not in user_env:
-            env = {"MESHSERVE_NUM_THREADS": str(where.threads), **spec.env}
-            if "MESHSERVE_NUM_THREADS" in user_env:
-                del env["MESHSERVE_NUM_THREADS"]
-            placed.append(dataclasses.replace(spec, cpus=where.cpus, env=env))
+            threads = (
+                {} if "MESHSERVE_NUM_THREADS" in user_env else {"MESHSERVE_NUM_THREADS": str(where.threads)}
+            )
+            placed.append(dataclasses.replace(spec, cpus=where.cpus, env={**spec.env, **threads}))
         else:
             placed.append(spec)
     return placed

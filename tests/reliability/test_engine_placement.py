@@ -11,6 +11,7 @@ import pytest
 
 from services import cpus
 from tests.reliability.meshkit import SharedMesh
+from worker_svc.engine.config import parse_cpu_list
 
 _STARTED = re.compile(r"(\d+) torch threads, CPUs ([\d,-]+)")
 
@@ -21,16 +22,8 @@ def _thread_cpus(pid: int) -> list[frozenset[int]]:
     for status in Path(f"/proc/{pid}/task").glob("*/status"):
         for line in status.read_text().splitlines():
             if line.startswith("Cpus_allowed_list:"):
-                found.append(frozenset(_parse(line.split(":", 1)[1].strip())))
+                found.append(parse_cpu_list(line.split(":", 1)[1].strip()))
     return found
-
-
-def _parse(text: str) -> set[int]:
-    cpus_: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus_.update(range(int(lo), int(hi or lo) + 1))
-    return cpus_
 
 
 def test_each_decoder_runs_on_cpus_of_its_own_with_a_thread_per_cpu(mesh: SharedMesh) -> None:
