@@ -14,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.routing_workload import BenchConfig, session_count, zero_latency_request_rate
+
 ROUTING_SERIES = (("ttft_ms.p50", "TTFT p50", "-o"), ("ttft_ms.p99", "TTFT p99", "--^"))
 ROUTING_THROUGHPUT = (("output_throughput", "output tok/s", "-o"),)
 POLICY_COLORS = ("tab:green", "tab:blue", "tab:orange", "tab:red")
@@ -62,8 +64,6 @@ def _draw_routing(
 def zero_latency_line(report: dict[str, Any]) -> tuple[list[float], list[float]]:
     """Per offered rate, the request rate a mesh answering instantly would achieve on the
     report's schedule (recomputed from its config: the arrivals are seeded)."""
-    from bench.routing_bench import BenchConfig, session_count, zero_latency_request_rate
-
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items()}
     base = BenchConfig(**fields)
     turns = base.turns

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.routing_bench import BenchConfig, Record, build_workload, ideal_hit_rate, queue_balance, sized
+from bench.routing_metrics import Record, ideal_hit_rate, queue_balance
+from bench.routing_workload import BenchConfig, build_workload, sized
 
 
 def record(prompt: list[int], output: list[int], started: float) -> Record:

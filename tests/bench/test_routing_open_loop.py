@@ -11,18 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
-from bench import routing_bench
-from bench.routing_bench import (
-    BenchConfig,
-    OpenLoop,
-    Record,
-    build_workload,
-    medians,
-    open_loop_schedule,
-    open_loop_summary,
-    run_session,
-)
+from bench import routing_client
+from bench.routing_client import run_session
+from bench.routing_metrics import Record, medians, open_loop_summary
 from bench.routing_plot import routing_series
+from bench.routing_workload import BenchConfig, OpenLoop, build_workload, open_loop_schedule
 
 
 def config(**overrides: Any) -> BenchConfig:
@@ -65,7 +58,7 @@ def test_a_session_sends_its_turns_one_after_another_on_the_growing_history(
         await asyncio.sleep(0)
         return fake_record(list(prompt)), [1, 2]
 
-    monkeypatch.setattr(routing_bench, "send", send)
+    monkeypatch.setattr(routing_client, "send", send)
     records: list[Record] = []
 
     async def run() -> None:
@@ -96,7 +89,7 @@ def test_a_rejected_request_ends_its_session_and_is_counted(monkeypatch: pytest.
             )
         return fake_record(list(prompt)), [1, 2]
 
-    monkeypatch.setattr(routing_bench, "send", send)
+    monkeypatch.setattr(routing_client, "send", send)
     loop = OpenLoop(arrivals=[0.0], think=[[0.0] * 3], start=time.perf_counter())
     records: list[Record] = []
     asyncio.run(run_session(None, build_workload(cfg)[0], 0, cfg, loop, records))  # type: ignore[arg-type]
@@ -161,7 +154,7 @@ def test_plot_puts_rate_reports_on_the_offered_request_rate_axis() -> None:
 
 
 def test_zero_latency_rate_is_the_schedule_served_instantly() -> None:
-    from bench.routing_bench import zero_latency_request_rate
+    from bench.routing_workload import zero_latency_request_rate
 
     cfg = config(session_rate=4.0, turns=5)
     last = open_loop_schedule(cfg, 200).arrivals[-1]
@@ -171,7 +164,7 @@ def test_zero_latency_rate_is_the_schedule_served_instantly() -> None:
 
 
 def test_duration_sets_the_sessions_per_rate() -> None:
-    from bench.routing_bench import session_count
+    from bench.routing_workload import session_count
 
     assert session_count(config(duration=30.0), 2.5) == 75
     assert session_count(config(sessions=40), 2.5) == 40
