@@ -8,7 +8,7 @@ raises `APIError` with the offending `param`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Generic, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,7 @@ MAX_TOP_LOGPROBS = 20
 NonNegativeInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(min_length=1)]
 FinishReason = Literal["stop", "length", "tool_calls"]
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
 
 
 class _Request(BaseModel):
@@ -373,14 +374,22 @@ class ChatChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Response):
-    """`POST /v1/chat/completions` response (stream=false)."""
+class CompletionEnvelope(_Response, Generic[ChoiceT]):
+    """The head every chat and text completion response and chunk starts with, in
+    OpenAI's field order: the request's id, its `object` kind (each subclass fixes it),
+    when and by which model it was answered, and its choices."""
 
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: list[ChoiceT]
+
+
+class ChatCompletionResponse(CompletionEnvelope[ChatChoice]):
+    """`POST /v1/chat/completions` response (stream=false)."""
+
+    object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
     system_fingerprint: str | None = None
     # vLLM extension, when the request asked for prompt_logprobs.
@@ -423,14 +432,10 @@ class ChatChunkChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(CompletionEnvelope[ChatChunkChoice]):
     """One `data:` event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
 
@@ -506,26 +511,18 @@ class CompletionChoice(_Response):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(CompletionEnvelope[CompletionChoice]):
     """`POST /v1/completions` response (stream=false)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(CompletionEnvelope[CompletionChoice]):
     """One `data:` event of a streamed completion."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
 
