@@ -22,12 +22,12 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable
 
 from fastapi import Request, Response
 
 from gateway import metrics, reasoning, tool_parsers
+from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
 from gateway.logprobs import chat_logprobs, resolve_strings, vllm_prompt_logprobs
@@ -46,7 +46,6 @@ from gateway.protocol import (
     ToolCall,
 )
 from gateway.serving import (
-    SSE_DONE,
     Generation,
     MultiRun,
     RequestContext,
@@ -63,7 +62,7 @@ from gateway.serving import (
 from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
 from gateway.tools import forced_tool_parser
 from gateway.upstream import TOKENIZER
-from meshserve.v1 import common_pb2, tokenizer_pb2
+from meshserve.v1 import tokenizer_pb2
 from services import tracing
 
 log = logging.getLogger(__name__)
@@ -148,10 +147,11 @@ async def create_chat_completion(
 
     async def start() -> Generation:
         multi = await start_chat(ctx, body, model, request_id)
+        started = StartedRequest(ctx, request_id, model, multi)
         return Generation(
             multi,
-            stream=lambda: ChatStreamer(ctx, body, request_id, model, multi).stream(),
-            collect=lambda: ChatCollector(ctx, body, request_id, model, multi).collect(),
+            stream=lambda: ChatStreamer(started, body, ROUTE).stream(),
+            collect=lambda: ChatCollector(started, body, ROUTE).collect(),
         )
 
     span = tracing.PhaseSpan("gateway.chat_completions", model=model, request_id=request_id)
@@ -179,50 +179,16 @@ def check_json_output(text: str, request_id: str, index: int) -> None:
         )
 
 
-@dataclass
-class _Accumulated:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCollector:
+class ChatCollector(ChoiceCollector[ChatCompletionRequest]):
     """Builds the non-streamed response."""
-
-    def __init__(
-        self,
-        ctx: RequestContext,
-        body: ChatCompletionRequest,
-        request_id: str,
-        model: str,
-        multi: MultiRun,
-        route: str = ROUTE,
-    ) -> None:
-        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
-        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(route, ctx.start_time)
-        self.choices = [_Accumulated() for _ in range(body.n)]
 
     async def collect(self) -> ChatCompletionResponse:
         """Consumes every event and assembles the response."""
-        async for event in self.multi.events():
-            self.timer.on_output(len(event.token_ids))
-            acc = self.choices[event.index]
-            acc.text.append(event.text)
-            acc.logprobs.extend(event.logprobs)
-            if event.finish_reason is not None:
-                acc.finish_reason, acc.stop_reason = event.finish_reason, event.stop_reason
-        usage = self.multi.usage()
-        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
-        top_k = self.body.top_logprobs or 0
-        raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs else []
-        strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
+        body = self.body
+        choices, usage, strings = await self.gather(True, bool(body.logprobs), body.top_logprobs or 0)
         response = ChatCompletionResponse(
-            id=self.request_id,
-            created=self.ctx.created,
-            model=self.model,
-            choices=[self._choice(i, acc, strings) for i, acc in enumerate(self.choices)],
+            **self.head(),
+            choices=[self._choice(i, acc, strings) for i, acc in enumerate(choices)],
             usage=usage_info(usage),
         )
         if self.body.prompt_logprobs is not None:  # vLLM: on the response, not per choice
@@ -232,7 +198,7 @@ class ChatCollector:
             )
         return response
 
-    def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> ChatChoice:
+    def _choice(self, index: int, acc: ChoiceOutput, strings: dict[int, str]) -> ChatChoice:
         text = "".join(acc.text)
         thoughts = None
         if self.ctx.config.reasoning_parser:
@@ -265,34 +231,23 @@ class ChatCollector:
         )
 
 
-class ChatStreamer:
-    """Turns events into chat completion chunks (SSE)."""
+class ChatStreamer(ChoiceStreamer[ChatCompletionRequest, ChatCompletionChunk]):
+    """Turns events into chat completion chunks (SSE): every choice's role chunk first."""
 
-    def __init__(
-        self,
-        ctx: RequestContext,
-        body: ChatCompletionRequest,
-        request_id: str,
-        model: str,
-        multi: MultiRun,
-        route: str = ROUTE,
-    ) -> None:
-        """`route`: the metrics label (the Responses and Messages APIs run on this path)."""
-        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
-        self.timer = metrics.GenerationTimer(route, ctx.start_time)
+    chunk_type = ChatCompletionChunk
+
+    def __init__(self, started: StartedRequest, body: ChatCompletionRequest, route: str) -> None:
+        super().__init__(started, body, route)
         tools, forced = body.tools_enabled(), body.forced_tools()
         self.parsers: list[ToolParser | None] = [
-            forced_tool_parser(body) if forced else new_tool_parser(ctx, model) if tools else None
+            forced_tool_parser(body) if forced else new_tool_parser(self.ctx, self.model) if tools else None
             for _ in range(body.n)
         ]
-        name = ctx.config.reasoning_parser
+        name = self.ctx.config.reasoning_parser
         self.reasoners = [reasoning.ReasoningParser(name) if name else None for _ in range(body.n)]
         self.json_mode = body.response_format is not None and body.response_format.type == "json_object"
         self.forced = forced
         self.texts: list[list[str]] = [[] for _ in range(body.n)]
-        options = body.stream_options
-        self.include_usage = options is not None and options.include_usage
-        self.continuous_usage = options is not None and options.continuous_usage_stats
         # Built now, before the first token (the stream is created during the prefill):
         # the role chunks, and the content templates of the choices without parsers.
         plain = not (self.continuous_usage or body.logprobs or self.json_mode or self.forced)
@@ -321,59 +276,9 @@ class ChatStreamer:
             self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)])
         )
 
-    def _plain(self, event: ChoiceEvent) -> bytes | None:
-        """The event of a content-only chunk through a template (the hot path), or None
-        when the event needs the full chunk (tools, JSON mode, logprobs, finish, usage)."""
-        template = self._templates.get(event.index)
-        if event.finish_reason is not None or template is None:
-            return None
-        self.timer.on_output(len(event.token_ids))
-        if not event.text:
-            return b""
-        return template.render(event.text)
-
-    def chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        """A chunk with the request's id/model (and running usage when asked)."""
-        chunk = ChatCompletionChunk(
-            id=self.request_id, created=self.ctx.created, model=self.model, choices=choices
-        )
-        if self.continuous_usage:
-            usage = self.multi.usage()
-            usage.completion_tokens = self.multi.completion_tokens_so_far()
-            chunk.usage = usage_info(usage)
-        return chunk
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The SSE body: role chunks, content chunks, optional usage chunk, [DONE]."""
-        try:
-            # Every choice's role chunk in one write.
-            yield b"".join(self._role_events or [self._role_event(i) for i in range(self.body.n)])
-            async for event in self.multi.events():
-                plain = self._plain(event)
-                if plain is not None:
-                    if plain:
-                        yield plain
-                    continue
-                for chunk in await self.on_event(event):
-                    yield sse_event(chunk)
-            usage = self.multi.usage()
-            self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
-            if self.include_usage:
-                yield sse_event(
-                    ChatCompletionChunk(
-                        id=self.request_id,
-                        created=self.ctx.created,
-                        model=self.model,
-                        choices=[],
-                        usage=usage_info(usage),
-                    )
-                )
-        except APIError as exc:
-            yield sse_event(exc.body())
-        except Exception as exc:
-            log.exception("%s: stream failed", self.request_id)
-            yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
-        yield SSE_DONE
+    def opening(self) -> Iterable[bytes]:
+        """Every choice's role chunk, in one write."""
+        return [b"".join(self._role_events or [self._role_event(i) for i in range(self.body.n)])]
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         """The content, reasoning and tool-call chunks of every event (no role or usage

@@ -14,6 +14,7 @@ import pydantic
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
+from gateway.answers import StartedRequest
 from gateway.chat import ChatCollector, ChatStreamer, start_chat
 from gateway.errors import APIError, param_from_loc
 from gateway.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
@@ -70,12 +71,14 @@ async def run_chat(
         except APIError as exc:
             raise renamed(exc, names) from None
 
+        started = StartedRequest(ctx, request_id, model, multi)
+
         async def collected() -> Response:
-            completion = await ChatCollector(ctx, body, request_id, model, multi, route).collect()
+            completion = await ChatCollector(started, body, route).collect()
             return JSONResponse(await collect(completion))
 
         def streamed() -> AsyncIterator[bytes]:
-            streamer = ChatStreamer(ctx, body, request_id, model, multi, route)
+            streamer = ChatStreamer(started, body, route)
             return stream(streamer.chunks(), streamer)
 
         return Generation(multi, stream=streamed, collect=collected)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 
-from gateway import metrics
-from gateway.errors import APIError, from_mesh_error
+from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest
+from gateway.errors import from_mesh_error
 from gateway.generation import ChoiceEvent, GenerationRun, Usage
 from gateway.logprobs import (
     completion_logprobs,
@@ -39,7 +38,6 @@ from gateway.protocol import (
     CompletionResponse,
 )
 from gateway.serving import (
-    SSE_DONE,
     Generation,
     MultiRun,
     RequestContext,
@@ -59,7 +57,6 @@ from services import tracing
 from services.completion_prompt import ImageToken, completion_token_ids
 from services.errors import MeshError
 
-log = logging.getLogger(__name__)
 ROUTE = "/v1/completions"
 
 
@@ -141,22 +138,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
     async def start() -> Generation:
         multi, prompts = await start_completion(ctx, body, model, request_id)
         echoes = [p.text if body.echo else "" for p in prompts for _ in range(body.n)]
+        started = StartedRequest(ctx, request_id, model, multi)
         return Generation(
             multi,
-            stream=lambda: CompletionStreamer(ctx, body, request_id, model, multi, echoes).stream(),
-            collect=lambda: CompletionCollector(ctx, body, request_id, model, multi, echoes).collect(),
+            stream=lambda: CompletionStreamer(started, body, echoes).stream(),
+            collect=lambda: CompletionCollector(started, body, echoes).collect(),
         )
 
     span = tracing.PhaseSpan("gateway.completions", model=model, request_id=request_id)
     return await respond(request, span, start, body.stream)
-
-
-@dataclass
-class _Accumulated:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 def _usage(body: CompletionRequest, multi: MultiRun) -> Usage:
@@ -167,48 +157,29 @@ def _usage(body: CompletionRequest, multi: MultiRun) -> Usage:
     return usage
 
 
-class CompletionCollector:
+class CompletionCollector(ChoiceCollector[CompletionRequest]):
     """Builds the non-streamed response."""
 
-    def __init__(
-        self,
-        ctx: RequestContext,
-        body: CompletionRequest,
-        request_id: str,
-        model: str,
-        multi: MultiRun,
-        echoes: list[str],
-    ) -> None:
-        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+    def __init__(self, started: StartedRequest, body: CompletionRequest, echoes: list[str]) -> None:
+        """`echoes`: each choice's echoed prompt text ("" without echo)."""
+        super().__init__(started, body, ROUTE)
         self.echoes = echoes
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
-        self.choices = [_Accumulated() for _ in echoes]
+
+    def usage(self) -> Usage:
+        """The request's usage, echo-only requests' dropped token left out."""
+        return _usage(self.body, self.multi)
 
     async def collect(self) -> CompletionResponse:
         """Consumes every event and assembles the response."""
-        async for event in self.multi.events():
-            self.timer.on_output(len(event.token_ids))
-            acc = self.choices[event.index]
-            if not self.body.echo_only():  # its one generated token is dropped
-                acc.text.append(event.text)
-                acc.logprobs.extend(event.logprobs)
-            if event.finish_reason is not None:
-                acc.finish_reason, acc.stop_reason = event.finish_reason, event.stop_reason
-        usage = _usage(self.body, self.multi)
-        self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
-        top_k = self.body.logprobs or 0
-        raw = [lp for acc in self.choices for lp in acc.logprobs] if self.body.logprobs is not None else []
-        strings = await resolve_strings(self.ctx.upstream, self.model, raw, top_k)
-        choices = [await self._choice(index, acc, strings) for index, acc in enumerate(self.choices)]
-        return CompletionResponse(
-            id=self.request_id,
-            created=self.ctx.created,
-            model=self.model,
-            choices=choices,
-            usage=usage_info(usage),
+        body = self.body
+        # echo with max_tokens 0: its one generated token is dropped
+        gathered, usage, strings = await self.gather(
+            not body.echo_only(), body.logprobs is not None, body.logprobs or 0
         )
+        choices = [await self._choice(index, acc, strings) for index, acc in enumerate(gathered)]
+        return CompletionResponse(**self.head(), choices=choices, usage=usage_info(usage))
 
-    async def _choice(self, index: int, acc: _Accumulated, strings: dict[int, str]) -> CompletionChoice:
+    async def _choice(self, index: int, acc: ChoiceOutput, strings: dict[int, str]) -> CompletionChoice:
         body = self.body
         logprobs = None
         if body.logprobs is not None:
@@ -236,28 +207,19 @@ class CompletionCollector:
         return choice
 
 
-class CompletionStreamer:
-    """Turns events into completion chunks (SSE)."""
+class CompletionStreamer(ChoiceStreamer[CompletionRequest, CompletionChunk]):
+    """Turns events into completion chunks (SSE): plain echoes first."""
 
-    def __init__(
-        self,
-        ctx: RequestContext,
-        body: CompletionRequest,
-        request_id: str,
-        model: str,
-        multi: MultiRun,
-        echoes: list[str],
-    ) -> None:
-        self.ctx, self.body, self.request_id, self.model, self.multi = ctx, body, request_id, model, multi
+    chunk_type = CompletionChunk
+
+    def __init__(self, started: StartedRequest, body: CompletionRequest, echoes: list[str]) -> None:
+        """`echoes`: each choice's echoed prompt text ("" without echo)."""
+        super().__init__(started, body, ROUTE)
         self.echoes = echoes
-        self.timer = metrics.GenerationTimer(ROUTE, ctx.start_time)
         self.offsets = [0] * len(echoes)
         # echo with logprobs: the prompt text goes out with the choice's first event, once
         # its logprobs (they come with the first output) are there; plain echo goes first.
         self.echo_with_first = set(range(len(echoes))) if body.echo and body.logprobs is not None else set()
-        options = body.stream_options
-        self.include_usage = options is not None and options.include_usage
-        self.continuous_usage = options is not None and options.continuous_usage_stats
         # Built now, before the first token (the stream is created during the prefill).
         self._templates = (
             {}
@@ -268,73 +230,40 @@ class CompletionStreamer:
     def _template(self, index: int) -> TextChunkTemplate:
         return TextChunkTemplate(
             lambda text: self.chunk(
-                CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)
+                [CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)]
             )
         )
 
+    def usage(self) -> Usage:
+        """The request's usage, echo-only requests' dropped token left out."""
+        return _usage(self.body, self.multi)
+
+    def running_usage(self) -> Usage:
+        """The usage so far; an echo-only request's stays without completion tokens."""
+        return self.usage() if self.body.echo_only() else super().running_usage()
+
+    def opening(self) -> Iterator[bytes]:
+        """The echo chunks that need not wait for the prompt's logprobs."""
+        for index, echo in enumerate(self.echoes):
+            if echo and index not in self.echo_with_first:
+                self.offsets[index] = len(echo)
+                choice = CompletionChoice(index=index, text=echo, logprobs=None, finish_reason=None)
+                yield sse_event(self.chunk([choice]))
+
     def _plain(self, event: ChoiceEvent) -> bytes | None:
-        """The event of a text-only chunk through a template (the hot path), or None when
-        the event needs the full chunk (logprobs, finish, running usage)."""
-        template = self._templates.get(event.index)
-        if event.finish_reason is not None or template is None:
-            return None
-        self.timer.on_output(len(event.token_ids))
-        self.offsets[event.index] += len(event.text)
-        if not event.text:
-            return b""
-        return template.render(event.text)
+        """The templated text-only event (see `ChoiceStreamer`), its text counted in the
+        choice's offset."""
+        plain = super()._plain(event)
+        if plain is not None:
+            self.offsets[event.index] += len(event.text)
+        return plain
 
-    def chunk(self, choice: CompletionChoice | None) -> CompletionChunk:
-        """A chunk with the request's id/model (and running usage when asked)."""
-        chunk = CompletionChunk(
-            id=self.request_id, created=self.ctx.created, model=self.model, choices=[choice] if choice else []
-        )
-        if self.continuous_usage:
-            usage = _usage(self.body, self.multi)
-            if not self.body.echo_only():
-                usage.completion_tokens = self.multi.completion_tokens_so_far()
-            chunk.usage = usage_info(usage)
-        return chunk
+    async def on_event(self, event: ChoiceEvent) -> list[CompletionChunk]:
+        """The chunk of one event (none when it carries nothing to send)."""
+        choice = await self._event_choice(event)
+        return [self.chunk([choice])] if choice is not None else []
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The SSE body: echo chunks, text chunks, optional usage chunk, [DONE]."""
-        try:
-            for index, echo in enumerate(self.echoes):
-                if echo and index not in self.echo_with_first:
-                    self.offsets[index] = len(echo)
-                    yield sse_event(
-                        self.chunk(
-                            CompletionChoice(index=index, text=echo, logprobs=None, finish_reason=None)
-                        )
-                    )
-            async for event in self.multi.events():
-                plain = self._plain(event)
-                if plain is not None:
-                    if plain:
-                        yield plain
-                    continue
-                choice = await self.on_event(event)
-                if choice is not None:
-                    yield sse_event(self.chunk(choice))
-            usage = _usage(self.body, self.multi)
-            self.timer.finish(usage.prompt_tokens, usage.completion_tokens)
-            if self.include_usage:
-                final = CompletionChunk(
-                    id=self.request_id,
-                    created=self.ctx.created,
-                    model=self.model,
-                    choices=[],
-                    usage=usage_info(usage),
-                )
-                yield sse_event(final)
-        except APIError as exc:
-            yield sse_event(exc.body())
-        except Exception as exc:
-            log.exception("%s: stream failed", self.request_id)
-            yield sse_event(APIError(500, f"internal error: {type(exc).__name__}").body())
-        yield SSE_DONE
-
-    async def on_event(self, event: ChoiceEvent) -> CompletionChoice | None:
+    async def _event_choice(self, event: ChoiceEvent) -> CompletionChoice | None:
         """The choice delta of one event (None when it carries nothing to send); the
         choice's first one starts with its echo when that waited for the prompt's logprobs."""
         self.timer.on_output(len(event.token_ids))
