@@ -1,27 +1,61 @@
 """What the chat and text completion answers share (`gateway.chat`, `gateway.completions`):
-the started request an answer is built for, a collector gathering every choice's output
-for the JSON answer, and a streamer turning the events into SSE chunks. Each route adds
+a request's way from its arrival to its answer (`serve`), the started request an answer
+is built for, a collector gathering every choice's output for the JSON answer, and a
+streamer turning the events into SSE chunks. Each route adds how it starts its runs and
 its own choices: how a choice is assembled and what one event's chunks are."""
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+from fastapi import Request, Response
 
 from gateway import metrics
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Usage
 from gateway.logprobs import resolve_strings
 from gateway.protocol import ChatCompletionChunk, CompletionChunk, SamplingRequest
-from gateway.serving import SSE_DONE, MultiRun, RequestContext, TextChunkTemplate, sse_event, usage_info
+from gateway.serving import (
+    SSE_DONE,
+    Generation,
+    MultiRun,
+    RequestContext,
+    TextChunkTemplate,
+    new_id,
+    request_context,
+    respond,
+    sse_event,
+    usage_info,
+)
 from meshserve.v1 import common_pb2
+from services import tracing
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bound=SamplingRequest)
 ChunkT = TypeVar("ChunkT", ChatCompletionChunk, CompletionChunk)
+R = TypeVar("R")
+
+
+async def serve(
+    request: Request,
+    body: SamplingRequest,
+    id_prefix: str,
+    span_name: str,
+    start: Callable[[RequestContext, str, str], Awaitable[Generation[R]]],
+) -> R | Response:
+    """A generation route's request from its arrival to its answer: the body checked
+    against the gateway's limits, its model resolved and its id made (`id_prefix-<hex>`),
+    then `start(ctx, model, request_id)` answered (`respond`) under the span `span_name`."""
+    ctx = request_context(request)
+    body.check(ctx.config.max_n)
+    model = await ctx.upstream.resolve_model(body.model)
+    request_id = new_id(id_prefix)
+    span = tracing.PhaseSpan(span_name, model=model, request_id=request_id)
+    return await respond(request, span, lambda: start(ctx, model, request_id), body.stream)
 
 
 @dataclass(frozen=True)

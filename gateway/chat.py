@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterable
 from fastapi import Request, Response
 
 from gateway import metrics, reasoning, tool_parsers
-from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest
+from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest, serve
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
 from gateway.logprobs import chat_logprobs, resolve_strings, vllm_prompt_logprobs
@@ -51,10 +51,7 @@ from gateway.serving import (
     RequestContext,
     TextChunkTemplate,
     generation_spec,
-    new_id,
-    request_context,
     resolve_max_tokens,
-    respond,
     sampling_params,
     sse_event,
     usage_info,
@@ -63,7 +60,6 @@ from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
 from gateway.tools import forced_tool_parser
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import tokenizer_pb2
-from services import tracing
 
 log = logging.getLogger(__name__)
 ROUTE = "/v1/chat/completions"
@@ -140,12 +136,8 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
 ) -> ChatCompletionResponse | Response:
     """Route handler (see module docstring)."""
-    ctx = request_context(request)
-    body.check(ctx.config.max_n)
-    model = await ctx.upstream.resolve_model(body.model)
-    request_id = new_id("chatcmpl")
 
-    async def start() -> Generation:
+    async def start(ctx: RequestContext, model: str, request_id: str) -> Generation[ChatCompletionResponse]:
         multi = await start_chat(ctx, body, model, request_id)
         started = StartedRequest(ctx, request_id, model, multi)
         return Generation(
@@ -154,8 +146,7 @@ async def create_chat_completion(
             collect=lambda: ChatCollector(started, body, ROUTE).collect(),
         )
 
-    span = tracing.PhaseSpan("gateway.chat_completions", model=model, request_id=request_id)
-    return await respond(request, span, start, body.stream)
+    return await serve(request, body, "chatcmpl", "gateway.chat_completions", start)
 
 
 def tool_parser_name(ctx: RequestContext, model: str) -> str:

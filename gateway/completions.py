@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import Request, Response
 
-from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest
+from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, StartedRequest, serve
 from gateway.errors import from_mesh_error
 from gateway.generation import ChoiceEvent, GenerationRun, Usage
 from gateway.logprobs import (
@@ -43,17 +43,13 @@ from gateway.serving import (
     RequestContext,
     TextChunkTemplate,
     generation_spec,
-    new_id,
-    request_context,
     resolve_max_tokens,
-    respond,
     sampling_params,
     sse_event,
     usage_info,
 )
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
-from services import tracing
 from services.completion_prompt import ImageToken, completion_token_ids
 from services.errors import MeshError
 
@@ -130,12 +126,8 @@ async def start_completion(
 
 async def create_completion(body: CompletionRequest, request: Request) -> CompletionResponse | Response:
     """Route handler (see module docstring)."""
-    ctx = request_context(request)
-    body.check(ctx.config.max_n)
-    model = await ctx.upstream.resolve_model(body.model)
-    request_id = new_id("cmpl")
 
-    async def start() -> Generation:
+    async def start(ctx: RequestContext, model: str, request_id: str) -> Generation[CompletionResponse]:
         multi, prompts = await start_completion(ctx, body, model, request_id)
         echoes = [p.text if body.echo else "" for p in prompts for _ in range(body.n)]
         started = StartedRequest(ctx, request_id, model, multi)
@@ -145,8 +137,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
             collect=lambda: CompletionCollector(started, body, echoes).collect(),
         )
 
-    span = tracing.PhaseSpan("gateway.completions", model=model, request_id=request_id)
-    return await respond(request, span, start, body.stream)
+    return await serve(request, body, "cmpl", "gateway.completions", start)
 
 
 def _usage(body: CompletionRequest, multi: MultiRun) -> Usage:

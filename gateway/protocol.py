@@ -128,8 +128,9 @@ class SamplingRequest(_Request):
             out[int(key)] = bias
         return out
 
-    def check_sampling(self, max_n: int) -> None:
-        """Cross-field rules shared by both completion kinds."""
+    def check(self, max_n: int) -> None:
+        """Cross-field rules shared by both completion kinds (each adds its own); raises
+        APIError naming the field."""
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}, got {self.n}", param="n", code="invalid_value")
         if len(self.stop_list()) > MAX_STOP_STRINGS:
@@ -236,7 +237,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check(self, max_n: int) -> None:
         """Cross-field validation; raises APIError naming the field."""
-        self.check_sampling(max_n)
+        super().check(max_n)
         if self.echo:
             raise APIError(
                 400, "echo is not supported by chat completions (use /v1/completions)", param="echo"
@@ -468,7 +469,7 @@ class CompletionRequest(SamplingRequest):
 
     def check(self, max_n: int) -> None:
         """Cross-field validation; raises APIError naming the field."""
-        self.check_sampling(max_n)
+        super().check(max_n)
         prompts = self.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
