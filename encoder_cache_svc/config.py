@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import DEFAULT_PORTS, ServerConfig, opt
+from services.config import DEFAULT_PORTS, ServerConfig, at_least, opt, positive
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,9 @@ class EncoderCacheConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.capacity_mb <= 0:
-            raise ValueError("capacity_mb must be > 0")
-        if self.chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be > 0")
-        if self.capacity_bytes < 0:
-            raise ValueError("capacity_bytes must be >= 0")
+        positive(self, "capacity_mb")
+        positive(self, "chunk_bytes")
+        at_least(self, 0, "capacity_bytes")
 
     @property
     def capacity(self) -> int:

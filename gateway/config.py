@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from services.config import DEFAULT_PORTS, MAX_MESSAGE_BYTES, ProcessConfig, opt
+from services.config import DEFAULT_PORTS, MAX_MESSAGE_BYTES, ProcessConfig, at_least, opt, positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,24 +95,16 @@ class GatewayConfig(ProcessConfig):
     def __post_init__(self) -> None:
         """Rejects values that cannot work, naming the offending option."""
         super().__post_init__()
-        if self.max_request_bytes <= 0:
-            raise ValueError("max_request_bytes must be > 0")
+        positive(self, "max_request_bytes")
         if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
             raise ValueError("request_timeout_s must be a positive number")
-        if self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be >= 1")
-        if self.max_n < 1:
-            raise ValueError("max_n must be >= 1")
-        if self.rate_limit_rps_per_key < 0 or self.rate_limit_burst < 0:
-            raise ValueError("rate_limit_rps_per_key and rate_limit_burst must be >= 0")
-        if self.models_cache_s < 0:
-            raise ValueError("models_cache_s must be >= 0")
-        if self.response_ttl_s < 1:
-            raise ValueError("response_ttl_s must be >= 1")
-        if self.keep_alive_timeout_s < 1:
-            raise ValueError("keep_alive_timeout_s must be >= 1")
-        if self.max_retries < 0 or self.max_migrations < 0:
-            raise ValueError("max_retries and max_migrations must be >= 0")
+        at_least(self, 1, "default_max_tokens")
+        at_least(self, 1, "max_n")
+        at_least(self, 0, "rate_limit_rps_per_key", "rate_limit_burst")
+        at_least(self, 0, "models_cache_s")
+        at_least(self, 1, "response_ttl_s")
+        at_least(self, 1, "keep_alive_timeout_s")
+        at_least(self, 0, "max_retries", "max_migrations")
         if not [a for a in self.scheduler_address.split(",") if a.strip()]:
             raise ValueError("scheduler_address must name at least one scheduler")
         if any(not key for key in self.api_keys + self.admin_api_keys):

@@ -38,7 +38,7 @@ from encoder_cache_svc.config import EncoderCacheConfig
 from scheduler_svc.config import SchedulerConfig
 from services import cpus, ports
 from services.clock import Clock
-from services.config import DEFAULT_PORTS, ProcessConfig, default_of, opt, same_as
+from services.config import DEFAULT_PORTS, ProcessConfig, at_least, default_of, opt, positive, same_as
 from services.log import logged_message
 from services.redis_client import RedisServer
 from services.rpc import check_health
@@ -192,13 +192,11 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if self.num_schedulers < 1:
             raise ValueError(f"num_schedulers must be >= 1, got {self.num_schedulers}")
-        if min(self.num_decoders, self.num_encoders, self.num_prefill) < 0:
-            raise ValueError("num_decoders, num_encoders and num_prefill must be >= 0")
+        at_least(self, 0, "num_decoders", "num_encoders", "num_prefill")
         unknown = sorted(set(self.only_components) - set(DEFAULT_PORTS))
         if unknown:
             raise ValueError(f"only: unknown component(s) {unknown}; known: {', '.join(DEFAULT_PORTS)}")
-        if self.stop_timeout_s <= 0 or self.start_timeout_s <= 0:
-            raise ValueError("start_timeout_s and stop_timeout_s must be > 0")
+        positive(self, "start_timeout_s", "stop_timeout_s")
         _ = self.backoff  # validates the restart settings now rather than at the first crash
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import DEFAULT_PORTS, ServerConfig, opt
+from services.config import DEFAULT_PORTS, ServerConfig, at_least, opt, positive
 from services.kv_contract import DEFAULT_BLOCK_SIZE
 
 ROUTING_POLICIES = ("prefix", "round_robin", "least_load")
@@ -104,14 +104,12 @@ class SchedulerConfig(ServerConfig):
             raise ValueError(
                 f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}"
             )
-        if self.heartbeat_interval_ms <= 0:
-            raise ValueError("heartbeat_interval_ms must be > 0")
+        positive(self, "heartbeat_interval_ms")
         if self.worker_timeout_s * 1000 <= self.heartbeat_interval_ms:
             raise ValueError("worker_timeout_s must be longer than one heartbeat interval")
         if self.worker_forget_s < self.worker_timeout_s:
             raise ValueError("worker_forget_s must be >= worker_timeout_s")
-        if self.max_queue_len < 0 or self.max_inflight_per_worker < 0 or self.max_retries < 0:
-            raise ValueError("max_queue_len, max_inflight_per_worker and max_retries must be >= 0")
+        at_least(self, 0, "max_queue_len", "max_inflight_per_worker", "max_retries")
         if self.queue_timeout_s <= 0 or self.suspect_penalty_s < 0 or self.speculative_ttl_s < 0:
             raise ValueError("queue_timeout_s must be > 0; suspect_penalty_s, speculative_ttl_s >= 0")
         if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
@@ -129,10 +127,8 @@ class SchedulerConfig(ServerConfig):
             )
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
-        if self.block_size <= 0 or self.kv_stream_maxlen <= 0:
-            raise ValueError("block_size and kv_stream_maxlen must be > 0")
-        if self.encoder_cache_timeout_s <= 0 or self.encode_timeout_s <= 0:
-            raise ValueError("encoder_cache_timeout_s and encode_timeout_s must be > 0")
+        positive(self, "block_size", "kv_stream_maxlen")
+        positive(self, "encoder_cache_timeout_s", "encode_timeout_s")
 
     @property
     def heartbeat_interval_s(self) -> float:

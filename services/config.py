@@ -254,6 +254,25 @@ def env_for(config: Any) -> dict[str, str]:
     return env
 
 
+def at_least(config: object, minimum: float, *names: str) -> None:
+    """Raises ValueError ("a and b must be >= 0") when a field `names` of `config` is
+    below `minimum`: the range check every config's `__post_init__` makes."""
+    if any(getattr(config, name) < minimum for name in names):
+        raise ValueError(f"{_listed(names)} must be >= {minimum}")
+
+
+def positive(config: object, *names: str) -> None:
+    """Raises ValueError ("a and b must be > 0") when a field `names` of `config` is not
+    above 0."""
+    if any(getattr(config, name) <= 0 for name in names):
+        raise ValueError(f"{_listed(names)} must be > 0")
+
+
+def _listed(names: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
 # The largest gRPC message any service sends or accepts (images, embeddings, KV chunks).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TRACING_MODES = ("none", "console", "otlp", "memory")
@@ -275,8 +294,7 @@ class ProcessConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.drain_timeout_s < 0:
-            raise ValueError("drain_timeout_s must be >= 0")
+        at_least(self, 0, "drain_timeout_s")
         if self.tracing not in TRACING_MODES:
             raise ValueError(f"tracing must be one of {', '.join(TRACING_MODES)}")
 
@@ -293,5 +311,4 @@ class ServerConfig(ProcessConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_message_bytes <= 0:
-            raise ValueError("max_message_bytes must be > 0")
+        positive(self, "max_message_bytes")

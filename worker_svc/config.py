@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from services.config import DEFAULT_PORTS, ServerConfig, opt
+from services.config import DEFAULT_PORTS, ServerConfig, at_least, opt, positive
 from services.kv_contract import SUBSCRIBER_POLL_INTERVAL_MS
 from services.worker_roles import ROLES
 from worker_svc.engine.config import EngineConfig, default_dtype
@@ -69,14 +69,10 @@ class WorkerConfig(ServerConfig):
             object.__setattr__(self, "engine", resolved)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
-        if self.kv_events_flush_ms < 0:
-            raise ValueError("kv_events_flush_ms must be >= 0")
-        if self.kv_transfer_timeout_s <= 0:
-            raise ValueError("kv_transfer_timeout_s must be > 0")
-        if self.encoder_cache_timeout_s <= 0:
-            raise ValueError("encoder_cache_timeout_s must be > 0")
+        at_least(self, 1, "stream_interval")
+        at_least(self, 0, "kv_events_flush_ms")
+        positive(self, "kv_transfer_timeout_s")
+        positive(self, "encoder_cache_timeout_s")
         if self.role == "encoder" and not self.encoder_cache_address:
             raise ValueError("the encoder role needs --encoder-cache-address (where it stores embeddings)")
 
