@@ -153,16 +153,24 @@ _GENERATION_ROUTES: tuple[tuple[str, Any, Any, str], ...] = (
 )
 
 
+def _add_generating_route(
+    app: FastAPI, path: str, endpoint: Any, summary: str, response_model: Any = None
+) -> None:
+    """A POST endpoint that generates: answered in JSON, or with `stream: true` in SSE
+    events, with the errors of a generation."""
+    app.add_api_route(
+        path,
+        endpoint,
+        methods=["POST"],
+        response_model=response_model,
+        responses={200: _SSE, **_GENERATION_ERRORS},
+        summary=summary,
+    )
+
+
 def _add_generation_routes(app: FastAPI) -> None:
     for path, endpoint, response_model, summary in _GENERATION_ROUTES:
-        app.add_api_route(
-            path,
-            endpoint,
-            methods=["POST"],
-            response_model=response_model,
-            responses={200: _SSE, **_GENERATION_ERRORS},
-            summary=summary,
-        )
+        _add_generating_route(app, path, endpoint, summary, response_model)
     app.add_api_route(
         "/v1/embeddings",
         create_embeddings,
@@ -176,13 +184,8 @@ def _add_generation_routes(app: FastAPI) -> None:
 def _add_agent_routes(app: FastAPI) -> None:
     """The Responses API (gateway.responses_api) and Anthropic's Messages API
     (gateway.messages_api), both on the chat path."""
-    sse = {200: _SSE, **_GENERATION_ERRORS}
-    app.add_api_route(
-        "/v1/responses",
-        responses_api.create_response,
-        methods=["POST"],
-        responses=sse,
-        summary="Create a model response (OpenAI Responses API)",
+    _add_generating_route(
+        app, "/v1/responses", responses_api.create_response, "Create a model response (OpenAI Responses API)"
     )
     for method, endpoint, summary in (
         ("GET", responses_api.retrieve_response, "Get a stored model response"),
@@ -195,12 +198,11 @@ def _add_agent_routes(app: FastAPI) -> None:
             responses=_errors(404, *_COMMON),
             summary=summary,
         )
-    app.add_api_route(
+    _add_generating_route(
+        app,
         "/v1/messages",
         messages_api.create_message,
-        methods=["POST"],
-        responses=sse,
-        summary="Create a message (Anthropic Messages API; errors in Anthropic's shape)",
+        "Create a message (Anthropic Messages API; errors in Anthropic's shape)",
     )
     app.add_api_route(
         "/v1/messages/count_tokens",
