@@ -108,113 +108,93 @@ class Layout:
         self.row_h = max(self.row_h, h)
 
 
-def build() -> dict[str, Any]:
-    g = Layout()
+def target(expr: str, legend: str) -> dict[str, str]:
+    """One query of a panel, with its legend."""
+    return {"expr": expr, "legendFormat": legend}
 
+
+def _aggregate(agg: str, by: str) -> str:
+    return f"{agg} by ({by}) " if by else agg
+
+
+def rate(metric: str, by: str = "", selector: str = NS) -> str:
+    """A counter's per-second rate over the selected series, summed (per `by` labels)."""
+    return f"{_aggregate('sum', by)}(rate({metric}{{{selector}}}[{RATE}]))"
+
+
+def gauge(metric: str, by: str = "", agg: str = "sum") -> str:
+    """A gauge over the namespace's series, aggregated with `agg` (per `by` labels)."""
+    return f"{_aggregate(agg, by)}({metric}{{{NS}}})"
+
+
+def mean(metric: str, by: str = "") -> str:
+    """A histogram's mean over the rate interval: its `_sum` rate over its `_count` rate."""
+    return f"{rate(metric + '_sum', by)} / {rate(metric + '_count', by)}"
+
+
+def relabelled(targets: list[dict[str, str]], legend: str, expr: str = "{}") -> list[dict[str, str]]:
+    """`targets` with each legend put into `legend` and each query into `expr` ("{}" is
+    the original): quantiles of a second metric on the same panel."""
+    return [target(expr.format(t["expr"]), legend.format(t["legendFormat"])) for t in targets]
+
+
+def gateway_row(g: Layout) -> None:
+    """Requests, errors, throughput and the latencies clients see."""
     g.row("Gateway")
+    route = f'{NS}, route=~"$route"'
     g.panel(
         "Request rate by status",
-        [
-            {
-                "expr": f'sum by (status) (rate(meshserve_gateway_requests_total{{{NS}, route=~"$route"}}[{RATE}]))',
-                "legendFormat": "{{status}}",
-            }
-        ],
+        [target(rate("meshserve_gateway_requests_total", "status", route), "{{status}}")],
         unit="reqps",
         stack=True,
         description="HTTP requests answered per second, by status code (route filter above).",
     )
+    errors = rate("meshserve_gateway_requests_total", selector=f'{route}, status=~"5.."')
     g.panel(
         "Error ratio (5xx)",
-        [
-            {
-                "expr": f'sum(rate(meshserve_gateway_requests_total{{{NS}, route=~"$route", status=~"5.."}}[{RATE}]))'
-                f' / sum(rate(meshserve_gateway_requests_total{{{NS}, route=~"$route"}}[{RATE}]))',
-                "legendFormat": "5xx / all",
-            }
-        ],
+        [target(f"{errors} / {rate('meshserve_gateway_requests_total', selector=route)}", "5xx / all")],
         unit="percentunit",
     )
     g.panel(
         "Requests in flight / token throughput",
         [
-            {
-                "expr": f"sum by (route) (meshserve_gateway_requests_in_flight{{{NS}}})",
-                "legendFormat": "in flight {{route}}",
-            },
-            {
-                "expr": f"sum(rate(meshserve_gateway_prompt_tokens_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "prompt tokens/s",
-            },
-            {
-                "expr": f"sum(rate(meshserve_gateway_completion_tokens_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "completion tokens/s",
-            },
+            target(gauge("meshserve_gateway_requests_in_flight", "route"), "in flight {{route}}"),
+            target(rate("meshserve_gateway_prompt_tokens_total"), "prompt tokens/s"),
+            target(rate("meshserve_gateway_completion_tokens_total"), "completion tokens/s"),
         ],
     )
     sel = f"{NS}, {GEN_ROUTES}"
-    g.panel(
-        "Time to first token (TTFT)",
-        quantiles("meshserve_gateway_time_to_first_token_seconds", sel),
-        unit="s",
-        w=6,
-    )
-    g.panel(
-        "Time per output token (TPOT)",
-        quantiles("meshserve_gateway_time_per_output_token_seconds", sel),
-        unit="s",
-        w=6,
-    )
-    g.panel(
-        "Inter-token latency (ITL)",
-        quantiles("meshserve_gateway_inter_token_latency_seconds", sel),
-        unit="s",
-        w=6,
-    )
-    g.panel(
-        "End-to-end latency (E2E)",
-        quantiles("meshserve_gateway_request_duration_seconds", f'{NS}, route=~"$route"'),
-        unit="s",
-        w=6,
-    )
+    for title, metric, selector in (
+        ("Time to first token (TTFT)", "meshserve_gateway_time_to_first_token_seconds", sel),
+        ("Time per output token (TPOT)", "meshserve_gateway_time_per_output_token_seconds", sel),
+        ("Inter-token latency (ITL)", "meshserve_gateway_inter_token_latency_seconds", sel),
+        ("End-to-end latency (E2E)", "meshserve_gateway_request_duration_seconds", route),
+    ):
+        g.panel(title, quantiles(metric, selector), unit="s", w=6)
 
+
+def scheduler_row(g: Layout) -> None:
+    """Admission, worker health, routing and its failures, leases."""
     g.row("Scheduler")
     g.panel(
         "Admission queue",
         [
-            {"expr": f"sum(meshserve_scheduler_queue_depth{{{NS}}})", "legendFormat": "queued"},
-            {
-                "expr": f"sum by (worker_id) (meshserve_scheduler_worker_inflight{{{NS}}})",
-                "legendFormat": "in flight {{worker_id}}",
-            },
+            target(gauge("meshserve_scheduler_queue_depth"), "queued"),
+            target(gauge("meshserve_scheduler_worker_inflight", "worker_id"), "in flight {{worker_id}}"),
         ],
         description="Requests waiting for a worker slot, and requests in flight per worker.",
     )
     g.panel(
         "Worker health",
-        [
-            {
-                "expr": f"max by (role, health) (meshserve_scheduler_workers{{{NS}}})",
-                "legendFormat": "{{role}} {{health}}",
-            }
-        ],
+        [target(gauge("meshserve_scheduler_workers", "role, health", "max"), "{{role}} {{health}}")],
         description="Workers registered with the scheduler, by role and health.",
         stack=True,
     )
-    g.panel(
-        "Workers healthy",
-        [
-            {
-                "expr": f'max by (role) (meshserve_scheduler_workers{{{NS}, health="healthy"}})',
-                "legendFormat": "{{role}}",
-            }
-        ],
-        kind="stat",
-        w=4,
-    )
+    healthy = f'max by (role) (meshserve_scheduler_workers{{{NS}, health="healthy"}})'
+    g.panel("Workers healthy", [target(healthy, "{{role}}")], kind="stat", w=4)
     g.panel(
         "Redis reachable",
-        [{"expr": f"min(meshserve_scheduler_redis_up{{{NS}}})", "legendFormat": "redis"}],
+        [target(gauge("meshserve_scheduler_redis_up", agg="min"), "redis")],
         kind="stat",
         w=4,
     )
@@ -222,231 +202,150 @@ def build() -> dict[str, Any]:
         "Scheduling overhead / queue wait",
         [
             *quantiles("meshserve_scheduler_overhead_seconds", NS, (0.5, 0.99)),
-            *[
-                {**t, "legendFormat": "queue wait " + t["legendFormat"]}
-                for t in quantiles("meshserve_scheduler_queue_wait_seconds", NS, (0.5, 0.99))
-            ],
+            *relabelled(
+                quantiles("meshserve_scheduler_queue_wait_seconds", NS, (0.5, 0.99)), "queue wait {}"
+            ),
         ],
         unit="s",
     )
     g.panel(
         "Routing decisions",
-        [
-            {
-                "expr": f"sum by (policy, reason) (rate(meshserve_scheduler_routed_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{policy}} {{reason}}",
-            }
-        ],
+        [target(rate("meshserve_scheduler_routed_total", "policy, reason"), "{{policy}} {{reason}}")],
         unit="reqps",
         stack=True,
     )
     g.panel(
         "Rejections / failovers / migrations",
         [
-            {
-                "expr": f"sum by (code) (rate(meshserve_scheduler_rejected_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "rejected {{code}}",
-            },
-            {
-                "expr": f"sum by (outcome) (rate(meshserve_scheduler_failovers_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "failover {{outcome}}",
-            },
-            {
-                "expr": f"sum by (reason) (rate(meshserve_gateway_reroutes_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "gateway reroute {{reason}}",
-            },
-            {
-                "expr": f"sum by (outcome) (rate(meshserve_gateway_migrations_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "mid-stream migration {{outcome}}",
-            },
-            {
-                # Streams (re)opened to workers: bursts mean broken streams.
-                "expr": f"sum(rate(meshserve_gateway_worker_streams_opened_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "worker stream opened",
-            },
+            target(rate("meshserve_scheduler_rejected_total", "code"), "rejected {{code}}"),
+            target(rate("meshserve_scheduler_failovers_total", "outcome"), "failover {{outcome}}"),
+            target(rate("meshserve_gateway_reroutes_total", "reason"), "gateway reroute {{reason}}"),
+            target(rate("meshserve_gateway_migrations_total", "outcome"), "mid-stream migration {{outcome}}"),
+            # Streams (re)opened to workers: bursts mean broken streams.
+            target(rate("meshserve_gateway_worker_streams_opened_total"), "worker stream opened"),
         ],
         unit="reqps",
     )
     g.panel(
         "Leases (held, and how they end)",
         [
-            {"expr": f"sum(meshserve_scheduler_leases{{{NS}}})", "legendFormat": "held"},
-            {
-                "expr": f"sum by (how) (rate(meshserve_scheduler_leases_ended_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "ended {{how}}",
-            },
+            target(gauge("meshserve_scheduler_leases"), "held"),
+            target(rate("meshserve_scheduler_leases_ended_total", "how"), "ended {{how}}"),
         ],
     )
+    prefix_cache_rows(g)
+
+
+def prefix_cache_rows(g: Layout) -> None:
+    """The scheduler's prefix index: its hits at routing, its predictions against the
+    workers' caches."""
     g.panel(
         "Prefix hit ratio at routing",
-        [
-            {
-                "expr": f"sum(rate(meshserve_scheduler_prefix_hit_ratio_sum{{{NS}}}[{RATE}]))"
-                f" / sum(rate(meshserve_scheduler_prefix_hit_ratio_count{{{NS}}}[{RATE}]))",
-                "legendFormat": "mean",
-            }
-        ],
+        [target(mean("meshserve_scheduler_prefix_hit_ratio"), "mean")],
         unit="percentunit",
         max_value=1,
         description="Mean fraction of the prompt's full blocks already cached on the chosen worker.",
     )
+    error = quantiles("meshserve_scheduler_cached_tokens_error", NS, (0.5, 0.01))
     g.panel(
         "Cached tokens per request: predicted vs actual",
         [
-            {
-                "expr": f"sum by (kind) (rate(meshserve_scheduler_cached_tokens_sum{{{NS}}}[{RATE}]))"
-                f" / sum by (kind) (rate(meshserve_scheduler_cached_tokens_count{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{kind}} (mean)",
-            },
-            *[
-                {**t, "legendFormat": f"error {t['legendFormat']} (actual - predicted)"}
-                for t in quantiles("meshserve_scheduler_cached_tokens_error", NS, (0.5, 0.01))
-            ],
+            target(mean("meshserve_scheduler_cached_tokens", "kind"), "{{kind}} (mean)"),
+            *relabelled(error, "error {} (actual - predicted)"),
         ],
         description="The prefix index's prediction at routing time against the worker's usage "
         "(sent back on Release). Actual well below predicted = the index drifted from the caches.",
     )
+    policy = quantiles("meshserve_scheduler_policy_seconds", NS, (0.5, 0.99))
     g.panel(
         "Cache predictions (index drift) / policy time",
         [
-            {
-                "expr": f"sum by (outcome) (rate(meshserve_scheduler_cache_predictions_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{outcome}}",
-            },
-            *[
-                {**t, "legendFormat": f"policy {t['legendFormat']} (ms)", "expr": f"1000 * {t['expr']}"}
-                for t in quantiles("meshserve_scheduler_policy_seconds", NS, (0.5, 0.99))
-            ],
+            target(rate("meshserve_scheduler_cache_predictions_total", "outcome"), "{{outcome}}"),
+            *relabelled(policy, "policy {} (ms)", "1000 * {}"),
         ],
         description="Requests whose actual cached tokens were exact / below (over) / above (under) "
         "the prediction; and the routing policy's own time per decision.",
     )
 
+
+def worker_rows(g: Layout) -> None:
+    """Decoder workers, then the encoder cache."""
     g.row("Decoder workers")
     g.panel(
         "Running / waiting sequences",
         [
-            {
-                "expr": f"sum by (pod) (meshserve_worker_num_running{{{NS}}})",
-                "legendFormat": "running {{pod}}",
-            },
-            {
-                "expr": f"sum by (pod) (meshserve_worker_num_waiting{{{NS}}})",
-                "legendFormat": "waiting {{pod}}",
-            },
+            target(gauge("meshserve_worker_num_running", "pod"), "running {{pod}}"),
+            target(gauge("meshserve_worker_num_waiting", "pod"), "waiting {{pod}}"),
         ],
     )
-    g.panel(
-        "KV-cache usage",
-        [{"expr": f"max by (pod) (meshserve_worker_kv_usage{{{NS}}})", "legendFormat": "{{pod}}"}],
-        unit="percentunit",
-        max_value=1,
-    )
-    g.panel(
-        "Prefix-cache hit rate",
-        [
-            {
-                "expr": f"max by (pod) (meshserve_worker_prefix_cache_hit_rate{{{NS}}})",
-                "legendFormat": "{{pod}}",
-            }
-        ],
-        unit="percentunit",
-        max_value=1,
-    )
+    for title, metric in (
+        ("KV-cache usage", "meshserve_worker_kv_usage"),
+        ("Prefix-cache hit rate", "meshserve_worker_prefix_cache_hit_rate"),
+    ):
+        g.panel(title, [target(gauge(metric, "pod", "max"), "{{pod}}")], unit="percentunit", max_value=1)
     g.panel(
         "KV events to Redis",
         [
-            {
-                "expr": f"sum(rate(meshserve_worker_kv_events_published_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "published",
-            },
-            {
-                "expr": f"sum(rate(meshserve_worker_kv_events_dropped_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "dropped",
-            },
-            {
-                "expr": f"sum(rate(meshserve_worker_kv_resyncs_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "resyncs",
-            },
+            target(rate("meshserve_worker_kv_events_published_total"), "published"),
+            target(rate("meshserve_worker_kv_events_dropped_total"), "dropped"),
+            target(rate("meshserve_worker_kv_resyncs_total"), "resyncs"),
         ],
         unit="ops",
         w=12,
     )
     g.panel(
         "Scheduler → KV events applied",
-        [
-            {
-                "expr": f"sum by (result) (rate(meshserve_scheduler_kv_events_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{result}}",
-            }
-        ],
+        [target(rate("meshserve_scheduler_kv_events_total", "result"), "{{result}}")],
         unit="ops",
         w=12,
     )
 
     g.row("Encoder cache")
-    hits = f"sum(rate(meshserve_encoder_cache_hits_total{{{NS}}}[{RATE}]))"
-    misses = f"sum(rate(meshserve_encoder_cache_misses_total{{{NS}}}[{RATE}]))"
+    hits, misses = rate("meshserve_encoder_cache_hits_total"), rate("meshserve_encoder_cache_misses_total")
     g.panel(
         "Encoder-cache hit rate",
-        [{"expr": f"{hits} / ({hits} + {misses})", "legendFormat": "hit rate"}],
+        [target(f"{hits} / ({hits} + {misses})", "hit rate")],
         unit="percentunit",
         max_value=1,
     )
     g.panel(
         "Encoder-cache size",
-        [
-            {
-                "expr": f"sum by (pod) (meshserve_encoder_cache_bytes{{{NS}}})",
-                "legendFormat": "bytes {{pod}}",
-            },
-        ],
+        [target(gauge("meshserve_encoder_cache_bytes", "pod"), "bytes {{pod}}")],
         unit="bytes",
     )
     g.panel(
         "Encoder-cache items / evictions",
         [
-            {"expr": f"sum(meshserve_encoder_cache_items{{{NS}}})", "legendFormat": "items"},
-            {
-                "expr": f"sum(rate(meshserve_encoder_cache_evictions_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "evictions/s",
-            },
+            target(gauge("meshserve_encoder_cache_items"), "items"),
+            target(rate("meshserve_encoder_cache_evictions_total"), "evictions/s"),
         ],
     )
 
+
+def transfer_and_rpc_rows(g: Layout) -> None:
+    """The P/D KV hand-off, then every service's gRPC calls."""
     g.row("P/D disaggregation (KV hand-off)")
     g.panel(
         "KV hand-offs by outcome / fallbacks by reason",
         [
-            {
-                "expr": f"sum by (outcome) (rate(meshserve_worker_kv_transfers_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{outcome}}",
-            },
-            {
-                "expr": f"sum by (reason) (rate(meshserve_worker_kv_transfer_fallbacks_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "fallback {{reason}}",
-            },
+            target(rate("meshserve_worker_kv_transfers_total", "outcome"), "{{outcome}}"),
+            target(rate("meshserve_worker_kv_transfer_fallbacks_total", "reason"), "fallback {{reason}}"),
         ],
         unit="ops",
     )
     g.panel(
         "KV transfer bytes",
-        [
-            {
-                "expr": f"sum by (direction) (rate(meshserve_worker_kv_transfer_bytes_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{direction}}",
-            }
-        ],
+        [target(rate("meshserve_worker_kv_transfer_bytes_total", "direction"), "{{direction}}")],
         unit="Bps",
     )
     g.panel(
         "KV hand-off p50 / p99 by phase",
         [
-            {
-                "expr": f"histogram_quantile({q}, sum by (le, phase) "
+            target(
+                f"histogram_quantile({q}, sum by (le, phase) "
                 f"(rate(meshserve_worker_kv_transfer_seconds_bucket{{{NS}}}[{RATE}])))",
-                "legendFormat": f"p{int(q * 100)} {{{{phase}}}}",
-            }
+                f"p{int(q * 100)} {{{{phase}}}}",
+            )
             for q in (0.5, 0.99)
         ],
         unit="s",
@@ -455,28 +354,40 @@ def build() -> dict[str, Any]:
     g.row("gRPC (every service)")
     g.panel(
         "gRPC calls by method and code",
-        [
-            {
-                "expr": f"sum by (method, code) (rate(meshserve_rpc_requests_total{{{NS}}}[{RATE}]))",
-                "legendFormat": "{{method}} {{code}}",
-            }
-        ],
+        [target(rate("meshserve_rpc_requests_total", "method, code"), "{{method}} {{code}}")],
         unit="reqps",
         w=12,
     )
-    g.panel(
-        "gRPC p99 duration by method",
-        [
-            {
-                "expr": "histogram_quantile(0.99, sum by (le, method) "
-                f"(rate(meshserve_rpc_duration_seconds_bucket{{{NS}}}[{RATE}])))",
-                "legendFormat": "{{method}}",
-            }
-        ],
-        unit="s",
-        w=12,
-    )
+    p99 = f"histogram_quantile(0.99, sum by (le, method) (rate(meshserve_rpc_duration_seconds_bucket{{{NS}}}[{RATE}])))"
+    g.panel("gRPC p99 duration by method", [target(p99, "{{method}}")], unit="s", w=12)
 
+
+def label_variable(name: str, label: str, metric: str, ref_id: str) -> dict[str, Any]:
+    """A dashboard variable over the values of `metric`'s label `name` (all by default)."""
+    query = f"label_values({metric}, {name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": ref_id},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
+        "refresh": 2,
+        "sort": 1,
+        "hide": 0,
+    }
+
+
+def build() -> dict[str, Any]:
+    g = Layout()
+    gateway_row(g)
+    scheduler_row(g)
+    worker_rows(g)
+    transfer_and_rpc_rows(g)
     return {
         "title": "meshserve",
         "uid": "meshserve-overview",
@@ -502,42 +413,8 @@ def build() -> dict[str, Any]:
                     "current": {},
                     "hide": 0,
                 },
-                {
-                    "name": "namespace",
-                    "label": "Namespace",
-                    "type": "query",
-                    "datasource": DS,
-                    "query": {
-                        "query": "label_values(meshserve_rpc_requests_total, namespace)",
-                        "refId": "ns",
-                    },
-                    "definition": "label_values(meshserve_rpc_requests_total, namespace)",
-                    "includeAll": True,
-                    "multi": True,
-                    "allValue": ".*",
-                    "current": {"text": "All", "value": "$__all"},
-                    "refresh": 2,
-                    "sort": 1,
-                    "hide": 0,
-                },
-                {
-                    "name": "route",
-                    "label": "Route",
-                    "type": "query",
-                    "datasource": DS,
-                    "query": {
-                        "query": "label_values(meshserve_gateway_requests_total, route)",
-                        "refId": "route",
-                    },
-                    "definition": "label_values(meshserve_gateway_requests_total, route)",
-                    "includeAll": True,
-                    "multi": True,
-                    "allValue": ".*",
-                    "current": {"text": "All", "value": "$__all"},
-                    "refresh": 2,
-                    "sort": 1,
-                    "hide": 0,
-                },
+                label_variable("namespace", "Namespace", "meshserve_rpc_requests_total", "ns"),
+                label_variable("route", "Route", "meshserve_gateway_requests_total", "route"),
             ]
         },
         "panels": g.panels,
