@@ -9,7 +9,7 @@ MODEL_DIR ?= .cache/models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/config.json
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto model redis serve test lint dupcheck typecheck soak bench images deploy-check clean
+.PHONY: all deps proto model redis serve test lint dupcheck typecheck soak bench images images-cuda vllm-client deploy-check clean
 
 all: deps proto model
 
@@ -74,16 +74,30 @@ bench: deps proto model
 # Images from the package registries alone (docs/deployment.md): the Debian base and Redis
 # images (deploy/docker/base.sh: mmdebstrap + docker import), then the CPU image with the
 # default model baked in (deploy/docker/build.sh). engine.sh installs docker.io and mmdebstrap
-# from the Debian archive when missing and starts dockerd when none answers.
+# from the Debian archive when missing and starts dockerd when none answers. `images-cuda`
+# builds the CUDA image (the index's CUDA torch and its runtime: ~3 GB of wheels).
 images: deps model
 	deploy/docker/engine.sh
 	deploy/docker/base.sh python redis
 	PYTHON=$(BIN)/python deploy/docker/build.sh cpu
 
-# The chart's pods run by docker and probed as the kubelet would, requests through the
-# gateway, a decoder killed mid-stream (deploy/check.py); minutes, so not part of `make test`.
-deploy-check: images proto
-	$(BIN)/python -m deploy.check
+images-cuda: deps model
+	deploy/docker/engine.sh
+	PYTHON=$(BIN)/python deploy/docker/build.sh cuda
+
+# vLLM's CPU build in an environment of its own: the `vllm bench serve` client of
+# deploy-check and bench/served_vs_vllm.py. VLLM=/path/to/vllm uses another install.
+VLLM ?= .cache/vllm-client/bin/vllm
+vllm-client: $(VLLM)
+$(VLLM):
+	devtools/vllm_client.sh $(patsubst %/bin/vllm,%,$(VLLM))
+
+# The chart's pods run by docker and probed as the kubelet would, each decoder's engine and
+# the throughput under `vllm bench serve` held against `make serve`'s on this host, requests
+# through the gateway, a decoder killed mid-stream (deploy/check.py); minutes, so not part of
+# `make test`.
+deploy-check: images proto vllm-client
+	$(BIN)/python -m deploy.check --vllm $(VLLM)
 
 clean:
 	rm -rf meshserve .cache .pytest_cache .mypy_cache .ruff_cache

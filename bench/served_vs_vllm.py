@@ -18,6 +18,7 @@ class (`amx`, `avx512-bf16`, `avx2`) beside the other classes' latest results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +56,15 @@ def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> 
     """vLLM's server and the mesh, each serving `model_dir` as `name`."""
     vllm_cmd = [vllm, "serve", model_dir, "--host", "127.0.0.1", "--port", "8011"]
     vllm_cmd += ["--served-model-name", name, "--dtype", dtype, "--max-model-len", "1024"]
+    vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return [Server("vllm", vllm_cmd, 8011, vllm_env), mesh_server(name, model_dir, log_dir)]
+
+
+def mesh_server(name: str, model_dir: str, log_dir: Path) -> Server:
+    """The mesh as `make serve` starts it (its defaults), serving `model_dir` as `name`."""
     mesh_cmd = [sys.executable, "-m", "launcher", "up", "--model-dir", model_dir]
     mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir)]
-    vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return [
-        Server("vllm", vllm_cmd, 8011, vllm_env),
-        Server("meshserve", mesh_cmd, DEFAULT_PORTS["gateway"], {}),
-    ]
+    return Server("meshserve", mesh_cmd, DEFAULT_PORTS["gateway"], {})
 
 
 def wait_up(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> float:
@@ -93,12 +96,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_command(
-    vllm: str, port: int, name: str, tokenizer: str, concurrency: int, min_prompts: int, out: Path
+    vllm: str, base_url: str, name: str, tokenizer: str, concurrency: int, min_prompts: int, out: Path
 ) -> list[str]:
-    """`vllm bench serve` at one concurrency, its result saved as JSON in `out`."""
+    """`vllm bench serve` against `base_url` at one concurrency, its result saved as JSON in `out`."""
     prompts = max(min_prompts, 4 * concurrency)
     return [
-        vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+        vllm, "bench", "serve", "--backend", "vllm", "--base-url", base_url,
         "--endpoint", "/v1/completions", "--model", name, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64",
         "--random-range-ratio", "0", "--num-prompts", str(prompts), "--request-rate", "inf",
@@ -108,35 +111,44 @@ def bench_command(
     ]  # fmt: skip
 
 
-def run_server(
-    server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
-) -> list[dict]:
-    """Starts `server`, benchmarks it at each concurrency, stops it; one record per run."""
-    records = []
+def bench_once(
+    vllm: str, base_url: str, name: str, tokenizer: str, concurrency: int, min_prompts: int
+) -> dict[str, float]:
+    """One `vllm bench serve` run against `base_url`: its failed count and METRICS."""
     with tempfile.TemporaryDirectory() as tmp:
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        log = (LOG_DIR / f"{server.system}.log").open("wb")
+        out = Path(tmp) / "result.json"
+        cmd = bench_command(vllm, base_url, name, tokenizer, concurrency, min_prompts, out)
+        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True)
+        result = json.loads(out.read_text())
+    return {"failed": result.get("failed", 0), **{m: result[m] for m in METRICS}}
+
+
+@contextlib.contextmanager
+def serving(server: Server) -> Iterator[float]:
+    """Starts `server` (its output in LOG_DIR/SYSTEM.log), yields the seconds it took to be
+    up, stops it."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with (LOG_DIR / f"{server.system}.log").open("wb") as log:
         proc = subprocess.Popen(
             server.command, cwd=ROOT, env={**os.environ, **server.env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
         try:
-            up_s = wait_up(server.port, proc)
-            for c in concurrencies:
-                out = Path(tmp) / f"c{c}.json"
-                cmd = bench_command(vllm, server.port, name, tokenizer, c, min_prompts, out)
-                subprocess.run(
-                    cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True
-                )
-                result = json.loads(out.read_text())
-                records.append(
-                    {"system": server.system, "concurrency": c, "up_s": round(up_s, 1),
-                     "failed": result.get("failed", 0), **{m: result[m] for m in METRICS}}
-                )  # fmt: skip
-                print(f"  {server.system:9s} c={c:<3d} {result['output_throughput']:8.1f} tok/s", flush=True)
+            yield wait_up(server.port, proc)
         finally:
             stop(proc)
-            log.close()
+
+
+def run_server(
+    server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
+) -> list[dict]:
+    """Starts `server`, benchmarks it at each concurrency, stops it; one record per run."""
+    records = []
+    with serving(server) as up_s:
+        for c in concurrencies:
+            result = bench_once(vllm, f"http://127.0.0.1:{server.port}", name, tokenizer, c, min_prompts)
+            records.append({"system": server.system, "concurrency": c, "up_s": round(up_s, 1), **result})
+            print(f"  {server.system:9s} c={c:<3d} {result['output_throughput']:8.1f} tok/s", flush=True)
     return records
 
 
@@ -217,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": f"vllm bench serve, random 128 in / 64 out, ignore_eos, max({args.min_prompts}, 4*c) prompts",
         "models": {},
         "client_command": " ".join(
-            bench_command(args.vllm, 0, "NAME", "DIR", 0, args.min_prompts, Path("RESULT.json"))
+            bench_command(args.vllm, "URL", "NAME", "DIR", 0, args.min_prompts, Path("RESULT.json"))
         ),
     }  # fmt: skip
     for spec in args.model:

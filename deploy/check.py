@@ -8,7 +8,12 @@ Secret values, securityContext and resources), polls startup/readiness/liveness 
 every pod is Ready (a dead or unlive container is restarted, as with restartPolicy Always),
 sends a streamed chat completion and an embedding through the gateway, kills the decoder
 serving a stream and checks that the stream completes and the decoder is Ready again.
-Prints a table of the pods and writes deploy/results/deploy_check.json."""
+Before the pods, `make serve`'s mesh runs on the same host: each decoder container's engine
+must be the one `make serve` gets (deploy/served.py: dtype, attention, compiled, native
+kernels), and `vllm bench serve` through the gateway container must reach
+MIN_THROUGHPUT_RATIO of `make serve`'s output tok/s at every concurrency.
+Prints a table of the pods and writes deploy/results/deploy_check.json (also when a check
+fails: its `failures` say which)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -30,6 +36,8 @@ import httpx
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.host import commit
+from deploy import served
 from deploy.chart import NAMESPACE, RELEASE, ROOT, Rendered, render
 from deploy.pods import PodFacts, PodPlan, Probe, container_args, pause_args, plan_pods, resolve_env
 
@@ -41,6 +49,8 @@ LOGS = ROOT / "build" / "deploy-check" / "logs"
 EXEC_OVERHEAD_S = 5.0
 NETWORK = "meshserve-deploy-check"
 LABEL = "io.meshserve.deploy-check"
+MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"  # `make model`, baked into the image
+MIN_THROUGHPUT_RATIO = 0.9  # deployed / `make serve` output tok/s
 
 
 def docker(*args: str, check: bool = True, timeout: float = 120) -> str:
@@ -256,6 +266,7 @@ def image_report(plans: list[PodPlan]) -> dict[str, dict[str, Any]]:
             if plan.component != "redis" and user != plan.user.split(":")[0]:
                 problems.append(f"{plan.component}: image USER {user!r} != runAsUser {plan.user}")
         out[image] = {
+            "id": info["Id"],
             "size_mb": round(info["Size"] / 2**20, 1),
             "user": config.get("User"),
             "problems": problems,
@@ -408,6 +419,27 @@ def pod_report(kubelet: Kubelet, first_ready: dict[str, float]) -> dict[str, Any
     return {"pods": pods, "services": services}
 
 
+def deployed_engines(kubelet: Kubelet, make_serve: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Each decoder container's engine configuration (its start-up line, from its log) and
+    every difference from `make serve`'s."""
+    engines, failures = {}, []
+    for pod in (p for p in kubelet.pods.values() if p.plan.component == "decoder"):
+        logs = subprocess.run(["docker", "logs", pod.plan.name], capture_output=True, text=True, check=False)
+        engines[pod.plan.name] = served.engine_config(logs.stdout + logs.stderr)
+        failures += [
+            f"{pod.plan.name} {d}" for d in served.config_differences(engines[pod.plan.name], make_serve)
+        ]
+    return engines, failures
+
+
+def throughput_failures(ratios: dict[str, float]) -> list[str]:
+    return [
+        f"throughput {key}: deployed / make serve = {ratio} < {MIN_THROUGHPUT_RATIO}"
+        for key, ratio in ratios.items()
+        if ratio < MIN_THROUGHPUT_RATIO
+    ]
+
+
 async def check(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     rendered = render(yaml.safe_load(args.values.read_text()), release=RELEASE, namespace=NAMESPACE)
@@ -419,10 +451,15 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     kubelet.teardown()
     kubelet.stopping = False
     result: dict[str, Any] = {
+        "commit": commit(),
         "host": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 1) for x in os.getloadavg()]},
         "values": str(args.values.relative_to(ROOT)),
         "images": images,
+        "failures": [],
     }
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    print("make serve on this host, for comparison", flush=True)
+    result["make_serve"] = served.make_serve(args.model_dir, args.vllm, concurrencies, args.min_prompts)
     loop: asyncio.Task[None] | None = None
     try:
         kubelet.start()
@@ -435,7 +472,18 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         gateway = next(p for p in kubelet.pods.values() if p.plan.component == "gateway")
         gateway_addr = f"{gateway.ip}:{gateway.plan.ports['http']}"
         result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
-        result["kill"] = await kill_mid_stream(kubelet, gateway_addr, result["requests"]["chat"]["model"])
+        result["engines"], failures = deployed_engines(kubelet, result["make_serve"]["engine"])
+        result["failures"] += failures
+        llm = result["requests"]["chat"]["model"]
+        result["throughput"] = await asyncio.to_thread(
+            served.throughput, args.vllm, f"http://{gateway_addr}", llm, str(args.model_dir),
+            concurrencies, args.min_prompts,
+        )  # fmt: skip
+        result["deployed_over_make_serve"] = served.ratios(
+            result["throughput"], result["make_serve"]["throughput"]
+        )
+        result["failures"] += throughput_failures(result["deployed_over_make_serve"])
+        result["kill"] = await kill_mid_stream(kubelet, gateway_addr, llm)
         print(table(kubelet), flush=True)
         result.update(pod_report(kubelet, first_ready))
         result["events"] = kubelet.events
@@ -456,10 +504,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for every pod to be Ready")
     parser.add_argument("--keep", action="store_true", help="leave the pods running")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the model `make serve` serves")
+    parser.add_argument(
+        "--vllm", default=os.environ.get("VLLM", "vllm"), help="the `vllm` command (bench client)"
+    )
+    parser.add_argument("--concurrency", default="8,32", help="vllm bench serve concurrencies")
+    parser.add_argument("--min-prompts", type=int, default=64, help="prompts per run: max(this, 4 x c)")
     args = parser.parse_args(argv)
+    if shutil.which(args.vllm) is None:
+        parser.error(
+            f"no vllm command {args.vllm!r}: install vLLM's client (`make vllm-client`) or pass --vllm"
+        )
     result = asyncio.run(check(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if result["failures"]:
+        print("deploy-check FAILED:\n  " + "\n  ".join(result["failures"]), file=sys.stderr)
+        return 1
     print(f"deploy-check passed in {result['total_s']} s: {args.out.relative_to(ROOT)}")
     return 0
 

@@ -314,8 +314,12 @@ def container_args(plan: PodPlan, env: dict[str, str], labels: dict[str, str]) -
     if plan.no_new_privileges:
         args += ["--security-opt", "no-new-privileges"]
     args += _resource_args(plan)
-    for path in plan.tmpfs:  # emptyDir: writable by any user, like the kubelet's 0777 dir
-        args += ["--tmpfs", f"{path}:rw,nosuid,nodev,mode=1777"]
+    # emptyDir: writable by the pod's user, like the kubelet's 0777 dir (a tmpfs over a path
+    # the image has takes that directory's owner and mode, whatever mode= says, hence uid/gid),
+    # and exec (docker's tmpfs default is noexec; the engine loads the kernels it compiles there).
+    uid, _, gid = plan.user.partition(":")
+    for path in plan.tmpfs:
+        args += ["--tmpfs", f"{path}:rw,exec,nosuid,nodev,mode=1777,uid={uid},gid={gid or uid}"]
     if plan.shm_bytes:
         args += ["--shm-size", str(plan.shm_bytes)]
     args += ["--stop-timeout", str(plan.stop_timeout_s)]

@@ -7,10 +7,13 @@
 #   deploy/docker/base.sh --name FLAVOR       prints the image name only
 #
 # FLAVOR (one or more; default: python redis):
-#   python  meshserve-base:py3.11-bookworm       Debian's python3.11 + venv, catatonit (pause)
-#   cuda    meshserve-base:py3.11-bookworm-cuda  the same + gcc and Python headers (Triton
-#                                                compiles its launcher stubs at first use)
-#   redis   meshserve-redis:7.0-bookworm         redis-server + redis-cli (the chart's Redis)
+#   python  meshserve-base:py3.11-bookworm  Debian's python3.11 + venv, catatonit (pause), and
+#                                           the toolchain the engine compiles with at start-up:
+#                                           gcc/g++ and Python headers (torch.compile's C++
+#                                           kernels, the native CPU kernels of
+#                                           worker_svc/engine/csrc, Triton's launcher stubs).
+#                                           The base of both the CPU and the CUDA image.
+#   redis   meshserve-redis:7.0-bookworm    redis-server + redis-cli (the chart's Redis)
 # An image that exists already is kept unless --force. MIRROR (default: the first URI of
 # /etc/apt/sources.list.d/debian.sources, else deb.debian.org) names the Debian mirror.
 set -euo pipefail
@@ -21,23 +24,21 @@ SUITE=bookworm
 PY=3.11.2-6+deb12u9
 PY_PKGS="python3.11=$PY,python3.11-minimal=$PY,libpython3.11-stdlib=$PY,libpython3.11-minimal=$PY"
 PY_PKGS="$PY_PKGS,python3.11-venv=$PY,catatonit=0.1.7-1+b2"
-CUDA_PKGS="python3.11-dev=$PY,libpython3.11-dev=$PY,gcc=4:12.2.0-3,libc6-dev=2.36-9+deb12u14"
+TOOLCHAIN_PKGS="python3.11-dev=$PY,libpython3.11-dev=$PY,gcc=4:12.2.0-3,g++=4:12.2.0-3,libc6-dev=2.36-9+deb12u14"
 REDIS=5:7.0.15-1~deb12u10
 REDIS_PKGS="redis-server=$REDIS,redis-tools=$REDIS"
 
 image_of() {
   case "$1" in
     python) echo "meshserve-base:py3.11-${SUITE}" ;;
-    cuda) echo "meshserve-base:py3.11-${SUITE}-cuda" ;;
     redis) echo "meshserve-redis:7.0-${SUITE}" ;;
-    *) echo "unknown flavor: $1 (python | cuda | redis)" >&2; return 2 ;;
+    *) echo "unknown flavor: $1 (python | redis)" >&2; return 2 ;;
   esac
 }
 
 packages_of() {
   case "$1" in
-    python) echo "$PY_PKGS" ;;
-    cuda) echo "$PY_PKGS,$CUDA_PKGS" ;;
+    python) echo "$PY_PKGS,$TOOLCHAIN_PKGS" ;;
     redis) echo "$REDIS_PKGS" ;;
   esac
 }
@@ -89,7 +90,7 @@ for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
     --name) NAME_ONLY=1 ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^set /{/^set /!p}' "$0"; exit 0 ;;
     *) image_of "$arg" >/dev/null; flavors+=("$arg") ;;
   esac
 done

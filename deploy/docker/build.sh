@@ -4,9 +4,10 @@
 #
 #   deploy/docker/build.sh [cpu|cuda]        -> meshserve:VERSION (cpu) / meshserve:VERSION-cuda
 #
-# Steps: the base image (base.sh), the wheels of requirements.txt into
-# build/docker/wheels-FLAVOR (`pip download`; TORCH_INDEX_URL, when set, is where torch's
-# wheel comes from, e.g. https://download.pytorch.org/whl/cu128 for cuda), the default model
+# Steps: the base image (base.sh, the same for both flavours), the wheels of requirements.txt
+# into .cache/docker/wheels-FLAVOR (`pip download`; for cuda the package index's plain Linux
+# wheel of the torch pin, which is the CUDA build, with the CUDA runtime and Triton it
+# requires; TORCH_INDEX_URL, when set, is the index that wheel comes from), the default model
 # (`make model`'s MODEL_DIR, hard-linked into build/docker/models; BUILD_DEFAULT_MODEL=0
 # stages none), then `docker build -f deploy/docker/Dockerfile` on the repository root.
 # Env: PYTHON (pip's interpreter, default .venv/bin/python), IMAGE (default meshserve),
@@ -16,8 +17,8 @@ cd "$(dirname "$0")/../.."
 
 FLAVOR="${1:-cpu}"
 case "$FLAVOR" in
-  cpu) base_flavor=python; suffix="" ;;
-  cuda) base_flavor=cuda; suffix="-cuda" ;;
+  cpu) suffix="" ;;
+  cuda) suffix="-cuda" ;;
   *) echo "build.sh: unknown flavor $FLAVOR (cpu | cuda)" >&2; exit 2 ;;
 esac
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -26,25 +27,36 @@ VERSION="${VERSION:-$(sed -nE 's/^appVersion: *"?([^"]+)"?/\1/p' deploy/helm/mes
 MODEL_DIR="${MODEL_DIR:-.cache/models/smollm2-135m-instruct}"
 BUILD_DEFAULT_MODEL="${BUILD_DEFAULT_MODEL:-1}"
 STAGE=build/docker
-WHEELS="$STAGE/wheels-$FLAVOR"
+# Downloads are kept per flavour outside the build context; the build's own flavour is
+# hard-linked into it (the context would otherwise carry the other flavour's GBs of wheels).
+WHEELS=".cache/docker/wheels-$FLAVOR"
 
-deploy/docker/base.sh "$base_flavor"
-base_image="$(deploy/docker/base.sh --name "$base_flavor")"
+deploy/docker/base.sh python
+base_image="$(deploy/docker/base.sh --name python)"
 
 mkdir -p "$WHEELS"
 torch_pin="$(grep -E '^torch==' requirements.txt)"
-if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  # Only that index (no pip configuration: its find-links may hold another build of torch).
-  rm -f "$WHEELS"/torch-*.whl
-  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip download -q --no-deps --index-url "$TORCH_INDEX_URL" -d "$WHEELS" "$torch_pin"
+requirements=requirements.txt
+if [ "$FLAVOR" = cuda ]; then
+  # No pip configuration for torch itself: a find-links folder may serve the CPU build,
+  # whose local label (+cpu) sorts above the plain version pip would otherwise pick.
+  rm -f "$WHEELS"/torch-*+cpu*.whl
+  ls "$WHEELS"/torch-"${torch_pin#torch==}"-*.whl >/dev/null 2>&1 ||
+    env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip download -q --no-deps \
+      ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} -d "$WHEELS" "$torch_pin"
+  # The other requirements, and the CUDA runtime and Triton that wheel requires, resolve
+  # against the wheel file itself.
+  cuda_wheel="$(ls "$WHEELS"/torch-"${torch_pin#torch==}"-*.whl | head -1)"
+  requirements="$STAGE/requirements-cuda.txt"
+  sed "s|^torch==.*|$PWD/$cuda_wheel|" requirements.txt >"$requirements"
 fi
-"$PYTHON" -m pip download -q --find-links "$WHEELS" -d "$WHEELS" -r requirements.txt
+"$PYTHON" -m pip download -q --find-links "$WHEELS" -d "$WHEELS" -r "$requirements"
 
 # The flavour's torch build, checked before a long docker build would find it out.
 torch_wheel="$(ls "$WHEELS"/torch-"${torch_pin#torch==}"*.whl 2>/dev/null | head -1)"
 case "$FLAVOR:$torch_wheel" in
   *:) echo "build.sh: no $torch_pin wheel in $WHEELS" >&2; exit 1 ;;
-  cuda:*+cpu*) echo "build.sh: $WHEELS holds a CPU torch ($(basename "$torch_wheel")); set TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128) or put a CUDA $torch_pin wheel there" >&2; exit 1 ;;
+  cuda:*+cpu*) echo "build.sh: $WHEELS holds a CPU torch ($(basename "$torch_wheel")); remove it, or set TORCH_INDEX_URL to an index serving the CUDA $torch_pin" >&2; exit 1 ;;
 esac
 
 # pip evaluates environment markers with the interpreter it runs on, not the image's
@@ -59,10 +71,11 @@ for _ in 1 2 3 4 5 6 7 8; do
   "$PYTHON" -m pip download -q --no-deps -d "$WHEELS" "$missing"
 done
 
-# The model directory is hard-linked (a copy across file systems): the build context must
-# hold real files, and .cache may be a symbolic link.
-rm -rf "$STAGE/models"
+# The wheels and the model directory are hard-linked (a copy across file systems): the build
+# context must hold real files, and .cache may be a symbolic link.
+rm -rf "$STAGE"/wheels* "$STAGE/models"
 mkdir -p "$STAGE/models"
+cp -al "$WHEELS" "$STAGE/wheels" 2>/dev/null || cp -a "$WHEELS" "$STAGE/wheels"
 if [ "$BUILD_DEFAULT_MODEL" = 1 ]; then
   src="$(readlink -f "$MODEL_DIR")"
   test -f "$src/config.json" || { echo "build.sh: no model at $MODEL_DIR (make model)" >&2; exit 1; }
@@ -71,10 +84,11 @@ fi
 
 tag="$IMAGE:$VERSION$suffix"
 echo "build.sh: docker build $tag (base $base_image, wheels $WHEELS)"
+started=$SECONDS
 docker build -f deploy/docker/Dockerfile -t "$tag" \
   --build-arg BASE_IMAGE="$base_image" \
-  --build-arg WHEELS="$WHEELS" \
+  --build-arg WHEELS="$STAGE/wheels" \
   --build-arg TORCH_DEVICE="$FLAVOR" \
   --build-arg MODELS="$STAGE/models" \
   .
-echo "build.sh: built $tag"
+echo "build.sh: built $tag in $((SECONDS - started)) s (docker build; $SECONDS s in all)"

@@ -322,7 +322,6 @@ CHART_CHOICES = {
     "MESHSERVE_SCHEDULER_ADDRESS": "the scheduler Service",
     "MESHSERVE_ENCODER_CACHE_ADDRESS": "the encoder cache Service",
     "MESHSERVE_DEVICE": "concrete device from gpus",
-    "MESHSERVE_DTYPE": "concrete dtype from gpus",
     "MESHSERVE_MAX_LORAS": "lora.enabled turns LoRA on (4 resident, as the launcher with adapters)",
     "MESHSERVE_ENABLE_RUNTIME_LORA_UPDATING": "lora.runtimeUpdating",
 }

@@ -136,8 +136,8 @@ def test_security_context_and_resources_become_docker_flags(check_render: Render
     assert flags(args, "--memory") == [str(int(quantity(values["limits"]["memory"])))]
     assert flags(args, "--cpus") == ["1"] and flags(args, "--cpu-shares") == ["1024"]
     assert flags(args, "--tmpfs") == [
-        "/tmp:rw,nosuid,nodev,mode=1777",
-        "/home/meshserve/.cache:rw,nosuid,nodev,mode=1777",
+        "/tmp:rw,exec,nosuid,nodev,mode=1777,uid=10001,gid=10001",
+        "/home/meshserve/.cache:rw,exec,nosuid,nodev,mode=1777,uid=10001,gid=10001",
     ]
     assert flags(args, "--shm-size") == [str(int(quantity(CHECK_VALUES["decoder"]["shmSize"])))]
     assert flags(args, "--network") == ["container:ms-meshserve-decoder-0-pause"]

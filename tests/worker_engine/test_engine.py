@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.worker_engine.conftest import EOS, VOCAB, hf_greedy, prompts, run_all, tokens
-from worker_svc.engine import EngineStepError, KvEvent, LLMEngine, SamplingParams
+from worker_svc.engine import EngineStepError, KvEvent, LLMEngine, SamplingParams, native
 
 Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -308,6 +308,7 @@ def test_start_up_line_names_the_effective_configuration(make_engine: Factory) -
         "dtype float32",
         f"attention {engine.model_info.attention_backend}",
         "compiled no",
+        f"native CPU kernels {'yes' if native.library() is not None else 'no'}",
         f"{torch.get_num_threads()} threads",
         "128 KV blocks of 16 tokens",
         "max_num_seqs 7",

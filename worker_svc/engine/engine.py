@@ -19,6 +19,7 @@ import torch
 
 from services.completion_prompt import first_outside_vocab
 from services.kv_contract import with_lora_key, with_mm_keys
+from worker_svc.engine import native
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig, parse_cpu_list, parse_lora_modules
 from worker_svc.engine.kv_handoff import KvHandoff
@@ -381,7 +382,7 @@ class LLMEngine:
         defaults = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults) or "none"
         return (
             f"dtype {info.dtype}, attention {info.attention_backend}, compiled {self._compile_summary()}, "
-            f"CUDA graphs {self._graphs_summary()}, "
+            f"native CPU kernels {self._native_summary()}, CUDA graphs {self._graphs_summary()}, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"{config.max_num_batched_tokens} tokens per step, "
@@ -391,6 +392,11 @@ class LLMEngine:
     def _compile_summary(self) -> str:
         skipped = self.config.compile_skipped() or self.runner.compile_failed
         return f"no ({skipped})" if skipped else f"yes ({self.runner.compile_seconds:.1f} s)"
+
+    def _native_summary(self) -> str:
+        if self.runner.device.type != "cpu":
+            return "n/a"
+        return "yes" if native.library() is not None else "no (no C compiler, or the build failed)"
 
     def _graphs_summary(self) -> str:
         graphs = self.runner.graphs

@@ -126,7 +126,7 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
 - name: MESHSERVE_DEVICE
   value: {{ .v.device | default (ternary "cuda" "cpu" $gpu) | quote }}
 - name: MESHSERVE_DTYPE
-  value: {{ .v.dtype | default (ternary "bfloat16" "float32" $gpu) | quote }}
+  value: {{ .v.dtype | default "auto" | quote }}
 {{- if eq (toString (.v.numThreads | default "auto")) "auto" }}
 - name: MESHSERVE_NUM_THREADS
   valueFrom:

@@ -1,0 +1,86 @@
+"""What the deployed mesh serves, held against what `make serve` serves on the same host.
+
+Two comparisons of `make deploy-check` (deploy/check.py):
+- the engine each decoder runs: the effective configuration its start-up line states
+  (``LLMEngine.describe``: dtype, attention backend, compiled, native CPU kernels), read
+  from each decoder container's log and from `make serve`'s decoder log. A container whose
+  engine differs (an image without a compiler serves eagerly, without native kernels) fails
+  the check.
+- throughput under `vllm bench serve` (bench/served_vs_vllm.py's client and workload: random
+  128 in / 64 out, ignore_eos) at each concurrency, against the gateway container and against
+  `make serve`'s gateway, one after the other on the same host and commit.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.served_vs_vllm import bench_once, mesh_server, serving
+from services.log import logged_message
+
+# The fields of the engine's start-up line that must agree, each with the pattern of its value.
+ENGINE_FIELDS = {
+    "dtype": r"dtype (\w+)",
+    "attention": r"attention (\w+)",
+    "compiled": r"compiled (yes|no)",
+    "native CPU kernels": r"native CPU kernels (yes|no|n/a)",
+}
+
+
+def engine_config(log_text: str) -> dict[str, str]:
+    """The ENGINE_FIELDS of the last engine start-up line in a service log; ValueError
+    naming what is missing when the log holds no such line."""
+    messages = [logged_message(line) or "" for line in log_text.splitlines()]
+    lines = [m for m in messages if m.startswith("engine: dtype ")]
+    if not lines:
+        raise ValueError("no engine start-up line ('engine: dtype ...') in the log")
+    line = lines[-1]
+    found = {name: re.search(pattern, line) for name, pattern in ENGINE_FIELDS.items()}
+    missing = [name for name, match in found.items() if match is None]
+    if missing:
+        raise ValueError(f"the engine start-up line lacks {missing}: {line}")
+    return {name: match.group(1) for name, match in found.items() if match is not None}
+
+
+def config_differences(deployed: dict[str, str], served: dict[str, str]) -> list[str]:
+    """'field: deployed X, make serve Y' for every field on which the two engines differ."""
+    return [
+        f"{name}: deployed {deployed.get(name)}, make serve {served.get(name)}"
+        for name in ENGINE_FIELDS
+        if deployed.get(name) != served.get(name)
+    ]
+
+
+def throughput(
+    vllm: str, base_url: str, model: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
+) -> dict[str, dict[str, float]]:
+    """`vllm bench serve` results per concurrency (keys "c=N") against `base_url`."""
+    runs = {}
+    for c in concurrencies:
+        runs[f"c={c}"] = bench_once(vllm, base_url, model, tokenizer, c, min_prompts)
+        print(f"  {base_url} c={c:<3d} {runs[f'c={c}']['output_throughput']:8.1f} tok/s", flush=True)
+    return runs
+
+
+def make_serve(model_dir: Path, vllm: str, concurrencies: Sequence[int], min_prompts: int) -> dict[str, Any]:
+    """`make serve`'s mesh on this host (the launcher, its defaults): its decoder's engine
+    configuration and its throughput, the mesh stopped afterwards."""
+    name = model_dir.name
+    with tempfile.TemporaryDirectory() as logs:
+        server = mesh_server(name, str(model_dir), Path(logs))
+        with serving(server) as up_s:
+            engine = engine_config((Path(logs) / "decoder-0.log").read_text())
+            url = f"http://127.0.0.1:{server.port}"
+            runs = throughput(vllm, url, name, str(model_dir), concurrencies, min_prompts)
+    return {"command": " ".join(server.command), "up_s": round(up_s, 1), "engine": engine, "throughput": runs}
+
+
+def ratios(deployed: dict[str, dict[str, float]], served: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Deployed / `make serve` output tok/s per concurrency."""
+    return {
+        key: round(deployed[key]["output_throughput"] / served[key]["output_throughput"], 3) for key in served
+    }
