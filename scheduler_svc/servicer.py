@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -13,20 +14,31 @@ from scheduler_svc.route import Router
 from scheduler_svc.route_stream import RouteStreamCall
 from scheduler_svc.scheduler import Scheduler
 from services.rpc import feed_stream, rpc_handler
+from services.worker_load import load_fields, load_stats
 from services.worker_roles import role_name, role_value
+
+# The WorkerDescriptor fields a WorkerSpec keeps as they are (the role and the KV layout
+# change form on the way).
+_SPEC_FIELDS = (
+    "worker_id",
+    "address",
+    "model",
+    "max_model_len",
+    "block_size",
+    "num_total_blocks",
+    "max_num_seqs",
+)
+
+
+def _spec_fields(source: scheduler_pb2.WorkerDescriptor | WorkerSpec) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in _SPEC_FIELDS}
 
 
 def spec_from_proto(worker: scheduler_pb2.WorkerDescriptor) -> WorkerSpec:
     return WorkerSpec(
-        worker_id=worker.worker_id,
-        address=worker.address,
         role=role_name(worker.role or worker_pb2.WORKER_ROLE_DECODER),
-        model=worker.model,
-        max_model_len=worker.max_model_len,
-        block_size=worker.block_size,
-        num_total_blocks=worker.num_total_blocks,
-        max_num_seqs=worker.max_num_seqs,
         kv_layout=layout_key(worker.kv_layout) if worker.HasField("kv_layout") else "",
+        **_spec_fields(worker),
     )
 
 
@@ -48,42 +60,17 @@ def load_from_proto(load: worker_pb2.LoadStats, loras: worker_pb2.LoraState | No
         lora_loaded=tuple(loras.loaded) if loras is not None else (),
         lora_resident=tuple(loras.resident) if loras is not None else (),
         lora_slots=loras.max_loras if loras is not None else 0,
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        kv_usage=load.kv_usage,
-        num_free_blocks=load.num_free_blocks,
-        num_total_blocks=load.num_total_blocks,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        num_preemptions=load.num_preemptions,
-        num_finished=load.num_finished,
+        **load_fields(load),
     )
 
 
 def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatus:
     spec, load = state.spec, state.load
     return scheduler_pb2.WorkerStatus(
-        worker=scheduler_pb2.WorkerDescriptor(
-            worker_id=spec.worker_id,
-            address=spec.address,
-            role=role_value(spec.role),
-            model=spec.model,
-            max_model_len=spec.max_model_len,
-            block_size=spec.block_size,
-            num_total_blocks=spec.num_total_blocks,
-            max_num_seqs=spec.max_num_seqs,
-        ),
+        worker=scheduler_pb2.WorkerDescriptor(role=role_value(spec.role), **_spec_fields(spec)),
         healthy=state.healthy,
         draining=state.draining,
-        load=worker_pb2.LoadStats(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            kv_usage=load.kv_usage,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-            num_preemptions=load.num_preemptions,
-            num_finished=load.num_finished,
-        ),
+        load=load_stats(load),
         last_heartbeat_age_s=max(now - state.last_seen, 0.0),
         loras=worker_pb2.LoraState(
             loaded=load.lora_loaded, resident=load.lora_resident, max_loras=load.lora_slots

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services import tracing
+from services import tracing, worker_load
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
@@ -32,17 +32,8 @@ class WorkerIdentity:
 
 
 def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
-    s = engine.stats()
-    return worker_pb2.LoadStats(
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        kv_usage=s.kv_usage,
-        num_free_blocks=s.num_free_blocks,
-        num_total_blocks=s.num_total_blocks,
-        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        num_preemptions=s.num_preemptions,
-        num_finished=s.num_finished,
-    )
+    """The engine's load as of its latest step, as heartbeats report it."""
+    return worker_load.load_stats(engine.stats())
 
 
 def lora_proto(snap: LoraSnapshot) -> worker_pb2.LoraState:
