@@ -13,8 +13,8 @@ from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
 from scheduler_svc.route import Router
 from scheduler_svc.route_stream import RouteStreamCall
 from scheduler_svc.scheduler import Scheduler
+from services.proto_mirror import fields_of, mirrored
 from services.rpc import feed_stream, rpc_handler
-from services.worker_load import load_fields, load_stats
 from services.worker_roles import role_name, role_value
 
 # The WorkerDescriptor fields a WorkerSpec keeps as they are (the role and the KV layout
@@ -60,7 +60,7 @@ def load_from_proto(load: worker_pb2.LoadStats, loras: worker_pb2.LoraState | No
         lora_loaded=tuple(loras.loaded) if loras is not None else (),
         lora_resident=tuple(loras.resident) if loras is not None else (),
         lora_slots=loras.max_loras if loras is not None else 0,
-        **load_fields(load),
+        **fields_of(worker_pb2.LoadStats, load),
     )
 
 
@@ -70,7 +70,7 @@ def status_to_proto(state: WorkerState, now: float) -> scheduler_pb2.WorkerStatu
         worker=scheduler_pb2.WorkerDescriptor(role=role_value(spec.role), **_spec_fields(spec)),
         healthy=state.healthy,
         draining=state.draining,
-        load=load_stats(load),
+        load=mirrored(worker_pb2.LoadStats, load),
         last_heartbeat_age_s=max(now - state.last_seen, 0.0),
         loras=worker_pb2.LoraState(
             loaded=load.lora_loaded, resident=load.lora_resident, max_loras=load.lora_slots

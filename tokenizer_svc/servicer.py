@@ -14,9 +14,9 @@ import grpc
 
 from meshserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.errors import NotFound, Unavailable
+from services.proto_mirror import mirrored
 from services.rpc import rpc_handler
 from tokenizer_svc.messages import parse_json
-from tokenizer_svc.multimodal import MultiModalItem
 from tokenizer_svc.renderer import Renderer, RenderResult
 from tokenizer_svc.tokenizer_files import FileChunk, read_chunks, tokenizer_files
 
@@ -25,23 +25,11 @@ log = logging.getLogger(__name__)
 SERVICE = "meshserve.v1.Tokenizer"
 
 
-def _mm_item_pb(item: MultiModalItem) -> common_pb2.MultiModalItem:
-    return common_pb2.MultiModalItem(
-        identifier=item.identifier,
-        modality=item.modality,
-        offset=item.offset,
-        length=item.length,
-        data=item.data,
-        dtype=item.dtype,
-        shape=list(item.shape),
-    )
-
-
 def _render_pb(result: RenderResult) -> tokenizer_pb2.RenderResponse:
     return tokenizer_pb2.RenderResponse(
         prompt_token_ids=result.prompt_token_ids,
         prompt_text=result.prompt_text,
-        mm_items=[_mm_item_pb(item) for item in result.mm_items],
+        mm_items=[mirrored(common_pb2.MultiModalItem, item) for item in result.mm_items],
     )
 
 

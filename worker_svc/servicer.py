@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import grpc
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services import tracing, worker_load
+from services import tracing
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.proto_mirror import mirrored
 from services.rpc import feed_stream, rpc_handler
 from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
@@ -33,19 +34,12 @@ class WorkerIdentity:
 
 def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
     """The engine's load as of its latest step, as heartbeats report it."""
-    return worker_load.load_stats(engine.stats())
+    return mirrored(worker_pb2.LoadStats, engine.stats())
 
 
 def lora_proto(snap: LoraSnapshot) -> worker_pb2.LoraState:
     """An engine's adapters as the proto reports them."""
-    return worker_pb2.LoraState(
-        loaded=snap.loaded,
-        resident=snap.resident,
-        cpu_cached=snap.cpu_cached,
-        max_loras=snap.max_loras,
-        num_loads=snap.num_loads,
-        num_evictions=snap.num_evictions,
-    )
+    return mirrored(worker_pb2.LoraState, snap)
 
 
 def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
