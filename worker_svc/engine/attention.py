@@ -465,16 +465,9 @@ def _paged_attention_op(
 
 
 @_paged_attention_op.register_fake
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_idx: int,
-    scale: float,
-    kw_window: int,
-    softcap: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
+def _(query: torch.Tensor, *_: object) -> torch.Tensor:
+    """The op's output for compilation, ``[1, T, H, D]`` for ``query [1, H, T, D]``: only
+    the query's shape decides it, not the op's other arguments."""
     _, heads, tokens, head_dim = query.shape
     return query.new_empty((1, tokens, heads, head_dim))
 
