@@ -317,14 +317,16 @@ EXACT_D(128)
 typedef void (*exact_fn)(const char *, int64_t, const char *, const char *, const int32_t *, int32_t, char *,
                          int64_t, int64_t, int64_t, float, float (*)[CHUNK], int64_t *);
 
+/* In a picker of (D, G): return the instance PREFIX_d<D>_g<G> when it is one of those compiled
+ * above (DECODE_D, EXACT_D: head sizes 32, 64, 128; group sizes 1, 2, 4, 8). */
+#define PICK_D(PREFIX, N)                                                                                  \
+    if (D == N)                                                                                            \
+        return G == 1 ? PREFIX##_d##N##_g1 : G == 2 ? PREFIX##_d##N##_g2                                   \
+             : G == 4 ? PREFIX##_d##N##_g4 : G == 8 ? PREFIX##_d##N##_g8 : NULL;
+#define PICK_INSTANCE(PREFIX) PICK_D(PREFIX, 32) PICK_D(PREFIX, 64) PICK_D(PREFIX, 128)
+
 static exact_fn pick_exact(int64_t D, int64_t G) {
-#define PICK_EXACT(N)                                                                                      \
-    if (D == N) return G == 1 ? exact_d##N##_g1 : G == 2 ? exact_d##N##_g2 : G == 4 ? exact_d##N##_g4     \
-                     : G == 8 ? exact_d##N##_g8 : NULL;
-    PICK_EXACT(32)
-    PICK_EXACT(64)
-    PICK_EXACT(128)
-#undef PICK_EXACT
+    PICK_INSTANCE(exact)
     return NULL;
 }
 
@@ -334,13 +336,7 @@ typedef void (*decode_fn)(const char *, int64_t, const char *, const char *, con
 
 /* The specialized instance for (D, G), or NULL (then the generic decode_seq runs). */
 static decode_fn pick(int64_t D, int64_t G) {
-#define PICK_G(N)                                                                                          \
-    if (D == N) return G == 1 ? decode_d##N##_g1 : G == 2 ? decode_d##N##_g2 : G == 4 ? decode_d##N##_g4 \
-                     : G == 8 ? decode_d##N##_g8 : NULL;
-    PICK_G(32)
-    PICK_G(64)
-    PICK_G(128)
-#undef PICK_G
+    PICK_INSTANCE(decode)
     return NULL;
 }
 
