@@ -20,20 +20,25 @@ __all__ = ["CASES", "UNSUPPORTED", "WINDOW", "ArchCase", "build_config"]
 WINDOW = 8
 VOCAB = 128
 
-# Shared by the Llama-like configs; the others spell these their own way.
-_COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB,
+# Every family's tiny config: the vocabulary, and no BOS/EOS token.
+_ANY_FAMILY: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": None, "eos_token_id": None}
+# The sizes under the names most families give them.
+_SIZES: dict[str, Any] = {
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "max_position_embeddings": 256,
-    # A wider init than 0.02 gives peaked logits: greedy near-ties (float-noise flips
-    # between two correct implementations) become vanishingly unlikely.
-    "initializer_range": 0.1,
-    "bos_token_id": None,
-    "eos_token_id": None,
+}
+# A wider init than 0.02 gives peaked logits: greedy near-ties (float-noise flips
+# between two correct implementations) become vanishingly unlikely.
+_INIT = 0.1
+# Shared by the Llama-like configs; the others spell their sizes their own way.
+_COMMON: dict[str, Any] = {
+    **_ANY_FAMILY,
+    **_SIZES,
+    "num_key_value_heads": 2,
+    "initializer_range": _INIT,
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
@@ -49,12 +54,12 @@ class ArchCase:
     config_class: str  # transformers config class
     architecture: str  # the causal LM class AutoModelForCausalLM builds
     overrides: dict[str, Any] = field(default_factory=dict)
-    common: bool = True  # start from the Llama-like keys of _COMMON
+    common: bool = True  # start from the Llama-like keys of _COMMON (else from _ANY_FAMILY)
     features: str = "causal"  # what the case exercises, for the README
 
     def config_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the tiny config."""
-        return {**(_COMMON if self.common else {}), **self.overrides}
+        return {**(_COMMON if self.common else _ANY_FAMILY), **self.overrides}
 
 
 CASES: tuple[ArchCase, ...] = (
@@ -137,16 +142,7 @@ CASES: tuple[ArchCase, ...] = (
         "GPT-2",
         "GPT2Config",
         "GPT2LMHeadModel",
-        {
-            "vocab_size": VOCAB,
-            "n_embd": 32,
-            "n_layer": 2,
-            "n_head": 4,
-            "n_positions": 256,
-            "initializer_range": 0.1,
-            "bos_token_id": None,
-            "eos_token_id": None,
-        },
+        {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256, "initializer_range": _INIT},
         common=False,
         features="causal, learned positions",
     ),
@@ -154,17 +150,7 @@ CASES: tuple[ArchCase, ...] = (
         "GPT-NeoX",
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
-        {
-            "vocab_size": VOCAB,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_position_embeddings": 256,
-            "initializer_range": 0.1,
-            "bos_token_id": None,
-            "eos_token_id": None,
-        },
+        {**_SIZES, "initializer_range": _INIT},
         common=False,
         features="causal, partial rotary",
     ),
@@ -173,16 +159,13 @@ CASES: tuple[ArchCase, ...] = (
         "OPTConfig",
         "OPTForCausalLM",
         {
-            "vocab_size": VOCAB,
             "hidden_size": 32,
             "ffn_dim": 64,
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "word_embed_proj_dim": 32,
             "max_position_embeddings": 256,
-            "init_std": 0.1,
-            "bos_token_id": None,
-            "eos_token_id": None,
+            "init_std": _INIT,
             "pad_token_id": 1,
         },
         common=False,
@@ -197,14 +180,7 @@ UNSUPPORTED: tuple[tuple[ArchCase, str], ...] = (
             "Falcon",
             "FalconConfig",
             "FalconForCausalLM",
-            {
-                "vocab_size": VOCAB,
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "bos_token_id": None,
-                "eos_token_id": None,
-            },
+            {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4},
             common=False,
         ),
         "does not route attention through transformers' AttentionInterface",
