@@ -11,8 +11,9 @@ import grpc
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
-from encoder_cache_svc.store import EncoderCacheStore, TensorEntry, validate_entry
+from encoder_cache_svc.store import EncoderCacheStore, validate_entry
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
+from services.encoder_cache_client import CachedTensor, tensor_chunks
 from services.errors import InvalidArgument, NotFound
 from services.redis_client import KEY_PREFIX, connect
 from services.rpc import rpc_handler
@@ -36,7 +37,7 @@ class RedisMetadata:
         self._shard = shard_id
         self._address = address
 
-    async def stored(self, entry: TensorEntry, evicted: list[str]) -> None:
+    async def stored(self, entry: CachedTensor, evicted: list[str]) -> None:
         if self._redis is None:
             return
         meta: dict[str, str | int] = {
@@ -48,7 +49,7 @@ class RedisMetadata:
         }
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hset(META_KEY + entry.identifier, mapping=meta)  # type: ignore[arg-type]
+                pipe.hset(META_KEY + entry.key, mapping=meta)  # type: ignore[arg-type]
                 for identifier in evicted:
                     pipe.delete(META_KEY + identifier)
                 await pipe.execute()
@@ -106,7 +107,7 @@ class EncoderCacheServicer(encoder_cache_pb2_grpc.EncoderCacheServicer):
             parts.append(chunk.data)
         if meta is None:
             raise InvalidArgument("empty Put stream", param="meta")
-        entry = TensorEntry(meta.identifier, meta.dtype, tuple(meta.shape), b"".join(parts))
+        entry = CachedTensor(meta.identifier, meta.dtype, tuple(meta.shape), b"".join(parts))
         evicted = self.store.put(entry)
         EVICTIONS.inc(len(evicted))
         self._gauges()
@@ -123,12 +124,8 @@ class EncoderCacheServicer(encoder_cache_pb2_grpc.EncoderCacheServicer):
             MISSES.inc()
             raise NotFound(f"identifier {request.identifier!r} is not cached", param="identifier")
         HITS.inc()
-        meta = encoder_cache_pb2.TensorMeta(
-            identifier=entry.identifier, dtype=entry.dtype, shape=list(entry.shape), num_bytes=entry.num_bytes
-        )
-        yield encoder_cache_pb2.TensorChunk(meta=meta, data=entry.data[: self.chunk_bytes])
-        for start in range(self.chunk_bytes, entry.num_bytes, self.chunk_bytes):
-            yield encoder_cache_pb2.TensorChunk(data=entry.data[start : start + self.chunk_bytes])
+        for chunk in tensor_chunks(entry, self.chunk_bytes):
+            yield chunk
 
     def _gauges(self) -> None:
         BYTES.set(self.store.stats.bytes_used)

@@ -4,22 +4,12 @@ Pure domain code (no grpc, no Redis)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from services.encoder_cache_client import CachedTensor
 
 # dtypes a tensor may be stored with, and their item sizes.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    identifier: str
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes = field(repr=False)
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self.data)
 
 
 @dataclass
@@ -53,13 +43,13 @@ class EncoderCacheStore:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._items: OrderedDict[str, TensorEntry] = OrderedDict()
+        self._items: OrderedDict[str, CachedTensor] = OrderedDict()
         self.stats = StoreStats()
 
     def has(self, identifier: str) -> bool:
         return identifier in self._items
 
-    def get(self, identifier: str) -> TensorEntry | None:
+    def get(self, identifier: str) -> CachedTensor | None:
         entry = self._items.get(identifier)
         if entry is None:
             self.stats.misses += 1
@@ -68,21 +58,22 @@ class EncoderCacheStore:
         self.stats.hits += 1
         return entry
 
-    def put(self, entry: TensorEntry) -> list[str]:
-        """Stores `entry` (replacing an older one) and returns the evicted identifiers."""
-        validate_entry(entry.identifier, entry.dtype, entry.shape, entry.num_bytes)
+    def put(self, entry: CachedTensor) -> list[str]:
+        """Stores `entry` under its key, the item's identifier (replacing an older one),
+        and returns the evicted identifiers."""
+        validate_entry(entry.key, entry.dtype, entry.shape, entry.num_bytes)
         if entry.num_bytes > self.capacity_bytes:
             raise ValueError(
                 f"item of {entry.num_bytes} bytes exceeds the cache capacity {self.capacity_bytes}"
             )
-        self._remove(entry.identifier)
+        self._remove(entry.key)
         evicted: list[str] = []
         while self.stats.bytes_used + entry.num_bytes > self.capacity_bytes:
             old_id, _ = next(iter(self._items.items()))
             self._remove(old_id)
             self.stats.evictions += 1
             evicted.append(old_id)
-        self._items[entry.identifier] = entry
+        self._items[entry.key] = entry
         self.stats.bytes_used += entry.num_bytes
         self.stats.items = len(self._items)
         return evicted

@@ -10,7 +10,7 @@ embeddings depend on the model that encoded it, so two models never share them.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +44,22 @@ class CachedTensor:
     dtype: str
     shape: tuple[int, ...]
     data: bytes = field(repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        """The size of its data."""
+        return len(self.data)
+
+
+def tensor_chunks(tensor: CachedTensor, chunk_bytes: int) -> Iterator[encoder_cache_pb2.TensorChunk]:
+    """`tensor` as the Put and Get streams carry it: its meta with the first `chunk_bytes`
+    of its data, then the rest in pieces of at most `chunk_bytes`."""
+    meta = encoder_cache_pb2.TensorMeta(
+        identifier=tensor.key, dtype=tensor.dtype, shape=list(tensor.shape), num_bytes=tensor.num_bytes
+    )
+    yield encoder_cache_pb2.TensorChunk(meta=meta, data=tensor.data[:chunk_bytes])
+    for start in range(chunk_bytes, tensor.num_bytes, chunk_bytes):
+        yield encoder_cache_pb2.TensorChunk(data=tensor.data[start : start + chunk_bytes])
 
 
 class EncoderCacheClient:
@@ -90,19 +106,10 @@ class EncoderCacheClient:
     async def put(self, tensor: CachedTensor) -> int:
         """Stores `tensor`; returns how many entries the cache evicted to make room."""
         try:
-            reply = await self._stub.Put(self._chunks(tensor), timeout=self.timeout_s)
+            reply = await self._stub.Put(tensor_chunks(tensor, self.chunk_bytes), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc, "Put") from exc
         return int(reply.evicted)
-
-    async def _chunks(self, tensor: CachedTensor) -> AsyncIterator[encoder_cache_pb2.TensorChunk]:
-        meta = encoder_cache_pb2.TensorMeta(
-            identifier=tensor.key, dtype=tensor.dtype, shape=list(tensor.shape), num_bytes=len(tensor.data)
-        )
-        size = self.chunk_bytes
-        yield encoder_cache_pb2.TensorChunk(meta=meta, data=tensor.data[:size])
-        for start in range(size, len(tensor.data), size):
-            yield encoder_cache_pb2.TensorChunk(data=tensor.data[start : start + size])
 
     async def get(self, key: str) -> CachedTensor | None:
         """The cached tensor, or None when the cache does not hold `key`."""

@@ -11,14 +11,15 @@ import redis.asyncio as aioredis
 
 from encoder_cache_svc.config import EncoderCacheConfig
 from encoder_cache_svc.servicer import META_KEY, EncoderCacheServicer, RedisMetadata
-from encoder_cache_svc.store import EncoderCacheStore, TensorEntry
+from encoder_cache_svc.store import EncoderCacheStore
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
+from services.encoder_cache_client import CachedTensor
 from services.redis_client import RedisServer
 from services.server import GrpcServer
 
 
-def _entry(identifier: str, n: int) -> TensorEntry:
-    return TensorEntry(identifier, "float32", (n,), np.arange(n, dtype=np.float32).tobytes())
+def _entry(identifier: str, n: int) -> CachedTensor:
+    return CachedTensor(identifier, "float32", (n,), np.arange(n, dtype=np.float32).tobytes())
 
 
 def test_lru_eviction_by_bytes() -> None:
@@ -35,9 +36,9 @@ def test_lru_eviction_by_bytes() -> None:
 def test_rejects_inconsistent_or_oversized_items() -> None:
     store = EncoderCacheStore(capacity_bytes=64)
     with pytest.raises(ValueError, match="shape"):
-        store.put(TensorEntry("x", "float32", (3,), b"\x00" * 8))
+        store.put(CachedTensor("x", "float32", (3,), b"\x00" * 8))
     with pytest.raises(ValueError, match="dtype"):
-        store.put(TensorEntry("x", "complex", (1,), b"\x00" * 8))
+        store.put(CachedTensor("x", "complex", (1,), b"\x00" * 8))
     with pytest.raises(ValueError, match="capacity"):
         store.put(_entry("big", 100))
     assert store.stats.items == 0
