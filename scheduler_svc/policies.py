@@ -30,8 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import WorkerState
+from services.config import default_of
 from services.kv_hash import block_hashes
 
 
@@ -114,18 +116,21 @@ class LeastLoadPolicy:
 
 @dataclass(frozen=True)
 class PrefixWeights:
-    prefix: float = 3.0
-    queue: float = 2.0
-    kv: float = 1.0
+    """The prefix-aware policy's weights and load limits; their defaults are the
+    scheduler's options of the same meaning (--prefix-weight, --load-cap, ...)."""
+
+    prefix: float = default_of(SchedulerConfig, "prefix_weight")
+    queue: float = default_of(SchedulerConfig, "queue_weight")
+    kv: float = default_of(SchedulerConfig, "kv_weight")
     adapter: float = 2.0
-    load_cap: float = 0.8
+    load_cap: float = default_of(SchedulerConfig, "load_cap")
     # Allowed excess over the mean load: a fraction of the mean, at least `load_imbalance_min`.
-    load_imbalance: float = 0.5
-    load_imbalance_min: float = 2.0
+    load_imbalance: float = default_of(SchedulerConfig, "load_imbalance")
+    load_imbalance_min: float = default_of(SchedulerConfig, "load_imbalance_min")
     # SGLang's rule against the lightest worker: over `load_spread` x its load (+1 each)
     # and more than `load_spread_min` requests above it (an idle worker left idle).
-    load_spread: float = 2.0
-    load_spread_min: float = 4.0
+    load_spread: float = default_of(SchedulerConfig, "load_spread")
+    load_spread_min: float = default_of(SchedulerConfig, "load_spread_min")
 
 
 class PrefixAwarePolicy:
