@@ -127,11 +127,15 @@ class CallStream:
 class ScanningParser:
     """What the marker/JSON parsers share: `feed` runs the parser's state methods
     (`_<state>(text, content) -> rest of text`) until the delta is used up; a state that
-    needs more text keeps it in `_pending`. Subclasses set `_state` and `_stream`."""
+    needs more text keeps it in `_pending`. A call's JSON goes through `_feed_json`."""
 
-    _state: str
-    _pending: str
-    _stream: CallStream
+    def __init__(self, state: str) -> None:
+        """Starts in `state`, no call streamed yet."""
+        self._stream = CallStream()
+        self.calls: list[ToolCall] = self._stream.calls
+        self._state = state
+        self._pending = ""
+        self._tokens = JsonTokens()
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         """Consumes a text delta: (content, call deltas)."""
@@ -154,23 +158,31 @@ class ScanningParser:
         content.append(text[:start])
         return start
 
+    def _feed_json(self, builder: CallBuilder, text: str) -> int:
+        """Feeds `text` to the open call's JSON object (`_tokens`, built by `builder`):
+        how much of it the object took. InvalidCall when the text breaks the call."""
+        used, tokens = self._tokens.feed(text)
+        for token in tokens:
+            builder.token(*token)
+        return used
+
 
 class RawCallParser(ScanningParser):
     """A ScanningParser whose failed call gives back as content every character since the
     last completed call (`_raw`), and whose calls are JSON objects fed to a `CallBuilder`."""
 
-    _raw: str
-    _tokens: JsonTokens
-    _builder: CallBuilder | None
+    def __init__(self, state: str, builder: CallBuilder | None) -> None:
+        """Starts in `state` with `builder` for the first call (None: none open)."""
+        super().__init__(state)
+        self._raw = ""  # text since the last completed call (content if the next fails)
+        self._builder = builder
 
     def _feed_call(self, text: str, content: list[str]) -> str:
         """Feeds one call object's JSON; back to "between" once it is complete."""
         if self._builder is None:
             raise RuntimeError("no call is open")
         try:
-            used, tokens = self._tokens.feed(text)
-            for token in tokens:
-                self._builder.token(*token)
+            used = self._feed_json(self._builder, text)
         except InvalidCall:
             return self._fail(text, content)
         self._raw += text[:used]

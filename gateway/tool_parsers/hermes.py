@@ -7,8 +7,7 @@ out invalid is content, from `<tool_call>` through its `</tool_call>` (or the en
 
 from __future__ import annotations
 
-from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, ScanningParser, ToolCallDelta
+from gateway.tool_parsers.base import ScanningParser, ToolCallDelta
 from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 START = "<tool_call>"
@@ -19,12 +18,8 @@ class ToolCallStreamParser(ScanningParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
-        self._stream = CallStream()
-        self.calls: list[ToolCall] = self._stream.calls
-        self._state = "text"  # text | json | after | bad
-        self._pending = ""
+        super().__init__("text")  # text | json | after | bad
         self._raw: list[str] = []
-        self._tokens = JsonTokens()
         self._builder = CallBuilder()
 
     def _text(self, text: str, content: list[str]) -> str:
@@ -38,9 +33,7 @@ class ToolCallStreamParser(ScanningParser):
 
     def _json(self, text: str, content: list[str]) -> str:
         try:
-            used, tokens = self._tokens.feed(text)
-            for token in tokens:
-                self._builder.token(*token)
+            used = self._feed_json(self._builder, text)
         except InvalidCall:
             # Not a call: the block is content through its </tool_call>.
             self._stream.drop()

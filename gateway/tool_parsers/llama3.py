@@ -7,8 +7,7 @@ because the output is detokenized with special tokens) are dropped; other text i
 
 from __future__ import annotations
 
-from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, RawCallParser, ToolCallDelta, held_prefix
+from gateway.tool_parsers.base import RawCallParser, ToolCallDelta, held_prefix
 from gateway.tool_parsers.json_stream import CallBuilder, JsonTokens
 
 PYTHON_TAG = "<|python_tag|>"
@@ -19,13 +18,7 @@ class Llama3JsonToolParser(RawCallParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
-        self._stream = CallStream()
-        self.calls: list[ToolCall] = self._stream.calls
-        self._state = "undecided"  # undecided | between | call | tail | content
-        self._pending = ""
-        self._raw = ""  # text since the last completed call (content if the next fails)
-        self._tokens = JsonTokens()
-        self._builder: CallBuilder | None = CallBuilder()
+        super().__init__("undecided", CallBuilder())  # undecided | between | call | tail | content
 
     def _undecided(self, text: str, content: list[str]) -> str:
         body = text.lstrip()

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.protocol import ToolCall
-from gateway.tool_parsers.base import CallStream, RawCallParser, ToolCallDelta, held_prefix
+from gateway.tool_parsers.base import RawCallParser, ToolCallDelta, held_prefix
 from gateway.tool_parsers.json_stream import CallBuilder, InvalidCall, JsonTokens
 
 MARKER = "[TOOL_CALLS]"
@@ -24,13 +23,9 @@ class MistralToolParser(RawCallParser):
     """See module docstring (the `ToolParser` interface)."""
 
     def __init__(self) -> None:
-        self._stream = CallStream()
-        self.calls: list[ToolCall] = self._stream.calls
-        self._state = "text"  # text | marker | name | array | json | between | tail | content
-        self._pending = ""
-        self._raw = ""  # text since the last completed call, from the marker on
-        self._tokens = JsonTokens()
-        self._builder: CallBuilder | None = None
+        # States: text | marker | name | array | json | between | tail | content; the raw
+        # text of a failed call runs from the marker on.
+        super().__init__("text", None)
 
     def _text(self, text: str, content: list[str]) -> str:
         start = self._up_to(MARKER, text, content)
