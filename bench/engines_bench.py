@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from bench.host import host_info
-from bench.mesh_client import metric_sample
+from bench.mesh_client import metric_sample, sse_lines
 from launcher.mesh import Mesh, free_ports_config
 from services.cpus import format_cpus
 from services.ports import free_port
@@ -38,13 +38,11 @@ async def _one_chat(session: aiohttp.ClientSession, url: str, body: dict[str, An
     """Streams one chat; returns its duration and the completion tokens of its usage."""
     start = time.perf_counter()
     tokens = 0
-    async with session.post(url, json=body) as response:
-        response.raise_for_status()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if line.startswith("data: {") and '"usage"' in line:
-                usage = json.loads(line[6:]).get("usage") or {}
-                tokens = usage.get("completion_tokens", tokens)
+    async for line in sse_lines(session, url, body):
+        # Only the usage event is decoded (no JSON parse per chunk).
+        if line.startswith("data: {") and '"usage"' in line:
+            usage = json.loads(line[6:]).get("usage") or {}
+            tokens = usage.get("completion_tokens", tokens)
     return time.perf_counter() - start, tokens
 
 

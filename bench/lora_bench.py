@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 
 from bench.host import host_info
-from bench.mesh_client import free_ports_config, metric_sample
+from bench.mesh_client import free_ports_config, metric_sample, sse_events
 from launcher.mesh import Mesh
 from services.ports import free_port
 
@@ -114,17 +114,11 @@ async def one_request(
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
-    async with session.post(url, json=body) as response:
-        response.raise_for_status()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
-            elif first is None and any(c.get("text") for c in event.get("choices", [])):
-                first = time.perf_counter()
+    async for event in sse_events(session, url, body):
+        if event.get("usage"):
+            tokens = int(event["usage"]["completion_tokens"])
+        elif first is None and any(c.get("text") for c in event.get("choices", [])):
+            first = time.perf_counter()
     end = time.perf_counter()
     return Result((first or end) - start, end - start, tokens)
 

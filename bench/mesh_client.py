@@ -70,10 +70,7 @@ def gateway_generate_fn(
     async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
         body = completion_body(model, prompt, max_tokens, salt)
         seen = 0
-        async for line in _sse_lines(client, base_url + "/v1/completions", body):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        async for event in sse_events(client, base_url + "/v1/completions", body):
             if event.get("usage"):
                 rest = event["usage"]["completion_tokens"] - seen
                 if rest > 0:
@@ -86,10 +83,10 @@ def gateway_generate_fn(
     return generate
 
 
-async def _sse_lines(
+async def sse_lines(
     client: httpx.AsyncClient | aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> AsyncIterator[str]:
-    """The lines of a streamed POST response (HTTP errors raise)."""
+    """The lines of a streamed POST response, line ends stripped (HTTP errors raise)."""
     if isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", url, json=body) as reply:
             reply.raise_for_status()
@@ -100,6 +97,15 @@ async def _sse_lines(
         response.raise_for_status()
         async for raw in response.content:
             yield raw.decode().rstrip("\r\n")
+
+
+async def sse_events(
+    client: httpx.AsyncClient | aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON `data:` events of a streamed POST response, without its `[DONE]`."""
+    async for line in sse_lines(client, url, body):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def model_name(model_dir: str) -> str:
