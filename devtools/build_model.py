@@ -29,7 +29,7 @@ import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,20 +358,26 @@ def replace_dir(src: Path, dst: Path) -> None:
         src.rename(dst)
 
 
-def write_atomically(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, info: dict[str, object]
-) -> None:
-    """Save into ``OUT.tmp`` and rename it to ``OUT`` only once it is complete."""
+def write_dir_atomically(out: Path, write: Callable[[Path], None]) -> None:
+    """Have ``write`` create and fill ``OUT.tmp``, then rename it to ``OUT`` only once it is
+    complete: a failed build leaves the previous one (and no ``OUT.tmp``) behind."""
     out = out.absolute()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        save_model(model, tokenizer, tmp, info)
+        write(tmp)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_atomically(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, info: dict[str, object]
+) -> None:
+    """Save into ``OUT.tmp`` and rename it to ``OUT`` only once it is complete."""
+    write_dir_atomically(out, lambda tmp: save_model(model, tokenizer, tmp, info))
 
 
 # --------------------------------------------------------------------------------------------------

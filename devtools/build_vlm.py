@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +44,14 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from devtools.build_model import ENDOFTEXT, IM_END, collect_corpus, replace_dir, token_id, train_tokenizer
+from devtools.build_model import (
+    ENDOFTEXT,
+    IM_END,
+    collect_corpus,
+    token_id,
+    train_tokenizer,
+    write_dir_atomically,
+)
 
 IMAGE_TOKEN = "<image>"
 # OpenAI CLIP normalisation (what LLaVA-1.5's CLIPImageProcessor uses).
@@ -200,26 +206,17 @@ def processor_files(spec: VlmSpec) -> dict[str, dict[str, object]]:
     return {"preprocessor_config.json": preprocessor, "processor_config.json": processor}
 
 
-def write_atomically(
-    model: LlavaForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, spec: VlmSpec
+def save(
+    model: LlavaForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, spec: VlmSpec, directory: Path
 ) -> None:
-    """Save everything into ``OUT.tmp``, then rename it to ``OUT``."""
-    out = spec.out.absolute()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.mkdir()
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp, save_jinja_files=False)
-        for name, content in processor_files(spec).items():
-            (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-        info = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(spec).items()}
-        (tmp / "build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Write the model directory: weights, configs, tokenizer, processor files, build info."""
+    directory.mkdir()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory, save_jinja_files=False)
+    for name, content in processor_files(spec).items():
+        (directory / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    info = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(spec).items()}
+    (directory / "build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def build(spec: VlmSpec) -> None:
@@ -228,7 +225,7 @@ def build(spec: VlmSpec) -> None:
     tokenizer = build_tokenizer(spec.seed)
     config = make_config(tokenizer, spec)
     model = make_model(config, tokenizer, spec.seed)
-    write_atomically(model, tokenizer, spec)
+    write_dir_atomically(spec.out, lambda tmp: save(model, tokenizer, spec, tmp))
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {spec.out}: {params / 1e6:.2f}M params in {time.monotonic() - start:.1f}s", flush=True)
 

