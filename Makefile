@@ -50,7 +50,7 @@ lint: deps proto dupcheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# More than six similar lines in two files outside tests/ fail the build: one fact, one place
+# Six or more similar lines in two files outside tests/ fail the build: one fact, one place
 # (devtools/dupcheck.py). Code that must stay parallel on purpose would be listed here as
 # ':!path' exclusions (none).
 DUP_FILES = $$(git ls-files '*.py' ':!tests/')
