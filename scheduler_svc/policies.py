@@ -132,6 +132,24 @@ class PrefixWeights:
     load_spread: float = default_of(SchedulerConfig, "load_spread")
     load_spread_min: float = default_of(SchedulerConfig, "load_spread_min")
 
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> PrefixWeights:
+        """The weights `config`'s options set, each by name (`adapter` has no option)."""
+        return cls(**{name: getattr(config, option) for name, option in WEIGHT_OPTIONS.items()})
+
+
+# Each weight the scheduler's options set, and its option.
+WEIGHT_OPTIONS = {
+    "prefix": "prefix_weight",
+    "queue": "queue_weight",
+    "kv": "kv_weight",
+    "load_cap": "load_cap",
+    "load_imbalance": "load_imbalance",
+    "load_imbalance_min": "load_imbalance_min",
+    "load_spread": "load_spread",
+    "load_spread_min": "load_spread_min",
+}
+
 
 class PrefixAwarePolicy:
     """Longest cached prefix weighed against queue depth and KV usage, with a load cap."""

@@ -46,17 +46,7 @@ class Scheduler:
             config.worker_timeout_s, config.worker_forget_s, config.max_inflight_per_worker, clock
         )
         self.index = PrefixIndex(config.speculative_ttl_s, clock=clock)
-        weights = PrefixWeights(
-            config.prefix_weight,
-            config.queue_weight,
-            config.kv_weight,
-            config.load_cap,
-            config.load_imbalance,
-            config.load_imbalance_min,
-            config.load_spread,
-            config.load_spread_min,
-        )
-        self.policy = make_policy(config.routing_policy, self.index, weights)
+        self.policy = make_policy(config.routing_policy, self.index, PrefixWeights.of(config))
         self.dispatcher = Dispatcher(
             self.registry, self.policy, config.max_queue_len, config.queue_timeout_s, self._on_dispatch
         )

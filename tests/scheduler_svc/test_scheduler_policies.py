@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policies import (
+    WEIGHT_OPTIONS,
     LeastLoadPolicy,
     PrefixAwarePolicy,
     PrefixWeights,
@@ -12,6 +14,7 @@ from scheduler_svc.policies import (
 )
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
+from scheduler_svc.scheduler import Scheduler
 from services.kv_hash import block_hashes
 
 BS = 4
@@ -180,3 +183,19 @@ def test_an_idle_worker_is_not_left_idle_beside_a_crowded_one() -> None:
     assert (decision.worker.worker_id, decision.reason) == ("idle", "load_cap")
     relaxed = PrefixWeights(load_cap=1.0, load_imbalance=0.5, load_imbalance_min=2.0, load_spread=10.0)
     assert PrefixAwarePolicy(index, relaxed).choose(request(tokens), ws).worker.worker_id == "hot"
+
+
+def test_each_option_sets_its_own_weight_in_the_schedulers_policy() -> None:
+    """Distinct option values land in the weights of the same name (a positional list once
+    shifted every weight after a new field by one)."""
+    values = {"prefix_weight": 3.0, "queue_weight": 5.0, "kv_weight": 7.0, "load_cap": 0.6}
+    values |= {"load_imbalance": 0.3, "load_imbalance_min": 1.5, "load_spread": 2.5, "load_spread_min": 6.0}
+    assert set(values) == set(WEIGHT_OPTIONS.values())
+    config = SchedulerConfig(routing_policy="prefix", **values)
+    policy = Scheduler(config).policy
+    assert isinstance(policy, PrefixAwarePolicy)
+    weights = policy._weights
+    assert {name: getattr(weights, name) for name in WEIGHT_OPTIONS} == {
+        name: values[option] for name, option in WEIGHT_OPTIONS.items()
+    }
+    assert weights.adapter == PrefixWeights().adapter
