@@ -432,6 +432,22 @@ def deployed_engines(kubelet: Kubelet, make_serve: dict[str, str]) -> tuple[dict
     return engines, failures
 
 
+def redis_in_use(kubelet: Kubelet) -> tuple[dict[str, float], list[str]]:
+    """The scheduler reaches Redis and has read the decoders' KV events through it (the
+    requests just served stored blocks): prefix-aware routing works across pods."""
+    scheduler = next(p for p in kubelet.pods.values() if p.plan.component == "scheduler")
+    port = scheduler.plan.ports["metrics"]
+    found = {
+        "redis_up": metric(scheduler.ip, port, "meshserve_scheduler_redis_up"),
+        "kv_events": metric(scheduler.ip, port, "meshserve_scheduler_kv_events_total"),
+    }
+    if found["redis_up"] == 1 and found["kv_events"] > 0:
+        return found, []
+    return found, [
+        f"the scheduler does not use Redis (redis_up {found['redis_up']}, KV events {found['kv_events']})"
+    ]
+
+
 def throughput_failures(ratios: dict[str, float]) -> list[str]:
     return [
         f"throughput {key}: deployed / make serve = {ratio} < {MIN_THROUGHPUT_RATIO}"
@@ -473,7 +489,8 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         gateway_addr = f"{gateway.ip}:{gateway.plan.ports['http']}"
         result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
         result["engines"], failures = deployed_engines(kubelet, result["make_serve"]["engine"])
-        result["failures"] += failures
+        result["redis"], redis_failures = await asyncio.to_thread(redis_in_use, kubelet)
+        result["failures"] += failures + redis_failures
         llm = result["requests"]["chat"]["model"]
         result["throughput"] = await asyncio.to_thread(
             served.throughput, args.vllm, f"http://{gateway_addr}", llm, str(args.model_dir),

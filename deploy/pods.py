@@ -317,9 +317,9 @@ def container_args(plan: PodPlan, env: dict[str, str], labels: dict[str, str]) -
     # emptyDir: writable by the pod's user, like the kubelet's 0777 dir (a tmpfs over a path
     # the image has takes that directory's owner and mode, whatever mode= says, hence uid/gid),
     # and exec (docker's tmpfs default is noexec; the engine loads the kernels it compiles there).
-    uid, _, gid = plan.user.partition(":")
+    owner, _, group = plan.user.partition(":")
     for path in plan.tmpfs:
-        args += ["--tmpfs", f"{path}:rw,exec,nosuid,nodev,mode=1777,uid={uid},gid={gid or uid}"]
+        args += ["--tmpfs", f"{path}:rw,exec,nosuid,nodev,mode=1777,uid={owner},gid={group or owner}"]
     if plan.shm_bytes:
         args += ["--shm-size", str(plan.shm_bytes)]
     args += ["--stop-timeout", str(plan.stop_timeout_s)]

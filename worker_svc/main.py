@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._inductor.config as inductor_config
 
 from meshserve.v1 import kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.config import load_config
@@ -225,6 +226,10 @@ async def main(argv: Sequence[str]) -> None:
     # Auto: what this process may use (its affinity, its cgroup's CPU quota), not the host's
     # core count torch would take (docs/design-decisions.md, "Engines on one machine ...").
     torch.set_num_threads(config.num_threads or usable_threads())
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        # Inductor sizes its pool of compile workers from the affinity alone; under a CPU
+        # quota the extra processes add memory (enough to pass a pod's limit) and no speed.
+        inductor_config.compile_threads = usable_threads()
     log.info("%d torch threads, CPUs %s", torch.get_num_threads(), format_cpus(affinity()))
     worker = WorkerProcess(config)
     await worker.start()
