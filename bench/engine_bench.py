@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from bench.host import host_info, rss_bytes
-from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, RequestSpec, SamplingParams
 from worker_svc.engine.config import default_dtype
 
 # (request_id, prompt_token_ids, max_tokens) -> async stream of new-token chunks.
@@ -184,7 +184,7 @@ def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
 
     async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for out in engine.generate(request_id, prompt, params, extra_keys=extra_keys):
+        async for out in engine.generate(RequestSpec(request_id, prompt, params, extra_keys=extra_keys)):
             yield out.new_token_ids
 
     return generate

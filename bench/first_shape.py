@@ -26,14 +26,16 @@ from pathlib import Path
 import torch
 
 from bench.host import ROOT, host_info, rss_bytes
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 
 def _prefill_ms(engine: LLMEngine, length: int, index: int) -> float:
     """One request of ``length`` prompt tokens (its own ids) run to its one token."""
     vocab = engine.model_info.vocab_size
     ids = [(7 * i + 31 * index) % (vocab - 10) + 5 for i in range(length)]
-    engine.add_request(f"p{index}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        RequestSpec(f"p{index}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    )
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()

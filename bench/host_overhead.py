@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from bench.host import ROOT, host_info
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 
 def build_model(out: Path) -> Path:
@@ -70,7 +70,7 @@ def decode_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace, 
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
     for i in range(concurrency):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-        engine.add_request(f"s{seed}-r{i}", prompt, params)
+        engine.add_request(RequestSpec(f"s{seed}-r{i}", prompt, params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     engine.step()  # every row decodes from here on

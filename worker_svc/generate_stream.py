@@ -44,6 +44,7 @@ from worker_svc import metrics as worker_metrics
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.multimodal import MultiModalInput
+from worker_svc.engine.request import RequestSpec
 from worker_svc.kv_connector import KvImporter, PrefillJob, TransferSource
 
 log = logging.getLogger(__name__)
@@ -337,18 +338,18 @@ class GenerateStreamCall:
             for index, child in zip(live, ids, strict=True):
                 done = resumed[index].token_ids if index in resumed else ()
                 sink = self._sink(run, index)
-                self.engine.submit(
+                spec = RequestSpec(
                     child,
                     prompt,
                     params[index],
-                    sink,
-                    request.priority,
-                    keys,
-                    mm_inputs,
-                    done,
+                    priority=request.priority,
+                    extra_keys=keys,
+                    mm_inputs=mm_inputs,
+                    resumed_output=done,
                     kv_import_id=kv_import_id,
                     lora_name=lora,
                 )
+                self.engine.submit(spec, sink)
                 kv_import_id = None  # the first sample takes the imported blocks; the others hit them
         except Exception:
             self._drop(run)

@@ -23,6 +23,7 @@ from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
 from worker_svc.engine.kv_handoff import ExportManifest
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvLayout, KvTransferError
+from worker_svc.engine.request import RequestSpec
 from worker_svc.engine.sampling import SamplingParams
 from worker_svc.kv_connector import KVConnector, PrefillJob, PublishedTransfer, TransferSource
 
@@ -205,15 +206,15 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 done.set_result(item)
 
         keys = request_extra_keys(request.cache_salt)
-        self.engine.submit(
+        spec = RequestSpec(
             child,
             list(request.prompt_token_ids),
             _PREFILL_PARAMS,
-            sink,
-            request.priority,
-            keys,
+            priority=request.priority,
+            extra_keys=keys,
             transfer_id=request.transfer_id,
         )
+        self.engine.submit(spec, sink)
         try:
             out = await done
         except asyncio.CancelledError:

@@ -26,7 +26,7 @@ from bench.engine_bench import (
     warm_up,
 )
 from bench.gpu.context import Skip, StepContext
-from worker_svc.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 BLOCK_SIZE = 16
 ARCHS = ("Llama", "Qwen3", "Gemma 3")  # devtools.arch_matrix names: plain, QK norm, sliding window
@@ -104,7 +104,7 @@ def _engine_greedy(config: EngineConfig, prompts: list[list[int]]) -> tuple[list
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(RequestSpec(str(i), prompt, params))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
@@ -323,7 +323,9 @@ def _one_request(
     engine: LLMEngine, prompt: list[int], new_tokens: int, rid: str
 ) -> tuple[list[int], list[float]]:
     """Greedy tokens of one request alone, and the wall time of each decode step (ms)."""
-    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    engine.add_request(
+        RequestSpec(rid, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    )
     tokens: list[int] = []
     step_ms: list[float] = []
     while engine.has_unfinished():

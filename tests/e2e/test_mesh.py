@@ -19,7 +19,7 @@ from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.reliability.meshkit import metric_value
 from worker_svc.embedding import default_embedding_model_dir
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -118,7 +118,9 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(
     engine = LLMEngine(
         EngineConfig(model_dir=str(model_dir), dtype=dtype, num_kv_blocks=64, compile_model=False)
     )
-    engine.add_request("local", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    engine.add_request(
+        RequestSpec("local", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    )
     expected: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():

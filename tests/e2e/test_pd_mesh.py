@@ -22,7 +22,7 @@ from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.kv_grpc import FAULT_ENV
 
 WORKERS = ["decoder-0", "prefill-0"]
@@ -96,7 +96,9 @@ def reference(model_dir: Path) -> LLMEngine:
 
 
 def expected(engine: LLMEngine, ids: list[int]) -> list[int]:
-    engine.add_request("ref", ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.add_request(
+        RequestSpec("ref", ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    )
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():

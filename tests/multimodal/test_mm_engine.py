@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.multimodal.conftest import ReferenceBuilder, png_bytes
-from worker_svc.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestOutput, RequestSpec, SamplingParams
 from worker_svc.engine.attention import ATTN_IMPL_NAME
 from worker_svc.engine.multimodal import MultiModalInput
 
@@ -47,7 +47,7 @@ def _run(
     engine: LLMEngine, requests: list[tuple[str, list[int], MultiModalInput]]
 ) -> dict[str, RequestOutput]:
     for rid, prompt, item in requests:
-        engine.add_request(rid, prompt, GREEDY, mm_inputs=[item])
+        engine.add_request(RequestSpec(rid, prompt, GREEDY, mm_inputs=[item]))
     tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
     last: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
@@ -100,11 +100,11 @@ def test_mm_inputs_are_validated(make_engine: Factory, refs: ReferenceBuilder) -
     engine = make_engine()
     bad_shape = MultiModalInput("x", item.offset, item.length, item.embeddings[:, :8])
     with pytest.raises(ValueError, match="shape"):
-        engine.add_request("v1", prompt, GREEDY, mm_inputs=[bad_shape])
+        engine.add_request(RequestSpec("v1", prompt, GREEDY, mm_inputs=[bad_shape]))
     outside = MultiModalInput("x", len(prompt) - 2, item.length, item.embeddings)
     with pytest.raises(ValueError, match="outside the prompt"):
-        engine.add_request("v2", prompt, GREEDY, mm_inputs=[outside])
-    engine.add_request("v3", prompt, GREEDY, mm_inputs=[item])
+        engine.add_request(RequestSpec("v2", prompt, GREEDY, mm_inputs=[outside]))
+    engine.add_request(RequestSpec("v3", prompt, GREEDY, mm_inputs=[item]))
     assert engine.requests["v3"].extra_keys == ("mm:img-v",)
     engine.abort_request("v3")
     engine.step()

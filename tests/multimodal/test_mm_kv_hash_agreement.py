@@ -15,7 +15,7 @@ from meshserve.v1 import common_pb2
 from scheduler_svc.route import routing_request
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
-from worker_svc.engine import EngineConfig, KvEvent, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, KvEvent, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.multimodal import MultiModalInput
 
 BLOCK = 8
@@ -31,7 +31,9 @@ def engine_hashes(
     """The blocks the engine publishes as stored when it runs the request."""
     events.clear()
     params = SamplingParams(temperature=0, max_tokens=1)
-    engine.add_request(request_id, PROMPT, params, extra_keys=request_extra_keys(salt), mm_inputs=mm)
+    engine.add_request(
+        RequestSpec(request_id, PROMPT, params, extra_keys=request_extra_keys(salt), mm_inputs=mm)
+    )
     while engine.has_unfinished():
         engine.step()
     assert {e.kind for e in events} == {"stored"}
@@ -70,7 +72,9 @@ def test_scheduler_and_engine_hash_images_alike(vlm_dir: Path, salt: str) -> Non
     # the engine finds the whole prefix cached instead of storing new blocks.
     reordered = sorted(mm, key=lambda m: m.offset)
     params = SamplingParams(temperature=0, max_tokens=1)
-    engine.add_request("r2", PROMPT, params, extra_keys=request_extra_keys(salt), mm_inputs=reordered)
+    engine.add_request(
+        RequestSpec("r2", PROMPT, params, extra_keys=request_extra_keys(salt), mm_inputs=reordered)
+    )
     outputs = []
     while engine.has_unfinished():
         outputs.extend(engine.step())

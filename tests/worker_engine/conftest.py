@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from worker_svc.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestOutput, RequestSpec, SamplingParams
 
 VOCAB = 512
 EOS = 2
@@ -150,7 +150,7 @@ def run_all(
 ) -> dict[str, list[RequestOutput]]:
     """Add all requests at once and step until done; outputs per request id."""
     for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(RequestSpec(rid, prompt, params))
     outs: dict[str, list[RequestOutput]] = {rid: [] for rid, _, _ in requests}
     for _ in range(max_steps):
         if not engine.has_unfinished():

@@ -12,7 +12,14 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from tests.worker_engine.conftest import prompts, run_all, tokens
-from worker_svc.engine import AsyncLLMEngine, EngineStepError, LLMEngine, RequestOutput, SamplingParams
+from worker_svc.engine import (
+    AsyncLLMEngine,
+    EngineStepError,
+    LLMEngine,
+    RequestOutput,
+    RequestSpec,
+    SamplingParams,
+)
 
 Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -35,7 +42,7 @@ async def make_async(make_engine: Factory) -> AsyncIterator[Callable[..., AsyncL
 async def collect(
     engine: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams
 ) -> list[RequestOutput]:
-    return [out async for out in engine.generate(rid, prompt, params)]
+    return [out async for out in engine.generate(RequestSpec(rid, prompt, params))]
 
 
 async def wait_for_blocks_released(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
@@ -74,7 +81,7 @@ async def test_invalid_input_raises_before_scheduling(make_async: Callable[..., 
 async def test_duplicate_request_id_rejected(make_async: Callable[..., AsyncLLMEngine]) -> None:
     engine = make_async()
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    gen = engine.generate("dup", prompts(8)[0], long)
+    gen = engine.generate(RequestSpec("dup", prompts(8)[0], long))
     first = await gen.__anext__()
     assert first.new_token_ids
     with pytest.raises(ValueError, match="request_id"):
@@ -86,7 +93,7 @@ async def test_duplicate_request_id_rejected(make_async: Callable[..., AsyncLLME
 async def test_consumer_break_and_cancel_abort(make_async: Callable[..., AsyncLLMEngine]) -> None:
     engine = make_async()
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    gen = engine.generate("brk", prompts(30)[0], long)
+    gen = engine.generate(RequestSpec("brk", prompts(30)[0], long))
     async with contextlib.aclosing(gen):
         async for out in gen:
             if out.num_output_tokens >= 3:
@@ -94,7 +101,7 @@ async def test_consumer_break_and_cancel_abort(make_async: Callable[..., AsyncLL
     await wait_for_blocks_released(engine)
 
     # Plain `break` without aclose: asyncio's async-generator finalizer closes it on GC.
-    async for out in engine.generate("gc", prompts(30)[0], long):
+    async for out in engine.generate(RequestSpec("gc", prompts(30)[0], long)):
         if out.num_output_tokens >= 2:
             break
     del out
@@ -104,7 +111,7 @@ async def test_consumer_break_and_cancel_abort(make_async: Callable[..., AsyncLL
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in engine.generate("cxl", prompts(30)[0], long):
+        async for _ in engine.generate(RequestSpec("cxl", prompts(30)[0], long)):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -120,7 +127,7 @@ async def test_abort_ends_stream_with_abort(make_async: Callable[..., AsyncLLMEn
     engine = make_async()
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     outs: list[RequestOutput] = []
-    async for out in engine.generate("ab", prompts(10)[0], long):
+    async for out in engine.generate(RequestSpec("ab", prompts(10)[0], long)):
         outs.append(out)
         if len(outs) == 2:
             assert engine.abort("ab")
@@ -168,7 +175,7 @@ async def test_engine_thread_idles_without_busy_loop(make_async: Callable[..., A
 async def test_shutdown_fails_pending_requests(make_engine: Factory) -> None:
     engine = AsyncLLMEngine(engine=make_engine())
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    gen = engine.generate("s", prompts(10)[0], long)
+    gen = engine.generate(RequestSpec("s", prompts(10)[0], long))
     await gen.__anext__()
     await engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):

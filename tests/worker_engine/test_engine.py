@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.worker_engine.conftest import EOS, VOCAB, hf_greedy, prompts, run_all, tokens
-from worker_svc.engine import EngineStepError, KvEvent, LLMEngine, SamplingParams, native
+from worker_svc.engine import EngineStepError, KvEvent, LLMEngine, RequestSpec, SamplingParams, native
 
 Factory = Callable[..., LLMEngine]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -46,14 +46,14 @@ def test_prompt_that_fits_a_later_step_is_not_split(make_engine: Factory) -> Non
     running decodes alone, waits a step and is prefilled whole; only a prompt longer than
     that is chunked."""
     engine = make_engine(max_num_batched_tokens=48)
-    engine.add_request("a", prompts(30, seed=11)[0], GREEDY)
-    engine.add_request("b", prompts(30, seed=12)[0], GREEDY)  # 18 tokens of budget left
+    engine.add_request(RequestSpec("a", prompts(30, seed=11)[0], GREEDY))
+    engine.add_request(RequestSpec("b", prompts(30, seed=12)[0], GREEDY))  # 18 tokens of budget left
     engine.step()
     assert engine.requests["a"].num_computed_tokens == 30
     assert engine.requests["b"].num_computed_tokens == 0  # waits: 30 <= 48 - 1 running
     engine.step()  # a's decode + b's whole prompt
     assert engine.requests["b"].num_computed_tokens == 30
-    engine.add_request("c", prompts(47, seed=13)[0], GREEDY)  # 47 > 48 - 2 running: chunked
+    engine.add_request(RequestSpec("c", prompts(47, seed=13)[0], GREEDY))  # 47 > 48 - 2 running: chunked
     engine.step()
     assert engine.requests["c"].num_computed_tokens == 46  # the budget left by 2 decodes
     while engine.has_unfinished():
@@ -97,8 +97,8 @@ def test_priority_preempts_low_priority_first(make_engine: Factory) -> None:
     engine = make_engine(block_size=4, num_kv_blocks=12)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     low, high = prompts(16, 16, seed=8)
-    engine.add_request("low", low, params, priority=0)
-    engine.add_request("high", high, params, priority=5)
+    engine.add_request(RequestSpec("low", low, params, priority=0))
+    engine.add_request(RequestSpec("high", high, params, priority=5))
     preempted: set[str] = set()
     while engine.has_unfinished():
         engine.step()
@@ -109,8 +109,8 @@ def test_priority_preempts_low_priority_first(make_engine: Factory) -> None:
 def test_abort_frees_blocks_immediately(make_engine: Factory) -> None:
     engine = make_engine()
     ps = prompts(30, 30, seed=9)
-    engine.add_request("a", ps[0], SamplingParams(temperature=0, max_tokens=50))
-    engine.add_request("b", ps[1], SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request(RequestSpec("a", ps[0], SamplingParams(temperature=0, max_tokens=50)))
+    engine.add_request(RequestSpec("b", ps[1], SamplingParams(temperature=0, max_tokens=5)))
     engine.step()
     engine.step()
     used = engine.block_manager.num_used_blocks()
@@ -125,7 +125,7 @@ def test_abort_frees_blocks_immediately(make_engine: Factory) -> None:
     assert [o for o in seen if o.request_id == "b"][-1].finish_reason in ("stop", "length")
     assert engine.stats().num_aborted == 1
     # A request aborted while still waiting never holds blocks.
-    engine.add_request("w", ps[0], GREEDY)
+    engine.add_request(RequestSpec("w", ps[0], GREEDY))
     assert engine.abort_request("w")
     assert engine.block_manager.num_used_blocks() == 0
     assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("w", "abort")]
@@ -212,25 +212,25 @@ def test_add_request_validation(make_engine: Factory) -> None:
     assert engine.model_info.max_model_len == 64
     assert engine.model_info.vocab_size == VOCAB and EOS in engine.model_info.eos_token_ids
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("x", [5] * 60, SamplingParams(max_tokens=10))
+        engine.add_request(RequestSpec("x", [5] * 60, SamplingParams(max_tokens=10)))
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request("x", [], SamplingParams())
+        engine.add_request(RequestSpec("x", [], SamplingParams()))
     for bad in ([VOCAB], [5, -1], [5, True], [5, 2.0], [5, "7"]):
         with pytest.raises(ValueError, match="prompt_token_ids contains"):
-            engine.add_request("x", bad, SamplingParams())  # type: ignore[arg-type]
+            engine.add_request(RequestSpec("x", bad, SamplingParams()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="temperature"):
-        engine.add_request("x", [5], SamplingParams(temperature=math.nan))
+        engine.add_request(RequestSpec("x", [5], SamplingParams(temperature=math.nan)))
     with pytest.raises(ValueError, match="request_id"):
-        engine.add_request("", [5], SamplingParams())
+        engine.add_request(RequestSpec("", [5], SamplingParams()))
     with pytest.raises(ValueError, match="extra_keys"):
-        engine.add_request("x", [5], SamplingParams(), extra_keys=["a"])  # type: ignore[arg-type]
-    engine.add_request("x", [5, VOCAB - 1], SamplingParams(max_tokens=1))
+        engine.add_request(RequestSpec("x", [5], SamplingParams(), extra_keys=["a"]))  # type: ignore[arg-type]
+    engine.add_request(RequestSpec("x", [5, VOCAB - 1], SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="request_id"):
-        engine.add_request("x", [5], SamplingParams())
+        engine.add_request(RequestSpec("x", [5], SamplingParams()))
     assert [o.finished for o in engine.step()] == [True]
     small = make_engine(block_size=4, num_kv_blocks=3)
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        small.add_request("big", [5] * 10, SamplingParams(max_tokens=5))
+        small.add_request(RequestSpec("big", [5] * 10, SamplingParams(max_tokens=5)))
 
 
 def test_generation_capped_by_max_model_len(make_engine: Factory) -> None:
@@ -264,7 +264,7 @@ def test_kv_events_flow(make_engine: Factory, tiny_model_dir: str) -> None:
 def test_step_failure_aborts_batch_and_engine_survives(make_engine: Factory) -> None:
     engine = make_engine()
     p = prompts(10, seed=17)[0]
-    engine.add_request("a", p, GREEDY)
+    engine.add_request(RequestSpec("a", p, GREEDY))
     engine.step()
     original = engine.runner.execute
 

@@ -97,7 +97,7 @@ _PRIORITY_PROBE = r"""
 import asyncio, os, sys, threading
 import torch
 torch.set_num_threads(2)
-from worker_svc.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from worker_svc.engine import AsyncLLMEngine, EngineConfig, RequestSpec, SamplingParams
 
 def policy(tid):
     with open(f"/proc/self/task/{tid}/stat") as f:
@@ -110,7 +110,7 @@ async def run(priority):
     before = foreign()
     engine = AsyncLLMEngine(EngineConfig(model_dir=sys.argv[1], dtype="float32", engine_priority=priority, compile_model=False))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    async for _ in engine.generate("r", list(range(5, 69)), params):
+    async for _ in engine.generate(RequestSpec("r", list(range(5, 69)), params)):
         pass
     step = next(t for t in threading.enumerate() if t.name == "meshserve-engine")
     workers = sorted(policy(t) for t in foreign() - before)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.fake_clock import FakeClock
 from tests.worker_engine.conftest import hf_greedy, prompts, run_all, tokens
-from worker_svc.engine import LLMEngine, SamplingParams
+from worker_svc.engine import LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvTransferError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -20,7 +20,7 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 def prefill(engine: LLMEngine, transfer_id: str, prompt: list[int]) -> list[int]:
     """Run a prefill-only request to its end; returns its (one) token."""
-    engine.add_request(f"p-{transfer_id}", prompt, PREFILL, transfer_id=transfer_id)
+    engine.add_request(RequestSpec(f"p-{transfer_id}", prompt, PREFILL, transfer_id=transfer_id))
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
@@ -64,7 +64,7 @@ def test_prefill_export_import_decode_equals_one_engine(
 
 
 def decode_import(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add_request("d", prompt, GREEDY, kv_import_id="imp")
+    engine.add_request(RequestSpec("d", prompt, GREEDY, kv_import_id="imp"))
     out: list[int] = []
     cached = 0
     while engine.has_unfinished():
@@ -149,14 +149,14 @@ def test_release_during_read_is_deferred_and_ttl_releases(make_engine: Callable[
 def test_aborted_import_and_prefill_free_everything(make_engine: Callable[..., LLMEngine]) -> None:
     (prompt,) = prompts(40)
     p, d = make_engine(), make_engine()
-    p.add_request("p", prompt, PREFILL, transfer_id="t")
+    p.add_request(RequestSpec("p", prompt, PREFILL, transfer_id="t"))
     p.abort_request("p")
     p.step()
     assert not p.kv.held and p.block_manager.num_used_blocks() == 0
     prefill(p, "t2", prompt)
     payloads = export(p, "t2")
     d.kv.import_blocks("imp", d.kv.layout, prompt, (), payloads)
-    d.add_request("d", prompt, GREEDY, kv_import_id="imp")
+    d.add_request(RequestSpec("d", prompt, GREEDY, kv_import_id="imp"))
     d.abort_request("d")
     d.step()
     assert d.block_manager.num_used_blocks() == 0
@@ -166,10 +166,10 @@ def test_prefill_only_request_is_validated(make_engine: Callable[..., LLMEngine]
     (prompt,) = prompts(20)
     engine = make_engine()
     with pytest.raises(ValueError, match="max_tokens=1"):
-        engine.add_request("x", prompt, GREEDY, transfer_id="t")
+        engine.add_request(RequestSpec("x", prompt, GREEDY, transfer_id="t"))
     prefill(engine, "t", prompt)
     with pytest.raises(ValueError, match="already held"):
-        engine.add_request("y", prompt, PREFILL, transfer_id="t")
+        engine.add_request(RequestSpec("y", prompt, PREFILL, transfer_id="t"))
     engine.kv.release("t")
 
 
@@ -187,7 +187,7 @@ def test_blocks_released_during_a_read_are_not_reused_before_it_ends(
     manifest = engine.kv.begin_export("t")
     first = engine.kv.read_blocks(manifest, 0, 1)
     assert engine.kv.release("t")
-    engine.add_request("x", other, PREFILL, transfer_id="x")
+    engine.add_request(RequestSpec("x", other, PREFILL, transfer_id="x"))
     for _ in range(5):
         engine.step()  # x cannot get blocks while t's are held
     rest = engine.kv.read_blocks(manifest, 1, 10)

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 
 from tests.lora_kit import build_adapters, peft_greedy
 from tests.worker_engine.conftest import hf_greedy, prompts, tokens
-from worker_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.lora import LoraError, UnknownLoraError
 
 Factory = Callable[..., LLMEngine]
@@ -29,7 +29,7 @@ def adapter_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) 
 
 def _run(engine: LLMEngine, reqs: list[tuple[str, list[int], str]]) -> dict[str, list[int]]:
     for rid, prompt, lora in reqs:
-        engine.add_request(rid, prompt, GREEDY, lora_name=lora)
+        engine.add_request(RequestSpec(rid, prompt, GREEDY, lora_name=lora))
     outs: dict[str, list[Any]] = {rid: [] for rid, _, _ in reqs}
     while engine.has_unfinished():
         for out in engine.step():
@@ -94,7 +94,7 @@ def test_adapter_isolated_in_prefix_cache(make_engine: Factory, adapter_dirs: di
     # The same prompt under an adapter finds none of the base's (or another adapter's)
     # blocks, then its own.
     for rid, lora, cached in (("a1", "a", 0), ("b1", "b", 0), ("a2", "a", 32), ("b2", "b", 32)):
-        engine.add_request(rid, prompt, GREEDY, lora_name=lora)
+        engine.add_request(RequestSpec(rid, prompt, GREEDY, lora_name=lora))
         engine.step()
         assert engine.requests[rid].num_cached_tokens == cached, rid
         while engine.has_unfinished():
@@ -106,7 +106,7 @@ def test_unknown_and_unfit_adapters_refused(
 ) -> None:
     engine = make_engine(max_loras=1, max_lora_rank=4)
     with pytest.raises(UnknownLoraError, match="nope"):
-        engine.add_request("x", [5, 6, 7], GREEDY, lora_name="nope")
+        engine.add_request(RequestSpec("x", [5, 6, 7], GREEDY, lora_name="nope"))
     with pytest.raises(LoraError, match=r"'big'.*rank 8 exceeds max_lora_rank=4"):
         engine.load_lora("big", adapter_dirs["ad-attn"])
     bad = tmp_path / "bad"
@@ -134,7 +134,7 @@ def test_unknown_and_unfit_adapters_refused(
     engine.load_lora("ok", adapter_dirs["ad-all"])
     with pytest.raises(LoraError, match="'ok' is already loaded"):
         engine.load_lora("ok", adapter_dirs["ad-mlp"])
-    engine.add_request("y", [5, 6, 7], GREEDY, lora_name="ok")
+    engine.add_request(RequestSpec("y", [5, 6, 7], GREEDY, lora_name="ok"))
     with pytest.raises(LoraError, match="in use"):
         engine.unload_lora("ok")
     while engine.has_unfinished():
@@ -168,7 +168,7 @@ async def test_async_engine_changes_adapters_between_steps(
         await engine.call(lambda e: e.load_lora("a", adapter_dirs["ad-mlp"]))
         with pytest.raises(UnknownLoraError, match="'b'"):
             await engine.call(lambda e: e.unload_lora("b"))
-        outs = [o async for o in engine.generate("r", [5, 6, 7, 8], GREEDY, lora_name="a")]
+        outs = [o async for o in engine.generate(RequestSpec("r", [5, 6, 7, 8], GREEDY, lora_name="a"))]
         assert outs[-1].finished and outs[-1].num_output_tokens == GREEDY.max_tokens
         snapshot = await engine.call(lambda e: e.stats().lora)
         assert snapshot.loaded == ("a",) and snapshot.resident == ("a",) and snapshot.num_loads == 1
@@ -187,11 +187,11 @@ def test_waiting_adapter_not_starved_by_a_busy_one(
     engine = make_engine(max_loras=1, lora_modules=(f"{a}={adapter_dirs[a]}", f"{b}={adapter_dirs[b]}"))
     short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ps = prompts(*([6] * 40), seed=11)
-    engine.add_request("a-0", ps[0], short, lora_name=a)
+    engine.add_request(RequestSpec("a-0", ps[0], short, lora_name=a))
     engine.step()
-    engine.add_request("b", ps[1], short, lora_name=b)
+    engine.add_request(RequestSpec("b", ps[1], short, lora_name=b))
     for i in range(2, 40):
-        engine.add_request(f"a-{i}", ps[i], short, lora_name=a)
+        engine.add_request(RequestSpec(f"a-{i}", ps[i], short, lora_name=a))
         if any(out.request_id == "b" and out.finished for out in engine.step()):
             break
     else:

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.worker_engine.conftest import prompts, run_all
-from worker_svc.engine import LLMEngine, RequestOutput, SamplingParams
+from worker_svc.engine import LLMEngine, RequestOutput, RequestSpec, SamplingParams
 from worker_svc.engine import engine as engine_module
 from worker_svc.engine.sampling import TokenLogprob
 
@@ -79,8 +79,8 @@ def test_zero_alternatives_and_preemption_keep_one_entry_per_token(
     long_prompt, other = prompts(40, 30, seed=23)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=0)
     preempted = 0
-    engine.add_request("b", other, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    engine.add_request("a", long_prompt, params)  # arrives last: the one preempted
+    engine.add_request(RequestSpec("b", other, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    engine.add_request(RequestSpec("a", long_prompt, params))  # arrives last: the one preempted
     outs: list[RequestOutput] = []
     while engine.has_unfinished():
         if "a" in engine.requests:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from services.grammar import StructuredSpec
 from tests.worker_engine.conftest import prompts, run_all, tokens
-from worker_svc.engine import LLMEngine, SamplingParams
+from worker_svc.engine import LLMEngine, RequestSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +114,7 @@ def test_resumed_output_is_replayed_into_the_matcher(engine: LLMEngine, make_eng
     full = tokens(run_all(engine, [("a", prompt, _json(1.0, seed=5))])["a"])
     assert len(full) > 6
     other = make_engine(model_dir=str(model_dir), num_kv_blocks=256)
-    other.add_request("b", prompt, _json(1.0, seed=5), resumed_output=full[:5])
+    other.add_request(RequestSpec("b", prompt, _json(1.0, seed=5), resumed_output=full[:5]))
     outs: list = []
     while other.has_unfinished():
         outs.extend(other.step())
@@ -134,7 +134,7 @@ def test_bad_specs_are_refused_naming_the_field(engine: LLMEngine) -> None:
     ]
     for spec, field in bad:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-            engine.add_request("r", [5, 6], SamplingParams(max_tokens=4, structured=spec))
+            engine.add_request(RequestSpec("r", [5, 6], SamplingParams(max_tokens=4, structured=spec)))
     for params, field in [
         (SamplingParams(logit_bias=((5, 101.0),)), "logit_bias"),
         (SamplingParams(logit_bias=((10**6, 1.0),)), "logit_bias"),
@@ -142,12 +142,12 @@ def test_bad_specs_are_refused_naming_the_field(engine: LLMEngine) -> None:
         (SamplingParams(bad_words=("",)), "bad_words"),
     ]:
         with pytest.raises(ValueError, match=field):
-            engine.add_request("r", [5, 6], params)
+            engine.add_request(RequestSpec("r", [5, 6], params))
     assert not engine.has_unfinished()
 
 
 def test_abort_while_preparing_leaks_nothing(engine: LLMEngine) -> None:
-    engine.add_request("r", [5, 6, 7], _json())
+    engine.add_request(RequestSpec("r", [5, 6, 7], _json()))
     assert engine.abort_request("r")
     outs = engine.step()
     assert [o.finish_reason for o in outs] == ["abort"]
@@ -181,8 +181,10 @@ def test_engine_keeps_stepping_while_a_grammar_is_prepared(engine: LLMEngine, to
 
     gate = threading.Event()
     engine.grammar._pool.submit(gate.wait, 30)
-    engine.add_request("json", prompts(5)[0], _json())
-    engine.add_request("plain", prompts(6)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.add_request(RequestSpec("json", prompts(5)[0], _json()))
+    engine.add_request(
+        RequestSpec("plain", prompts(6)[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    )
     outs: dict[str, list] = {"json": [], "plain": []}
     while "plain" in engine.requests:
         for out in engine.step():

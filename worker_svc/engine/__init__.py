@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
     from worker_svc.engine.model_runner import ModelInfo
     from worker_svc.engine.multimodal import MultiModalInput
-    from worker_svc.engine.request import Request, RequestStatus
+    from worker_svc.engine.request import Request, RequestSpec, RequestStatus
     from worker_svc.engine.sampling import SamplingParams
 
 # Loaded on first use: `worker_svc.engine.config` (read by the launcher and the worker's
@@ -41,6 +41,7 @@ _EXPORTS = {
     "ModelInfo": "worker_svc.engine.model_runner",
     "MultiModalInput": "worker_svc.engine.multimodal",
     "Request": "worker_svc.engine.request",
+    "RequestSpec": "worker_svc.engine.request",
     "RequestStatus": "worker_svc.engine.request",
     "SamplingParams": "worker_svc.engine.sampling",
 }
@@ -64,6 +65,7 @@ __all__ = [
     "MultiModalInput",
     "Request",
     "RequestOutput",
+    "RequestSpec",
     "RequestStatus",
     "SamplingParams",
 ]

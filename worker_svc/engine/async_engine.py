@@ -26,7 +26,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +35,7 @@ from worker_svc.engine.block_manager import KvEvent
 from worker_svc.engine.config import EngineConfig, resolved_thread_priority
 from worker_svc.engine.engine import EngineStats, EngineStepError, LLMEngine, RequestOutput
 from worker_svc.engine.model_runner import ModelInfo
-from worker_svc.engine.multimodal import MultiModalInput
-from worker_svc.engine.sampling import SamplingParams
+from worker_svc.engine.request import RequestSpec
 
 __all__ = ["AsyncLLMEngine", "EngineShutdownError"]
 
@@ -59,17 +58,8 @@ class _Stream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    extra_keys: tuple[str, ...]
+    spec: RequestSpec  # validated by `submit`, its sequences copied
     stream: _Stream
-    mm_inputs: tuple[MultiModalInput, ...] = ()
-    resumed_output: tuple[int, ...] = ()
-    transfer_id: str | None = None
-    kv_import_id: str | None = None
-    lora_name: str = ""
 
 
 @dataclass
@@ -185,33 +175,18 @@ class AsyncLLMEngine:
                 raise EngineShutdownError("engine is shut down")
             self._commands.put(command)
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        sink: Sink,
-        priority: int = 0,
-        extra_keys: tuple[str, ...] = (),
-        mm_inputs: Sequence[MultiModalInput] = (),
-        resumed_output: Sequence[int] = (),
-        *,
-        transfer_id: str | None = None,
-        kv_import_id: str | None = None,
-        lora_name: str = "",
-    ) -> None:
+    def submit(self, spec: RequestSpec, sink: Sink) -> None:
         """Submit a request whose outputs go to ``sink`` on the calling event loop.
 
         ``sink`` gets one ``RequestOutput`` per step that produced tokens for it, the
         last one ``finished``, or an exception; the outputs of one engine step for every
         request of this loop arrive in one loop callback. Invalid input raises ValueError
         before anything is scheduled. ``abort`` ends it early (a final "abort" output),
-        ``abort(..., drop_output=True)`` silently. ``transfer_id`` / ``kv_import_id``:
-        P/D hand-off, see `LLMEngine.add_request`.
+        ``abort(..., drop_output=True)`` silently. ``spec.transfer_id`` /
+        ``spec.kv_import_id``: P/D hand-off, see `LLMEngine.add_request`.
         """
-        self.engine.validate_request(
-            request_id, prompt_token_ids, params, priority, extra_keys, mm_inputs, resumed_output
-        )
+        self.engine.validate_request(spec)
+        request_id = spec.request_id
         self.start()
         with self._lock:
             if request_id in self._active:
@@ -226,52 +201,20 @@ class AsyncLLMEngine:
 
         stream = _Stream(asyncio.get_running_loop(), deliver)
         try:
-            self._send(
-                _Add(
-                    request_id,
-                    list(prompt_token_ids),
-                    params,
-                    priority,
-                    extra_keys,
-                    stream,
-                    tuple(mm_inputs),
-                    tuple(resumed_output),
-                    transfer_id,
-                    kv_import_id,
-                    lora_name,
-                )
-            )
+            self._send(_Add(spec.copied(), stream))
         except BaseException:
             with self._lock:
                 self._active.discard(request_id)
             raise
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        priority: int = 0,
-        extra_keys: tuple[str, ...] = (),
-        mm_inputs: Sequence[MultiModalInput] = (),
-        lora_name: str = "",
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield one output per step that produced tokens for it.
 
         Invalid input raises ValueError before anything is scheduled. Leaving the loop
         early (or cancellation) aborts the request.
         """
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self.submit(
-            request_id,
-            prompt_token_ids,
-            params,
-            queue.put_nowait,
-            priority,
-            extra_keys,
-            mm_inputs,
-            lora_name=lora_name,
-        )
+        self.submit(spec, queue.put_nowait)
         done = False
         try:
             while not done:
@@ -283,7 +226,7 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if not done:
-                self.abort(request_id, drop_output=True)
+                self.abort(spec.request_id, drop_output=True)
 
     def abort(self, request_id: str, drop_output: bool = False) -> bool:
         """Abort an in-flight request (thread-safe, non-blocking); False if it is not in flight.
@@ -370,23 +313,11 @@ class AsyncLLMEngine:
 
     def _handle_add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(
-                cmd.request_id,
-                cmd.prompt_token_ids,
-                cmd.params,
-                cmd.priority,
-                cmd.extra_keys,
-                cmd.mm_inputs,
-                cmd.resumed_output,
-                validated=True,  # by `submit`
-                transfer_id=cmd.transfer_id,
-                kv_import_id=cmd.kv_import_id,
-                lora_name=cmd.lora_name,
-            )
+            self.engine.add_request(cmd.spec, validated=True)  # by `submit`
         except ValueError as exc:
             self._post({cmd.stream.loop: [(cmd.stream, exc)]})
             return
-        self._streams[cmd.request_id] = cmd.stream
+        self._streams[cmd.spec.request_id] = cmd.stream
 
     def _handle_abort(self, cmd: _Abort) -> None:
         if cmd.drop_stream:

@@ -27,7 +27,7 @@ from worker_svc.engine.kv_transfer import KvLayout
 from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
-from worker_svc.engine.request import Request, RequestStatus
+from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
 from worker_svc.engine.structured import GrammarBackend, Prepared
@@ -140,38 +140,31 @@ class LLMEngine:
         return KvLayout(name, info.dtype, info.num_layers, info.num_kv_heads, info.head_dim, info.block_size)
 
     # ------------------------------------------------------------ requests
-    def validate_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: int = 0,
-        extra_keys: tuple[str, ...] = (),
-        mm_inputs: Sequence[MultiModalInput] = (),
-        resumed_output: Sequence[int] = (),
-    ) -> None:
+    def validate_request(self, spec: RequestSpec) -> None:
         """Stateless checks of a request (safe to call from any thread); ValueError names the field."""
-        if not isinstance(request_id, str) or not request_id:
+        if not isinstance(spec.request_id, str) or not spec.request_id:
             raise ValueError("request_id must be a non-empty string")
-        if not isinstance(sampling_params, SamplingParams):
+        params = spec.sampling_params
+        if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        sampling_params.validate()
-        sampling_params.validate_vocab(self.model_info.vocab_size)
-        _validate_prompt(prompt_token_ids, self.model_info.vocab_size)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if not isinstance(extra_keys, tuple) or not all(isinstance(k, str) for k in extra_keys):
+        params.validate()
+        params.validate_vocab(self.model_info.vocab_size)
+        prompt = spec.prompt_token_ids
+        _validate_prompt(prompt, self.model_info.vocab_size)
+        if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+            raise ValueError(f"priority must be an int, got {spec.priority!r}")
+        if not isinstance(spec.extra_keys, tuple) or not all(isinstance(k, str) for k in spec.extra_keys):
             raise ValueError("extra_keys must be a tuple of strings")
         info = self.model_info
-        if mm_inputs:
-            validate_mm_inputs(mm_inputs, len(prompt_token_ids), info.hidden_size)
-        if resumed_output:
-            _validate_resumed(resumed_output, info.vocab_size, sampling_params.max_tokens)
-        total = len(prompt_token_ids) + sampling_params.max_tokens
+        if spec.mm_inputs:
+            validate_mm_inputs(spec.mm_inputs, len(prompt), info.hidden_size)
+        if spec.resumed_output:
+            _validate_resumed(spec.resumed_output, info.vocab_size, params.max_tokens)
+        total = len(prompt) + params.max_tokens
         if total > info.max_model_len:
             raise ValueError(
-                f"prompt_token_ids ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) = {total} exceeds max_model_len={info.max_model_len}"
+                f"prompt_token_ids ({len(prompt)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len={info.max_model_len}"
             )
         blocks = -(-total // info.block_size)
         if blocks > info.num_kv_blocks:
@@ -179,74 +172,64 @@ class LLMEngine:
                 f"request needs {blocks} KV blocks but the cache has only num_kv_blocks={info.num_kv_blocks}"
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        priority: int = 0,
-        extra_keys: tuple[str, ...] = (),
-        mm_inputs: Sequence[MultiModalInput] = (),
-        resumed_output: Sequence[int] = (),
-        *,
-        validated: bool = False,
-        transfer_id: str | None = None,
-        kv_import_id: str | None = None,
-        lora_name: str = "",
-    ) -> None:
+    def add_request(self, spec: RequestSpec, *, validated: bool = False) -> None:
         """Queue a request; raises ValueError (naming the field) if it is invalid.
 
-        ``mm_inputs`` are the prompt's images (embeddings for placeholder positions); their
-        identifiers are mixed into the block hashes (``mm:<identifier>`` extra keys).
-        ``resumed_output`` is output the request already produced elsewhere (mid-stream
-        migration): it is computed like a preempted request's, counts as output (max/min
-        tokens, penalties, seeded draws) and is not sent again. ``validated``: the caller
-        has already run `validate_request` on it (the async front does, in the caller's
-        thread, off the engine thread's path to its step); only the checks that need the
-        engine's state are left.
+        ``spec.mm_inputs`` are the prompt's images (embeddings for placeholder positions);
+        their identifiers are mixed into the block hashes (``mm:<identifier>`` extra keys).
+        ``spec.resumed_output`` is output the request already produced elsewhere
+        (mid-stream migration): it is computed like a preempted request's, counts as output
+        (max/min tokens, penalties, seeded draws) and is not sent again. ``validated``: the
+        caller has already run `validate_request` on it (the async front does, in the
+        caller's thread, off the engine thread's path to its step); only the checks that
+        need the engine's state are left.
 
-        ``transfer_id`` makes it prefill-only (P/D): it computes the prompt's KV and its
-        first token, then its blocks stay pinned under that id for export (``self.kv``)
-        instead of being freed. ``kv_import_id``: the prompt's KV was imported under that
-        id (``self.kv.import_blocks``); those blocks stay pinned until the request has
+        ``spec.transfer_id`` makes it prefill-only (P/D): it computes the prompt's KV and
+        its first token, then its blocks stay pinned under that id for export (``self.kv``)
+        instead of being freed. ``spec.kv_import_id``: the prompt's KV was imported under
+        that id (``self.kv.import_blocks``); those blocks stay pinned until the request has
         taken them as prefix-cache hits.
         """
         if not validated:
-            self.validate_request(
-                request_id, prompt_token_ids, sampling_params, priority, extra_keys, mm_inputs, resumed_output
+            self.validate_request(spec)
+        if spec.request_id in self.requests:
+            raise ValueError(f"request_id {spec.request_id!r} is already in use")
+        params = spec.sampling_params
+        if spec.transfer_id is not None:
+            _validate_prefill_only(
+                spec.transfer_id, params, spec.mm_inputs, spec.resumed_output, self.kv.held
             )
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if transfer_id is not None:
-            _validate_prefill_only(transfer_id, sampling_params, mm_inputs, resumed_output, self.kv.held)
-        if lora_name and not (self.lora is not None and self.lora.known(lora_name)):
-            raise UnknownLoraError(f"LoRA adapter {lora_name!r} is not loaded")
-        generator = None
-        if sampling_params.seed is not None and not sampling_params.greedy:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(sampling_params.seed)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=sampling_params,
-            priority=priority,
-            extra_keys=with_mm_keys(with_lora_key(extra_keys, lora_name), mm_inputs),
-            generator=generator,
-            mm_inputs=tuple(mm_inputs),
-            output_token_ids=list(resumed_output),
-            transfer_id=transfer_id,
-            kv_import_id=kv_import_id,
-            lora_name=lora_name,
-        )
-        self.requests[request_id] = request
-        if sampling_params.structured is not None or sampling_params.bad_words:
+        if spec.lora_name and not (self.lora is not None and self.lora.known(spec.lora_name)):
+            raise UnknownLoraError(f"LoRA adapter {spec.lora_name!r} is not loaded")
+        request = self._new_request(spec)
+        self.requests[spec.request_id] = request
+        if params.structured is not None or params.bad_words:
             # Structured-outputs hook: scheduled once its matcher is ready (_admit_prepared).
-            future = self.grammar.prepare(
-                sampling_params.structured, sampling_params.bad_words, resumed_output
-            )
+            future = self.grammar.prepare(params.structured, params.bad_words, spec.resumed_output)
             self._preparing.append((request, future))
             return
         self.scheduler.add(request)
+
+    def _new_request(self, spec: RequestSpec) -> Request:
+        """The engine's state for a validated spec (copies of its sequences, its seeded draws)."""
+        params = spec.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        return Request(
+            request_id=spec.request_id,
+            prompt_token_ids=list(spec.prompt_token_ids),
+            sampling_params=params,
+            priority=spec.priority,
+            extra_keys=with_mm_keys(with_lora_key(spec.extra_keys, spec.lora_name), spec.mm_inputs),
+            generator=generator,
+            mm_inputs=tuple(spec.mm_inputs),
+            output_token_ids=list(spec.resumed_output),
+            transfer_id=spec.transfer_id,
+            kv_import_id=spec.kv_import_id,
+            lora_name=spec.lora_name,
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Abort an unfinished request and free its blocks now; False if unknown/finished.
@@ -372,7 +355,7 @@ class LLMEngine:
             for name, prompt_len, max_tokens in batch:
                 ids = [i % self.model_info.vocab_size for i in range(1, prompt_len + 1)]
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                self.add_request(name, ids, params)
+                self.add_request(RequestSpec(name, ids, params))
             while self.has_unfinished():
                 self.step()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.engine.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
+__all__ = ["FINISH_REASONS", "Request", "RequestSpec", "RequestStatus"]
 
 # Arrival order tie-breaker: monotonic even when two requests share a clock tick.
 _ARRIVAL_SEQ = itertools.count()
@@ -45,6 +46,44 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What a caller asks the engine to run: the one description of a request to add.
+
+    `LLMEngine.validate_request` / `add_request` and `AsyncLLMEngine.submit` / `generate`
+    take it whole, so the fields travel from the caller to the engine thread as one value.
+    Its fields are checked by `LLMEngine.validate_request`, not here: an invalid one must
+    come back as the ValueError naming it.
+
+    ``priority``: higher runs first. ``extra_keys`` are mixed into the prompt's block
+    hashes (cache salt, ...). ``mm_inputs``: the prompt's images (embeddings for
+    placeholder positions). ``resumed_output``: output the request already produced
+    elsewhere (mid-stream migration). ``transfer_id`` / ``kv_import_id``: P/D hand-off,
+    see `LLMEngine.add_request`. ``lora_name``: the adapter to run it under ("" none).
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    extra_keys: tuple[str, ...] = ()
+    mm_inputs: Sequence[MultiModalInput] = ()
+    resumed_output: Sequence[int] = ()
+    transfer_id: str | None = None
+    kv_import_id: str | None = None
+    lora_name: str = ""
+
+    def copied(self) -> RequestSpec:
+        """This spec with its sequences copied into tuples: what is handed to another
+        thread, which must not see the caller's later changes to its own lists."""
+        return replace(
+            self,
+            prompt_token_ids=tuple(self.prompt_token_ids),
+            mm_inputs=tuple(self.mm_inputs),
+            resumed_output=tuple(self.resumed_output),
+        )
 
 
 @dataclass(eq=False)
