@@ -1,8 +1,9 @@
 """What the chat and text completion answers share (`gateway.chat`, `gateway.completions`):
 a request's way from its arrival to its answer (`serve`), the started request an answer
-is built for, a collector gathering every choice's output for the JSON answer, and a
-streamer turning the events into SSE chunks. Each route adds how it starts its runs and
-its own choices: how a choice is assembled and what one event's chunks are."""
+is built for and how it is answered (`StartedRequest.answered_by`), a collector
+gathering every choice's output for the JSON answer, and a streamer turning the events
+into SSE chunks. Each route adds how it starts its runs and its own choices: how a
+choice is assembled and what one event's chunks are."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from fastapi import Request, Response
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 B = TypeVar("B", bound=SamplingRequest)
 ChunkT = TypeVar("ChunkT", ChatCompletionChunk, CompletionChunk)
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+P = ParamSpec("P")
 
 
 async def serve(
@@ -66,6 +69,30 @@ class StartedRequest:
     request_id: str
     model: str
     multi: MultiRun
+
+    def answered_by(
+        self,
+        streamer: Callable[Concatenate[StartedRequest, P], ChoiceStreamer[Any, Any]],
+        collector: Callable[Concatenate[StartedRequest, P], Collects[R]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Generation[R]:
+        """The request's answer: streamed by `streamer(self, *args, **kwargs)`, collected by
+        `collector(self, *args, **kwargs)`. Only the one of the way the answer takes (streamed
+        or collected) is built: building one starts its route's metrics timer."""
+        return Generation(
+            self.multi,
+            stream=lambda: streamer(self, *args, **kwargs).stream(),
+            collect=lambda: collector(self, *args, **kwargs).collect(),
+        )
+
+
+class Collects(Protocol[R_co]):
+    """What collects a route's non-streamed answer (its ChoiceCollector)."""
+
+    def collect(self) -> Awaitable[R_co]:
+        """The whole answer."""
+        ...
 
 
 @dataclass

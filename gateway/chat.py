@@ -138,13 +138,8 @@ async def create_chat_completion(
     """Route handler (see module docstring)."""
 
     async def start(ctx: RequestContext, model: str, request_id: str) -> Generation[ChatCompletionResponse]:
-        multi = await start_chat(ctx, body, model, request_id)
-        started = StartedRequest(ctx, request_id, model, multi)
-        return Generation(
-            multi,
-            stream=lambda: ChatStreamer(started, body, ROUTE).stream(),
-            collect=lambda: ChatCollector(started, body, ROUTE).collect(),
-        )
+        started = StartedRequest(ctx, request_id, model, await start_chat(ctx, body, model, request_id))
+        return started.answered_by(ChatStreamer, ChatCollector, body, ROUTE)
 
     return await serve(request, body, "chatcmpl", "gateway.chat_completions", start)
 

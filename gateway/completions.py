@@ -131,11 +131,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         multi, prompts = await start_completion(ctx, body, model, request_id)
         echoes = [p.text if body.echo else "" for p in prompts for _ in range(body.n)]
         started = StartedRequest(ctx, request_id, model, multi)
-        return Generation(
-            multi,
-            stream=lambda: CompletionStreamer(started, body, echoes).stream(),
-            collect=lambda: CompletionCollector(started, body, echoes).collect(),
-        )
+        return started.answered_by(CompletionStreamer, CompletionCollector, body, echoes)
 
     return await serve(request, body, "cmpl", "gateway.completions", start)
 
