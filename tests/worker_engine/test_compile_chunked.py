@@ -4,9 +4,11 @@ once dropped the attention ops as dead code: wrong tokens from the next chunk on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -29,7 +31,7 @@ def test_compiled_chunked_prefill_matches_transformers(
 
 
 def test_a_model_the_compiler_fails_on_is_served_eagerly(
-    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM
+    make_engine: Callable[..., LLMEngine], hf_model: LlamaForCausalLM, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Compile is on by default: a forward inductor cannot compile (faked: the real compiler
     handles every tested architecture) must not keep the worker from serving. The warm-up's
@@ -40,7 +42,9 @@ def test_a_model_the_compiler_fails_on_is_served_eagerly(
         raise RuntimeError("inductor lowering failed")
 
     engine.runner._compiled = failing_compile
-    engine.warm_up()
+    with caplog.at_level(logging.INFO, logger="worker_svc.engine.engine"):
+        engine.warm_up()
+    assert "compiling the forward failed" in caplog.text and "forward compiled" not in caplog.text
     assert not engine.has_unfinished() and engine.block_manager.num_used_blocks() == 0
     assert "no (compile failed: RuntimeError)" in engine.describe()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

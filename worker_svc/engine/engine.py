@@ -330,7 +330,8 @@ class LLMEngine:
         start = time.monotonic()
         if self.config.compiles:
             self._compile_steps()
-            log.info("forward compiled in %.0f s", time.monotonic() - start)
+            if not self.runner.compile_failed:
+                log.info("forward compiled in %.0f s", time.monotonic() - start)
         if self.runner.step_sizes:
             log.info("building the kernels of %d step sizes", len(self.runner.step_sizes))
         self.runner.warm_step_sizes()
