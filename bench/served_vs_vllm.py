@@ -123,6 +123,17 @@ def bench_once(
     return {"failed": result.get("failed", 0), **{m: result[m] for m in METRICS}}
 
 
+def bench_runs(
+    vllm: str, base_url: str, name: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
+) -> dict[int, dict[str, float]]:
+    """`bench_once` at each concurrency, in order, a line printed per run."""
+    runs = {}
+    for c in concurrencies:
+        runs[c] = bench_once(vllm, base_url, name, tokenizer, c, min_prompts)
+        print(f"  {base_url} c={c:<3d} {runs[c]['output_throughput']:8.1f} tok/s", flush=True)
+    return runs
+
+
 @contextlib.contextmanager
 def serving(server: Server) -> Iterator[float]:
     """Starts `server` (its output in LOG_DIR/SYSTEM.log), yields the seconds it took to be
@@ -143,13 +154,14 @@ def run_server(
     server: Server, vllm: str, name: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
 ) -> list[dict]:
     """Starts `server`, benchmarks it at each concurrency, stops it; one record per run."""
-    records = []
     with serving(server) as up_s:
-        for c in concurrencies:
-            result = bench_once(vllm, f"http://127.0.0.1:{server.port}", name, tokenizer, c, min_prompts)
-            records.append({"system": server.system, "concurrency": c, "up_s": round(up_s, 1), **result})
-            print(f"  {server.system:9s} c={c:<3d} {result['output_throughput']:8.1f} tok/s", flush=True)
-    return records
+        runs = bench_runs(
+            vllm, f"http://127.0.0.1:{server.port}", name, tokenizer, concurrencies, min_prompts
+        )
+    return [
+        {"system": server.system, "concurrency": c, "up_s": round(up_s, 1), **result}
+        for c, result in runs.items()
+    ]
 
 
 def summarize(runs: list[dict], concurrencies: Sequence[int]) -> dict:

@@ -488,7 +488,9 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         gateway = next(p for p in kubelet.pods.values() if p.plan.component == "gateway")
         gateway_addr = f"{gateway.ip}:{gateway.plan.ports['http']}"
         result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
-        result["engines"], failures = deployed_engines(kubelet, result["make_serve"]["engine"])
+        result["engines"], failures = await asyncio.to_thread(
+            deployed_engines, kubelet, result["make_serve"]["engine"]
+        )
         result["redis"], redis_failures = await asyncio.to_thread(redis_in_use, kubelet)
         result["failures"] += failures + redis_failures
         llm = result["requests"]["chat"]["model"]

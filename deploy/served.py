@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.served_vs_vllm import bench_once, mesh_server, serving
+from bench.served_vs_vllm import bench_runs, mesh_server, serving
 from services.log import logged_message
 
 # The fields of the engine's start-up line that must agree, each with the pattern of its value.
@@ -59,11 +59,8 @@ def throughput(
     vllm: str, base_url: str, model: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
 ) -> dict[str, dict[str, float]]:
     """`vllm bench serve` results per concurrency (keys "c=N") against `base_url`."""
-    runs = {}
-    for c in concurrencies:
-        runs[f"c={c}"] = bench_once(vllm, base_url, model, tokenizer, c, min_prompts)
-        print(f"  {base_url} c={c:<3d} {runs[f'c={c}']['output_throughput']:8.1f} tok/s", flush=True)
-    return runs
+    runs = bench_runs(vllm, base_url, model, tokenizer, concurrencies, min_prompts)
+    return {f"c={c}": result for c, result in runs.items()}
 
 
 def make_serve(model_dir: Path, vllm: str, concurrencies: Sequence[int], min_prompts: int) -> dict[str, Any]:
