@@ -1,13 +1,14 @@
-"""Several engines on one machine: the same chat load through a mesh of 1 decoder, then
-of 2, each a fresh mesh that the launcher places on the machine's CPUs as `make serve`
-would (services.cpus). With the machine's cores shared, twice the decoders must do at
-least as much work per second as one.
+"""Several engines on one machine: the same chat load through a mesh of 1 decoder and
+one of 2, each placed by the launcher on the machine's CPUs as `make serve` would
+(services.cpus). With the machine's cores shared, twice the decoders must do at least as
+much work per second as one.
 
     python -m bench.engines_bench --model-dir /tmp/peer/tiny-llama [--decoders 1,2]
-        [--requests 60 --concurrency 16 --max-tokens 200] [--rounds 3] [--compile]
-        [--out bench/results/engines_bench.json]
+        [--requests 60 --concurrency 16 --max-tokens 200] [--rounds 3]
+        [--forward eager,compiled] [--out bench/results/engines_bench.json]
 
-Each round sends `--requests` streamed chat completions (`--max-tokens` tokens each,
+For each forward (eager, and compiled as `make serve` runs it) both meshes run at once,
+idle but for the one under load, and the rounds alternate between them. Each round sends `--requests` streamed chat completions (`--max-tokens` tokens each,
 ignore_eos), `--concurrency` at a time, and records the wall time, output tokens/s and
 the median and p90 stream duration; the JSON keeps every round, their medians, where the
 launcher put each engine (its CPUs and threads) and how many requests each one served.
@@ -77,7 +78,10 @@ async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: i
     }
 
 
-def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
+def _start_mesh(
+    args: argparse.Namespace, decoders: int, compiled: bool
+) -> tuple[Mesh, tuple[tuple[str, int], ...]]:
+    """A mesh of `decoders` decoders placed by the launcher, warmed up by one round."""
     metrics = tuple((f"decoder-{i}", free_port()) for i in range(decoders))
     config = free_ports_config(
         model_dir=args.model_dir,
@@ -85,25 +89,47 @@ def _run_decoders(args: argparse.Namespace, decoders: int) -> dict[str, Any]:
         embedding_model_dir="",
         log_dir=tempfile.mkdtemp(prefix=f"meshserve-engines-bench-{decoders}-"),
         metrics_ports=metrics,
-        extra_env=(("MESHSERVE_COMPILE_MODEL", "true" if args.compile else "false"),),
+        extra_env=(("MESHSERVE_COMPILE_MODEL", "true" if compiled else "false"),),
     )
     mesh = Mesh(config).start(timeout=900)
-    try:
-        placement = {
-            name: {"cpus": format_cpus(spec.cpus), "threads": spec.env.get("MESHSERVE_NUM_THREADS", "")}
-            for name, spec in mesh.specs.items()
-            if name.startswith("decoder-")
-        }
-        model = Path(args.model_dir).name
-        asyncio.run(_load(mesh.gateway_url, model, args, -1))  # warm-up, not recorded
-        rounds = [asyncio.run(_load(mesh.gateway_url, model, args, r)) for r in range(args.rounds)]
-        served = {
-            name: metric_sample(port, "meshserve_worker_num_finished") for name, port in metrics
-        }  # warm-up included
-    finally:
-        mesh.stop()
+    asyncio.run(_load(mesh.gateway_url, Path(args.model_dir).name, args, -1))  # warm-up, not recorded
+    return mesh, metrics
+
+
+def _summary(
+    mesh: Mesh, metrics: Sequence[tuple[str, int]], rounds: list[dict[str, float]]
+) -> dict[str, Any]:
+    placement = {
+        name: {"cpus": format_cpus(spec.cpus), "threads": spec.env.get("MESHSERVE_NUM_THREADS", "")}
+        for name, spec in mesh.specs.items()
+        if name.startswith("decoder-")
+    }
+    served = {
+        name: metric_sample(port, "meshserve_worker_num_finished") for name, port in metrics
+    }  # warm-up included
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     return {"placement": placement, "requests_served": served, "rounds": rounds, "median": median}
+
+
+def measure(args: argparse.Namespace, counts: Sequence[int], compiled: bool) -> dict[str, Any]:
+    """Every mesh started at once and idle but for the one under load: rounds alternate
+    between them, so drift in the shared host's background load falls on all alike."""
+    meshes: dict[int, tuple[Mesh, tuple[tuple[str, int], ...]]] = {}
+    try:
+        for count in counts:
+            meshes[count] = _start_mesh(args, count, compiled)
+        rounds: dict[int, list[dict[str, float]]] = {count: [] for count in counts}
+        for r in range(args.rounds):
+            for count, (mesh, _) in meshes.items():
+                rounds[count].append(asyncio.run(_load(mesh.gateway_url, Path(args.model_dir).name, args, r)))
+                print(f"round {r}, {count} decoder(s): {json.dumps(rounds[count][-1])}", flush=True)
+        return {
+            f"{count}_decoders": _summary(mesh, metrics, rounds[count])
+            for count, (mesh, metrics) in meshes.items()
+        }
+    finally:
+        for mesh, _ in meshes.values():
+            mesh.stop()
 
 
 def main(argv: Sequence[str]) -> None:
@@ -114,13 +140,16 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="compile the forward (default: eager)")
+    parser.add_argument("--forward", default="eager,compiled", help="forwards to measure, comma-separated")
     parser.add_argument("--out", default="bench/results/engines_bench.json")
     args = parser.parse_args(argv)
-    results = {}
-    for count in (int(n) for n in args.decoders.split(",")):
-        results[f"{count}_decoders"] = _run_decoders(args, count)
-        print(f"{count} decoder(s): {json.dumps(results[f'{count}_decoders']['median'])}", flush=True)
+    counts = [int(n) for n in args.decoders.split(",")]
+    results: dict[str, Any] = {}
+    for forward in args.forward.split(","):
+        results[forward] = measure(args, counts, compiled=forward == "compiled")
+        if {"1_decoders", "2_decoders"} <= results[forward].keys():
+            one, two = (results[forward][f"{n}_decoders"]["median"]["output_tok_s"] for n in (1, 2))
+            results[forward]["output_tok_s_2_to_1"] = two / one
     report = {
         "command": "python -m bench.engines_bench " + " ".join(argv),
         "host": host_info(),
