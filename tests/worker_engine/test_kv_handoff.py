@@ -216,3 +216,56 @@ def test_sliding_window_model_hand_off_equals_transformers(name: str, tmp_path: 
     out, cached = decode_import(d, prompt)
     assert cached == len(payloads) * 4 > WINDOW
     assert out == hf_greedy(ref, prompt, GREEDY.max_tokens)
+
+
+def test_reserved_import_has_its_room_before_the_prefill_runs(make_engine: Callable[..., LLMEngine]) -> None:
+    """A decode engine reserves the prompt's blocks first (its cached ones pinned, empty
+    ones for the rest); without the room it refuses ("import") before any prefill runs
+    elsewhere, holding nothing. Reserved, the import fills them and decodes as one engine."""
+    (prompt, other) = prompts(70, 40)
+    reference = tokens(run_all(make_engine(), [("r", prompt, GREEDY)])["r"])
+    d = make_engine(num_kv_blocks=6)
+    prefill(d, "mine", other)  # 3 blocks held (pinned) for a transfer of another prompt
+    with pytest.raises(KvTransferError) as err:
+        d.kv.reserve_import("imp", prompt, ())  # 4 full blocks needed, 3 free
+    assert err.value.reason == "import"
+    assert d.block_manager.num_used_blocks() == 3 and "imp" not in d.kv.imports
+    d.kv.release("mine")
+    assert d.kv.reserve_import("imp", prompt, ()) == 4
+    assert d.block_manager.num_used_blocks() == 4, "the room is taken before any KV arrived"
+    p = make_engine()
+    prefill(p, "t", prompt)
+    d.kv.import_blocks("imp", d.kv.layout, prompt, (), export(p, "t"))
+    assert d.block_manager.num_used_blocks() == 4, "the KV went into the reserved blocks"
+    out, cached = decode_import(d, prompt)
+    assert out == reference and cached == 64
+    assert d.block_manager.num_used_blocks() == 0 and not d.kv.imports
+
+
+def test_a_reservation_reuses_cached_blocks_and_releases_whole(make_engine: Callable[..., LLMEngine]) -> None:
+    (prompt,) = prompts(70)
+    d = make_engine()
+    run_all(d, [("warm", prompt[:40], SamplingParams(max_tokens=1))])  # 2 blocks of the prompt cached
+    free = d.block_manager.num_free_blocks()
+    assert d.kv.reserve_import("imp", prompt, ()) == 4
+    entry = d.kv.imports["imp"]
+    assert sorted(entry.cached) == [0, 1] and len(entry.empty) == 2
+    assert d.block_manager.num_free_blocks() == free - 4
+    d.kv.release_import("imp")  # abandoned before its KV came
+    assert d.block_manager.num_free_blocks() == free and d.block_manager.num_used_blocks() == 0
+    assert d.block_manager.num_cached_blocks() == 2, "the cached blocks stay findable"
+
+
+def test_engine_reports_its_prompt_queue_and_prefill_rate(make_engine: Callable[..., LLMEngine]) -> None:
+    (first, second) = prompts(150, 40)
+    engine = make_engine(max_num_batched_tokens=64)
+    assert engine.stats().prefill_tokens_per_s == 0.0
+    engine.add_request(RequestSpec("a", first, GREEDY))
+    engine.add_request(RequestSpec("b", second, GREEDY))
+    assert engine.stats().queued_prompt_tokens == 190, "both prompts wait"
+    engine.step()  # 64 of the first prompt
+    assert engine.stats().queued_prompt_tokens == 190 - 64
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.queued_prompt_tokens == 0 and stats.prefill_tokens_per_s > 0.0

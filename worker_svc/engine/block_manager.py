@@ -247,21 +247,42 @@ class BlockManager:
         already cached under ``block_hash`` (returns ``(id, False)``: nothing to write), or
         a free block registered under it (``(id, True)``: the caller writes its KV before
         the next step). None when no block is free. Pinned blocks are in use until `unpin`."""
-        block = self._cached.get(block_hash)
-        if block is not None:
-            if block.ref_count == 0:
-                del self._free[block.block_id]
-            block.ref_count += 1
-            return block.block_id, False
-        if not self._free:
+        cached = self.pin_cached(block_hash)
+        if cached is not None:
+            return cached, False
+        reserved = self.reserve(1)
+        if reserved is None:
             return None
-        block = self.blocks[self._pop_free()]
+        self.register_reserved(reserved[0], block_hash, parent_hash, token_ids)
+        return reserved[0], True
+
+    def pin_cached(self, block_hash: int) -> int | None:
+        """One more reference to the block cached under ``block_hash``; None when none is."""
+        block = self._cached.get(block_hash)
+        if block is None:
+            return None
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+        return block.block_id
+
+    def reserve(self, count: int) -> list[int] | None:
+        """``count`` free blocks, pinned and empty (no hash), or None (nothing taken) when
+        fewer are free: a hand-off's room, taken before its prefill runs elsewhere."""
+        if count > len(self._free):
+            return None
+        return [self._pop_free() for _ in range(count)]
+
+    def register_reserved(
+        self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: list[int]
+    ) -> None:
+        """A reserved block now holds the KV of ``block_hash``: findable by it."""
+        block = self.blocks[block_id]
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._events.append(
             KvEvent("stored", block_hashes=[block_hash], parent_hash=parent_hash, token_ids=list(token_ids))
         )
-        return block.block_id, True
 
     def unpin(self, block_ids: list[int]) -> None:
         """Drop one reference of each block (pinned by `import_block` or a held transfer);

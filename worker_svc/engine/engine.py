@@ -31,6 +31,7 @@ from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
 from worker_svc.engine.structured import GrammarBackend, Prepared
+from worker_svc.engine.token_rate import TokenRate
 
 __all__ = ["EngineStats", "EngineStepError", "LLMEngine", "RequestOutput"]
 
@@ -79,6 +80,11 @@ class EngineStats:
     num_aborted: int
     num_steps: int
     num_generated_tokens: int
+    # P/D's estimates (LoadStats): prompt tokens admitted and not computed yet, and the
+    # prompt tokens per second of recent steps that computed some (0.0: none yet).
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    kv_import_tokens_per_s: float = 0.0
     lora: LoraSnapshot | None = None  # None: LoRA off
 
 
@@ -114,6 +120,8 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.prefill_rate = TokenRate()
+        self._prefill_left = 0  # prompt tokens the last step's prefill chunks left for later
         self._cpus = parse_cpu_list(config.cpu_affinity)
         self._pinned_thread: int | None = None
         # Structured outputs / bad_words hook: such requests wait here (not in the
@@ -335,6 +343,7 @@ class LLMEngine:
         if self.runner.step_sizes:
             log.info("building the kernels of %d step sizes", len(self.runner.step_sizes))
         self.runner.warm_step_sizes()
+        self.prefill_rate.reset()  # warm-up steps compiled and built kernels: not a rate
         return time.monotonic() - start
 
     def _compile_steps(self) -> None:
@@ -410,6 +419,7 @@ class LLMEngine:
             for item in sched.scheduled:
                 if item.request.kv_import_id is not None:  # it holds the imported blocks now
                     self._release_import(item.request)
+            started = time.perf_counter()
             try:
                 model_out = self.runner.execute(sched.scheduled)
                 sampled = self._sample(model_out)
@@ -425,9 +435,18 @@ class LLMEngine:
                 # A decode row fills a block only at a block's last slot: else nothing to register.
                 if item.num_new_tokens > 1 or item.end % block_size == 0:
                     self.block_manager.mark_computed(item.request)
+            self._measure_prefill(sched.scheduled, time.perf_counter() - started)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
+
+    def _measure_prefill(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        """The step's prompt tokens (rows computing more than one token) into the prefill
+        rate, and what its chunked prompts left for later steps."""
+        chunks = [item for item in scheduled if item.num_new_tokens > 1]
+        self._prefill_left = sum(item.request.num_tokens - item.end for item in chunks)
+        if chunks:
+            self.prefill_rate.add(sum(item.num_new_tokens for item in chunks), seconds)
 
     def _sample(self, model_out: ModelOutput) -> SamplerOutput:
         if not model_out.sample_items:
@@ -568,6 +587,10 @@ class LLMEngine:
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            queued_prompt_tokens=self._prefill_left
+            + sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            prefill_tokens_per_s=self.prefill_rate.per_s,
+            kv_import_tokens_per_s=self.kv.import_rate.per_s,
             lora=self.lora.snapshot() if self.lora is not None else None,
         )
 

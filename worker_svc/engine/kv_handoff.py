@@ -7,10 +7,12 @@ explicitly, or ``ttl_s`` after it finished. A pull in progress is a *reader*: a 
 while it reads is deferred to the reader's end, so no block of a transfer is freed (and
 reused) while its bytes are still being read.
 
-Decode side: `import_blocks` checks layout, checksums and hashes (``kv_transfer``), then
-pins each block under its hash (the one already cached, or a free block it fills) so the
-decode request's normal prefix lookup finds it; `release_import` unpins them once the
-request holds them itself (or never came).
+Decode side: `reserve_import` pins, before the prefill runs elsewhere, a block for each
+full block of the prompt (the one cached here already, or an empty one), so a hand-off
+never lacks room after the prefill worker did its work. `import_blocks` checks layout,
+checksums and hashes (``kv_transfer``), then places each block under its hash (into the
+reserved block, or one cached meanwhile) so the decode request's normal prefix lookup
+finds it; `release_import` unpins them once the request holds them itself (or never came).
 
 Everything here runs on the engine thread, except `read_blocks` (pinned blocks only).
 """
@@ -32,6 +34,7 @@ from worker_svc.engine.kv_transfer import (
     verify_checksums,
 )
 from worker_svc.engine.request import Request
+from worker_svc.engine.token_rate import TokenRate
 
 __all__ = ["ExportManifest", "KvHandoff"]
 
@@ -58,7 +61,15 @@ class _Held:
 
 @dataclass
 class _Import:
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the prompt's blocks imported so far
+    # Reserved before the prefill ran elsewhere (`reserve_import`): blocks already cached
+    # here by index (pinned, nothing to write), and empty blocks for the others.
+    cached: dict[int, int] = field(default_factory=dict)
+    empty: list[int] = field(default_factory=list)
+
+    def pinned(self) -> list[int]:
+        """Every block this import holds a reference to."""
+        return [*self.block_ids, *self.cached.values(), *self.empty]
 
 
 class KvHandoff:
@@ -82,6 +93,9 @@ class KvHandoff:
         self.clock = clock
         self.held: dict[str, _Held] = {}
         self.imports: dict[str, _Import] = {}
+        # Prompt tokens per second of recent imports, pull included (fed by the worker's
+        # importer, which times the pull): a decoder reports it for P/D's estimates.
+        self.import_rate = TokenRate()
 
     # ------------------------------------------------------------ prefill side
     def hold(self, request: Request) -> None:
@@ -177,19 +191,62 @@ class KvHandoff:
         if not checksummed:
             verify_checksums(payloads)
         bs = layout.block_size
+        entry = self.imports[import_id]
         for payload in payloads:
             i = payload.index
-            parent = hashes[i - 1] if i else None
-            placed = self.block_manager.import_block(
-                payload.block_hash, parent, list(token_ids[i * bs : (i + 1) * bs])
+            block_id, fresh = self._place(
+                entry,
+                i,
+                payload.block_hash,
+                hashes[i - 1] if i else None,
+                list(token_ids[i * bs : (i + 1) * bs]),
             )
-            if placed is None:
-                raise KvTransferError("import", f"no free KV block for imported block {i}")
-            block_id, fresh = placed
             if fresh:
                 self._write_block(block_id, payload.data)
             pinned.append(block_id)
         return len(pinned)
+
+    def reserve_import(self, import_id: str, token_ids: Sequence[int], extra_keys: tuple[str, ...]) -> int:
+        """Room for the KV of the prompt's full blocks under ``import_id``, before it is
+        computed elsewhere: returns how many blocks were reserved. KvTransferError
+        ("import") when the cache lacks the free blocks (nothing reserved)."""
+        if import_id in self.imports:
+            raise ValueError(f"import {import_id!r} exists already")
+        bs = self.block_manager.block_size
+        hashes = block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs, extra_keys)
+        entry = _Import()
+        for index, block_hash in enumerate(hashes):
+            block_id = self.block_manager.pin_cached(block_hash)
+            if block_id is not None:
+                entry.cached[index] = block_id
+        empty = self.block_manager.reserve(len(hashes) - len(entry.cached))
+        if empty is None:
+            self.block_manager.unpin(list(entry.cached.values()))
+            raise KvTransferError(
+                "import", f"{len(hashes) - len(entry.cached)} free KV blocks needed for the prompt's KV"
+            )
+        entry.empty = empty
+        self.imports[import_id] = entry
+        return len(hashes)
+
+    def _place(
+        self, entry: _Import, index: int, block_hash: int, parent: int | None, token_ids: list[int]
+    ) -> tuple[int, bool]:
+        """The block block ``index`` goes into and whether its KV must be written."""
+        if index in entry.cached:
+            return entry.cached.pop(index), False
+        if entry.empty:
+            cached = self.block_manager.pin_cached(block_hash)  # computed here meanwhile
+            if cached is not None:
+                self.block_manager.unpin([entry.empty.pop()])
+                return cached, False
+            block_id = entry.empty.pop()
+            self.block_manager.register_reserved(block_id, block_hash, parent, token_ids)
+            return block_id, True
+        placed = self.block_manager.import_block(block_hash, parent, token_ids)
+        if placed is None:
+            raise KvTransferError("import", f"no free KV block for imported block {index}")
+        return placed
 
     def _expected_hashes(
         self, token_ids: Sequence[int], extra_keys: tuple[str, ...], count: int
@@ -216,4 +273,4 @@ class KvHandoff:
         """Unpin an import's blocks (they stay cached under their hashes until evicted)."""
         entry = self.imports.pop(import_id, None)
         if entry is not None:
-            self.block_manager.unpin(entry.block_ids)
+            self.block_manager.unpin(entry.pinned())
