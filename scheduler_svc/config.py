@@ -8,6 +8,7 @@ from services.config import DEFAULT_PORTS, ServerConfig, at_least, opt, positive
 from services.kv_contract import DEFAULT_BLOCK_SIZE
 
 ROUTING_POLICIES = ("prefix", "round_robin", "least_load")
+PD_DECISIONS = ("estimate", "threshold")  # scheduler_svc/pd.py
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,13 @@ class SchedulerConfig(ServerConfig):
         "prefilled on a prefill worker (when one is registered) and its KV pulled by the "
         "decoder; 0: never",
     )
+    pd_decision: str = opt(
+        "estimate",
+        "P/D: which long prompts are handed off: estimate (only when the hand-off, the prefill "
+        "worker's queue, the prefill and the pull at measured rates, is expected to beat a "
+        "prefill on the decoder by --pd-handoff-margin) or threshold (every one)",
+    )
+    pd_handoff_margin: float = opt(0.1, "P/D: see --pd-decision")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +113,10 @@ class SchedulerConfig(ServerConfig):
                 f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}"
             )
         positive(self, "heartbeat_interval_ms")
+        if self.pd_decision not in PD_DECISIONS:
+            raise ValueError(
+                f"pd_decision must be one of {', '.join(PD_DECISIONS)}, got {self.pd_decision!r}"
+            )
         if self.worker_timeout_s * 1000 <= self.heartbeat_interval_ms:
             raise ValueError("worker_timeout_s must be longer than one heartbeat interval")
         if self.worker_forget_s < self.worker_timeout_s:

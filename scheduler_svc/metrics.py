@@ -140,6 +140,7 @@ def forget_worker(worker_id: str) -> None:
 PD_DECISIONS = Counter(
     "meshserve_scheduler_pd_decisions_total",
     "Routes of text prompts when P/D is on (pd_min_prompt_tokens > 0), by decision: "
-    "disaggregated, short (uncached prompt below the threshold), no_prefill_worker",
+    "disaggregated, short (uncached prompt below the threshold), local_faster (the hand-off "
+    "was not expected to beat a local prefill), no_prefill_worker",
     ["decision"],
 )

@@ -1,44 +1,107 @@
 """Prefill/decode disaggregation: whether a route gets a prefill worker, and which.
 
-The decoder is chosen first, as for any request (prefix + load). Then, when the prompt
-tokens that decoder does not have cached reach ``pd_min_prompt_tokens`` and a healthy
-prefill worker with free capacity and the decoder's KV layout exists, the least loaded one
-is paired with it (llm-d's P/D decider: a threshold on the uncached prompt). Requests
-with images, a LoRA adapter or prompt logprobs stay on the decoder (their KV cannot come
-from elsewhere: images and adapters live on the decoder; prompt logprobs are not reused). Domain code: no grpc.
+The decoder is chosen first, as for any request (prefix + load). Then a prompt whose
+tokens not cached on that decoder reach ``pd_min_prompt_tokens`` is handed off (the
+``threshold`` decision: llm-d's P/D decider), by default only when the hand-off is
+expected to give it its KV sooner than a local prefill, by ``pd_handoff_margin`` (the
+``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too; this
+weighs both sides' queues and measured rates). Each side's time is its queued prompt tokens (last heartbeat, plus what
+this scheduler routed there since) and the prompt, over its measured prefill rate; the
+hand-off adds the pull at the decoder's measured import rate. Until no side has measured
+a rate yet, the threshold alone decides. The estimate travels with the route
+(`KvSource.expected_ms`): the decoder abandons a hand-off that runs well past it.
+
+Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
+``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
+about a second, long before the registry's worker timeout. Requests with images, a LoRA
+adapter or prompt logprobs stay on the decoder (their KV cannot come from elsewhere:
+images and adapters live on the decoder; prompt logprobs are not reused).
+Domain code: no grpc.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from scheduler_svc import metrics
 from scheduler_svc.registry import WorkerRegistry, WorkerState
 
-__all__ = ["pick_prefill_worker"]
+__all__ = ["Handoff", "PdDecider"]
 
 
-def pick_prefill_worker(
-    registry: WorkerRegistry,
-    decoder: WorkerState,
-    uncached_tokens: int,
-    min_prompt_tokens: int,
-    exclude: frozenset[str] = frozenset(),
-) -> WorkerState | None:
-    """The prefill worker to pair with ``decoder`` for a prompt of which
-    ``uncached_tokens`` are not in the decoder's cache, or None (decode prefills itself)."""
-    model = decoder.spec.model
-    if min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
-        return None  # P/D off, or no prefill worker of the model at all
-    if uncached_tokens < min_prompt_tokens:
-        metrics.PD_DECISIONS.labels(decision="short").inc()
+@dataclass(frozen=True)
+class Handoff:
+    """A route's prefill worker and the expected seconds of the hand-off (0: no estimate)."""
+
+    worker: WorkerState
+    expected_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PdDecider:
+    """The P/D rule above, with the scheduler's settings."""
+
+    min_prompt_tokens: int
+    margin: float = 0.1
+    silent_after_s: float = 1.5
+    estimate: bool = True  # False: the threshold decision
+
+    def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
+        """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s
+        cache, or None (the decoder prefills it); counts the decision."""
+        model = decoder.spec.model
+        if self.min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
+            return None  # P/D off, or no prefill worker of the model at all
+        if uncached < self.min_prompt_tokens:
+            return self._local(decoder, uncached, "short")
+        now = registry.now()
+        layout = decoder.spec.kv_layout
+        candidates = [
+            w
+            for w in registry.candidates(model, "prefill")
+            if layout
+            and w.spec.kv_layout == layout
+            and w.has_capacity()
+            and now - w.last_seen <= self.silent_after_s
+        ]
+        if not candidates:
+            return self._local(decoder, uncached, "no_prefill_worker")
+        worker = min(
+            candidates,
+            key=lambda w: (_queue_s(w, uncached, _rate(w, decoder)) or 0.0, w.load_fraction(), w.worker_id),
+        )
+        remote = _handoff_s(worker, decoder, uncached)
+        local = _queue_s(decoder, uncached, _rate(decoder, worker))
+        slower = remote is not None and local is not None and remote * (1.0 + self.margin) > local
+        if self.estimate and slower:
+            return self._local(decoder, uncached, "local_faster")
+        worker.routed_prompt_tokens += uncached
+        metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
+        return Handoff(worker, remote or 0.0)
+
+    @staticmethod
+    def _local(decoder: WorkerState, uncached: int, reason: str) -> None:
+        decoder.routed_prompt_tokens += uncached
+        metrics.PD_DECISIONS.labels(decision=reason).inc()
         return None
-    layout = decoder.spec.kv_layout
-    candidates = [
-        w
-        for w in registry.candidates(model, "prefill", exclude)
-        if layout and w.spec.kv_layout == layout and w.has_capacity()
-    ]
-    if not candidates:
-        metrics.PD_DECISIONS.labels(decision="no_prefill_worker").inc()
+
+
+def _rate(worker: WorkerState, other: WorkerState) -> float:
+    """``worker``'s measured prefill rate, else ``other``'s (same model; 0: none measured)."""
+    return worker.load.prefill_tokens_per_s or other.load.prefill_tokens_per_s
+
+
+def _queue_s(worker: WorkerState, uncached: int, rate: float) -> float | None:
+    """Seconds until ``worker`` has computed its queued prompt tokens and ``uncached`` more."""
+    if rate <= 0.0:
         return None
-    metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
-    return min(candidates, key=lambda w: (w.load_fraction(), w.worker_id))
+    return (worker.load.queued_prompt_tokens + worker.routed_prompt_tokens + uncached) / rate
+
+
+def _handoff_s(prefill: WorkerState, decoder: WorkerState, uncached: int) -> float | None:
+    """The hand-off's expected seconds: the prefill worker's queue and prefill, then the pull."""
+    prefill_s = _queue_s(prefill, uncached, _rate(prefill, decoder))
+    if prefill_s is None:
+        return None
+    import_rate = decoder.load.kv_import_tokens_per_s
+    return prefill_s + (uncached / import_rate if import_rate > 0.0 else 0.0)

@@ -66,6 +66,9 @@ class LoadSnapshot:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_finished: int = 0
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    kv_import_tokens_per_s: float = 0.0
     # LoRA adapters requests may name on this worker, and those in a compute slot now.
     lora_loaded: tuple[str, ...] = ()
     lora_resident: tuple[str, ...] = ()
@@ -91,6 +94,8 @@ class WorkerState:
     inflight: int = 0
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
+    # Prompt tokens P/D sent here since the last report (pd.py): its queue the report lacks.
+    routed_prompt_tokens: int = 0
     capacity: int = 1
     # LoRA adapter -> requests for it this scheduler sent here that have not finished yet
     # (an adapter leaves the dict with its last request: `release`).
@@ -204,6 +209,7 @@ class WorkerRegistry:
         if revived or state.draining != draining:
             self.version += 1
         state.load = load
+        state.routed_prompt_tokens = 0
         state.last_seen = self._clock()
         state.healthy = True
         state.draining = draining
@@ -223,6 +229,7 @@ class WorkerRegistry:
         if not state.healthy or state.draining != draining:
             self.version += 1
         state.load = load
+        state.routed_prompt_tokens = 0
         state.external_load = max(load.num_running + load.num_waiting - state.inflight, 0)
         state.draining = draining
         state.healthy = True

@@ -23,7 +23,7 @@ from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
 from scheduler_svc import metrics
 from scheduler_svc.leases import LeaseRecord
 from scheduler_svc.multimodal import EncodeCoordinator
-from scheduler_svc.pd import pick_prefill_worker
+from scheduler_svc.pd import Handoff, PdDecider
 from scheduler_svc.policies import Decision, RoutingRequest
 from scheduler_svc.registry import Lease
 from scheduler_svc.scheduler import Scheduler
@@ -41,9 +41,11 @@ class RouteResult:
     decision: Decision
     mm_items: list[common_pb2.MultiModalItem]
     predicted_cached_tokens: int
-    # P/D: the prefill worker's lease (ends with `lease`) and the transfer id, or None.
+    # P/D: the prefill worker's lease (ends with `lease`), the transfer id and the
+    # hand-off's expected seconds, or None.
     prefill: LeaseRecord | None = None
     transfer_id: str = ""
+    expected_s: float = 0.0
 
 
 def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
@@ -67,6 +69,7 @@ def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.Rout
                 address=prefill.address,
                 transfer_id=result.transfer_id,
                 lease_id=result.prefill.lease_id,
+                expected_ms=round(result.expected_s * 1000),
             )
         )
     return response
@@ -116,6 +119,14 @@ class Router:
         self.scheduler = scheduler
         self.max_retries = scheduler.config.max_retries
         self.mm = EncodeCoordinator(scheduler)
+        config = scheduler.config
+        # A prefill worker three heartbeats late gets no more hand-offs (pd.py).
+        self.pd = PdDecider(
+            config.pd_min_prompt_tokens,
+            config.pd_handoff_margin,
+            3 * config.heartbeat_interval_s,
+            estimate=config.pd_decision == "estimate",
+        )
 
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: frozenset[str], force_encode: bool = False
@@ -163,13 +174,14 @@ class Router:
             decision.matched_blocks, len(request.prompt_token_ids), block_size
         )
         active = self.scheduler.leases.issue(lease, request.request_id, predicted)
-        prefill = self._pair_prefill(request, active, predicted, mm_items)
+        handoff = self._pair_prefill(request, active, predicted, mm_items)
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
-        if prefill is None:
+        if handoff is None:
             return RouteResult(request.request_id, active, decision, mm_items, predicted)
+        prefill, expected_s = handoff
         return RouteResult(
-            request.request_id, active, decision, mm_items, predicted, prefill, uuid.uuid4().hex
+            request.request_id, active, decision, mm_items, predicted, prefill, uuid.uuid4().hex, expected_s
         )
 
     def _pair_prefill(
@@ -178,21 +190,21 @@ class Router:
         decode: LeaseRecord,
         predicted: int,
         mm_items: list[common_pb2.MultiModalItem],
-    ) -> LeaseRecord | None:
+    ) -> tuple[LeaseRecord, float] | None:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
-        decode lease so that it ends with it; None when the decoder prefills itself."""
-        threshold = self.scheduler.config.pd_min_prompt_tokens
+        decode lease so that it ends with it, and the hand-off's expected seconds; None
+        when the decoder prefills itself."""
         adapter = self.scheduler.registry.is_adapter(request.model)
         if mm_items or adapter or request.sampling.HasField("prompt_logprobs"):
             return None
         uncached = len(request.prompt_token_ids) - predicted
-        worker = pick_prefill_worker(self.scheduler.registry, decode.lease.worker, uncached, threshold)
-        if worker is None:
+        handoff: Handoff | None = self.pd.decide(self.scheduler.registry, decode.lease.worker, uncached)
+        if handoff is None:
             return None
         leases = self.scheduler.leases
-        prefill = leases.issue(self.scheduler.registry.acquire(worker), request.request_id)
+        prefill = leases.issue(self.scheduler.registry.acquire(handoff.worker), request.request_id)
         leases.link(decode.lease_id, prefill.lease_id)
-        return prefill
+        return prefill, handoff.expected_s
 
     def release(self, lease_ids: list[str], outcomes: Sequence[scheduler_pb2.LeaseOutcome] = ()) -> int:
         """Ends leases (their requests finished); returns how many this replica knew.

@@ -158,18 +158,22 @@ KEEPALIVE_TIME_MS = 10_000
 PING_TIMEOUT_MS = 5_000
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+def channel_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ping_ms: int = KEEPALIVE_TIME_MS,
+    ping_timeout_ms: int = PING_TIMEOUT_MS,
+) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Fail fast and reconnect quickly when a peer restarts.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", ping_timeout_ms),
         # gRPC core times pings out after this (default 60 s, whatever keepalive_timeout
         # says): measured, a SIGSTOPped peer's stream failed 61 s after the stop, 6 s with this.
-        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", ping_timeout_ms),
         # Keep pinging while only the peer sends: a client that reads a long stream sends
         # no data, and the default (2 pings, then none until it does) let a hung
         # (SIGSTOPped) worker hold its streams forever.
@@ -197,10 +201,16 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
-def open_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def open_channel(
+    address: str,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ping_ms: int = KEEPALIVE_TIME_MS,
+    ping_timeout_ms: int = PING_TIMEOUT_MS,
+) -> grpc.aio.Channel:
     """An asyncio channel to another service: TLS when MESHSERVE_TLS_CA is set (see
-    services.tls), plaintext otherwise; calls carry the current trace context."""
-    options = channel_options(max_message_bytes)
+    services.tls), plaintext otherwise; calls carry the current trace context. A peer
+    that answers no ping within ``ping_timeout_ms`` (hung) fails the channel's calls."""
+    options = channel_options(max_message_bytes, ping_ms, ping_timeout_ms)
     interceptors = tracing.client_interceptors()
     credentials = tls.channel_credentials(tls.client_files())
     if credentials is not None:

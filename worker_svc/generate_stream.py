@@ -145,7 +145,7 @@ class RequestRun:
 def transfer_source(request: common_pb2.GenerateRequest) -> TransferSource:
     """The request's `kv_source` as the connector takes it."""
     src = request.kv_source
-    return TransferSource(src.worker_id, src.address, src.transfer_id, src.lease_id)
+    return TransferSource(src.worker_id, src.address, src.transfer_id, src.lease_id, src.expected_ms / 1000.0)
 
 
 def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestError:

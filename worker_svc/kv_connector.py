@@ -7,11 +7,12 @@ the held blocks, ``release`` lets the prefill worker free them. Transport failur
 out as `KvTransferError` with a reason, never as transport exceptions.
 
 `KvImporter` is the decode side's use of it (vLLM's connector scheduler half, folded
-into one call): publish, check the layout, pull, verify each chunk's checksums off the
-engine thread, import it into the engine's paged cache (hash checks there), and answer
-the import id the request then runs under. Whatever fails, it answers None and the
-request prefills itself: the client sees no error, the fallback is counted by reason.
-No grpc here.
+into one call): reserve the prompt's blocks in the engine, publish, check the layout,
+pull, verify each chunk's checksums off the engine thread, import it into the reserved
+blocks (hash checks there), and answer the import id the request then runs under.
+Whatever fails, it answers None and the request prefills itself: the client sees no
+error, the fallback is counted by reason. A hand-off running well past the scheduler's
+estimate is abandoned the same way (`deadline`). No grpc here.
 """
 
 from __future__ import annotations
@@ -28,13 +29,25 @@ from worker_svc import metrics
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.kv_transfer import KvBlockPayload, KvLayout, KvTransferError, verify_checksums
 
-__all__ = ["KVConnector", "KvImporter", "PrefillJob", "PublishedTransfer", "TransferSource"]
+__all__ = ["KVConnector", "KvImporter", "PrefillJob", "PublishedTransfer", "TransferSource", "deadline"]
 
 log = logging.getLogger(__name__)
 
 # Chunks imported into the engine before the pull waits for the first of them: bounds
 # the decode side's buffered KV while the engine is busy with a step.
 _IMPORTS_IN_FLIGHT = 8
+# A hand-off gets OVERRUN times the scheduler's estimate plus OVERRUN_SLACK_S before the
+# decoder prefills itself (docs/design-decisions.md, "P/D deadlines from estimates").
+OVERRUN = 2.0
+OVERRUN_SLACK_S = 0.5
+
+
+def deadline(expected_s: float, timeout_s: float) -> float:
+    """Seconds a hand-off estimated at ``expected_s`` (0: no estimate) may take, never
+    more than the decoder's ``timeout_s``."""
+    if expected_s <= 0.0:
+        return timeout_s
+    return min(timeout_s, expected_s * OVERRUN + OVERRUN_SLACK_S)
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class TransferSource:
     address: str
     transfer_id: str
     lease_id: str = ""
+    expected_s: float = 0.0  # the scheduler's estimate of the hand-off; 0: none
 
 
 @dataclass(frozen=True)
@@ -111,14 +125,17 @@ class KvImporter:
         the request prefills itself; counted by reason). Never raises, except on cancel."""
         import_id = f"import-{source.transfer_id}"
         started = time.monotonic()
+        prompt = job.prompt_token_ids
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(deadline(source.expected_s, self.timeout_s)):
+                # Room first: the prefill worker's work is never wasted for want of blocks.
+                await self.engine.call(lambda engine: engine.kv.reserve_import(import_id, prompt, extra_keys))
                 published = await self.connector.publish(source, job)
                 pulled_at = time.monotonic()
                 mismatch = self.layout.mismatch(published.layout)
                 if mismatch is not None:
                     raise KvTransferError("layout", f"prefill worker's KV layout differs: {mismatch}")
-                count = await self._pull(source, import_id, job.prompt_token_ids, extra_keys)
+                count = await self._pull(source, import_id, prompt, extra_keys)
         except Exception as exc:
             reason = (
                 exc.reason
@@ -132,8 +149,14 @@ class KvImporter:
         except asyncio.CancelledError:
             self._release_later(source, import_id)
             raise
+        done = time.monotonic()
+        tokens, seconds = count * self.layout.block_size, done - pulled_at
+        # Not awaited: the request need not wait for the engine's next step to start.
+        asyncio.ensure_future(
+            self.engine.call(lambda engine: engine.kv.import_rate.add(tokens, seconds))
+        ).add_done_callback(_consume)
         metrics.KV_TRANSFER_SECONDS.labels(phase="prefill").observe(pulled_at - started)
-        metrics.KV_TRANSFER_SECONDS.labels(phase="pull").observe(time.monotonic() - pulled_at)
+        metrics.KV_TRANSFER_SECONDS.labels(phase="pull").observe(done - pulled_at)
         metrics.KV_TRANSFERS.labels(outcome="imported").inc()
         log.debug("transfer %s: %d blocks imported", source.transfer_id, count)
         return import_id

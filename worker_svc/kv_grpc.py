@@ -32,6 +32,9 @@ __all__ = ["FAULT_ENV", "GrpcKvConnector", "KvTransferServicer", "layout_from_pr
 log = logging.getLogger(__name__)
 
 SERVICE = "meshserve.v1.KvTransfer"
+# A hand-off waits on its prefill worker: one that answers no ping for a second (hung,
+# SIGSTOPped) fails every hand-off on its channel at once, and they prefill locally.
+PING_MS, PING_TIMEOUT_MS = 500, 1000
 # Test-only fault injection on the decode side: "corrupt" flips one byte of the first
 # block of every pull after it arrived (the checksum must catch it).
 FAULT_ENV = "MESHSERVE_TEST_KV_FAULT"
@@ -72,7 +75,9 @@ class GrpcKvConnector(KVConnector):
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self._max_message_bytes)
+            channel = self._channels[address] = open_channel(
+                address, self._max_message_bytes, PING_MS, PING_TIMEOUT_MS
+            )
         return kv_transfer_pb2_grpc.KvTransferStub(channel)
 
     async def publish(self, source: TransferSource, job: PrefillJob) -> PublishedTransfer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,7 @@ def pd(
         metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
         extra_env=(
             ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(PD_MIN)),
+            ("MESHSERVE_PD_DECISION", "threshold"),  # the hand-off path under test, every time
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),
             ("MESHSERVE_NUM_THREADS", "1"),
         ),
@@ -199,5 +201,63 @@ def test_kill9_prefill_worker_under_load_fails_no_request(
     assert count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="fallback") > 0
     pd.wait_kv_idle(timeout=30, names=["decoder-0"])
     pd.restart("prefill-0")
+    wait_prefill_registered(pd)
+    pd.wait_kv_idle(timeout=30, names=WORKERS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigstop_prefill_worker_under_load_delays_no_request(
+    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+) -> None:
+    """16 concurrent long prompts; the prefill worker is stopped (SIGSTOP: alive, silent)
+    once the first hand-off has landed. Every request answers with the reference's tokens,
+    none more than 2 s later than the slowest of a no-fault run of the same load (its
+    hand-offs fail within a second and prefill on the decoder), and no KV block stays in
+    use once the worker continues."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def run(seed: int, stop: bool) -> tuple[list[str], list[str], float]:
+        # A leading number per prompt: text() repeats every 17 seeds, and a prompt cached on
+        # the decoder by an earlier run would need no hand-off.
+        prompts = [f"{seed + i} " + text(seed + i, 50) for i in range(24)]
+        imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
+
+        def one(prompt: str) -> tuple[str, float]:
+            started = time.monotonic()
+            return complete(client, model_name, prompt)[0], time.monotonic() - started
+
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(one, p) for p in prompts]
+            if stop:
+                deadline = time.monotonic() + 120
+                while (
+                    count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
+                    == imported
+                ):
+                    assert time.monotonic() < deadline, "no hand-off landed"
+                    time.sleep(0.05)
+                pd.kill("prefill-0", signal.SIGSTOP)
+            done = [f.result() for f in futures]
+        wanted = [
+            tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)
+            for p in prompts
+        ]
+        return [answer for answer, _ in done], wanted, max(seconds for _, seconds in done)
+
+    answers, wanted, calm_s = run(200, stop=False)
+    assert answers == wanted
+    try:
+        answers, wanted, stopped_s = run(300, stop=True)
+        assert answers == wanted
+        assert stopped_s <= calm_s + 2.0, (
+            f"slowest request {stopped_s:.1f} s against {calm_s:.1f} s without the stop"
+        )
+        assert (
+            count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="unavailable") > 0
+        )
+        pd.wait_kv_idle(timeout=30, names=["decoder-0"])
+    finally:
+        pd.kill("prefill-0", signal.SIGCONT)
     wait_prefill_registered(pd)
     pd.wait_kv_idle(timeout=30, names=WORKERS)

@@ -88,6 +88,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.heartbeating = True
         # Lease ids the heartbeats report besides those of running requests.
         self.lease_ids: set[str] = set()
+        # More LoadStats fields the heartbeats report (set by the test).
+        self.reported: dict[str, float] = {}
         # Heartbeats the scheduler answered.
         self.beats = 0
         self.started: list[str] = []
@@ -138,7 +140,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0.1)
             if not self.heartbeating:
                 continue
-            load = worker_pb2.LoadStats(num_running=len(self.active), num_total_blocks=1000)
+            load = worker_pb2.LoadStats(num_running=len(self.active), num_total_blocks=1000, **self.reported)
             request = scheduler_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
                 load=load,

@@ -1,7 +1,9 @@
 """P/D routing over real gRPC with fake workers: a long uncached text prompt gets a prefill
 worker of the decoder's KV layout (least loaded) named in the route; short, cached, image
-or prompt-logprobs requests and incompatible prefill workers do not; the prefill lease
-ends with the decode lease on every path."""
+or prompt-logprobs requests and incompatible prefill workers do not; once the workers
+report prefill rates, only a hand-off expected to beat a local prefill is made, with its
+estimate in the route, and a prefill worker whose heartbeats stopped gets none; the
+prefill lease ends with the decode lease on every path."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
 from tests.scheduler_svc.conftest import RunningScheduler
@@ -118,3 +121,93 @@ async def test_release_with_outcome_ends_both_leases(start_scheduler: Any, start
     again = await sched.route(list(range(40, 60)))  # the route stream still works
     assert again.HasField("kv_source")
     await sched.release(again.lease_id)
+
+
+def _decisions(decision: str) -> float:
+    return REGISTRY.get_sample_value("meshserve_scheduler_pd_decisions_total", {"decision": decision}) or 0.0
+
+
+async def _report(*workers_and_loads: tuple[Any, dict[str, float]]) -> None:
+    for worker, load in workers_and_loads:
+        worker.reported = load
+    for worker, _ in workers_and_loads:
+        await worker.wait_beats(2)
+
+
+async def test_hand_off_only_when_expected_to_beat_a_local_prefill(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await start_scheduler(
+        pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
+    )
+    decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
+    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate), (prefill, rate))
+    local = _decisions("local_faster")
+    idle = await sched.route(LONG)
+    assert not idle.HasField("kv_source"), "equal rates, empty queues: the pull makes it slower"
+    assert _decisions("local_faster") == local + 1
+    # The decoder has 5,000 prompt tokens queued (5 s), the prefill worker none.
+    await _report(
+        (decoder, rate | {"queued_prompt_tokens": 5000, "kv_import_tokens_per_s": 4000.0}),
+    )
+    busy = await sched.route(list(range(40, 60)))
+    assert busy.kv_source.worker_id == "p1"
+    assert busy.kv_source.expected_ms == 25, "20 tokens at 1,000/s, pulled at 4,000/s"
+    # Now the prefill worker's queue is the longer one.
+    await _report(
+        (prefill, rate | {"queued_prompt_tokens": 9000}),
+    )
+    behind = await sched.route(list(range(70, 90)))
+    assert not behind.HasField("kv_source")
+    # Its heartbeats stop (hung): no hand-off within three heartbeat intervals.
+    await _report(
+        (prefill, rate),
+    )
+    prefill.heartbeating = False
+    await asyncio.sleep(0.4)
+    silent = await sched.route(list(range(100, 120)))
+    assert not silent.HasField("kv_source")
+    for route in (idle, busy, behind, silent):
+        await sched.release(route.lease_id)
+    assert sched.lease_ids() == set()
+
+
+async def test_threshold_decision_hands_off_every_long_prompt(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await start_scheduler(pd_min_prompt_tokens=12, pd_decision="threshold", lease_ttl_s=30)
+    decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
+    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate), (prefill, rate | {"queued_prompt_tokens": 480}))
+    route = await sched.route(LONG)
+    assert route.kv_source.worker_id == "p1"
+    assert route.kv_source.expected_ms == 500, "its estimate still travels with it"
+    await sched.release(route.lease_id)
+
+
+async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """Between two reports the scheduler adds what it sent to each side's queue: a burst
+    of long prompts spreads over both instead of all going to the prefill worker."""
+    sched = await start_scheduler(
+        pd_min_prompt_tokens=12,
+        lease_ttl_s=30,
+        lease_grace_s=30,
+        heartbeat_interval_ms=2000,
+        worker_timeout_s=30,
+        worker_forget_s=60,
+    )
+    decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
+    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate | {"queued_prompt_tokens": 100}), (prefill, rate))
+    decoder.heartbeating = prefill.heartbeating = False  # the burst comes before the next report
+    routes = [await sched.route(list(range(200 * i, 200 * i + 20))) for i in range(6)]
+    sources = [r.kv_source.worker_id for r in routes]
+    assert "p1" in sources and "" in sources, sources
+    for route in routes:
+        await sched.release(route.lease_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -148,5 +149,80 @@ def test_pull_of_unknown_transfer_is_not_found_and_bad_prefill_is_refused(model_
                     )
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             await _idle(p)
+
+    asyncio.run(main())
+
+
+class _HungPrefill(kv_transfer_pb2_grpc.KvTransferServicer):
+    """A prefill worker that takes calls and never answers (as a SIGSTOPped one whose
+    kernel still accepts the connection): the failure a live worker cannot be made to show
+    in-process. Counts the Prefill calls it got."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Prefill(self, request: kv_transfer_pb2.PrefillRequest, context: object) -> None:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+
+@contextlib.asynccontextmanager
+async def _hung_prefill() -> AsyncIterator[tuple[str, _HungPrefill]]:
+    server = grpc.aio.server()
+    servicer = _HungPrefill()
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        await server.stop(0)
+
+
+def test_hand_off_past_its_estimate_falls_back_early(model_dir: Path) -> None:
+    """The scheduler expected 200 ms; the prefill worker hangs. The decoder gives up after
+    twice the estimate plus 0.5 s (not its 20 s timeout), prefills itself, same tokens."""
+
+    async def main() -> None:
+        async with _hung_prefill() as (address, hung), worker(model_dir, "decoder") as d:
+            expected, _ = await _generate(f"127.0.0.1:{d.server.port}", _request("r"))
+            before = _count("meshserve_worker_kv_transfer_fallbacks_total", reason="timeout")
+            source = _source(None, "t-hung", address)
+            source.expected_ms = 200
+            started = time.monotonic()
+            tokens, _ = await _generate(f"127.0.0.1:{d.server.port}", _request("a", source))
+            assert time.monotonic() - started < 5.0
+            assert tokens == expected and hung.calls == 1
+            assert _count("meshserve_worker_kv_transfer_fallbacks_total", reason="timeout") == before + 1
+            await _idle(d)
+
+    asyncio.run(main())
+
+
+def test_no_room_falls_back_before_the_prefill_worker_works(model_dir: Path) -> None:
+    """The decoder's free blocks cannot take the prompt's KV: it falls back ("import")
+    without calling the prefill worker, then prefills itself once blocks free up."""
+
+    async def main() -> None:
+        async with _hung_prefill() as (address, hung), worker(model_dir, "decoder") as d:
+            expected, _ = await _generate(f"127.0.0.1:{d.server.port}", _request("r"))
+            engine = d.engine
+            assert engine is not None
+            free = engine.stats().num_free_blocks
+            hog = list(range(1000, 1000 + 4 * (free - 5) + 1))  # leaves 5 free blocks, 11 are needed
+            await engine.call(lambda e: e.kv.reserve_import("hog", hog, ()))
+            before = _count("meshserve_worker_kv_transfer_fallbacks_total", reason="import")
+            run = asyncio.ensure_future(
+                _generate(f"127.0.0.1:{d.server.port}", _request("a", _source(None, "t-room", address)))
+            )
+            for _ in range(200):
+                if _count("meshserve_worker_kv_transfer_fallbacks_total", reason="import") > before:
+                    break
+                await asyncio.sleep(0.05)
+            assert _count("meshserve_worker_kv_transfer_fallbacks_total", reason="import") == before + 1
+            await engine.call(lambda e: e.kv.release_import("hog"))
+            tokens, _ = await run
+            assert tokens == expected and hung.calls == 0
+            await _idle(d)
 
     asyncio.run(main())
