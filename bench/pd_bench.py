@@ -1,37 +1,44 @@
 """P/D disaggregation benchmark: 1 prefill + 1 decode worker vs 2 colocated decoders, the
-same two cores both ways, under short streaming chats while long prompts keep arriving.
+same two cores both ways, under short streaming chats while long prompts keep arriving,
+at three loads.
 
-    python -m bench.pd_bench [--model-dir DIR] [--rounds 3 --duration-s 60]
-        [--chats 8 --chat-prompt 64 --chat-tokens 64]
-        [--long-prompt 2000 --long-every-s 4 --long-tokens 8]
-        [--pd-min-prompt-tokens 512] [--out bench/results/pd_bench.json]
+    python -m bench.pd_bench [--model-dir DIR] [--loads light,medium,saturating]
+        [--rounds 2 --duration-s 40] [--chat-prompt 64 --chat-tokens 64]
+        [--long-prompt 2000 --long-tokens 8] [--pd-min-prompt-tokens 512]
+        [--pd-decision estimate] [--out bench/results/pd_bench.json]
 
-Modes, each a fresh mesh (launcher.mesh.Mesh: Redis, gateway, tokenizer, scheduler, two
-engine workers):
+Modes, each a mesh (launcher.mesh.Mesh: Redis, gateway, tokenizer, scheduler, two engine
+workers, the forward compiled as `make serve` runs it), both up at once, idle but for the
+one under load: rounds alternate between them so the shared host's drift falls on both.
 
-* ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); prompts with at least
-  ``--pd-min-prompt-tokens`` uncached tokens are prefilled on the prefill worker and their
-  KV pulled by the decoder;
+* ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); the scheduler decides per
+  long prompt whether the prefill worker takes it (``--pd-decision``: ``estimate``, the
+  default, only when the hand-off is expected to beat a local prefill; ``threshold``:
+  every prompt with at least ``--pd-min-prompt-tokens`` uncached tokens);
 * ``colocated``: ``decoder-0`` + ``decoder-1``, each prefilling its own prompts.
 
 The launcher places the two workers as it does for users: each on half of the CPUs this
 process may use, with as many torch threads (services.cpus). The gateway, tokenizer,
 scheduler and this client are not pinned.
 
-Workload per round (``--duration-s``): ``--chats`` closed-loop clients each send short
-streaming completions (``--chat-prompt`` random token ids, ``--chat-tokens`` output) back
-to back; meanwhile one long prompt (``--long-prompt`` random token ids, ``--long-tokens``
-output) starts every ``--long-every-s`` seconds. Every prompt is fresh random ids with a
-round-unique cache salt, so no prefix cache helps either mode. Reported per mode and
-round: the chats' TTFT and inter-token latency (gap between streamed chunks) p50/p99, the
-long prompts' TTFT p50/p99, output tokens/s, requests completed and failed; then the
-median of the rounds. The JSON (``--out``) records the command and the CPU model.
+Workload per round (``--duration-s``), at each load of ``LOADS`` (chats, seconds between
+long prompts): that many closed-loop clients each send short streaming completions
+(``--chat-prompt`` random token ids, ``--chat-tokens`` output) back to back; meanwhile
+one long prompt (``--long-prompt`` random token ids, ``--long-tokens`` output) starts
+every so many seconds. Every prompt is fresh random ids with a round-unique cache salt,
+so no prefix cache helps either mode. Reported per load, mode and round: the chats' TTFT
+and inter-token latency (gap between streamed chunks) p50/p99, the long prompts' TTFT
+p50/p99, output tokens/s, requests completed and failed, and the round's wall time; then
+the median of the rounds, decoder-0's hand-offs by outcome and the scheduler's P/D
+decisions. The JSON (``--out``) records the command, the host and commit, and each
+worker's engine start-up line (its effective configuration).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -50,26 +57,31 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.host import host_info
 from bench.mesh_client import completion_body, free_ports_config
 from launcher.mesh import Mesh
+from services.log import logged_message
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pd_bench.json"
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 MODES = ("pd", "colocated")
+# Load name -> (closed-loop chat clients, seconds between long prompts).
+LOADS = {"light": (2, 8.0), "medium": (8, 4.0), "saturating": (16, 2.0)}
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     model_dir: str
-    rounds: int = 3
-    duration_s: float = 60.0
-    chats: int = 8
+    loads: str = ",".join(LOADS)
+    rounds: int = 2
+    duration_s: float = 40.0
+    chats: int = 8  # set per load (LOADS)
     chat_prompt: int = 64
     chat_tokens: int = 64
     long_prompt: int = 2000
-    long_every_s: float = 4.0
+    long_every_s: float = 4.0  # set per load (LOADS)
     long_tokens: int = 8
     pd_min_prompt_tokens: int = 512
+    pd_decision: str = "estimate"
     max_num_batched_tokens: int = 512
     kv_cache_memory_mb: int = 512
 
@@ -85,7 +97,7 @@ class Result:
 
 
 def start_mesh(config: BenchConfig, mode: str) -> Mesh:
-    workers = {"pd": (1, 1), "colocated": (2, 0)}[mode]
+    workers = {"pd": (1, 1), "colocated": (2, 0), "single": (1, 0)}[mode]
     mesh_config = free_ports_config(
         model_dir=config.model_dir,
         num_decoders=workers[0],
@@ -93,10 +105,11 @@ def start_mesh(config: BenchConfig, mode: str) -> Mesh:
         embedding_model_dir="",
         kv_cache_memory_mb=config.kv_cache_memory_mb,
         log_dir=tempfile.mkdtemp(prefix=f"meshserve-pd-bench-{mode}-"),
-        metrics_ports=(("decoder-0", free_port()),),
+        metrics_ports=(("decoder-0", free_port()), ("scheduler", free_port())),
         extra_env=(
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(config.max_num_batched_tokens)),
             ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(config.pd_min_prompt_tokens)),
+            ("MESHSERVE_PD_DECISION", config.pd_decision),
         ),
     )
     return Mesh(mesh_config).start(timeout=300)
@@ -217,26 +230,74 @@ def vocab_size(model_dir: str) -> int:
     return int(text["vocab_size"])
 
 
-def run_mode(config: BenchConfig, mode: str) -> dict[str, Any]:
-    mesh = start_mesh(config, mode)
+def run_loads(config: BenchConfig) -> dict[str, Any]:
+    """Both meshes up; per load, rounds alternating between the modes."""
+    meshes: dict[str, Mesh] = {}
     try:
-        base_url = mesh.gateway_url
-        asyncio.run(wait_workers(base_url, mode))
+        for mode in MODES:
+            meshes[mode] = start_mesh(config, mode)
+            asyncio.run(wait_workers(meshes[mode].gateway_url, mode))
         model = Path(config.model_dir).name
         vocab = vocab_size(config.model_dir)
-        rounds = []
-        for i in range(config.rounds):
-            summary = asyncio.run(run_round(config, base_url, model, vocab, f"{mode}-{i}-{time.time()}"))
-            print(f"{mode} round {i}: {json.dumps(summary)}", flush=True)
-            rounds.append(summary)
-        return {"rounds": rounds, "median": median_summary(rounds), "decoder_0_kv_transfers": transfers(mesh)}
+        results: dict[str, Any] = {"engines": {mode: engine_lines(mesh) for mode, mesh in meshes.items()}}
+        for load in config.loads.split(","):
+            chats, every = LOADS[load]
+            loaded = dataclasses.replace(config, chats=chats, long_every_s=every)
+            before = {mode: counters(mesh) for mode, mesh in meshes.items()}
+            rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            for i in range(config.rounds):
+                for mode, mesh in meshes.items():
+                    salt = f"{load}-{mode}-{i}-{time.time()}"
+                    summary = asyncio.run(run_round(loaded, mesh.gateway_url, model, vocab, salt))
+                    print(f"{load} {mode} round {i}: {json.dumps(summary)}", flush=True)
+                    rounds[mode].append(summary)
+            results[load] = {
+                mode: {
+                    "rounds": rounds[mode],
+                    "median": median_summary(rounds[mode]),
+                    "counters": difference(counters(mesh), before[mode]),
+                }
+                for mode, mesh in meshes.items()
+            }
+        return results
     finally:
-        mesh.stop()
+        for mesh in meshes.values():
+            mesh.stop()
+
+
+def engine_lines(mesh: Mesh) -> dict[str, str]:
+    """Each engine worker's start-up line (`engine: dtype ...`): its effective configuration."""
+    lines = {}
+    for name in mesh.specs:
+        if name.startswith(("decoder-", "prefill-")):
+            messages = [
+                logged_message(line) or "" for line in (mesh.log_dir / f"{name}.log").read_text().splitlines()
+            ]
+            lines[name] = next((m for m in reversed(messages) if m.startswith("engine: dtype ")), "")
+    return lines
+
+
+def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def counters(mesh: Mesh) -> dict[str, float]:
+    """decoder-0's hand-offs by outcome and fallbacks by reason, and the scheduler's P/D
+    decisions (`decision_*`)."""
+    out = transfers(mesh)
+    port = mesh.specs["scheduler"].env["MESHSERVE_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "meshserve_scheduler_pd_decisions":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out["decision_" + sample.labels["decision"]] = sample.value
+    return out
 
 
 def transfers(mesh: Mesh) -> dict[str, float]:
     """decoder-0's hand-offs by outcome, fallbacks by reason (P/D took place or not) and the
-    mean seconds of a hand-off's phases (prefill call, pull)."""
+    seconds of its hand-offs' phases (prefill call, pull: sum and count)."""
     port = mesh.specs["decoder-0"].env["MESHSERVE_METRICS_PORT"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
     out: dict[str, float] = {}
@@ -246,11 +307,11 @@ def transfers(mesh: Mesh) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     label = sample.labels.get("outcome") or "fallback_" + sample.labels.get("reason", "")
                     out[label] = sample.value
-        if family.name == "meshserve_worker_kv_transfer_seconds":  # mean seconds per phase
-            sums = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_sum")}
-            counts = {s.labels["phase"]: s.value for s in family.samples if s.name.endswith("_count")}
-            for phase, total in sums.items():
-                out[f"mean_{phase}_s"] = total / counts[phase] if counts.get(phase) else 0.0
+        if family.name == "meshserve_worker_kv_transfer_seconds":  # seconds per phase: sum, count
+            for sample in family.samples:
+                for suffix in ("sum", "count"):
+                    if sample.name.endswith("_" + suffix):
+                        out[f"{sample.labels['phase']}_seconds_{suffix}"] = sample.value
     return out
 
 
@@ -271,7 +332,7 @@ def main(argv: Sequence[str]) -> None:
     config, out = parse(argv)
     if len(os.sched_getaffinity(0)) < 2:
         print("note: fewer than 2 CPUs allowed: both workers share one core", file=sys.stderr)
-    results = {mode: run_mode(config, mode) for mode in MODES}
+    results = run_loads(config)
     report = {
         "command": "python -m bench.pd_bench " + " ".join(argv),
         "config": asdict(config),
