@@ -100,11 +100,12 @@ class SchedulerConfig(ServerConfig):
     )
     pd_decision: str = opt(
         "estimate",
-        "P/D: which long prompts are handed off: estimate (only when the hand-off, the prefill "
-        "worker's queue, the prefill and the pull at measured rates, is expected to beat a "
-        "prefill on the decoder by --pd-handoff-margin) or threshold (every one)",
+        "P/D: which long prompts are handed off: estimate (each, unless the hand-off, the "
+        "prefill worker's queue, the prefill and the pull at measured rates, is expected to "
+        "take more than --pd-handoff-margin longer than a prefill on the decoder) or "
+        "threshold (every one)",
     )
-    pd_handoff_margin: float = opt(0.1, "P/D: see --pd-decision")
+    pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")
 
     def __post_init__(self) -> None:
         super().__post_init__()

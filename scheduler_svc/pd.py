@@ -2,10 +2,12 @@
 
 The decoder is chosen first, as for any request (prefix + load). Then a prompt whose
 tokens not cached on that decoder reach ``pd_min_prompt_tokens`` is handed off (the
-``threshold`` decision: llm-d's P/D decider), by default only when the hand-off is
-expected to give it its KV sooner than a local prefill, by ``pd_handoff_margin`` (the
-``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too; this
-weighs both sides' queues and measured rates). Each side's time is its queued prompt tokens (last heartbeat, plus what
+``threshold`` decision: llm-d's P/D decider), by default unless the hand-off is expected
+to give it its KV more than ``pd_handoff_margin`` later than a prefill on the decoder
+(the ``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too;
+this weighs both sides' queues and measured rates). A tie goes to the prefill worker: a
+long prefill on the decoder stalls every stream it decodes, and leaves the prefill
+worker's cores idle (docs/design-decisions.md, "P/D: hand off unless it is slower"). Each side's time is its queued prompt tokens (last heartbeat, plus what
 this scheduler routed there since) and the prompt, over its measured prefill rate; the
 hand-off adds the pull at the decoder's measured import rate. Until no side has measured
 a rate yet, the threshold alone decides. The estimate travels with the route
@@ -42,7 +44,7 @@ class PdDecider:
     """The P/D rule above, with the scheduler's settings."""
 
     min_prompt_tokens: int
-    margin: float = 0.1
+    margin: float = 0.5
     silent_after_s: float = 1.5
     estimate: bool = True  # False: the threshold decision
 
@@ -72,7 +74,7 @@ class PdDecider:
         )
         remote = _handoff_s(worker, decoder, uncached)
         local = _queue_s(decoder, uncached, _rate(decoder, worker))
-        slower = remote is not None and local is not None and remote * (1.0 + self.margin) > local
+        slower = remote is not None and local is not None and remote > local * (1.0 + self.margin)
         if self.estimate and slower:
             return self._local(decoder, uncached, "local_faster")
         worker.routed_prompt_tokens += uncached

@@ -33,9 +33,12 @@ __all__ = ["KVConnector", "KvImporter", "PrefillJob", "PublishedTransfer", "Tran
 
 log = logging.getLogger(__name__)
 
-# Chunks imported into the engine before the pull waits for the first of them: bounds
-# the decode side's buffered KV while the engine is busy with a step.
-_IMPORTS_IN_FLIGHT = 8
+# KV bytes handed to the engine and not yet imported before the pull waits for the oldest
+# chunk: bounds the decode side's buffered KV while the engine is busy with a step. The
+# engine imports every chunk queued at a step's end, so a whole prompt's KV within the
+# bound lands at one step boundary (a count of 8 chunks made a pull wait 4 steps, seconds
+# behind a long local prefill).
+_IMPORT_BUFFER_BYTES = 64 << 20
 # A hand-off gets OVERRUN times the scheduler's estimate plus OVERRUN_SLACK_S before the
 # decoder prefills itself (docs/design-decisions.md, "P/D deadlines from estimates").
 OVERRUN = 2.0
@@ -169,12 +172,13 @@ class KvImporter:
         self, source: TransferSource, import_id: str, prompt: tuple[int, ...], extra_keys: tuple[str, ...]
     ) -> int:
         layout = self.layout
-        pending: list[asyncio.Future[Any]] = []
-        count = 0
+        pending: list[tuple[asyncio.Future[Any], int]] = []
+        buffered = count = 0
         try:
             async for payloads in self.connector.pull(source, self.blocks_per_chunk):
                 await asyncio.to_thread(verify_checksums, payloads)
-                metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(sum(len(p.data) for p in payloads))
+                size = sum(len(p.data) for p in payloads)
+                metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(size)
 
                 def fn(engine: Any, chunk: list[KvBlockPayload] = payloads) -> int:
                     return int(
@@ -183,13 +187,15 @@ class KvImporter:
                         )
                     )
 
-                pending.append(asyncio.ensure_future(self.engine.call(fn)))
-                if len(pending) >= _IMPORTS_IN_FLIGHT:
-                    count = await pending.pop(0)
-            for future in pending:
-                count = await future
+                pending.append((asyncio.ensure_future(self.engine.call(fn)), size))
+                buffered += size
+                while buffered > _IMPORT_BUFFER_BYTES:
+                    future, done = pending.pop(0)
+                    count, buffered = await future, buffered - done
+            while pending:
+                count = await pending.pop(0)[0]
         finally:
-            for future in pending:  # an error or cancel above: nobody awaits the rest
+            for future, _ in pending:  # an error or cancel above: nobody awaits the rest
                 future.add_done_callback(_consume)
         return count
 

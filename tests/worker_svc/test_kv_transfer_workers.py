@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -208,9 +209,12 @@ def test_no_room_falls_back_before_the_prefill_worker_works(model_dir: Path) -> 
             expected, _ = await _generate(f"127.0.0.1:{d.server.port}", _request("r"))
             engine = d.engine
             assert engine is not None
-            free = engine.stats().num_free_blocks
-            hog = list(range(1000, 1000 + 4 * (free - 5) + 1))  # leaves 5 free blocks, 11 are needed
-            await engine.call(lambda e: e.kv.reserve_import("hog", hog, ()))
+
+            def hog(e: Any) -> int:  # on the engine thread: the free count is current
+                free = e.block_manager.num_free_blocks()  # leave 5 free blocks; 11 are needed
+                return int(e.kv.reserve_import("hog", list(range(1000, 1000 + 4 * (free - 5) + 1)), ()))
+
+            await engine.call(hog)
             before = _count("meshserve_worker_kv_transfer_fallbacks_total", reason="import")
             run = asyncio.ensure_future(
                 _generate(f"127.0.0.1:{d.server.port}", _request("a", _source(None, "t-room", address)))
