@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 
 from bench.host import host_info
-from bench.mesh_client import free_ports_config, metric_sample, sse_events
+from bench.mesh_client import engine_lines, free_ports_config, metric_sample, sse_events
 from launcher.mesh import Mesh
 from services.ports import free_port
 
@@ -184,17 +184,21 @@ def run_overhead(args: argparse.Namespace, adapters: dict[str, str], base: str, 
     def loop(url: str, models: list[str], r: int) -> dict[str, float]:
         return summary(*asyncio.run(closed_loop(url, models, prompts[r], c, args.output_len)))
 
+    engines = {}  # each mesh's engine start-up lines: their effective configuration
     with mesh(args.model_dir, 1, "prefix") as (m, _):
+        engines["lora_off"] = engine_lines(m)
         off = [loop(m.gateway_url, [base] * n, r) for r in range(args.repeats)]
     modules = ",".join(f"{k}={adapters[k]}" for k in four)
     lora = {"lora_modules": modules, "max_loras": 4, "max_lora_rank": args.rank}
     on: list[dict[str, float]] = []
     mixed: list[dict[str, float]] = []
     with mesh(args.model_dir, 1, "prefix", **lora) as (m, _):
+        engines["lora_on"] = engine_lines(m)
         for r in range(args.repeats):  # base and mix alternate, round by round
             on.append(loop(m.gateway_url, [base] * n, r))
             mixed.append(loop(m.gateway_url, mix, r))
     out: dict[str, Any] = {
+        "engines": engines,
         "base_lora_off": medians(off),
         "base_lora_on": medians(on),
         "mix_4_adapters": medians(mixed),
@@ -220,6 +224,7 @@ def run_routing(args: argparse.Namespace, adapters: dict[str, str], vocab: int) 
         lora = {"lora_modules": modules, "max_loras": args.routing_max_loras, "max_lora_rank": args.rank}
         rounds = []
         with mesh(args.model_dir, 2, policy, max_cpu_loras=len(names), **lora) as (m, ports):
+            out.setdefault("engines", {})[policy] = engine_lines(m)
             for r in range(args.repeats):
                 before = sum(metric_sample(p, "meshserve_worker_lora_loads") for p in ports)
                 results, seconds = asyncio.run(

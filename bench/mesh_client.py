@@ -16,6 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.mesh import Mesh, free_ports_config
+from services.log import logged_message
 
 
 @contextmanager
@@ -120,3 +121,15 @@ def metric_sample(port: int, name: str) -> float:
             if sample.name == name:
                 return float(sample.value)
     return 0.0
+
+
+def engine_lines(mesh: Mesh) -> dict[str, str]:
+    """Each engine worker's start-up line (`engine: dtype ...`): its effective configuration."""
+    lines = {}
+    for name in mesh.specs:
+        if name.startswith(("decoder-", "prefill-")):
+            messages = [
+                logged_message(line) or "" for line in (mesh.log_dir / f"{name}.log").read_text().splitlines()
+            ]
+            lines[name] = next((m for m in reversed(messages) if m.startswith("engine: dtype ")), "")
+    return lines

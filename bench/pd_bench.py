@@ -55,9 +55,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
-from bench.mesh_client import completion_body, free_ports_config
+from bench.mesh_client import completion_body, engine_lines, free_ports_config
 from launcher.mesh import Mesh
-from services.log import logged_message
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,18 +262,6 @@ def run_loads(config: BenchConfig) -> dict[str, Any]:
     finally:
         for mesh in meshes.values():
             mesh.stop()
-
-
-def engine_lines(mesh: Mesh) -> dict[str, str]:
-    """Each engine worker's start-up line (`engine: dtype ...`): its effective configuration."""
-    lines = {}
-    for name in mesh.specs:
-        if name.startswith(("decoder-", "prefill-")):
-            messages = [
-                logged_message(line) or "" for line in (mesh.log_dir / f"{name}.log").read_text().splitlines()
-            ]
-            lines[name] = next((m for m in reversed(messages) if m.startswith("engine: dtype ")), "")
-    return lines
 
 
 def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -31,13 +31,12 @@ from typing import Any
 import httpx
 
 from bench.host import host_info
-from bench.mesh_client import completion_body
+from bench.mesh_client import completion_body, engine_lines
 from bench.pd_bench import (
     DEFAULT_MODEL,
     BenchConfig,
     counters,
     difference,
-    engine_lines,
     start_mesh,
     stream,
     vocab_size,
