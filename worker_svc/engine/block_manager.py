@@ -250,11 +250,15 @@ class BlockManager:
         cached = self.pin_cached(block_hash)
         if cached is not None:
             return cached, False
-        reserved = self.reserve(1)
-        if reserved is None:
+        if not self._free:
             return None
-        self.register_reserved(reserved[0], block_hash, parent_hash, token_ids)
-        return reserved[0], True
+        block = self.blocks[self._pop_free()]
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self._events.append(
+            KvEvent("stored", block_hashes=[block_hash], parent_hash=parent_hash, token_ids=list(token_ids))
+        )
+        return block.block_id, True
 
     def pin_cached(self, block_hash: int) -> int | None:
         """One more reference to the block cached under ``block_hash``; None when none is."""
@@ -272,17 +276,6 @@ class BlockManager:
         if count > len(self._free):
             return None
         return [self._pop_free() for _ in range(count)]
-
-    def register_reserved(
-        self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: list[int]
-    ) -> None:
-        """A reserved block now holds the KV of ``block_hash``: findable by it."""
-        block = self.blocks[block_id]
-        block.block_hash = block_hash
-        self._cached[block_hash] = block
-        self._events.append(
-            KvEvent("stored", block_hashes=[block_hash], parent_hash=parent_hash, token_ids=list(token_ids))
-        )
 
     def unpin(self, block_ids: list[int]) -> None:
         """Drop one reference of each block (pinned by `import_block` or a held transfer);

@@ -235,14 +235,8 @@ class KvHandoff:
         """The block block ``index`` goes into and whether its KV must be written."""
         if index in entry.cached:
             return entry.cached.pop(index), False
-        if entry.empty:
-            cached = self.block_manager.pin_cached(block_hash)  # computed here meanwhile
-            if cached is not None:
-                self.block_manager.unpin([entry.empty.pop()])
-                return cached, False
-            block_id = entry.empty.pop()
-            self.block_manager.register_reserved(block_id, block_hash, parent, token_ids)
-            return block_id, True
+        if entry.empty:  # its reserved room, handed back for `import_block` to take
+            self.block_manager.unpin([entry.empty.pop()])
         placed = self.block_manager.import_block(block_hash, parent, token_ids)
         if placed is None:
             raise KvTransferError("import", f"no free KV block for imported block {index}")
