@@ -149,8 +149,42 @@ def test_lora_config_checked(tiny_model_dir: str) -> None:
         EngineConfig(model_dir=tiny_model_dir, lora_modules=("a=/x",))
     with pytest.raises(ValueError, match="not 'name=path'"):
         EngineConfig(model_dir=tiny_model_dir, max_loras=1, lora_modules=("a",))
-    lora = EngineConfig(model_dir=tiny_model_dir, max_loras=1, compile_model=True)
-    assert not lora.compiles and lora.compile_skipped() == "LoRA"  # the slot mask changes per step
+    assert EngineConfig(model_dir=tiny_model_dir, max_loras=1, compile_model=True).compiles
+
+
+def test_compiled_forward_serves_adapters_in_one_graph(
+    make_engine: Factory, tiny_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
+) -> None:
+    """LoRA on keeps the forward compiled: steps of base rows only, of one adapter and of
+    a mix, and an adapter evicted from its slot and loaded again, all run the graph the
+    warm-up compiled, token for token like PEFT."""
+    from torch._dynamo.utils import counters
+
+    a, b, c = adapter_dirs
+    engine = make_engine(
+        compile_model=True,
+        max_loras=2,
+        max_num_batched_tokens=64,
+        lora_modules=tuple(f"{n}={p}" for n, p in adapter_dirs.items()),
+    )
+    assert engine.runner.lora is not None and engine.runner.lora.static
+    engine.warm_up()
+    assert not engine.runner.compile_failed
+    graphs = counters["stats"]["unique_graphs"]
+    ps = prompts(7, 19, 12, 9, seed=5)
+    rounds = [[("", ps[0])], [(a, ps[1])], [("", ps[2]), (b, ps[3]), (a, ps[0])], [(c, ps[1]), (a, ps[2])]]
+    for i, batch in enumerate(rounds):  # c's round evicts b: two slots, three adapters
+        reqs = [(f"r{i}-{j}", p, name) for j, (name, p) in enumerate(batch)]
+        got = _run(engine, reqs)
+        for rid, prompt, name in reqs:
+            want = (
+                peft_greedy(tiny_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
+                if name
+                else hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+            )
+            assert got[rid] == want, f"{rid} under {name or 'the base model'}"
+    assert engine.lora is not None and engine.lora.num_evictions >= 1
+    assert counters["stats"]["unique_graphs"] == graphs, "a LoRA step compiled another graph"
 
 
 async def test_async_engine_changes_adapters_between_steps(

@@ -145,14 +145,11 @@ class EngineConfig:
 
     def compile_skipped(self) -> str:
         """Why the forward runs eagerly ("" when it compiles): ``compile_model`` off; on CUDA
-        decode steps replay CUDA graphs (worker_svc.engine.cuda_graphs); LoRA's per-step
-        slot mask changes the forward's inputs from step to step."""
+        decode steps replay CUDA graphs (worker_svc.engine.cuda_graphs)."""
         if not self.compile_model:
             return "compile_model off"
         if self.device.startswith("cuda"):
             return "CUDA: decode replays CUDA graphs"
-        if self.max_loras:
-            return "LoRA"
         return ""
 
     @property

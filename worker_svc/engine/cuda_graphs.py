@@ -26,6 +26,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -89,13 +90,16 @@ def cuda_capture(pool: Any = None) -> Capture:
 class DecodeGraphs:
     """Static buffers, one captured forward per bucket, and the per-step fill and replay.
 
-    ``forward(meta, input_ids [1, n], position_ids [1, n])`` returns the logits of all
-    ``n`` rows; it runs only at capture (and at every replay under a CPU test capture).
+    ``forward(meta, input_ids [1, n], position_ids [1, n], lora_mask [n, width] or None)``
+    returns the logits of all ``n`` rows; it runs only at capture (and at every replay
+    under a CPU test capture). With ``lora_width``, the step's LoRA mask (every slot's
+    columns, worker_svc.engine.lora) is a static buffer too: base and adapter rows replay
+    the same graph, padding rows under no adapter.
     """
 
     def __init__(
         self,
-        forward: Callable[[AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor],
+        forward: Callable[[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
         *,
         buckets: Sequence[int],
         kv_caches: list[torch.Tensor],
@@ -105,6 +109,8 @@ class DecodeGraphs:
         backend: str,
         layer_windows: Sequence[int | None],
         device: torch.device,
+        lora_width: int = 0,
+        lora_dtype: torch.dtype = torch.float32,
     ) -> None:
         if backend not in GRAPH_BACKENDS:
             raise ValueError(
@@ -124,6 +130,7 @@ class DecodeGraphs:
         self.slots = torch.empty((n,), dtype=torch.long, device=device)
         self.tables = torch.empty((n, width), dtype=torch.int32, device=device)
         self.lens = torch.empty((n,), dtype=torch.int32, device=device)
+        self.lora_mask = torch.zeros((n, lora_width), dtype=lora_dtype, device=device) if lora_width else None
         self.pad(n)
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
@@ -163,7 +170,8 @@ class DecodeGraphs:
     def _bucket_forward(self, size: int) -> Callable[[], torch.Tensor]:
         meta = self.metadata(size)
         ids, pos = self.input_ids[:, :size], self.positions[:, :size]
-        return lambda: self.forward(meta, ids, pos)
+        mask = None if self.lora_mask is None else self.lora_mask[:size]
+        return lambda: self.forward(meta, ids, pos, mask)
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` rows (None: more rows than the largest)."""
@@ -171,10 +179,16 @@ class DecodeGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def run(
-        self, chunks: Chunks, ids: list[int], positions: list[int], keep: list[int]
+        self,
+        chunks: Chunks,
+        ids: list[int],
+        positions: list[int],
+        keep: list[int],
+        lora_rows: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The logits ``[n, vocab]`` of a decode-only step through its bucket's graph, or
-        None when the step must run eagerly (not decode-only, or too large)."""
+        None when the step must run eagerly (not decode-only, or too large). ``lora_rows``
+        gives the step's LoRA mask ``[n, lora_width]`` on the host (graphs with LoRA)."""
         n = len(chunks)
         if n == 0 or len(ids) != n or any(q_len != 1 for _, q_len, _ in chunks) or keep != list(range(n)):
             return None
@@ -183,6 +197,11 @@ class DecodeGraphs:
             self.oversize += 1
             return None
         self._fill(size, chunks, ids, positions)
+        if self.lora_mask is not None:
+            rows = torch.zeros((size, self.lora_mask.shape[1]), dtype=self.lora_mask.dtype)
+            if lora_rows is not None:
+                rows[:n] = lora_rows()
+            self.lora_mask[:size].copy_(rows)
         logits = self._replays[size]()
         self.replays += 1
         self.padded_rows += size - n
@@ -224,9 +243,16 @@ def attach(runner: Any, capture: Capture) -> DecodeGraphs:
     """Decode graphs for a :class:`~worker_svc.engine.model_runner.ModelRunner`, captured with
     ``capture``, buckets up to its ``max_num_seqs``; installed as ``runner.graphs``."""
     info, config = runner.info, runner.config
+    lora = getattr(runner, "lora", None)
 
-    def forward(meta: AttentionMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode(), attention_context(meta):
+    def forward(
+        meta: AttentionMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        masked = nullcontext() if lora is None else lora.masked(mask)
+        with torch.inference_mode(), attention_context(meta), masked:
             out = runner.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         logits: torch.Tensor = out.logits[0]
         return logits
@@ -241,6 +267,8 @@ def attach(runner: Any, capture: Capture) -> DecodeGraphs:
         backend=info.attention_backend,
         layer_windows=runner.attention.layer_windows,
         device=runner.device,
+        lora_width=0 if lora is None else lora.max_loras * lora.max_rank,
+        lora_dtype=runner.dtype,
     )
     graphs.capture(capture)
     runner.graphs = graphs
@@ -255,8 +283,6 @@ def for_runner(runner: Any) -> tuple[DecodeGraphs | None, str]:
         return None, "cuda_graphs off"
     if runner.device.type != "cuda":
         return None, f"CUDA graphs need CUDA (device {runner.device.type})"
-    if getattr(runner, "lora", None) is not None:
-        return None, "LoRA is on: a step's per-row adapter slots are not graph inputs"
     backend = runner.info.attention_backend
     if backend not in GRAPH_BACKENDS:
         return None, f"attention backend {backend} builds per-step shapes (graphs need {GRAPH_BACKENDS})"

@@ -20,13 +20,15 @@ above ``max_lora_rank``, a PEFT feature not served) is refused with :class:`Lora
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,47 +202,77 @@ def _slot_columns(slot: int, max_rank: int) -> slice:
     return slice((slot - 1) * max_rank, slot * max_rank)
 
 
-@dataclass
-class _StepMask:
-    """The current step's ``[rows, highest slot used * max_rank]`` mask (None: no adapter row)."""
+class _Bank:
+    """The A/B weights of one projection name and shape across the layers, stacked:
+    ``a [layers, slots * max_rank, in]``, ``b [layers, out, slots * max_rank]``."""
 
+    def __init__(self, layers: int, width: int, fan_in: int, fan_out: int, like: torch.Tensor) -> None:
+        self.a = torch.zeros(layers, width, fan_in, dtype=like.dtype, device=like.device)
+        self.b = torch.zeros(layers, fan_out, width, dtype=like.dtype, device=like.device)
+
+
+@dataclass
+class _LoraState:
+    """One manager's banks (by projection name and shape) and the current step's mask.
+
+    The mask is None outside a step and on a base-only eager step; ``[rows, highest slot
+    used * max_rank]`` on an eager step; ``[rows, every slot * max_rank]`` on every step of
+    a compiled forward (LoraManager ``static``)."""
+
+    banks: dict[str, _Bank]
     mask: torch.Tensor | None = None
+
+
+# Every manager's state, by serial. LoraLinear reads its weights and the step's mask
+# through this module global, not through the model's modules: a compiled forward takes
+# tensors it reaches through a global as inputs, read afresh each call, while it folds
+# those it reaches through a module into the graph as constants (freezing), so a slot
+# loaded later or the next step's mask would never reach it (docs/design-decisions.md,
+# "LoRA inside the compiled forward").
+_STATES: dict[int, _LoraState] = {}
+_SERIAL = itertools.count()
 
 
 class LoraLinear(nn.Module):
     """``base(x)`` plus each row's adapter delta ``B (A x) * scaling`` (module docstring)."""
 
-    lora_a: torch.Tensor  # [slots * max_rank, in_features]
-    lora_b: torch.Tensor  # [out_features, slots * max_rank]
-
-    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, step: _StepMask) -> None:
+    def __init__(self, base: nn.Linear, max_rank: int, owner: int, bank: str, index: int) -> None:
         super().__init__()
         self.base = base
         self.max_rank = max_rank
-        self._step = step
-        w = base.weight
-        width = num_slots * max_rank
-        self.register_buffer("lora_a", torch.zeros(width, w.shape[1], dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_b", torch.zeros(w.shape[0], width, dtype=w.dtype, device=w.device))
+        self._owner = owner  # its manager's serial in _STATES
+        self._bank = bank  # its bank's key there
+        self._index = index  # its layer's row in the bank
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """``[slots * max_rank, in_features]``: every slot's A, side by side."""
+        return _STATES[self._owner].banks[self._bank].a[self._index]
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        """``[out_features, slots * max_rank]``: every slot's B, side by side."""
+        return _STATES[self._owner].banks[self._bank].b[self._index]
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A, B) into ``slot`` (1-based; None: the adapter does not
         target this module). Ranks below ``max_rank`` leave zero columns: they add nothing."""
         cols = _slot_columns(slot, self.max_rank)
-        self.lora_a[cols].zero_()
-        self.lora_b[:, cols].zero_()
+        lora_a, lora_b = self.lora_a, self.lora_b
+        lora_a[cols].zero_()
+        lora_b[:, cols].zero_()
         if weights is None:
             return
         a, b = weights
-        self.lora_a[cols.start : cols.start + a.shape[0]].copy_(a)
-        self.lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b)
+        lora_a[cols.start : cols.start + a.shape[0]].copy_(a)
+        lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask = self._step.mask
+        mask = _STATES[self._owner].mask
         if mask is None:
             return y
-        width = mask.shape[1]  # up to the highest slot the step uses
+        width = mask.shape[1]  # up to the highest slot the step uses (every slot, compiled)
         h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a[:width])
         h.mul_(mask)
         y.view(-1, y.shape[-1]).addmm_(h, self.lora_b[:, :width].t())
@@ -250,12 +282,21 @@ class LoraLinear(nn.Module):
 class LoraManager:
     """Adapters of one engine: known names, CPU LRU, resident slots and the step's grouping."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, static: bool = False
+    ) -> None:
         self.max_loras = max_loras
+        # Static: every step, base-only ones included, gets a mask spanning every slot, so
+        # a compiled forward sees the same inputs each step (its mask is a graph input).
+        self.static = static
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
-        self._step = _StepMask()
-        self.layers: dict[Key, LoraLinear] = _wrap_projections(model, max_loras, max_rank, self._step)
+        self.serial = next(_SERIAL)
+        self._state = _STATES[self.serial] = _LoraState({})
+        weakref.finalize(self, _STATES.pop, self.serial, None)
+        self.layers: dict[Key, LoraLinear] = _wrap_projections(
+            model, max_loras, max_rank, self.serial, self._state
+        )
         if not self.layers:
             raise LoraError(
                 "LoRA is enabled but the model has no q/k/v/o or gate/up/down projection to adapt"
@@ -269,6 +310,11 @@ class LoraManager:
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
         self.num_loads = 0  # adapters copied into a slot
         self.num_evictions = 0  # resident adapters replaced in their slot
+
+    @property
+    def step_mask(self) -> torch.Tensor | None:
+        """The mask of the step under way (None outside a step, or a base-only eager one)."""
+        return self._state.mask
 
     # ------------------------------------------------------------ registry
     def register(self, name: str, path: str) -> LoraAdapter:
@@ -351,16 +397,17 @@ class LoraManager:
         self._slot_use.move_to_end(slot)
         return slot
 
-    @contextmanager
-    def step(self, spans: Sequence[tuple[str, int]], device: torch.device) -> Iterator[None]:
-        """Within: the forward applies each span's adapter. ``spans`` are the step's packed
-        rows in order, one ``(adapter name or "", number of rows)`` per scheduled chunk."""
+    def step_rows(self, spans: Sequence[tuple[str, int]], full: bool = False) -> torch.Tensor | None:
+        """The mask of a step's packed rows, each span's adapter loaded into a slot first.
+        ``spans``: one ``(adapter name or "", number of rows)`` per scheduled chunk, in
+        order. Every slot's columns when ``full`` or ``static``, else up to the highest slot
+        used, and None when no row has an adapter. On the host (the caller moves it)."""
         names = {n for n, _ in spans if n}
         if len(names) > self.max_loras:
             raise LoraError(f"a step uses {len(names)} LoRA adapters, max_loras={self.max_loras}")
-        if not names:
-            yield
-            return
+        full = full or self.static
+        if not names and not full:
+            return None
         keep: set[int] = {self.slots.index(n) for n in names if n in self.slots}
         mask = torch.zeros(sum(n for _, n in spans), self.max_loras * self.max_rank, dtype=self.dtype)
         start = 0
@@ -370,27 +417,48 @@ class LoraManager:
                 keep.add(slot)
                 mask[start : start + n, _slot_columns(slot, self.max_rank)] = self.scalings[slot]
             start += n
-        self._step.mask = mask[:, : max(keep) * self.max_rank].to(device)
+        return mask if full else mask[:, : max(keep) * self.max_rank]
+
+    @contextmanager
+    def masked(self, mask: torch.Tensor | None) -> Iterator[None]:
+        """Within: the forward applies ``mask`` (as `step_rows` makes it, on the model's device)."""
+        self._state.mask = mask
         try:
             yield
         finally:
-            self._step.mask = None
+            self._state.mask = None
+
+    def step(self, spans: Sequence[tuple[str, int]], device: torch.device) -> AbstractContextManager[None]:
+        """Within: the forward applies each span's adapter (`step_rows`)."""
+        mask = self.step_rows(spans)
+        return self.masked(None if mask is None else mask.to(device))
 
 
 def _wrap_projections(
-    model: nn.Module, max_loras: int, max_rank: int, step: _StepMask
+    model: nn.Module, max_loras: int, max_rank: int, owner: int, state: _LoraState
 ) -> dict[Key, LoraLinear]:
-    """Replace every targeted projection of ``model`` by a LoraLinear around it."""
+    """Replace every targeted projection of ``model`` by a LoraLinear around it, the
+    projections of one name and shape sharing a bank of ``state``."""
     found: list[tuple[str, int, str, nn.Linear]] = []
     for mod_name, module in model.named_modules():
         m = _MODULE_RE.search(mod_name)
         if m and m.group(3) in TARGET_MODULES and m.group(2) == TARGET_MODULES[m.group(3)]:
             if isinstance(module, nn.Linear):
                 found.append((mod_name, int(m.group(1)), m.group(3), module))
-    layers: dict[Key, LoraLinear] = {}
+    groups: dict[str, list[tuple[str, int, nn.Linear]]] = {}
     for mod_name, layer, proj, linear in found:
-        parent = model.get_submodule(mod_name.rsplit(".", 1)[0])
-        wrapped = LoraLinear(linear, max_loras, max_rank, step)
-        setattr(parent, proj, wrapped)
-        layers[(layer, proj)] = wrapped
+        groups.setdefault(f"{proj}:{linear.in_features}:{linear.out_features}", []).append(
+            (mod_name, layer, linear)
+        )
+    layers: dict[Key, LoraLinear] = {}
+    for key, members in groups.items():
+        proj = key.split(":")[0]
+        base = members[0][2]
+        state.banks[key] = _Bank(
+            len(members), max_loras * max_rank, base.in_features, base.out_features, base.weight
+        )
+        for index, (mod_name, layer, linear) in enumerate(members):
+            wrapped = LoraLinear(linear, max_rank, owner, key, index)
+            setattr(model.get_submodule(mod_name.rsplit(".", 1)[0]), proj, wrapped)
+            layers[(layer, proj)] = wrapped
     return layers

@@ -148,7 +148,11 @@ class ModelRunner:
         self.lora: LoraManager | None = None
         if config.max_loras:
             self.lora = LoraManager(
-                self.model, config.max_loras, config.max_lora_rank, config.cpu_lora_capacity
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.cpu_lora_capacity,
+                static=config.compiles,
             )
         # Dynamic shapes: one graph serves every step, from one token to a full batch (the
         # token and kept-row counts are unbacked, _compiled_forward). Attention stays an
@@ -293,7 +297,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         chunks = [(item.start, item.num_new_tokens, item.request.block_table) for item in batch]
         if self.graphs is not None and not image_rows[0]:
-            replayed = self.graphs.run(chunks, ids, positions, keep)
+            lora, spans = self.lora, self._lora_spans(batch, 0)
+            rows = None if lora is None else (lambda: lora.step_rows(spans, full=True))
+            replayed = self.graphs.run(chunks, ids, positions, keep, rows)
             if replayed is not None:
                 return replayed
         pad = self._padding(len(ids))
@@ -357,8 +363,11 @@ class ModelRunner:
         do without LoRA)."""
         if self.lora is None:
             return nullcontext()
-        spans = [(it.request.lora_name, it.num_new_tokens) for it in batch] + [("", pad)] * bool(pad)
-        return self.lora.step(spans, self.device)
+        return self.lora.step(self._lora_spans(batch, pad), self.device)
+
+    @staticmethod
+    def _lora_spans(batch: Sequence[ScheduledRequest], pad: int) -> list[tuple[str, int]]:
+        return [(it.request.lora_name, it.num_new_tokens) for it in batch] + [("", pad)] * bool(pad)
 
     def _padding(self, rows: int) -> int:
         """How many padding rows take a step of ``rows`` tokens to its step size (0 past the
@@ -376,7 +385,7 @@ class ModelRunner:
         for them now, before the worker reports ready, not on a user's request."""
         for size in self.step_sizes:
             pads = [0] * size
-            self._run(self._padding_chunks(size), pads, pads, [0], nullcontext(), ([], []))
+            self._run(self._padding_chunks(size), pads, pads, [0], self._lora_step((), size), ([], []))
 
     def _probe_attention(self) -> None:
         """One 1-token forward pass at load (into block 0, which no request holds yet):
@@ -425,6 +434,8 @@ class ModelRunner:
         for name, dim in _UNBACKED_DIMS:
             if name in kwargs:
                 torch._dynamo.decorators.mark_unbacked(kwargs[name], dim)
+        if self.lora is not None and self.lora.step_mask is not None:  # its rows: the step's tokens
+            torch._dynamo.decorators.mark_unbacked(self.lora.step_mask, 0)
         with self._dynamo_patch, self._inductor_patch:
             out = self._compiled(**kwargs)
         if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
