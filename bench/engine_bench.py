@@ -174,17 +174,20 @@ async def run_generate_workload(
     return summarize(system, concurrency, ordered, wall), ordered
 
 
-def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "") -> GenerateFn:
+def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "", adapters: Sequence[str] = ()) -> GenerateFn:
     """Adapt :class:`AsyncLLMEngine` to :data:`GenerateFn` (greedy, ignore_eos).
 
     ``salt`` goes into the block hashes so repeated runs over the same prompts do not
-    hit each other's prefix cache.
+    hit each other's prefix cache. With ``adapters``, the request of workload index ``i``
+    (its id's last ``-`` part) runs under LoRA adapter ``adapters[i % len(adapters)]``.
     """
     extra_keys = (f"salt:{salt}",) if salt else ()
 
     async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for out in engine.generate(RequestSpec(request_id, prompt, params, extra_keys=extra_keys)):
+        lora = adapters[int(request_id.rsplit("-", 1)[1]) % len(adapters)] if adapters else ""
+        spec = RequestSpec(request_id, prompt, params, extra_keys=extra_keys, lora_name=lora)
+        async for out in engine.generate(spec):
             yield out.new_token_ids
 
     return generate

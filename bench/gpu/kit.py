@@ -62,6 +62,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "roofline": steps.roofline,
         "engine_graphs": steps.engine_graphs,
         "engine_eager": steps.engine_eager,
+        "lora_mix": steps.lora_mix,
         "mesh": steps.mesh,
         "hf_naive": steps.hf_naive,
         "c1_anatomy": steps.c1_anatomy,
@@ -75,6 +76,7 @@ STEPS = (
     "roofline",
     "engine_graphs",
     "engine_eager",
+    "lora_mix",
     "mesh",
     "hf_naive",
     "c1_anatomy",
@@ -189,6 +191,11 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         g = {r["concurrency"]: r["output_tok_per_s"] for r in graphs.get("rows", [])}
         e = {r["concurrency"]: r["output_tok_per_s"] for r in eager.get("rows", [])}
         out["graphs_over_eager_tok_s"] = {c: g[c] / e[c] for c in g if e.get(c)}
+    lora = _ok(steps, "lora_mix")
+    base = {r["concurrency"]: r["output_tok_per_s"] for r in best.get("rows", [])}
+    if lora.get("mix") and base.get(profile.mesh_concurrency):
+        out["lora_mix_over_base_tok_s"] = lora["mix"]["output_tok_per_s"] / base[profile.mesh_concurrency]
+        out["lora_mix_tokens_equal_eager"] = lora.get("mix_tokens_equal_eager")
     mesh = _ok(steps, "mesh")
     inproc = {r["concurrency"]: r for r in best.get("rows", [])}
     c = profile.mesh_concurrency

@@ -99,12 +99,15 @@ def _greedy_reference(model: Any, prompt: list[int], device: str) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _engine_greedy(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
-    """All prompts at once through a fresh engine: their tokens, and its CUDA graph counters."""
+def _engine_greedy(
+    config: EngineConfig, prompts: list[list[int]], adapters: list[str] | None = None
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """All prompts at once through a fresh engine (prompt i under LoRA adapter
+    ``adapters[i]``, "" for none): their tokens, and its CUDA graph counters."""
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(RequestSpec(str(i), prompt, params))
+        engine.add_request(RequestSpec(str(i), prompt, params, lora_name=adapters[i] if adapters else ""))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
@@ -263,6 +266,75 @@ def engine_graphs(ctx: StepContext) -> None:
 def engine_eager(ctx: StepContext) -> None:
     """The engine in-process at every concurrency, every step eager."""
     _engine_rows(ctx, cuda_graphs=False)
+
+
+# -------------------------------------------------------------------- LoRA
+LORA_ADAPTERS = 4
+LORA_RANK = 16
+
+
+def _random_adapters(model_dir: str, root: Path, count: int, rank: int) -> dict[str, str]:
+    """``count`` random PEFT-format adapters (every projection, non-zero A and B) written
+    from the model's own weight shapes, without peft; name -> directory."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key.endswith("_proj.weight") and ".layers." in key:
+                    shapes[key.removesuffix(".weight")] = tuple(f.get_slice(key).get_shape())
+    projections = sorted({k.rsplit(".", 1)[1] for k in shapes})
+    out = {}
+    for i in range(count):
+        gen = torch.Generator().manual_seed(100 + i)
+        tensors = {}
+        for module, (fan_out, fan_in) in shapes.items():
+            name = f"base_model.model.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) / rank**0.5
+        directory = root / f"lora-{i}"
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(directory / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": projections}
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        out[f"lora-{i}"] = str(directory)
+    return out
+
+
+def lora_mix(ctx: StepContext) -> None:
+    """The engine with 4 rank-16 adapters on every projection (decode on CUDA graphs where
+    there is CUDA) at the mesh's concurrency: base requests, then a uniform mix of the 4,
+    beside engine_graphs' base without LoRA; then the mix's greedy tokens against the same
+    engine with every step eager."""
+    p, c = ctx.profile, ctx.profile.mesh_concurrency
+    names = list(_random_adapters(ctx.model_dir, ctx.work / "loras", LORA_ADAPTERS, LORA_RANK).items())
+    lora = {"max_loras": LORA_ADAPTERS, "max_lora_rank": LORA_RANK}
+    modules = tuple(f"{n}={d}" for n, d in names)
+    config = replace(_engine_config(ctx, cuda_graphs=_cuda(ctx)), lora_modules=modules, **lora)
+    mix = [n for n, _ in names]
+
+    async def run(engine: AsyncLLMEngine) -> None:
+        engine.start()
+        ctx.record("warm_up", await warm_up(engine, _workload(ctx, 5, seed=99)))
+        for label, adapters in (("base_lora_on", ()), ("mix", mix)):
+            workload = _workload(ctx, p.num_requests(c), seed=c)
+            generate = engine_generate_fn(engine, label, adapters)
+            row, _ = await run_generate_workload(generate, workload, c, "meshserve")
+            ctx.record(label, asdict(row))
+        ctx.record("cuda_graphs", _graph_stats(engine.engine))
+        await engine.shutdown()
+
+    asyncio.run(run(AsyncLLMEngine(config)))
+    gc.collect()
+    prompts = _workload(ctx, 2 * LORA_ADAPTERS, seed=7).prompts
+    adapters = [mix[i % LORA_ADAPTERS] if i % 2 else "" for i in range(len(prompts))]
+    graphs, _ = _engine_greedy(config, prompts, adapters)
+    eager, _ = _engine_greedy(replace(config, cuda_graphs=False), prompts, adapters)
+    ctx.record("mix_tokens_equal_eager", graphs == eager)
 
 
 # -------------------------------------------------------------------- mesh

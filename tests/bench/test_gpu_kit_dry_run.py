@@ -35,6 +35,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "roofline": "ok",
         "engine_graphs": "skipped",
         "engine_eager": "ok",
+        "lora_mix": "ok",
         "hf_naive": "ok",
         "c1_anatomy": "ok",
         "host_overhead": "ok",
@@ -47,6 +48,10 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert roof["copy_read_write_gb_per_s"] > 0
     assert got["build"]["weight_bytes"] <= roof["weight_bytes"] < got["build"]["weight_bytes"] * 1.01
     _rows_ok(got["engine_eager"]["rows"], DRY.concurrencies)
+    lora = got["lora_mix"]
+    for label in ("base_lora_on", "mix"):
+        assert lora[label]["output_tokens"] == DRY.num_requests(DRY.mesh_concurrency) * DRY.output_len
+    assert lora["cuda_graphs"]["disabled"] == "cuda_graphs off"  # no CUDA: the config asks for none
     assert got["hf_naive"]["row"]["output_tokens"] == DRY.naive_requests * DRY.output_len
     # CPU: the graph-less variant only (no replay, no kernels), with its host profile.
     anatomy = got["c1_anatomy"]["variants"]
@@ -59,6 +64,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert set(summary["host_ms_per_step"]) == {f"c{c}_host_ms_per_step" for c in DRY.host_concurrencies}
     assert all(ms > 0 for ms in summary["host_ms_per_step"].values())
     assert summary["correctness_all_match"] is True
+    assert summary["lora_mix_over_base_tok_s"] > 0 and summary["lora_mix_tokens_equal_eager"] is True
     assert summary["c1_tpot_over_roofline_eager"] > 0 and summary["c1_engine_over_hf_naive_tok_s"] > 0
     # float32 on CPU: the engine's greedy tokens are transformers' (the comparison works).
     assert summary["c1_first_diff_vs_hf_naive"] == [None] * DRY.naive_requests

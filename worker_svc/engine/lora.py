@@ -209,6 +209,8 @@ class _Bank:
     def __init__(self, layers: int, width: int, fan_in: int, fan_out: int, like: torch.Tensor) -> None:
         self.a = torch.zeros(layers, width, fan_in, dtype=like.dtype, device=like.device)
         self.b = torch.zeros(layers, fan_out, width, dtype=like.dtype, device=like.device)
+        for t in (self.a, self.b):
+            torch._dynamo.mark_static(t)
 
 
 @dataclass

@@ -434,8 +434,10 @@ class ModelRunner:
         for name, dim in _UNBACKED_DIMS:
             if name in kwargs:
                 torch._dynamo.decorators.mark_unbacked(kwargs[name], dim)
-        if self.lora is not None and self.lora.step_mask is not None:  # its rows: the step's tokens
-            torch._dynamo.decorators.mark_unbacked(self.lora.step_mask, 0)
+        mask = None if self.lora is None else self.lora.step_mask
+        if mask is not None:  # rows: the step's tokens; columns: every slot's, fixed
+            torch._dynamo.decorators.mark_unbacked(mask, 0)
+            torch._dynamo.mark_static(mask, 1)
         with self._dynamo_patch, self._inductor_patch:
             out = self._compiled(**kwargs)
         if counters["stats"]["unique_graphs"] != frames:  # this call compiled a graph
