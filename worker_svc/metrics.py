@@ -17,6 +17,10 @@ PREFIX_HIT_RATE = Gauge(
     "meshserve_worker_prefix_cache_hit_rate", "Prefix cache hit rate over the worker lifetime"
 )
 PREEMPTIONS = Gauge("meshserve_worker_num_preemptions", "Preemptions (recompute) since start")
+PRIORITY_PREEMPTIONS = Gauge(
+    "meshserve_worker_num_priority_preemptions",
+    "Of the preemptions, those for a waiting request of higher priority, since start",
+)
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
 
 KV_TRANSFERS = Counter(
@@ -61,6 +65,7 @@ def watch(load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_p
         KV_USAGE: "kv_usage",
         PREFIX_HIT_RATE: "prefix_cache_hit_rate",
         PREEMPTIONS: "num_preemptions",
+        PRIORITY_PREEMPTIONS: "num_priority_preemptions",
         FINISHED: "num_finished",
     }
     for gauge, name in fields.items():

@@ -106,6 +106,63 @@ def test_priority_preempts_low_priority_first(make_engine: Factory) -> None:
     assert "low" in preempted and "high" not in preempted
 
 
+@pytest.mark.parametrize("limit", ["max_num_seqs", "kv_blocks"])
+def test_higher_priority_displaces_a_running_request(make_engine: Factory, limit: str) -> None:
+    """A waiting request of higher priority, blocked by max_num_seqs or by free blocks,
+    preempts the lowest-priority running request at once instead of waiting for one to
+    finish; every answer equals the undisturbed engine's."""
+    # kv_blocks: after 5 steps the two low requests hold 10 of 16 blocks; high needs 7.
+    sizes = {"max_num_seqs": {"max_num_seqs": 2}, "kv_blocks": {"block_size": 4, "num_kv_blocks": 16}}
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ps = prompts(12, 14, 26, seed=21)
+    reqs = [("low-a", ps[0], long, 0), ("low-b", ps[1], long, 1), ("high", ps[2], GREEDY, 5)]
+    ref = run_all(make_engine(), [(rid, p, params) for rid, p, params, _ in reqs])
+    engine = make_engine(**sizes[limit])
+    outs: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
+
+    def step() -> None:
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+
+    for rid, p, params, priority in reqs[:2]:
+        engine.add_request(RequestSpec(rid, p, params, priority=priority))
+    for _ in range(5):
+        step()
+    assert {r.request_id for r in engine.scheduler.running} == {"low-a", "low-b"}
+    engine.add_request(RequestSpec("high", ps[2], GREEDY, priority=5))
+    step()
+    assert outs["high"], "high waited for a running request to finish"
+    assert engine.requests["low-a"].num_preemptions == 1  # the lowest priority
+    assert engine.requests["low-b"].num_preemptions == 0
+    assert engine.stats().num_priority_preemptions == 1 <= engine.stats().num_preemptions
+    while engine.has_unfinished():
+        step()
+    assert outs == {rid: tokens(out) for rid, out in ref.items()}
+
+
+def test_equal_priority_and_displaced_twice_are_not_displaced(make_engine: Factory) -> None:
+    """No displacement between equal priorities, nor of a request already preempted
+    MAX_DISPLACEMENTS times: the newcomer waits."""
+    from worker_svc.engine.scheduler import MAX_DISPLACEMENTS
+
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = make_engine(max_num_seqs=1)
+    ps = prompts(8, 8, 8, seed=22)
+    engine.add_request(RequestSpec("a", ps[0], long, priority=3))
+    engine.step()
+    engine.add_request(RequestSpec("b", ps[1], GREEDY, priority=3))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["a"]
+    engine.requests["a"].num_preemptions = MAX_DISPLACEMENTS
+    engine.add_request(RequestSpec("c", ps[2], GREEDY, priority=9))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == [
+        "a"
+    ] and engine.stats().num_priority_preemptions == 0
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_abort_frees_blocks_immediately(make_engine: Factory) -> None:
     engine = make_engine()
     ps = prompts(30, 30, seed=9)

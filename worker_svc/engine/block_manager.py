@@ -144,8 +144,11 @@ class BlockManager:
     # ----------------------------------------------------------- allocation
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether ``allocate(request, num_new_tokens)`` would succeed."""
-        hits = self._find_cached_prefix(request)
-        return self._blocks_needed(request, hits, num_new_tokens) <= len(self._free)
+        return self.num_blocks_needed(request, num_new_tokens) <= len(self._free)
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks ``allocate(request, num_new_tokens)`` would take."""
+        return self._blocks_needed(request, self._find_cached_prefix(request), num_new_tokens)
 
     def _blocks_needed(self, request: Request, hits: list[KVBlock], num_new_tokens: int) -> int:
         total = len(hits) * self.block_size + num_new_tokens

@@ -85,6 +85,7 @@ class EngineStats:
     queued_prompt_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     kv_import_tokens_per_s: float = 0.0
+    num_priority_preemptions: int = 0  # of num_preemptions, for a waiting higher priority
     lora: LoraSnapshot | None = None  # None: LoRA off
 
 
@@ -591,6 +592,7 @@ class LLMEngine:
             + sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             prefill_tokens_per_s=self.prefill_rate.per_s,
             kv_import_tokens_per_s=self.kv.import_rate.per_s,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
             lora=self.lora.snapshot() if self.lora is not None else None,
         )
 

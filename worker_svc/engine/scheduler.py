@@ -22,6 +22,14 @@ running request is preempted (blocks freed, status PREEMPTED, back to the waitin
 queue; its tokens are recomputed later, mostly from the prefix cache). A step that
 preempted admits no new requests, to avoid thrashing.
 
+Priority displaces: a waiting request that is next in line but blocked by
+``max_num_seqs`` or by free blocks preempts the lowest-priority, latest-arrived running
+request of strictly lower priority (on blocks, only when the free blocks and those the
+lower-priority requests hold could make room). A preempted request keeps its arrival
+number, so it resumes ahead of its own class's later arrivals; one preempted
+``MAX_DISPLACEMENTS`` times is not displaced again, so nothing thrashes. (vLLM's
+priority policy preempts only under KV pressure, never for ``max_num_seqs``.)
+
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
 blocked on: requests behind it (base model, or an adapter already running) go first.
@@ -38,7 +46,10 @@ from dataclasses import dataclass, field
 from worker_svc.engine.block_manager import BlockManager
 from worker_svc.engine.request import Request, RequestStatus
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
+__all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
+
+# Preemptions after which a running request is no longer displaced by higher priority.
+MAX_DISPLACEMENTS = 2
 
 
 @dataclass
@@ -91,6 +102,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _waiting_key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # preemptions by a waiting request of higher priority
 
     def add(self, request: Request) -> None:
         """Queue a new (or preempted) request."""
@@ -158,6 +170,21 @@ class Scheduler:
         self.add(victim)
         return refund
 
+    def _displace(self, request: Request, out: SchedulerOutput, blocks: int) -> int | None:
+        """Preempt the running request that waiting ``request`` displaces (module docstring);
+        the budget it gives back, or None when none may be displaced. ``blocks``: the free
+        blocks ``request`` needs (0: it waits for a sequence slot, not for blocks)."""
+        victims = [
+            r for r in self.running if r.priority < request.priority and r.num_preemptions < MAX_DISPLACEMENTS
+        ]
+        if not victims:
+            return None
+        held = sum(len(r.block_table) for r in victims)  # shared prefix blocks overcount: a bound
+        if blocks and self.block_manager.num_free_blocks() + held < blocks:
+            return None
+        self.num_priority_preemptions += 1
+        return self._preempt(min(victims, key=lambda r: (r.priority, -r.arrival_seq)), out)
+
     def _draining_adapter(self) -> str:
         """The running adapter that admits nothing new because a waiting request needs its
         slot ("" when no request waits for a slot; module docstring)."""
@@ -175,13 +202,19 @@ class Scheduler:
         adapters = {r.lora_name for r in self.running if r.lora_name}
         draining = self._draining_adapter() if self.max_loras else ""
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
             if request.lora_name and (
                 request.lora_name == draining
                 or (request.lora_name not in adapters and len(adapters) >= self.max_loras)
             ):
                 i += 1  # no slot for its adapter now: later requests may go first
+                continue
+            if len(self.running) >= self.max_num_seqs:
+                refund = self._displace(request, out, 0)
+                if refund is None:
+                    break
+                budget += refund
                 continue
             cached = bm.num_cached_prefix_tokens(request)
             needed = request.num_tokens - cached
@@ -190,7 +223,11 @@ class Scheduler:
             num_new = min(needed, budget)
             # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
             if not bm.allocate(request, num_new):
-                break
+                refund = self._displace(request, out, bm.num_blocks_needed(request, num_new))
+                if refund is None:
+                    break
+                budget += refund
+                continue
             self.waiting.pop(i)
             if request.lora_name:
                 adapters.add(request.lora_name)
