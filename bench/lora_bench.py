@@ -100,9 +100,16 @@ def mesh(model_dir: str, decoders: int, policy: str, **lora: Any) -> Iterator[tu
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    extra: dict[str, Any] | None = None,
 ) -> Result:
+    """One streamed greedy completion of ``output_len`` tokens (``extra``: more body fields)."""
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,

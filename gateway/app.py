@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import chat, completions, messages_api, responses_api
+from gateway.budgets import tenant_budgets
 from gateway.config import GatewayConfig
 from gateway.direct_routes import DirectRoute
 from gateway.errors import (
@@ -96,12 +97,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         upstream = Upstream(config)
         app.state.upstream = upstream
         app.state.response_store = ResponseStore(config.redis_url, config.response_ttl_s)
+        app.state.budgets = tenant_budgets(config)
         settle_heap()  # start-up is over: modules and app live as long as the process
         try:
             yield
         finally:
             await upstream.close()
             await app.state.response_store.close()
+            await app.state.budgets.close()
             await tracing.flush_tracing()
 
     app = FastAPI(

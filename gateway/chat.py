@@ -128,6 +128,7 @@ async def start_chat(
         # The parser's markers ([TOOL_CALLS], <|python_tag|>) are special tokens.
         spec = dataclasses.replace(spec, skip_special_tokens=False)
     multi = MultiRun([GenerationRun(upstream, spec)], body.n)
+    await multi.reserve(ctx)
     multi.start()
     return multi
 

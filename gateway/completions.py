@@ -120,6 +120,7 @@ async def start_completion(
         spec = generation_spec(ctx, body, run_id, model, prompt.ids, prompt.mm_items, sampling)
         runs.append(GenerationRun(upstream, spec))
     multi = MultiRun(runs, body.n)
+    await multi.reserve(ctx)
     multi.start()
     return multi, prompts
 

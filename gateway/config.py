@@ -54,6 +54,16 @@ class GatewayConfig(ProcessConfig):
         0.0, "requests per second allowed per API key (token bucket); 0: no limit"
     )
     rate_limit_burst: int = opt(0, "the rate limit's bucket size; 0: max(1, rate_limit_rps_per_key)")
+    tokens_per_minute_per_key: int = opt(
+        0,
+        "token budget of each API key (or of all anonymous callers together): prompt plus "
+        "n × max_tokens reserved when a request is admitted, the unused part given back at its "
+        "end; shared by the replicas through --redis-url (gateway/budgets.py); 0: none",
+    )
+    requests_per_minute_per_key: int = opt(0, "request budget of each API key, likewise; 0: none")
+    key_budgets: tuple[str, ...] = opt(
+        (), "budgets of particular keys, KEY=TOKENS/REQUESTS per minute (0: unlimited), over the defaults"
+    )
     models_cache_s: float = opt(
         1.0, "how long /v1/models (and the model check of every request) reuses ListWorkers"
     )
@@ -101,6 +111,7 @@ class GatewayConfig(ProcessConfig):
         at_least(self, 1, "default_max_tokens")
         at_least(self, 1, "max_n")
         at_least(self, 0, "rate_limit_rps_per_key", "rate_limit_burst")
+        at_least(self, 0, "tokens_per_minute_per_key", "requests_per_minute_per_key")
         at_least(self, 0, "models_cache_s")
         at_least(self, 1, "response_ttl_s")
         at_least(self, 1, "keep_alive_timeout_s")
@@ -110,6 +121,9 @@ class GatewayConfig(ProcessConfig):
         if any(not key for key in self.api_keys + self.admin_api_keys):
             raise ValueError("api_keys and admin_api_keys must not contain empty keys")
         from gateway import reasoning, tool_parsers  # here: config must not import them eagerly
+        from gateway.budgets import parse_key_budgets
+
+        parse_key_budgets(self.key_budgets, self.api_keys + self.admin_api_keys)
 
         tool_parsers.check_spec(self.tool_call_parser)
         reasoning.check_name(self.reasoning_parser)

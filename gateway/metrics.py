@@ -55,6 +55,16 @@ PROMPT_TOKENS = Counter(
 COMPLETION_TOKENS = Counter(
     "meshserve_gateway_completion_tokens_total", "Completion tokens of finished requests", ["route"]
 )
+BUDGET_REFUSED = Counter(
+    "meshserve_gateway_budget_refused_total",
+    "Requests refused (429) by their tenant's budget, by tenant and reason: tokens, requests, too_large",
+    ["tenant", "reason"],
+)
+BUDGET_TOKENS = Counter(
+    "meshserve_gateway_budget_tokens_total",
+    "Tokens (prompt + completion) charged to tenant budgets, counted as requests settle",
+    ["tenant"],
+)
 JSON_MODE_VIOLATIONS = Counter(
     "meshserve_gateway_json_mode_violations_total",
     "Choices of response_format=json_object requests whose text is not valid JSON",

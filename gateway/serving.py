@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import structured
+from gateway.budgets import Reservation, TenantBudgets
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun, GenerationSpec, Usage
@@ -53,6 +54,7 @@ class RequestContext:
     tenant: str
     start_time: float
     created: int
+    budgets: TenantBudgets | None = None
 
 
 def request_context(request: Request) -> RequestContext:
@@ -62,6 +64,7 @@ def request_context(request: Request) -> RequestContext:
         config=request.app.state.config,
         upstream=request.app.state.upstream,
         tenant=getattr(state, "tenant", ANONYMOUS),
+        budgets=getattr(request.app.state, "budgets", None),
         start_time=getattr(state, "start_time", time.perf_counter()),
         created=int(time.time()),
     )
@@ -191,9 +194,20 @@ class MultiRun:
     def __init__(self, runs: list[GenerationRun], n: int) -> None:
         self.runs = runs
         self.n = n
+        self._budget: tuple[TenantBudgets, Reservation] | None = None
         self._buffer: list[ChoiceEvent] = []
         self._iter: AsyncIterator[ChoiceEvent] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def reserve(self, ctx: RequestContext) -> None:
+        """Takes what the runs may use from the tenant's budgets (APIError 429 when they
+        cannot cover it: nothing is queued then); `close` gives back what they did not use."""
+        if ctx.budgets is None or not ctx.budgets.enabled:
+            return
+        tokens = sum(len(r.spec.prompt_ids) + r.spec.n * r.spec.sampling.max_tokens for r in self.runs)
+        reservation = await ctx.budgets.reserve(ctx.tenant, tokens)
+        if reservation is not None:
+            self._budget = (ctx.budgets, reservation)
 
     def start(self) -> None:
         """Starts every run."""
@@ -282,11 +296,16 @@ class MultiRun:
         return sum(run.completion_tokens_so_far() for run in self.runs)
 
     def close(self) -> None:
-        """Cancels every run (synchronous, idempotent)."""
+        """Cancels every run and settles the budget reservation (synchronous, idempotent)."""
         for task in self._tasks:
             task.cancel()
         for run in self.runs:
             run.close()
+        if self._budget is not None:
+            budgets, reservation = self._budget
+            self._budget = None
+            used = self.usage()
+            budgets.settle_soon(reservation, used.prompt_tokens + used.completion_tokens)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,224 @@
+"""Flow control under a flood: what one tenant's traffic does to another's.
+
+One mesh on `make serve`'s defaults (its default model), five API keys. Phases, each its
+own figures:
+
+- ``alone``: the interactive tenant at c=2 (priority -1: vLLM's semantics, lower first);
+- ``beside_flood``: the same beside a batch tenant flooding at c=64 (priority 0);
+- ``beside_flood_same_priority``: the same with the interactive requests at priority 0,
+  the reference for what priority buys;
+- ``two_tenants``: two equal tenants flooding together at c=32 each for a fixed time:
+  the share of the output tokens each got;
+- ``over_budget``: a tenant with a token budget of a few requests a minute sending at
+  c=4: answered, refused with 429 (and ``Retry-After``), and failed otherwise
+  (time-outs and other errors; the target is none).
+
+Usage: ``python -m bench.flow_bench [--model-dir DIR] [--out bench/results/flow_bench.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.host import host_info
+from bench.lora_bench import DEFAULT_MODEL, Result, one_request, prompts_for, summary
+from bench.mesh_client import engine_lines, model_name
+from launcher.mesh import Mesh, free_ports_config
+
+KEYS = ("interactive", "batch", "tenant-a", "tenant-b", "capped")
+TIMEOUT = aiohttp.ClientTimeout(total=600)
+
+
+def _session(key: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=TIMEOUT, headers={"Authorization": f"Bearer {key}"})
+
+
+async def _closed_loop(
+    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, priority: int
+) -> tuple[list[Result], float]:
+    """Every prompt once, ``c`` in flight, as tenant ``key``; (results, seconds)."""
+    queue = list(prompts)
+    results: list[Result] = []
+    async with _session(key) as session:
+
+        async def worker() -> None:
+            while queue:
+                prompt = queue.pop()
+                extra = {"priority": priority}
+                results.append(await one_request(session, url, model, prompt, output_len, extra))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(c)))
+    return results, time.perf_counter() - start
+
+
+async def _flood(
+    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, stop: asyncio.Event
+) -> list[Result]:
+    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (priority 0)."""
+    results: list[Result] = []
+    async with _session(key) as session:
+
+        async def worker(i: int) -> None:
+            n = i
+            while not stop.is_set():
+                prompt = prompts[n % len(prompts)]
+                results.append(await one_request(session, url, model, prompt, output_len))
+                n += c
+
+        tasks = [asyncio.create_task(worker(i)) for i in range(c)]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results
+
+
+async def _beside_flood(
+    args: argparse.Namespace, url: str, model: str, vocab: int, priority: int
+) -> dict[str, Any]:
+    stop = asyncio.Event()
+    flood_prompts = prompts_for(4 * args.flood_c, args.prompt_len, vocab, seed=7 + priority)
+    flood = asyncio.create_task(
+        _flood(url, "batch", model, flood_prompts, args.flood_c, args.flood_output_len, stop)
+    )
+    await asyncio.sleep(args.settle_s)  # the flood fills the batch first
+    prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=11 + priority)
+    results, seconds = await _closed_loop(url, "interactive", model, prompts, 2, args.output_len, priority)
+    stop.set()
+    flooded = await flood
+    return {"interactive": summary(results, seconds), "flood_requests_done": len(flooded)}
+
+
+async def _two_tenants(args: argparse.Namespace, url: str, model: str, vocab: int) -> dict[str, Any]:
+    stop = asyncio.Event()
+    floods = [
+        asyncio.create_task(
+            _flood(
+                url,
+                key,
+                model,
+                prompts_for(64, args.prompt_len, vocab, seed=20 + i),
+                32,
+                args.output_len,
+                stop,
+            )
+        )
+        for i, key in enumerate(("tenant-a", "tenant-b"))
+    ]
+    await asyncio.sleep(args.fair_s)
+    stop.set()
+    a, b = [sum(r.output_tokens for r in await f) for f in floods]
+    return {"tenant_a_tokens": a, "tenant_b_tokens": b, "tenant_a_share": a / max(1, a + b)}
+
+
+async def _over_budget(args: argparse.Namespace, url: str, model: str, vocab: int) -> dict[str, Any]:
+    counts = {"answered": 0, "refused_429": 0, "failed": 0}
+    retry_after: list[int] = []
+    body_prompts = prompts_for(64, args.prompt_len, vocab, seed=30)
+    deadline = time.monotonic() + args.budget_s
+    async with _session("capped") as session:
+
+        async def worker(i: int) -> None:
+            n = i
+            while time.monotonic() < deadline:
+                body = {"model": model, "prompt": body_prompts[n % 64], "max_tokens": args.output_len}
+                n += 4
+                try:
+                    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=60)) as reply:
+                        await reply.read()
+                        if reply.status == 200:
+                            counts["answered"] += 1
+                        elif reply.status == 429:
+                            counts["refused_429"] += 1
+                            retry_after.append(int(reply.headers.get("Retry-After", "0")))
+                            await asyncio.sleep(0.2)
+                        else:
+                            counts["failed"] += 1
+                except (aiohttp.ClientError, TimeoutError):
+                    counts["failed"] += 1
+
+        await asyncio.gather(*(worker(i) for i in range(4)))
+    return {**counts, "retry_after_s_max": max(retry_after, default=0)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(args.model_dir).vocab_size)
+    budget = args.capped_tokens_per_minute
+    config = free_ports_config(
+        model_dir=args.model_dir,
+        api_keys=",".join(KEYS),
+        log_dir=tempfile.mkdtemp(prefix="meshserve-flow-bench-"),
+        extra_env=(("MESHSERVE_KEY_BUDGETS", f"capped={budget}/0"),),
+    )
+    mesh = Mesh(config).start(timeout=900)
+    try:
+        url, model = mesh.gateway_url + "/v1/completions", model_name(args.model_dir)
+        out: dict[str, Any] = {"engines": engine_lines(mesh)}
+        prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=3)
+        warm = prompts_for(8, args.prompt_len, vocab, seed=4)
+        asyncio.run(_closed_loop(url, "interactive", model, warm, 4, args.output_len, 0))
+        out["alone"] = summary(
+            *asyncio.run(_closed_loop(url, "interactive", model, prompts, 2, args.output_len, -1))
+        )
+        out["beside_flood"] = asyncio.run(_beside_flood(args, url, model, vocab, -1))
+        out["beside_flood_same_priority"] = asyncio.run(_beside_flood(args, url, model, vocab, 0))
+        out["two_tenants"] = asyncio.run(_two_tenants(args, url, model, vocab))
+        out["over_budget"] = asyncio.run(_over_budget(args, url, model, vocab))
+        alone = out["alone"]["ttft_p99_ms"]
+        out["interactive_ttft_p99_beside_flood_over_alone"] = (
+            out["beside_flood"]["interactive"]["ttft_p99_ms"] / alone
+        )
+        out["same_priority_ttft_p99_over_alone"] = (
+            out["beside_flood_same_priority"]["interactive"]["ttft_p99_ms"] / alone
+        )
+        return out
+    finally:
+        mesh.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.flow_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model-dir", default=str(DEFAULT_MODEL))
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--flood-c", type=int, default=64)
+    p.add_argument("--flood-output-len", type=int, default=128)
+    p.add_argument("--interactive-requests", type=int, default=24)
+    p.add_argument("--settle-s", type=float, default=5.0, help="flood alone before the interactive requests")
+    p.add_argument("--fair-s", type=float, default=30.0, help="how long the two tenants flood together")
+    p.add_argument("--budget-s", type=float, default=15.0, help="how long the capped tenant sends")
+    p.add_argument("--capped-tokens-per-minute", type=int, default=600)
+    p.add_argument("--out", default="bench/results/flow_bench.json")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report: dict[str, Any] = {
+        "command": "python -m bench.flow_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": host_info(),
+        "model": model_name(args.model_dir),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        **run(args),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
