@@ -138,6 +138,8 @@ class Dispatcher:
         if routable is None:
             routable = self.registry.candidates(request.model, request.role, exclude)
         candidates = [w for w in routable if w.has_capacity()]
+        if not candidates:  # a higher priority may still displace a lower one (can_displace)
+            candidates = [w for w in routable if w.can_displace(request.priority)]
         if not candidates:
             return None
         started = time.perf_counter()
@@ -146,7 +148,7 @@ class Dispatcher:
         if request.adapter:
             resident = decision.worker.adapter_resident(request.adapter)
             metrics.ADAPTER_ROUTES.labels(adapter=request.adapter, resident=str(resident).lower()).inc()
-        lease = self.registry.acquire(decision.worker, request.adapter)
+        lease = self.registry.acquire(decision.worker, request.adapter, request.priority)
         if self._on_dispatch is not None:
             self._on_dispatch(request, decision)
         return lease, decision

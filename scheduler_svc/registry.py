@@ -101,6 +101,8 @@ class WorkerState:
     # LoRA adapter -> requests for it this scheduler sent here that have not finished yet
     # (an adapter leaves the dict with its last request: `release`).
     adapter_inflight: dict[str, int] = field(default_factory=dict)
+    # Priority -> requests of that priority this scheduler sent here, not finished yet.
+    priority_inflight: dict[int, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -122,6 +124,14 @@ class WorkerState:
     def has_capacity(self) -> bool:
         """Room for one more request of ours."""
         return self.inflight < self.capacity
+
+    def can_displace(self, priority: int) -> bool:
+        """Full, but a request of ``priority`` may go here anyway: some of ours here have a
+        lower priority (the engine preempts one for it), and ours of ``priority`` or higher
+        leave room in the capacity (docs/architecture.md, "Priority")."""
+        if not any(p < priority for p in self.priority_inflight):
+            return False
+        return sum(n for p, n in self.priority_inflight.items() if p >= priority) < self.capacity
 
     def estimated_load(self) -> int:
         """Requests on the worker now: ours (exact, heartbeats lag) plus other replicas' (reported)."""
@@ -156,6 +166,7 @@ class Lease:
     worker: WorkerState
     dispatched_at: float
     adapter: str = ""  # the request's LoRA adapter ("" for a base model)
+    priority: int = 0  # the request's (higher first)
 
 
 class WorkerRegistry:
@@ -307,12 +318,13 @@ class WorkerRegistry:
             w.spec.model == model for w in workers
         )
 
-    def acquire(self, state: WorkerState, adapter: str = "") -> Lease:
+    def acquire(self, state: WorkerState, adapter: str = "", priority: int = 0) -> Lease:
         """Counts one more request in flight on `state` (for LoRA adapter `adapter`)."""
         state.inflight += 1
         if adapter:
             state.adapter_inflight[adapter] = state.adapter_inflight.get(adapter, 0) + 1
-        return Lease(worker=state, dispatched_at=self._clock(), adapter=adapter)
+        state.priority_inflight[priority] = state.priority_inflight.get(priority, 0) + 1
+        return Lease(worker=state, dispatched_at=self._clock(), adapter=adapter, priority=priority)
 
     def release(self, lease: Lease) -> None:
         state = lease.worker
@@ -323,6 +335,11 @@ class WorkerRegistry:
                 state.adapter_inflight[lease.adapter] = left
             else:
                 state.adapter_inflight.pop(lease.adapter, None)
+        left = state.priority_inflight.get(lease.priority, 0) - 1
+        if left > 0:
+            state.priority_inflight[lease.priority] = left
+        else:
+            state.priority_inflight.pop(lease.priority, None)
 
     def counts(self) -> dict[tuple[str, Health], int]:
         """Number of workers per (role, health), every combination present."""

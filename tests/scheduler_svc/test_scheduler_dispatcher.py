@@ -35,7 +35,7 @@ async def test_unknown_model_and_no_healthy_worker() -> None:
 
 async def test_queue_until_release_in_priority_order() -> None:
     d = setup(capacity=1)
-    lease, _ = await d.acquire(req("first"))
+    lease, _ = await d.acquire(req("first", 9))  # the top priority: nobody displaces it
     order: list[str] = []
 
     async def wait(rid: str, priority: int) -> None:
@@ -51,6 +51,25 @@ async def test_queue_until_release_in_priority_order() -> None:
     await asyncio.gather(*tasks)
     assert order == ["high", "low"]
     assert d.registry.get("w0").inflight == 0  # type: ignore[union-attr]
+
+
+async def test_higher_priority_goes_past_a_full_worker_of_lower_ones() -> None:
+    """A full worker still takes a request of higher priority than some of ours there
+    (its engine preempts one of them), as long as the requests of that priority or
+    higher fit its capacity; equal priorities queue."""
+    d = setup(capacity=2)
+    for rid in ("low-1", "low-2"):
+        await d.acquire(req(rid, 0))
+    assert d.acquire_now(req("same", 0)) is None  # full: it would queue
+    high = [d.acquire_now(req(f"high-{i}", 5)) for i in range(3)]
+    assert high[0] is not None and high[1] is not None and high[2] is None  # 2 of capacity 2
+    worker = d.registry.get("w0")
+    assert worker is not None and worker.inflight == 4 and worker.priority_inflight == {0: 2, 5: 2}
+    for placed in high[:2]:
+        assert placed is not None
+        d.release(placed[0])
+    assert worker.priority_inflight == {0: 2}
+    assert d.acquire_now(req("top", 9)) is not None
 
 
 async def test_overflow_raises_overloaded() -> None:

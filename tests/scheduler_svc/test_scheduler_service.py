@@ -215,7 +215,7 @@ async def test_queued_route_gets_the_worker_when_a_lease_is_released(
 async def test_queued_routes_are_admitted_by_priority(start_scheduler: Any, start_worker: Any) -> None:
     sched = await start_scheduler(max_inflight_per_worker=1)
     await start_worker("a", sched)
-    held = await sched.route([1])
+    held = await sched.route([1], priority=9)  # the top priority: nobody displaces it
     low = start_route(sched, [2], request_id="low", priority=0)
     await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
     high = start_route(sched, [3], request_id="high", priority=5)
