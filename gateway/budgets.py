@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.errors import APIError
+from gateway.ratelimit import RateLimiter
 from services import redis_client
 from services.clock import Clock
 
@@ -165,7 +165,7 @@ class TenantBudgets:
                 f"budget exceeded: {budget.tokens or 'unlimited'} tokens and "
                 f"{budget.requests or 'unlimited'} requests per minute",
                 code="budget_exceeded",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                headers={"Retry-After": RateLimiter.retry_after_header(wait)},
             )
         return Reservation(tenant, budget, tokens)
 

@@ -447,18 +447,15 @@ def _wrap_projections(
         if m and m.group(3) in TARGET_MODULES and m.group(2) == TARGET_MODULES[m.group(3)]:
             if isinstance(module, nn.Linear):
                 found.append((mod_name, int(m.group(1)), m.group(3), module))
-    groups: dict[str, list[tuple[str, int, nn.Linear]]] = {}
+    groups: dict[tuple[str, int, int], list[tuple[str, int, nn.Linear]]] = {}
     for mod_name, layer, proj, linear in found:
-        groups.setdefault(f"{proj}:{linear.in_features}:{linear.out_features}", []).append(
+        groups.setdefault((proj, linear.in_features, linear.out_features), []).append(
             (mod_name, layer, linear)
         )
     layers: dict[Key, LoraLinear] = {}
-    for key, members in groups.items():
-        proj = key.split(":")[0]
-        base = members[0][2]
-        state.banks[key] = _Bank(
-            len(members), max_loras * max_rank, base.in_features, base.out_features, base.weight
-        )
+    for (proj, fan_in, fan_out), members in groups.items():
+        key = f"{proj}:{fan_in}:{fan_out}"
+        state.banks[key] = _Bank(len(members), max_loras * max_rank, fan_in, fan_out, members[0][2].weight)
         for index, (mod_name, layer, linear) in enumerate(members):
             wrapped = LoraLinear(linear, max_rank, owner, key, index)
             setattr(model.get_submodule(mod_name.rsplit(".", 1)[0]), proj, wrapped)

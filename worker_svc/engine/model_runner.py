@@ -297,8 +297,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         chunks = [(item.start, item.num_new_tokens, item.request.block_table) for item in batch]
         if self.graphs is not None and not image_rows[0]:
-            lora, spans = self.lora, self._lora_spans(batch, 0)
-            rows = None if lora is None else (lambda: lora.step_rows(spans, full=True))
+            lora = self.lora
+            rows = None if lora is None else (lambda: lora.step_rows(self._lora_spans(batch, 0), full=True))
             replayed = self.graphs.run(chunks, ids, positions, keep, rows)
             if replayed is not None:
                 return replayed
