@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import chat, completions, messages_api, responses_api
 from gateway.budgets import tenant_budgets
+from gateway.classes import priority_classes
 from gateway.config import GatewayConfig
 from gateway.direct_routes import DirectRoute
 from gateway.errors import (
@@ -115,6 +116,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     )
     state = GatewayState()
     app.state.config = config
+    app.state.classes = priority_classes(config)
     app.state.gateway = state
     app.state.started = int(time.time())
     app.add_exception_handler(APIError, api_error_handler)

@@ -142,15 +142,16 @@ class TenantBudgets:
     def budget_of(self, tenant: str) -> Budget:
         return self.per_tenant.get(tenant, self.default)
 
-    async def reserve(self, tenant: str, tokens: int) -> Reservation | None:
+    async def reserve(self, tenant: str, tokens: int, klass: str = "default") -> Reservation | None:
         """Takes one request and ``tokens`` from ``tenant``'s buckets; None when it has no
-        budget. APIError 429 (with ``Retry-After``) when they cannot cover it now."""
+        budget. APIError 429 (with ``Retry-After``) when they cannot cover it now (counted
+        under the request's priority class ``klass``)."""
         budget = self.budget_of(tenant)
         if not budget.limited:
             return None
         wait, which = await self._take(tenant, budget, tokens, 1)
         if wait < 0:
-            metrics.BUDGET_REFUSED.labels(tenant, "too_large").inc()
+            metrics.ADMISSIONS.labels(tenant, klass, "budget_too_large").inc()
             raise APIError(
                 429,
                 f"this request may use {tokens} tokens (prompt + n × max_tokens), more than the "
@@ -159,7 +160,7 @@ class TenantBudgets:
                 code="token_budget_exceeded",
             )
         if wait > 0:
-            metrics.BUDGET_REFUSED.labels(tenant, _BUCKETS[which]).inc()
+            metrics.ADMISSIONS.labels(tenant, klass, "budget_" + _BUCKETS[which]).inc()
             raise APIError(
                 429,
                 f"budget exceeded: {budget.tokens or 'unlimited'} tokens and "
@@ -174,7 +175,6 @@ class TenantBudgets:
         if reservation.settled:
             return
         reservation.settled = True
-        metrics.BUDGET_TOKENS.labels(reservation.tenant).inc(used_tokens)
         unused = reservation.tokens - used_tokens
         if unused > 0 and reservation.budget.tokens:
             await self._take(reservation.tenant, reservation.budget, -unused, 0)

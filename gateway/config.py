@@ -64,6 +64,16 @@ class GatewayConfig(ProcessConfig):
     key_budgets: tuple[str, ...] = opt(
         (), "budgets of particular keys, KEY=TOKENS/REQUESTS per minute (0: unlimited), over the defaults"
     )
+    classes: tuple[str, ...] = opt(
+        ("interactive=-10", "default=0", "batch=10", "sheddable=20/0"),
+        "priority classes a request names in service_tier, NAME=PRIORITY[/QUEUE_TIMEOUT_S]: vLLM "
+        "priority (lower first), longest wait in the scheduler's queue (none: its "
+        "--queue-timeout-s; 0: never queued, refused with 429 when no worker is free); "
+        "gateway/classes.py",
+    )
+    key_classes: tuple[str, ...] = opt(
+        (), "the class of particular keys, KEY=CLASS: their requests' class and the soonest they may ask for"
+    )
     models_cache_s: float = opt(
         1.0, "how long /v1/models (and the model check of every request) reuses ListWorkers"
     )
@@ -122,8 +132,10 @@ class GatewayConfig(ProcessConfig):
             raise ValueError("api_keys and admin_api_keys must not contain empty keys")
         from gateway import reasoning, tool_parsers  # here: config must not import them eagerly
         from gateway.budgets import parse_key_budgets
+        from gateway.classes import parse_classes, parse_key_classes
 
         parse_key_budgets(self.key_budgets, self.api_keys + self.admin_api_keys)
+        parse_key_classes(self.key_classes, self.api_keys + self.admin_api_keys, parse_classes(self.classes))
 
         tool_parsers.check_spec(self.tool_call_parser)
         reasoning.check_name(self.reasoning_parser)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -83,6 +84,10 @@ class GenerationSpec:
     priority: int
     tenant: str
     cache_salt: str = ""
+    # The request's priority class (gateway/classes.py) and its longest wait in the
+    # scheduler's queue (None: the scheduler's own; 0: never queued).
+    service_class: str = "default"
+    queue_timeout_s: float | None = None
     # The request field the output constraint came from (response_format, tool_choice,
     # structured_outputs.<kind>): a worker that refuses the constraint names this one.
     constraint_param: str = ""
@@ -98,6 +103,7 @@ class GenerationSpec:
             tenant=self.tenant,
             mm_items=self.mm_items,
             cache_salt=self.cache_salt,
+            queue_timeout_s=self.queue_timeout_s,
         )
 
 
@@ -193,6 +199,7 @@ class GenerationRun:
         self._state = RunState.NEW
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
+        self.admitted = False  # a route has given it a lease (its tokens count for its tenant)
         # sampling.prompt_logprobs: the worker sends them with the first output.
         self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
@@ -276,14 +283,26 @@ class GenerationRun:
         """Route, excluding the workers that failed this run; when that leaves no worker,
         once more allowing them: a worker whose stream broke may well be alive (a reset
         connection), and one that is not still fails fast or is no longer listed."""
+        labels = (self.spec.tenant, self.spec.service_class)
+        started = time.perf_counter()
         try:
-            return await self.upstream.route(request, self._excluded, self._force_encode)
+            try:
+                lease = await self.upstream.route(request, self._excluded, self._force_encode)
+            except APIError as exc:
+                if exc.status != 503 or not self._excluded:
+                    raise
+                log.warning("%s: %s; routing again without exclusions", self.spec.request_id, exc.message)
+                self._excluded = []
+                lease = await self.upstream.route(request, [], self._force_encode)
         except APIError as exc:
-            if exc.status != 503 or not self._excluded:
-                raise
-            log.warning("%s: %s; routing again without exclusions", self.spec.request_id, exc.message)
-            self._excluded = []
-            return await self.upstream.route(request, [], self._force_encode)
+            if exc.status == 429 and not self.admitted:
+                metrics.ADMISSIONS.labels(*labels, "overloaded").inc()
+            raise
+        metrics.QUEUED.labels(*labels).observe(time.perf_counter() - started)
+        if not self.admitted:
+            self.admitted = True
+            metrics.ADMISSIONS.labels(*labels, "admitted").inc()
+        return lease
 
     # -- RequestSink: called by the worker stream's reader task -----------------------
 

@@ -62,6 +62,7 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    service_tier: str | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -207,7 +208,9 @@ def to_chat(body: MessagesRequest | CountTokensRequest, max_n: int) -> ChatCompl
     if isinstance(body, MessagesRequest):
         fields |= {"stream": body.stream, "max_completion_tokens": body.max_tokens}
         fields |= {
-            k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None
+            k: getattr(body, k)
+            for k in ("temperature", "top_p", "top_k", "service_tier")
+            if getattr(body, k) is not None
         }
         if body.stop_sequences:
             fields["stop"] = body.stop_sequences

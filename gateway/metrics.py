@@ -55,15 +55,24 @@ PROMPT_TOKENS = Counter(
 COMPLETION_TOKENS = Counter(
     "meshserve_gateway_completion_tokens_total", "Completion tokens of finished requests", ["route"]
 )
-BUDGET_REFUSED = Counter(
-    "meshserve_gateway_budget_refused_total",
-    "Requests refused (429) by their tenant's budget, by tenant and reason: tokens, requests, too_large",
-    ["tenant", "reason"],
+ADMISSIONS = Counter(
+    "meshserve_gateway_admissions_total",
+    "Generation requests by tenant, priority class and outcome: admitted (routed to a worker), "
+    "budget_tokens, budget_requests, budget_too_large (429 by the tenant's budget) or overloaded "
+    "(429 from the scheduler: queue full, queue timeout, or shed)",
+    ["tenant", "class", "outcome"],
 )
-BUDGET_TOKENS = Counter(
-    "meshserve_gateway_budget_tokens_total",
-    "Tokens (prompt + completion) charged to tenant budgets, counted as requests settle",
-    ["tenant"],
+QUEUED = Histogram(
+    "meshserve_gateway_queued_seconds",
+    "Time from a route's request to its lease (the scheduler's admission queue and routing), "
+    "by tenant and priority class",
+    ["tenant", "class"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TENANT_TOKENS = Counter(
+    "meshserve_gateway_tenant_tokens_total",
+    "Tokens (prompt + completion) of ended generation requests, by tenant and priority class",
+    ["tenant", "class"],
 )
 JSON_MODE_VIOLATIONS = Counter(
     "meshserve_gateway_json_mode_violations_total",

@@ -103,6 +103,9 @@ class SamplingRequest(_Request):
         le=INT32_MAX,
         description="vLLM semantics: lower values are scheduled earlier (default 0).",
     )
+    service_tier: str | None = Field(
+        None, description="The request's priority class (gateway/classes.py); auto: its key's."
+    )
     cache_salt: str | None = Field(
         None, description="Requests with different salts never share prefix cache."
     )

@@ -73,6 +73,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    service_tier: str | None = None
 
 
 def _new_item_id(prefix: str) -> str:
@@ -210,6 +211,7 @@ def to_chat(
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "service_tier": body.service_tier,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return chat_request(fields, _NAMES, max_n)

@@ -20,8 +20,9 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import structured
+from gateway import metrics, structured
 from gateway.budgets import Reservation, TenantBudgets
+from gateway.classes import DEFAULT, Classes, Resolved
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun, GenerationSpec, Usage
@@ -55,6 +56,7 @@ class RequestContext:
     start_time: float
     created: int
     budgets: TenantBudgets | None = None
+    classes: Classes | None = None
 
 
 def request_context(request: Request) -> RequestContext:
@@ -65,6 +67,7 @@ def request_context(request: Request) -> RequestContext:
         upstream=request.app.state.upstream,
         tenant=getattr(state, "tenant", ANONYMOUS),
         budgets=getattr(request.app.state, "budgets", None),
+        classes=getattr(request.app.state, "classes", None),
         start_time=getattr(state, "start_time", time.perf_counter()),
         created=int(time.time()),
     )
@@ -151,8 +154,12 @@ def generation_spec(
     mm_items: list[common_pb2.MultiModalItem],
     sampling: common_pb2.SamplingParams,
 ) -> GenerationSpec:
-    """The GenerationSpec of one prompt. vLLM priority (lower first) is negated for the
-    mesh, whose proto runs higher priorities first."""
+    """The GenerationSpec of one prompt, in its priority class (gateway/classes.py; the
+    mesh runs higher priorities first: vLLM's lower-first priority is negated)."""
+    if ctx.classes is None:
+        klass = Resolved(DEFAULT, -body.priority, None)
+    else:
+        klass = ctx.classes.resolve(ctx.tenant, body.service_tier, body.priority)
     return GenerationSpec(
         request_id=request_id,
         model=model,
@@ -163,8 +170,10 @@ def generation_spec(
         stop=body.stop_list(),
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
-        priority=-body.priority,
+        priority=klass.priority,
         tenant=ctx.tenant,
+        service_class=klass.name,
+        queue_timeout_s=klass.queue_timeout_s,
         cache_salt=body.cache_salt or "",
         constraint_param=_constraint_param(body, sampling),
     )
@@ -198,6 +207,7 @@ class MultiRun:
         self._buffer: list[ChoiceEvent] = []
         self._iter: AsyncIterator[ChoiceEvent] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
 
     async def reserve(self, ctx: RequestContext) -> None:
         """Takes what the runs may use from the tenant's budgets (APIError 429 when they
@@ -205,7 +215,7 @@ class MultiRun:
         if ctx.budgets is None or not ctx.budgets.enabled:
             return
         tokens = sum(len(r.spec.prompt_ids) + r.spec.n * r.spec.sampling.max_tokens for r in self.runs)
-        reservation = await ctx.budgets.reserve(ctx.tenant, tokens)
+        reservation = await ctx.budgets.reserve(ctx.tenant, tokens, self.runs[0].spec.service_class)
         if reservation is not None:
             self._budget = (ctx.budgets, reservation)
 
@@ -301,10 +311,17 @@ class MultiRun:
             task.cancel()
         for run in self.runs:
             run.close()
+        if self._closed:
+            return
+        self._closed = True
+        used = self.usage()
+        spec = self.runs[0].spec
+        admitted = [run.usage() for run in self.runs if run.admitted]
+        tokens = sum(u.prompt_tokens + u.completion_tokens for u in admitted)
+        metrics.TENANT_TOKENS.labels(spec.tenant, spec.service_class).inc(tokens)
         if self._budget is not None:
             budgets, reservation = self._budget
             self._budget = None
-            used = self.usage()
             budgets.settle_soon(reservation, used.prompt_tokens + used.completion_tokens)
 
 

@@ -8,7 +8,10 @@ tenant served last moving to the back) to a callback that either takes the item
 placed (same model, same exclusions) are skipped for the rest of the pass, so one model
 without capacity never blocks another model's requests.
 
-A full queue raises `Overloaded` (RESOURCE_EXHAUSTED → HTTP 429): never an unbounded pile-up.
+A full queue raises `Overloaded` (RESOURCE_EXHAUSTED → HTTP 429): never an unbounded
+pile-up. A full queue still takes an item of higher priority than its lowest waiting one:
+that one (the newest of the lowest priority) is pushed out, so sheddable requests are
+refused first under overload.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class _Entry(Generic[T]):
     item: T
     priority: int
     tenant: str
+    seq: int = 0  # push order
 
 
 class AdmissionQueue(Generic[T]):
@@ -40,6 +44,7 @@ class AdmissionQueue(Generic[T]):
         self._levels: dict[int, OrderedDict[str, deque[_Entry[T]]]] = {}
         self._entries: dict[int, _Entry[T]] = {}  # id(item) -> entry
         self._len = 0
+        self._pushed = 0
 
     def __len__(self) -> int:
         return self._len
@@ -47,13 +52,19 @@ class AdmissionQueue(Generic[T]):
     def __contains__(self, item: object) -> bool:
         return id(item) in self._entries
 
-    def push(self, item: T, priority: int = 0, tenant: str = "", *, front: bool = False) -> None:
-        """Queues `item`; `front=True` (a retry of an admitted request) bypasses the limit."""
+    def push(self, item: T, priority: int = 0, tenant: str = "", *, front: bool = False) -> T | None:
+        """Queues `item`; `front=True` (a retry of an admitted request) bypasses the limit.
+        Returns the item pushed out of a full queue for it (None: none was)."""
+        evicted = None
         if not front and self._len >= self.max_len:
-            raise Overloaded(
-                f"scheduler queue is full ({self._len} requests waiting, limit {self.max_len}); retry later"
-            )
-        entry = _Entry(item, priority, tenant)
+            evicted = self._lowest_below(priority)
+            if evicted is None:
+                raise Overloaded(
+                    f"scheduler queue is full ({self._len} requests waiting, limit {self.max_len}); retry later"
+                )
+            self.remove(evicted)
+        self._pushed += 1
+        entry = _Entry(item, priority, tenant, self._pushed)
         level = self._levels.setdefault(priority, OrderedDict())
         fifo = level.setdefault(tenant, deque())
         if front:
@@ -62,6 +73,15 @@ class AdmissionQueue(Generic[T]):
             fifo.append(entry)
         self._entries[id(item)] = entry
         self._len += 1
+        return evicted
+
+    def _lowest_below(self, priority: int) -> T | None:
+        """The newest item of the lowest priority waiting, if that priority is below `priority`."""
+        lowest = min(self._levels, default=None)
+        if lowest is None or lowest >= priority:
+            return None
+        newest = max((fifo[-1] for fifo in self._levels[lowest].values()), key=lambda e: e.seq)
+        return newest.item
 
     def remove(self, item: T) -> bool:
         """Removes a waiting item (cancelled, timed out); False when it is not queued."""

@@ -88,9 +88,19 @@ class Dispatcher:
         placed = self.acquire_now(request, exclude)
         if placed is not None:
             return placed
+        if request.queue_timeout_s == 0 and not retry:
+            metrics.SHED.labels(reason="no_free_worker").inc()
+            raise Overloaded("no worker can take this request now and its class never waits (sheddable)")
         loop = asyncio.get_running_loop()
         waiter = Waiter(request, exclude, loop.create_future())
-        self.queue.push(waiter, request.priority, request.tenant, front=retry)
+        evicted = self.queue.push(waiter, request.priority, request.tenant, front=retry)
+        if evicted is not None and not evicted.future.done():
+            metrics.SHED.labels(reason="queue_full").inc()
+            evicted.future.set_exception(
+                Overloaded(
+                    "the scheduler queue is full and a request of higher priority took this one's place"
+                )
+            )
         self._waiting[request.request_id] = waiter
         self.pump()
         queued_at = time.perf_counter()
@@ -107,14 +117,17 @@ class Dispatcher:
     async def _wait(self, waiter: Waiter) -> None:
         if waiter.future.done():
             return
+        timeout = waiter.request.queue_timeout_s
+        if timeout is None:
+            timeout = self._queue_timeout_s
         try:
-            async with asyncio.timeout(self._queue_timeout_s):
+            async with asyncio.timeout(timeout):
                 await asyncio.shield(waiter.future)
         except TimeoutError:
             if waiter.future.done():
                 return
             raise Overloaded(
-                f"request waited {self._queue_timeout_s:g}s in the scheduler queue without a free worker"
+                f"request waited {timeout:g}s in the scheduler queue without a free worker"
             ) from None
 
     def release(self, lease: Lease) -> None:

@@ -55,6 +55,12 @@ QUEUE_WAIT = Histogram(
     "Time requests spent in the admission queue (only those that had to wait)",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+SHED = Counter(
+    "meshserve_scheduler_shed_total",
+    "Requests refused (RESOURCE_EXHAUSTED) for their class: no_free_worker (a class that never "
+    "waits, no worker free) or queue_full (pushed out of the full queue by a higher priority)",
+    ["reason"],
+)
 ROUTED = Counter(
     "meshserve_scheduler_routed_total",
     "Routing decisions by policy and reason (prefix, score, load_cap, round_robin, least_load)",

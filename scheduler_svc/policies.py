@@ -50,6 +50,8 @@ class RoutingRequest:
     role: str = "decoder"
     # The LoRA adapter `model` names ("" for a base model).
     adapter: str = ""
+    # Longest wait in the admission queue (its priority class); None: the scheduler's.
+    queue_timeout_s: float | None = None
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[int]:

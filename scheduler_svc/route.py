@@ -12,6 +12,7 @@ Embedding calls are short and unary, so they still go through the scheduler.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -82,6 +83,8 @@ def routing_request(request: common_pb2.GenerateRequest, adapter: bool = False) 
         raise InvalidArgument("model is required", param="model")
     if not request.prompt_token_ids:
         raise InvalidArgument("prompt_token_ids must not be empty", param="prompt")
+    if request.HasField("queue_timeout_s") and not 0 <= request.queue_timeout_s < math.inf:
+        raise InvalidArgument("queue_timeout_s must be >= 0 seconds", param="queue_timeout_s")
     return RoutingRequest(
         request_id=request.request_id,
         model=request.model,
@@ -92,6 +95,7 @@ def routing_request(request: common_pb2.GenerateRequest, adapter: bool = False) 
         priority=request.priority,
         tenant=request.tenant,
         adapter=request.model if adapter else "",
+        queue_timeout_s=request.queue_timeout_s if request.HasField("queue_timeout_s") else None,
     )
 
 

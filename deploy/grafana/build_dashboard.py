@@ -173,6 +173,50 @@ def gateway_row(g: Layout) -> None:
         g.panel(title, quantiles(metric, selector), unit="s", w=6)
 
 
+def flow_control_row(g: Layout) -> None:
+    """Tenants and priority classes: what each is admitted, refused, waits and uses."""
+    g.row("Flow control (tenants and classes)")
+    g.panel(
+        "Admissions by class and outcome",
+        [target(rate("meshserve_gateway_admissions_total", "class, outcome"), "{{class}} {{outcome}}")],
+        unit="reqps",
+        stack=True,
+        description="Generation requests per second: admitted, refused by a tenant budget, or overloaded "
+        "(the scheduler's queue full or timed out, or shed).",
+    )
+    by_class = f"histogram_quantile(0.99, sum by (le, class) (rate(meshserve_gateway_queued_seconds_bucket{{{NS}}}[{RATE}])))"
+    g.panel(
+        "Queued time p99 by class",
+        [target(by_class, "{{class}}")],
+        unit="s",
+        description="A route's request to its lease at the gateway: the wait in the scheduler's queue.",
+    )
+    g.panel(
+        "Tokens by tenant",
+        [target(rate("meshserve_gateway_tenant_tokens_total", "tenant"), "{{tenant}}")],
+        unit="short",
+        stack=True,
+        description="Prompt + completion tokens per second of admitted requests, by tenant.",
+    )
+    g.panel(
+        "Refused by tenant",
+        [
+            target(
+                rate("meshserve_gateway_admissions_total", "tenant, outcome", f'{NS}, outcome!="admitted"'),
+                "{{tenant}} {{outcome}}",
+            ),
+            target(rate("meshserve_scheduler_shed_total", "reason"), "shed {{reason}}"),
+        ],
+        unit="reqps",
+        description="429s per second by tenant and cause, and the scheduler's shed requests.",
+    )
+    g.panel(
+        "Priority preemptions",
+        [target(gauge("meshserve_worker_num_priority_preemptions"), "preemptions")],
+        description="Running requests displaced on the workers by a waiting one of higher priority (total).",
+    )
+
+
 def scheduler_row(g: Layout) -> None:
     """Admission, worker health, routing and its failures, leases."""
     g.row("Scheduler")
@@ -385,6 +429,7 @@ def label_variable(name: str, label: str, metric: str, ref_id: str) -> dict[str,
 def build() -> dict[str, Any]:
     g = Layout()
     gateway_row(g)
+    flow_control_row(g)
     scheduler_row(g)
     worker_rows(g)
     transfer_and_rpc_rows(g)

@@ -188,6 +188,53 @@ async def test_queue_timeout_is_resource_exhausted(start_scheduler: Any, start_w
     assert len(sched.core.dispatcher.queue) == 0 and sched.inflight("a") == 1
 
 
+def shed(reason: str) -> float:
+    return metric("meshserve_scheduler_shed_total", reason=reason)
+
+
+async def test_a_request_s_class_sets_its_queue_timeout(start_scheduler: Any, start_worker: Any) -> None:
+    """queue_timeout_s 0 (a sheddable class): refused at once when no worker is free,
+    never queued; a short one times out before the scheduler's own 60 s."""
+    sched = await start_scheduler(max_inflight_per_worker=1, queue_timeout_s=60)
+    await start_worker("a", sched)
+    await sched.route([1], priority=9)  # the top priority: nobody displaces it
+    before = shed("no_free_worker")
+    started = asyncio.get_running_loop().time()
+    assert await route_status(sched, [2], queue_timeout_s=0) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert shed("no_free_worker") == before + 1 and len(sched.core.dispatcher.queue) == 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sched.route([3], queue_timeout_s=0.3)
+    assert "waited 0.3s in the scheduler queue" in (info.value.details() or "")
+    assert asyncio.get_running_loop().time() - started < 5
+    assert await route_status(sched, [4], queue_timeout_s=-1) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_full_queue_sheds_its_lowest_priority_for_a_higher_one(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched = await start_scheduler(max_inflight_per_worker=1, max_queue_len=2)
+    await start_worker("a", sched)
+    held = await sched.route([1], priority=9)
+    old_low = start_route(sched, [2], request_id="old-low", priority=-20)
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 1)
+    new_low = start_route(sched, [3], request_id="new-low", priority=-20)
+    await sched.wait_for(lambda: len(sched.core.dispatcher.queue) == 2)
+    before = shed("queue_full")
+    high = start_route(sched, [4], request_id="high", priority=0)
+    with pytest.raises(grpc.aio.AioRpcError) as pushed_out:
+        await new_low  # the newest of the lowest priority goes first
+    assert pushed_out.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "higher priority took this one's place" in (pushed_out.value.details() or "")
+    assert shed("queue_full") == before + 1
+    # Full again, of priorities -20 and 0: one no higher than the lowest is refused.
+    assert await route_status(sched, [5], priority=-20) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await sched.release(held.lease_id)
+    first = await high
+    assert first.request_id == "high"
+    await sched.release(first.lease_id)
+    assert (await old_low).request_id == "old-low"
+
+
 async def test_queued_route_gets_the_worker_when_a_lease_is_released(
     start_scheduler: Any, start_worker: Any
 ) -> None:
