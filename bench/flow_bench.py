@@ -1,12 +1,16 @@
 """Flow control under a flood: what one tenant's traffic does to another's.
 
-One mesh on `make serve`'s defaults (its default model), five API keys. Phases, each its
-own figures:
+One mesh on `make serve`'s defaults (its default model and priority classes), five API
+keys. Requests name their class in ``service_tier`` and carry the class' vLLM ``priority``
+too, so that a mesh from before classes (``--phases`` of the first three) runs the same
+load. Phases, each its own figures:
 
-- ``alone``: the interactive tenant at c=2 (priority -1: vLLM's semantics, lower first);
-- ``beside_flood``: the same beside a batch tenant flooding at c=64 (priority 0);
-- ``beside_flood_same_priority``: the same with the interactive requests at priority 0,
-  the reference for what priority buys;
+- ``alone``: the interactive tenant at c=2 (class ``interactive``);
+- ``beside_flood``: the same beside a batch tenant flooding at c=64 (class ``batch``);
+- ``beside_flood_same_priority``: the same with the interactive requests in class
+  ``batch``, the reference for what priority buys;
+- ``sheddable``: beside the flood, requests of class ``sheddable`` at c=2: refused with 429
+  at once (the time to the refusal), never queued;
 - ``two_tenants``: two equal tenants flooding together at c=32 each for a fixed time:
   the share of the output tokens each got;
 - ``over_budget``: a tenant with a token budget of a few requests a minute sending at
@@ -43,8 +47,17 @@ def _session(key: str) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=TIMEOUT, headers={"Authorization": f"Bearer {key}"})
 
 
+# The default classes' vLLM priorities (gateway/config.py `classes`).
+PRIORITY = {"interactive": -10, "default": 0, "batch": 10, "sheddable": 20}
+PHASES = ("alone", "beside_flood", "beside_flood_same_priority", "sheddable", "two_tenants", "over_budget")
+
+
+def _tier(name: str) -> dict[str, Any]:
+    return {"service_tier": name, "priority": PRIORITY[name]}
+
+
 async def _closed_loop(
-    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, priority: int
+    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, tier: str
 ) -> tuple[list[Result], float]:
     """Every prompt once, ``c`` in flight, as tenant ``key``; (results, seconds)."""
     queue = list(prompts)
@@ -54,8 +67,7 @@ async def _closed_loop(
         async def worker() -> None:
             while queue:
                 prompt = queue.pop()
-                extra = {"priority": priority}
-                results.append(await one_request(session, url, model, prompt, output_len, extra))
+                results.append(await one_request(session, url, model, prompt, output_len, _tier(tier)))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
@@ -65,7 +77,7 @@ async def _closed_loop(
 async def _flood(
     url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, stop: asyncio.Event
 ) -> list[Result]:
-    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (priority 0)."""
+    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (class batch)."""
     results: list[Result] = []
     async with _session(key) as session:
 
@@ -73,7 +85,7 @@ async def _flood(
             n = i
             while not stop.is_set():
                 prompt = prompts[n % len(prompts)]
-                results.append(await one_request(session, url, model, prompt, output_len))
+                results.append(await one_request(session, url, model, prompt, output_len, _tier("batch")))
                 n += c
 
         tasks = [asyncio.create_task(worker(i)) for i in range(c)]
@@ -85,19 +97,49 @@ async def _flood(
 
 
 async def _beside_flood(
-    args: argparse.Namespace, url: str, model: str, vocab: int, priority: int
+    args: argparse.Namespace, url: str, model: str, vocab: int, tier: str
 ) -> dict[str, Any]:
+    seed = PRIORITY[tier]
     stop = asyncio.Event()
-    flood_prompts = prompts_for(4 * args.flood_c, args.prompt_len, vocab, seed=7 + priority)
+    flood_prompts = prompts_for(4 * args.flood_c, args.prompt_len, vocab, seed=7 + seed)
     flood = asyncio.create_task(
         _flood(url, "batch", model, flood_prompts, args.flood_c, args.flood_output_len, stop)
     )
     await asyncio.sleep(args.settle_s)  # the flood fills the batch first
-    prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=11 + priority)
-    results, seconds = await _closed_loop(url, "interactive", model, prompts, 2, args.output_len, priority)
+    prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=11 + seed)
+    if tier == "sheddable":
+        figures = await _shed(url, model, prompts, args.output_len)
+    else:
+        results, seconds = await _closed_loop(url, "interactive", model, prompts, 2, args.output_len, tier)
+        figures = {"interactive": summary(results, seconds)}
     stop.set()
     flooded = await flood
-    return {"interactive": summary(results, seconds), "flood_requests_done": len(flooded)}
+    return {**figures, "flood_requests_done": len(flooded)}
+
+
+async def _shed(url: str, model: str, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """Each prompt once as class sheddable, c=2: answered, refused (429) and the time to
+    each refusal."""
+    counts = {"answered": 0, "refused_429": 0, "failed": 0}
+    refusal_ms: list[float] = []
+    queue = list(prompts)
+    async with _session("interactive") as session:
+
+        async def worker() -> None:
+            while queue:
+                body = {**_tier("sheddable"), "model": model, "prompt": queue.pop(), "max_tokens": output_len}
+                start = time.perf_counter()
+                async with session.post(url, json=body) as reply:
+                    await reply.read()
+                if reply.status == 429:
+                    counts["refused_429"] += 1
+                    refusal_ms.append(1000 * (time.perf_counter() - start))
+                else:
+                    counts["answered" if reply.status == 200 else "failed"] += 1
+
+        await asyncio.gather(worker(), worker())
+    refusal_ms.sort()
+    return {**counts, "refusal_ms_p50": refusal_ms[len(refusal_ms) // 2] if refusal_ms else None}
 
 
 async def _two_tenants(args: argparse.Namespace, url: str, model: str, vocab: int) -> dict[str, Any]:
@@ -133,6 +175,7 @@ async def _over_budget(args: argparse.Namespace, url: str, model: str, vocab: in
             n = i
             while time.monotonic() < deadline:
                 body = {"model": model, "prompt": body_prompts[n % 64], "max_tokens": args.output_len}
+                body |= _tier("default")
                 n += 4
                 try:
                     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=60)) as reply:
@@ -169,21 +212,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {"engines": engine_lines(mesh)}
         prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=3)
         warm = prompts_for(8, args.prompt_len, vocab, seed=4)
-        asyncio.run(_closed_loop(url, "interactive", model, warm, 4, args.output_len, 0))
-        out["alone"] = summary(
-            *asyncio.run(_closed_loop(url, "interactive", model, prompts, 2, args.output_len, -1))
-        )
-        out["beside_flood"] = asyncio.run(_beside_flood(args, url, model, vocab, -1))
-        out["beside_flood_same_priority"] = asyncio.run(_beside_flood(args, url, model, vocab, 0))
-        out["two_tenants"] = asyncio.run(_two_tenants(args, url, model, vocab))
-        out["over_budget"] = asyncio.run(_over_budget(args, url, model, vocab))
+        asyncio.run(_closed_loop(url, "interactive", model, warm, 4, args.output_len, "default"))
+        phases = {
+            "alone": lambda: summary(
+                *asyncio.run(
+                    _closed_loop(url, "interactive", model, prompts, 2, args.output_len, "interactive")
+                )
+            ),
+            "beside_flood": lambda: asyncio.run(_beside_flood(args, url, model, vocab, "interactive")),
+            "beside_flood_same_priority": lambda: asyncio.run(
+                _beside_flood(args, url, model, vocab, "batch")
+            ),
+            "sheddable": lambda: asyncio.run(_beside_flood(args, url, model, vocab, "sheddable")),
+            "two_tenants": lambda: asyncio.run(_two_tenants(args, url, model, vocab)),
+            "over_budget": lambda: asyncio.run(_over_budget(args, url, model, vocab)),
+        }
+        for name in args.phases.split(","):
+            out[name] = phases[name]()
         alone = out["alone"]["ttft_p99_ms"]
-        out["interactive_ttft_p99_beside_flood_over_alone"] = (
-            out["beside_flood"]["interactive"]["ttft_p99_ms"] / alone
-        )
-        out["same_priority_ttft_p99_over_alone"] = (
-            out["beside_flood_same_priority"]["interactive"]["ttft_p99_ms"] / alone
-        )
+        for name, key in (("beside_flood", "interactive"), ("beside_flood_same_priority", "same_priority")):
+            if name in out:
+                out[f"{key}_ttft_p99_beside_flood_over_alone"] = (
+                    out[name]["interactive"]["ttft_p99_ms"] / alone
+                )
         return out
     finally:
         mesh.stop()
@@ -201,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fair-s", type=float, default=30.0, help="how long the two tenants flood together")
     p.add_argument("--budget-s", type=float, default=15.0, help="how long the capped tenant sends")
     p.add_argument("--capped-tokens-per-minute", type=int, default=600)
+    p.add_argument("--phases", default=",".join(PHASES), help="which phases, in this order (alone first)")
     p.add_argument("--out", default="bench/results/flow_bench.json")
     return p
 

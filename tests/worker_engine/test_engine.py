@@ -111,10 +111,10 @@ def test_higher_priority_displaces_a_running_request(make_engine: Factory, limit
     """A waiting request of higher priority, blocked by max_num_seqs or by free blocks,
     preempts the lowest-priority running request at once instead of waiting for one to
     finish; every answer equals the undisturbed engine's."""
-    # kv_blocks: after 5 steps the two low requests hold 10 of 16 blocks; high needs 7.
+    # kv_blocks: after 5 steps the two low requests hold 9 of 16 blocks; high needs 8.
     sizes = {"max_num_seqs": {"max_num_seqs": 2}, "kv_blocks": {"block_size": 4, "num_kv_blocks": 16}}
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ps = prompts(12, 14, 26, seed=21)
+    ps = prompts(12, 14, 30, seed=21)
     reqs = [("low-a", ps[0], long, 0), ("low-b", ps[1], long, 1), ("high", ps[2], GREEDY, 5)]
     ref = run_all(make_engine(), [(rid, p, params) for rid, p, params, _ in reqs])
     engine = make_engine(**sizes[limit])
@@ -138,6 +138,45 @@ def test_higher_priority_displaces_a_running_request(make_engine: Factory, limit
     while engine.has_unfinished():
         step()
     assert outs == {rid: tokens(out) for rid, out in ref.items()}
+
+
+def test_a_higher_priority_prompt_prefills_in_a_step_of_its_own(make_engine: Factory) -> None:
+    """A prompt of higher priority than running requests is prefilled without their
+    decodes (its first token costs its own prefill only); they resume the next step, and
+    every answer equals the undisturbed engine's. Equal priorities share the step."""
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ps = prompts(10, 11, 12, 20, 21, seed=23)
+    reqs = [
+        ("low-a", ps[0], 0),
+        ("low-b", ps[1], 0),
+        ("low-c", ps[2], 0),
+        ("high", ps[3], 5),
+        ("peer", ps[4], 0),
+    ]
+    ref = run_all(make_engine(), [(rid, p, long) for rid, p, _ in reqs])
+    engine = make_engine()
+    outs: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
+
+    def step() -> set[str]:
+        stepped = set()
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+            stepped.add(out.request_id)
+        return stepped
+
+    for rid, p, priority in reqs[:3]:
+        engine.add_request(RequestSpec(rid, p, long, priority=priority))
+    step()
+    step()
+    engine.add_request(RequestSpec("high", ps[3], long, priority=5))
+    assert step() == {"high"}
+    assert step() == {"low-a", "low-b", "low-c", "high"}
+    engine.add_request(RequestSpec("peer", ps[4], long, priority=0))
+    assert step() == {"low-a", "low-b", "low-c", "high", "peer"}  # no class above the others
+    while engine.has_unfinished():
+        step()
+    assert outs == {rid: tokens(out) for rid, out in ref.items()}
+    assert engine.stats().num_priority_preemptions == 0
 
 
 def test_equal_priority_and_displaced_twice_are_not_displaced(make_engine: Factory) -> None:

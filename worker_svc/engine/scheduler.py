@@ -30,6 +30,13 @@ number, so it resumes ahead of its own class's later arrivals; one preempted
 ``MAX_DISPLACEMENTS`` times is not displaced again, so nothing thrashes. (vLLM's
 priority policy preempts only under KV pressure, never for ``max_num_seqs``.)
 
+A prompt of higher priority is prefilled in a step of its own class: while a request
+whose priority is above some running request's has a prompt to prefill (running, or next
+in line and able to start now), running requests of lower priority sit the step out. Its
+first token then costs a prefill of its own, not a prefill plus a whole batch of decodes
+of the classes it outranks; they lose one step per such prompt (docs/design-decisions.md,
+"Priority displaces running requests"). Equal priorities never trigger it.
+
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
 blocked on: requests behind it (base model, or an adapter already running) go first.
@@ -127,18 +134,67 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch."""
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        floor = self._priority_floor()
+        out = self._build(floor)
+        if floor is not None and not out.scheduled and not out.preempted:
+            out = self._build(None)  # the prompt could not start after all: no empty step
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _build(self, floor: int | None) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, floor)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, floor)
+        return out
+
+    def _priority_floor(self) -> int | None:
+        """The priority below which requests sit this step out (module docstring): that of
+        the highest-priority prompt to prefill now (running, or next in line and able to
+        start), when some running request has a lower one; None: everyone runs."""
+        if not self.running:
+            return None
+        top = max(
+            (r.priority for r in self.running if r.num_computed_tokens < r.num_prompt_tokens), default=None
+        )
+        if (
+            self.waiting
+            and (top is None or self.waiting[0].priority > top)
+            and self._can_start(self.waiting[0])
+        ):
+            top = self.waiting[0].priority
+        if top is None or top <= min(r.priority for r in self.running):
+            return None
+        return top
+
+    def _can_start(self, request: Request) -> bool:
+        """Whether waiting ``request`` could be admitted now (a sequence slot, free blocks
+        or ones that displacing lower priorities frees, its adapter's slot)."""
+        adapters = {r.lora_name for r in self.running if r.lora_name}
+        if request.lora_name and (
+            (request.lora_name not in adapters and len(adapters) >= self.max_loras)
+            or request.lora_name == self._draining_adapter()
+        ):
+            return False
+        victims = [
+            r for r in self.running if r.priority < request.priority and r.num_preemptions < MAX_DISPLACEMENTS
+        ]
+        if len(self.running) >= self.max_num_seqs and not victims:
+            return False
+        num_new = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+        held = sum(len(r.block_table) for r in victims)
+        return (
+            self.block_manager.num_blocks_needed(request, num_new)
+            <= self.block_manager.num_free_blocks() + held
+        )
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, floor: int | None) -> int:
         # Iterate over a snapshot: preemption removes requests from self.running.
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if floor is not None and request.priority < floor:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # defensive: nothing to compute (cannot happen in normal flow)
@@ -197,13 +253,15 @@ class Scheduler:
             return ""
         return min(counts, key=lambda name: (counts[name], name))
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, floor: int | None) -> None:
         bm = self.block_manager
         adapters = {r.lora_name for r in self.running if r.lora_name}
         draining = self._draining_adapter() if self.max_loras else ""
         i = 0
         while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
+            if floor is not None and request.priority < floor:
+                break  # sorted by priority: the rest are below the floor too
             if request.lora_name and (
                 request.lora_name == draining
                 or (request.lora_name not in adapters and len(adapters) >= self.max_loras)
