@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from types import FrameType
 from typing import Any
@@ -68,7 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("gateway", config.log_level)
     app = create_app(config)
     server = GatewayServer(server_config(app, config), app.state.gateway, config.drain_timeout_s)
-    server.run()
+    server.run(sockets=[shared_socket(config.host, config.port)] if config.reuse_port else None)
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port bound with SO_REUSEPORT: other gateway replicas bind it too and the
+    kernel spreads new connections over the replicas listening (a dead one gets none)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def server_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn.Config:

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import chat, completions, messages_api, responses_api
+from gateway.background import BackgroundResponses
 from gateway.budgets import tenant_budgets
 from gateway.classes import priority_classes
 from gateway.config import GatewayConfig
@@ -55,7 +56,7 @@ from gateway.protocol import (
     TokenizeResponse,
 )
 from gateway.response_store import ResponseStore
-from gateway.serving import new_id
+from gateway.serving import background_context, new_id
 from gateway.upstream import TOKENIZER, Upstream, adapter_parents
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing
@@ -98,11 +99,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         upstream = Upstream(config)
         app.state.upstream = upstream
         app.state.response_store = ResponseStore(config.redis_url, config.response_ttl_s)
+        app.state.background = BackgroundResponses(
+            app.state.response_store,
+            app.state.gateway,
+            lambda job: responses_api.background_pipeline(job, app.state.response_store),
+            lambda tenant: background_context(app, tenant),
+        )
+        app.state.background.start()
         app.state.budgets = tenant_budgets(config)
         settle_heap()  # start-up is over: modules and app live as long as the process
         try:
             yield
         finally:
+            await app.state.background.close()
             await upstream.close()
             await app.state.response_store.close()
             await app.state.budgets.close()
@@ -192,15 +201,21 @@ def _add_agent_routes(app: FastAPI) -> None:
     _add_generating_route(
         app, "/v1/responses", responses_api.create_response, "Create a model response (OpenAI Responses API)"
     )
-    for method, endpoint, summary in (
-        ("GET", responses_api.retrieve_response, "Get a stored model response"),
-        ("DELETE", responses_api.delete_response, "Delete a stored model response"),
+    for method, path, endpoint, summary in (
+        (
+            "GET",
+            "",
+            responses_api.retrieve_response,
+            "Get a stored model response (stream a background one again)",
+        ),
+        ("DELETE", "", responses_api.delete_response, "Delete a stored model response"),
+        ("POST", "/cancel", responses_api.cancel_response, "Cancel a background model response"),
     ):
         app.add_api_route(
-            "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}" + path,
             endpoint,
             methods=[method],
-            responses=_errors(404, *_COMMON),
+            responses=_errors(400, 404, *_COMMON),
             summary=summary,
         )
     _add_generating_route(

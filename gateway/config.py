@@ -17,6 +17,11 @@ class GatewayConfig(ProcessConfig):
     """OpenAI-compatible HTTP gateway in front of the tokenizer and scheduler services."""
 
     port: int = opt(DEFAULT_PORTS["gateway"], "the HTTP port (the API and /metrics)")
+    reuse_port: bool = opt(
+        False,
+        "bind the port with SO_REUSEPORT, beside other gateway replicas on it (the kernel spreads "
+        "connections over them; the launcher's --num-gateways)",
+    )
     tokenizer_address: str = opt(
         f"127.0.0.1:{DEFAULT_PORTS['tokenizer']}", "the tokenizer service, host:port"
     )

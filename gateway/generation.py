@@ -200,6 +200,9 @@ class GenerationRun:
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
         self.admitted = False  # a route has given it a lease (its tokens count for its tenant)
+        # Each output message's tokens as they came, (choice, ids): replayed, they make
+        # the same events again (`replay`; a background response's adoption).
+        self.groups: list[tuple[int, list[int]]] = []
         # sampling.prompt_logprobs: the worker sends them with the first output.
         self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
@@ -337,6 +340,8 @@ class GenerationRun:
             return
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
+        if delta.token_ids:
+            self.groups.append((choice.index, list(delta.token_ids)))
         step = choice.detok.push(delta.token_ids)
         ids, logprobs = choice.consume(step.num_tokens)
         event = ChoiceEvent(choice.index, step.text, ids, logprobs)
@@ -391,6 +396,18 @@ class GenerationRun:
         self._tokenizer = await self._get_tokenizer()
         await self._submit()
         self._ensure_choices()  # after the add: off the path to the worker
+
+    async def replay(self, groups: list[tuple[int, list[int]]]) -> None:
+        """Before it begins: the output of an earlier run of this request, as that run's
+        `groups`: it comes out again as the same events, and the request then continues
+        after it on a worker, as a migrated one does."""
+        if self._state is not RunState.NEW:
+            raise RuntimeError(f"{self.spec.request_id}: replay after the run began")
+        self._tokenizer = await self._get_tokenizer()
+        self._ensure_choices()
+        for index, ids in groups:
+            if 0 <= index < len(self._choices):
+                self._on_delta(self._choices[index], common_pb2.SequenceDelta(index=index, token_ids=ids))
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Per-choice events until every choice has ended; raises APIError on failure."""

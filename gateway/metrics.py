@@ -74,6 +74,12 @@ TENANT_TOKENS = Counter(
     "Tokens (prompt + completion) of ended generation requests, by tenant and priority class",
     ["tenant", "class"],
 )
+BACKGROUND = Counter(
+    "meshserve_gateway_background_responses_total",
+    "Background responses by what happened to them on this replica: launched, adopted (its "
+    "producing replica died), cancelled, failed",
+    ["event"],
+)
 JSON_MODE_VIOLATIONS = Counter(
     "meshserve_gateway_json_mode_violations_total",
     "Choices of response_format=json_object requests whose text is not valid JSON",

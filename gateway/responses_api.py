@@ -20,17 +20,20 @@ chat result back into a response object or the Responses event stream:
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway import background
 from gateway.chat import ChatStreamer
-from gateway.chat_bridge import chat_request, named_event, run_chat
+from gateway.chat_bridge import chat_request, named_event, renamed, run_chat
 from gateway.errors import APIError
 from gateway.protocol import (
     INT32_MAX,
@@ -74,6 +77,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
+    background: bool = False
 
 
 def _new_item_id(prefix: str) -> str:
@@ -270,6 +274,7 @@ class ResponseBuilder:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "background": body.background,
             "error": None,
             "incomplete_details": incomplete,
             "instructions": body.instructions,
@@ -316,10 +321,16 @@ class ResponsesStreamer:
     and `response.completed` (or `.incomplete`), each with its `sequence_number`."""
 
     def __init__(
-        self, builder: ResponseBuilder, on_done: Callable[[dict[str, Any]], Awaitable[None]]
+        self,
+        builder: ResponseBuilder,
+        on_done: Callable[[dict[str, Any]], Awaitable[None]],
+        item_id: Callable[[str], str] | None = None,
     ) -> None:
-        """`on_done(response)`: called with the finished response before it is sent."""
+        """`on_done(response)`: called with the finished response before it is sent;
+        `item_id(prefix)`: the id of each new output item (default: random; a background
+        response's are numbered, so that a replay names its items alike)."""
         self.builder, self.on_done = builder, on_done
+        self.item_id = item_id or _new_item_id
         self.parser: ToolParser | None = None  # the chat's tool-call parser: its calls are complete
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
@@ -368,7 +379,7 @@ class ResponsesStreamer:
             fn = call.function
             if call.id is not None:
                 out += self._close()
-                item = _call_item(_new_item_id("fc"), call.id, fn.name, "", "in_progress")
+                item = _call_item(self.item_id("fc"), call.id, fn.name, "", "in_progress")
                 out += self._add(item)
             elif fn is not None and fn.arguments and self.open is not None:
                 self.text += fn.arguments
@@ -401,7 +412,7 @@ class ResponsesStreamer:
         out = self._close()
         if kind == "message":
             item = {
-                "id": _new_item_id("msg"),
+                "id": self.item_id("msg"),
                 "type": "message",
                 "role": "assistant",
                 "status": "in_progress",
@@ -420,7 +431,7 @@ class ResponsesStreamer:
             )
         else:
             item = {
-                "id": _new_item_id("rs"),
+                "id": self.item_id("rs"),
                 "type": "reasoning",
                 "summary": [],
                 "content": [],
@@ -521,15 +532,109 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         builder.model = streamer.model
         return ResponsesStreamer(builder, on_done).stream(chunks, streamer)
 
+    if body.background:
+        return await _launch(request, body, chat, items, builder)
     return await run_chat(request, chat, response_id, ROUTE, _NAMES, collect, stream)
 
 
-async def retrieve_response(response_id: str, request: Request) -> Response:
-    """`GET /v1/responses/{id}`: a stored response of the caller, else 404."""
-    found = await _store(request).get(request_context(request).tenant, response_id)
+async def _launch(
+    request: Request,
+    body: ResponsesRequest,
+    chat: ChatCompletionRequest,
+    items: list[dict[str, Any]],
+    builder: ResponseBuilder,
+) -> Response:
+    """A background response (gateway.background): queued now, its events logged."""
+    if not body.store:
+        raise APIError(400, "background responses must be stored: set store to true", param="store")
+    ctx = request_context(request)
+    chat.model = await ctx.upstream.resolve_model(chat.model)
+    job = background.JobRecord(
+        tenant=ctx.tenant,
+        response_id=builder.id,
+        request=body.model_dump(mode="json", exclude_unset=True),
+        chat=chat.model_dump(mode="json", exclude_unset=True) | {"model": chat.model},
+        items=items,
+        created_at=builder.created_at,
+    )
+    try:
+        queued = await request.app.state.background.launch(job, ctx)
+    except APIError as exc:
+        raise renamed(exc, _NAMES) from None
+    if body.stream:
+        return _following(_store(request), ctx.tenant, builder.id, -1)
+    return JSONResponse(queued)
+
+
+@dataclass
+class _BackgroundPipeline:
+    """A background job's translation (gateway.background.Pipeline)."""
+
+    chat: ChatCompletionRequest
+    builder: ResponseBuilder
+    streamer: ResponsesStreamer
+
+    def snapshot(self, status: str) -> dict[str, Any]:
+        return self.builder.object(status, [])
+
+    def events(self, chat: ChatStreamer) -> AsyncIterator[bytes]:
+        return self.streamer.stream(chat.chunks(), chat)
+
+
+def background_pipeline(job: background.JobRecord, store: ResponseStore) -> background.Pipeline:
+    """The translation of a background job, on whichever replica produces it: its output
+    items are numbered, so that a replay names them as the first run did."""
+    body = ResponsesRequest.model_validate(job.request)
+    builder = ResponseBuilder(body, job.response_id, job.chat["model"])
+    builder.created_at = job.created_at
+    numbers = itertools.count()
+    suffix = job.response_id.removeprefix("resp_")
+
+    async def on_done(final: dict[str, Any]) -> None:
+        await store.put(job.tenant, StoredResponse(final, job.items))
+
+    streamer = ResponsesStreamer(builder, on_done, lambda prefix: f"{prefix}_{suffix}{next(numbers):03d}")
+    return _BackgroundPipeline(ChatCompletionRequest.model_validate(job.chat), builder, streamer)
+
+
+def _following(store: ResponseStore, owner: str, response_id: str, after: int) -> Response:
+    """The SSE stream of a background response's events after ``after``."""
+    return StreamingResponse(
+        store.follow_events(owner, response_id, after),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def retrieve_response(
+    response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+) -> Response:
+    """`GET /v1/responses/{id}`: a stored response of the caller, else 404; with
+    ``stream`` (a background response) its events after ``starting_after``, then the
+    rest as they come, from whichever replica produces them."""
+    store, owner = _store(request), request_context(request).tenant
+    found = await store.get(owner, response_id)
     if found is None:
         raise _not_found(response_id)
-    return JSONResponse(found.response)
+    if not stream:
+        return JSONResponse(found.response)
+    if not found.response.get("background"):
+        raise APIError(400, "only background responses can be streamed again", param="stream")
+    if starting_after is not None and starting_after < 0:
+        raise APIError(400, "starting_after must be >= 0", param="starting_after")
+    return _following(store, owner, response_id, -1 if starting_after is None else starting_after)
+
+
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: stops a background response of the caller (from
+    any replica) and answers it; one that has ended is answered unchanged."""
+    store, owner = _store(request), request_context(request).tenant
+    found = await store.get(owner, response_id)
+    if found is None:
+        raise _not_found(response_id)
+    if not found.response.get("background"):
+        raise APIError(400, "only background responses can be cancelled", param="response_id")
+    return JSONResponse(await background.cancel(store, owner, found))
 
 
 async def delete_response(response_id: str, request: Request) -> Response:

@@ -73,6 +73,19 @@ def request_context(request: Request) -> RequestContext:
     )
 
 
+def background_context(app: Any, tenant: str) -> RequestContext:
+    """The context of a background response a replica adopted: ``tenant``'s, with no
+    budget to charge (its first replica charged it)."""
+    return RequestContext(
+        config=app.state.config,
+        upstream=app.state.upstream,
+        tenant=tenant,
+        classes=getattr(app.state, "classes", None),
+        start_time=time.perf_counter(),
+        created=int(time.time()),
+    )
+
+
 def new_id(prefix: str) -> str:
     """A request id such as `chatcmpl-<hex>`; also the scheduler's request_id."""
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -59,6 +59,8 @@ class ServiceSpec:
     grpc: bool = True
     # The CPUs it is started on (empty: the launcher's own), see `place_on_cpus`.
     cpus: frozenset[int] = frozenset()
+    # It shares its port with its replicas (SO_REUSEPORT: the gateway's).
+    reuse_port: bool = False
 
     @property
     def address(self) -> str:
@@ -128,6 +130,11 @@ class MeshConfig:
     num_schedulers: int = opt(
         1, "scheduler replicas on consecutive ports from --scheduler-port, sharing their state in Redis"
     )
+    num_gateways: int = opt(
+        1,
+        "gateway replicas, all on --gateway-port (SO_REUSEPORT: the kernel spreads connections over "
+        "them); a background response survives its replica's death (another adopts it, via Redis)",
+    )
     num_encoders: int = opt(
         0, "encoder workers of a multimodal model; with one or more the encoder cache starts too"
     )
@@ -192,6 +199,8 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if self.num_schedulers < 1:
             raise ValueError(f"num_schedulers must be >= 1, got {self.num_schedulers}")
+        if self.num_gateways < 1:
+            raise ValueError(f"num_gateways must be >= 1, got {self.num_gateways}")
         at_least(self, 0, "num_decoders", "num_encoders", "num_prefill")
         unknown = sorted(set(self.only_components) - set(DEFAULT_PORTS))
         if unknown:
@@ -252,6 +261,30 @@ def _scheduler_specs(config: MeshConfig) -> list[ServiceSpec]:
             {"MESHSERVE_ROUTING_POLICY": config.routing_policy, **_encoder_cache_env(config)},
         )
         for i in range(config.num_schedulers)
+    ]
+
+
+def _gateway_specs(config: MeshConfig, scheduler: str) -> list[ServiceSpec]:
+    """The gateway replicas: `gateway`, then `gateway-1`, ..., all on the gateway port."""
+    shared = config.num_gateways > 1
+    env = {
+        "MESHSERVE_TOKENIZER_ADDRESS": f"127.0.0.1:{config.tokenizer_port}",
+        "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
+        "MESHSERVE_API_KEYS": config.api_keys,
+        "MESHSERVE_ADMIN_API_KEYS": config.admin_api_keys,
+        "MESHSERVE_ENABLE_LORA_UPDATING": "true" if config.enable_lora_updating else "false",
+        "MESHSERVE_REUSE_PORT": "true" if shared else "false",
+    }
+    return [
+        ServiceSpec(
+            "gateway" if i == 0 else f"gateway-{i}",
+            "gateway",
+            config.gateway_port,
+            env,
+            grpc=False,
+            reuse_port=shared,
+        )
+        for i in range(config.num_gateways)
     ]
 
 
@@ -351,19 +384,7 @@ def service_specs(config: MeshConfig, redis_url: str) -> list[ServiceSpec]:
             },
         ),
         *_worker_specs(config, scheduler),
-        ServiceSpec(
-            "gateway",
-            "gateway",
-            config.gateway_port,
-            {
-                "MESHSERVE_TOKENIZER_ADDRESS": f"127.0.0.1:{config.tokenizer_port}",
-                "MESHSERVE_SCHEDULER_ADDRESS": scheduler,
-                "MESHSERVE_API_KEYS": config.api_keys,
-                "MESHSERVE_ADMIN_API_KEYS": config.admin_api_keys,
-                "MESHSERVE_ENABLE_LORA_UPDATING": "true" if config.enable_lora_updating else "false",
-            },
-            grpc=False,
-        ),
+        *_gateway_specs(config, scheduler),
     ]
     if config.only_components:
         specs = [s for s in specs if s.component in config.only_components]
@@ -420,11 +441,12 @@ def place_on_cpus(specs: Sequence[ServiceSpec], user_env: dict[str, str]) -> lis
 def _check_ports(specs: Sequence[ServiceSpec]) -> None:
     """Replicas take consecutive ports (scheduler_port + i, decoder_base_port + i): too many
     of them run into the next service's port, which must fail here, not as a bind error."""
-    owner: dict[int, str] = {}
+    owner: dict[int, ServiceSpec] = {}
     for spec in specs:
-        if spec.port in owner:
-            raise ValueError(f"{spec.name} and {owner[spec.port]} would both listen on port {spec.port}")
-        owner[spec.port] = spec.name
+        other = owner.get(spec.port)
+        if other is not None and not (spec.reuse_port and other.reuse_port and spec.module == other.module):
+            raise ValueError(f"{spec.name} and {other.name} would both listen on port {spec.port}")
+        owner[spec.port] = spec
 
 
 def check_ports_free(specs: Sequence[ServiceSpec], host: str) -> None:

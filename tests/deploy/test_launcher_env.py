@@ -56,6 +56,19 @@ def test_one_scheduler_by_default() -> None:
     )
 
 
+def test_gateway_replicas_share_one_port() -> None:
+    config = MeshConfig(model_dir="/m", embedding_model_dir="", num_gateways=3)
+    gateways = [s for s in service_specs(config, "redis://r") if s.module == "gateway"]
+    assert [s.name for s in gateways] == ["gateway", "gateway-1", "gateway-2"]
+    assert {s.port for s in gateways} == {config.gateway_port}
+    assert all(s.reuse_port and s.env["MESHSERVE_REUSE_PORT"] == "true" for s in gateways)
+    assert (
+        _env(MeshConfig(model_dir="/m", embedding_model_dir=""), "gateway")["MESHSERVE_REUSE_PORT"] == "false"
+    )
+    with pytest.raises(ValueError, match="num_gateways"):
+        MeshConfig(model_dir="/m", num_gateways=0)
+
+
 def test_only_starts_the_named_components() -> None:
     config = MeshConfig(
         model_dir="/m", embedding_model_dir="/e", num_schedulers=2, only="scheduler, tokenizer"

@@ -1,0 +1,157 @@
+"""Background responses (gateway/background.py) with the official openai SDK on two
+gateway replicas sharing a real redis-server: queued at once, streamed again from the
+other replica after a sequence number, cancelled from the other replica (the request
+aborted on its worker); refusals name their field; Redis down is a 503 naming the store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from gateway_fakes import MODEL, SLOW_STEP_S, FakeWorker, Harness, RunningGateway, wait_for
+
+from services.redis_client import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+
+
+@pytest.fixture
+def gateways(harness: Harness, redis_server: RedisServer) -> Iterator[list[RunningGateway]]:
+    config = harness.config(redis_url=redis_server.url, api_keys=("k1", "k2"))
+    gws = [harness.start_gateway(config) for _ in range(2)]
+    yield gws
+    for g in gws:
+        harness.stop_gateway(g)
+
+
+def _client(gw: RunningGateway, key: str = "k1") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _wait_done(client: openai.OpenAI, response_id: str, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = client.responses.retrieve(response_id)
+        if response.status in TERMINAL:
+            return response
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} did not finish")
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_queued_at_once_then_completed_on_any_replica(gateways: list[RunningGateway]) -> None:
+    one, two = (_client(g) for g in gateways)
+    foreground = one.responses.create(model=MODEL, input="hi", max_output_tokens=40)
+    queued = one.responses.create(model=MODEL, input="hi", max_output_tokens=40, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _wait_done(two, queued.id)
+    assert done.status == foreground.status and done.output_text == foreground.output_text != ""
+    with pytest.raises(openai.NotFoundError):  # another key's response is not found
+        _client(gateways[1], "k2").responses.retrieve(queued.id)
+
+
+def test_a_stream_resumes_on_the_other_replica_after_a_sequence_number(
+    gateways: list[RunningGateway],
+) -> None:
+    one, two = (_client(g) for g in gateways)
+    reference = one.responses.create(model=MODEL, input="SLOW", max_output_tokens=60)
+    seen: list[Any] = []
+    with one.responses.create(
+        model=MODEL, input="SLOW", max_output_tokens=60, background=True, stream=True
+    ) as stream:
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) >= 8:
+                break  # the client's connection drops
+    response_id = seen[0].response.id
+    rest = list(two.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # each exactly once
+    assert events[-1].type == f"response.{reference.status}" == "response.incomplete"  # cut at 60 tokens
+    assert _text(events) == reference.output_text
+    replay = list(two.responses.retrieve(response_id, stream=True))  # all of it, after the end too
+    assert [e.sequence_number for e in replay] == list(range(len(events)))
+
+
+def test_a_replica_stopping_mid_generation_hands_the_response_over(
+    harness: Harness, redis_server: RedisServer
+) -> None:
+    """The producing replica stops (its lease is left to lapse, as a killed one's): the
+    other adopts the response, replays its logged tokens and generates on after them;
+    the full stream has every event once and the undisturbed text."""
+    config = harness.config(redis_url=redis_server.url)
+    one, two = (harness.start_gateway(config) for _ in range(2))
+    try:
+        first, second = _client(one), _client(two)
+        reference = first.responses.create(model=MODEL, input="SLOW", max_output_tokens=100)
+        started = first.responses.create(model=MODEL, input="SLOW", max_output_tokens=100, background=True)
+        assert wait_for(lambda: _status(second, started.id) == "in_progress")
+        time.sleep(25 * SLOW_STEP_S)
+        harness.stop_gateway(one)
+        events = list(second.responses.retrieve(started.id, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].type == f"response.{reference.status}"
+        assert _text(events) == reference.output_text
+        assert _wait_done(second, started.id).output_text == reference.output_text
+    finally:
+        for g in (one, two):
+            if g in harness.gateways:
+                harness.stop_gateway(g)
+
+
+def test_cancel_from_the_other_replica_stops_the_generation(
+    gateways: list[RunningGateway], harness: Harness
+) -> None:
+    one, two = (_client(g) for g in gateways)
+    started = one.responses.create(model=MODEL, input="SLOW", max_output_tokens=150, background=True)
+    assert wait_for(lambda: _status(two, started.id) == "in_progress")
+    time.sleep(20 * SLOW_STEP_S)
+    cancelled = two.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    worker: FakeWorker = harness.worker
+    assert wait_for(lambda: any(rid.endswith(started.id) or started.id in rid for rid in worker.cancelled))
+    events = list(one.responses.retrieve(started.id, stream=True))
+    assert events[-1].type == "response.cancelled"
+    assert one.responses.cancel(started.id).status == "cancelled"  # ended: unchanged
+
+
+def _status(client: openai.OpenAI, response_id: str) -> str:
+    return client.responses.retrieve(response_id).status or ""
+
+
+def test_refusals_name_their_field(gateways: list[RunningGateway]) -> None:
+    client = _client(gateways[0])
+    with pytest.raises(openai.BadRequestError) as unstored:
+        client.responses.create(model=MODEL, input="hi", background=True, store=False)
+    assert unstored.value.param == "store"
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as again:
+        client.responses.retrieve(plain.id, stream=True)
+    assert again.value.param == "stream"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_redis_down_is_a_503_naming_the_store(harness: Harness) -> None:
+    from services.ports import free_port
+
+    gw = harness.start_gateway(harness.config(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    try:
+        client = _client(gw)
+        with pytest.raises(openai.InternalServerError) as down:
+            client.responses.create(model=MODEL, input="hi", background=True)
+        assert down.value.status_code == 503 and "response store" in str(down.value.message)
+        assert client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        ).choices
+    finally:
+        harness.stop_gateway(gw)
