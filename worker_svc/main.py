@@ -183,7 +183,7 @@ class WorkerProcess:
             self.server.on_drain(self.link.drain)
             self.link.start()
         if self.config.metrics_port > 0 and self.engine is not None:
-            worker_metrics.watch(load, loras)
+            worker_metrics.watch(load, loras, lambda: engine.stats().kv_tier if engine is not None else None)
         await self.server.set_serving(True)
         log.info(
             "worker %s (%s, pid %d) serving %s on port %d",

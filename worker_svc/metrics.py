@@ -9,6 +9,7 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge, Histogram
 
 from meshserve.v1 import worker_pb2
+from worker_svc.engine.kv_tier import TierStats
 
 NUM_RUNNING = Gauge("meshserve_worker_num_running", "Requests in the running batch")
 NUM_WAITING = Gauge("meshserve_worker_num_waiting", "Requests waiting for admission to the batch")
@@ -45,6 +46,20 @@ KV_TRANSFER_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
+KV_TIER = {
+    name: Gauge(f"meshserve_worker_kv_tier_{name}", help_text)
+    for name, help_text in (
+        ("blocks", "Blocks held in the KV tier now"),
+        ("hit_tokens", "Prompt tokens loaded from the KV tier instead of computed, since start"),
+        ("stored_blocks", "Blocks the cache evicted into the KV tier, since start"),
+        ("loaded_blocks", "Blocks loaded from the KV tier back into the cache, since start"),
+        ("evicted_blocks", "Blocks the KV tier dropped for room, since start"),
+        ("corrupt_blocks", "KV tier blocks whose checksum failed (recomputed), since start"),
+        ("bytes_written", "Bytes written into the KV tier, since start"),
+        ("bytes_read", "Bytes read from the KV tier, since start"),
+    )
+}
+
 LORA_LOADS = Gauge("meshserve_worker_lora_loads", "LoRA adapters copied into a compute slot since start")
 LORA_EVICTIONS = Gauge(
     "meshserve_worker_lora_evictions", "Resident LoRA adapters replaced in their slot since start"
@@ -55,10 +70,14 @@ LORA_REQUESTS = Counter(
 )
 
 
-def watch(load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_pb2.LoraState | None]) -> None:
-    """Reads the gauges from `load` and `loras` whenever /metrics is scraped, so they are
-    as fresh as the engine's latest step (both read its stats snapshot, safe from the
-    metrics thread)."""
+def watch(
+    load: Callable[[], worker_pb2.LoadStats],
+    loras: Callable[[], worker_pb2.LoraState | None],
+    tier: Callable[[], TierStats | None] = lambda: None,
+) -> None:
+    """Reads the gauges from `load`, `loras` and `tier` whenever /metrics is scraped, so
+    they are as fresh as the engine's latest step (all read its stats snapshot, safe from
+    the metrics thread)."""
     fields: dict[Gauge, str] = {
         NUM_RUNNING: "num_running",
         NUM_WAITING: "num_waiting",
@@ -70,6 +89,8 @@ def watch(load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_p
     }
     for gauge, name in fields.items():
         gauge.set_function(functools.partial(_field, load, name))
+    for name, gauge in KV_TIER.items():
+        gauge.set_function(functools.partial(_tier_field, tier, name))
     LORA_LOADS.set_function(lambda: float(_lora(loras).num_loads))
     LORA_EVICTIONS.set_function(lambda: float(_lora(loras).num_evictions))
     LORA_RESIDENT.set_function(lambda: float(len(_lora(loras).resident)))
@@ -77,6 +98,11 @@ def watch(load: Callable[[], worker_pb2.LoadStats], loras: Callable[[], worker_p
 
 def _field(load: Callable[[], worker_pb2.LoadStats], name: str) -> float:
     return float(getattr(load(), name))
+
+
+def _tier_field(tier: Callable[[], TierStats | None], name: str) -> float:
+    stats = tier()
+    return float(getattr(stats, name)) if stats is not None else 0.0
 
 
 def _lora(loras: Callable[[], worker_pb2.LoraState | None]) -> worker_pb2.LoraState:

@@ -14,6 +14,10 @@ Design (after vLLM v1's KVCacheManager):
   block in use just bumps its ref count.
 * Blocks are registered (hashed, "stored" event) only after their KV was computed,
   so a failed step can never publish garbage KV.
+* With a KV tier (:mod:`worker_svc.engine.kv_tier`), an evicted block goes there (when it
+  was used often enough) and a prefix continues there where the cache's run ends: those
+  blocks are loaded into free blocks when the request is allocated, checked, and count as
+  cached (a corrupt one ends the prefix: the rest is computed).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.kv_hash import block_hashes
+from worker_svc.engine.kv_tier import KvTier
 from worker_svc.engine.request import Request
 
 __all__ = ["BlockManager", "KVBlock", "KvEvent", "KvEventKind"]
@@ -54,6 +59,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    uses: int = 0  # requests that computed or reused it under its hash (the tier's admission)
 
 
 class BlockManager:
@@ -65,6 +71,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_event: Callable[[list[KvEvent]], None] | None = None,
+        tier: KvTier | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -79,6 +86,9 @@ class BlockManager:
         self._events: list[KvEvent] = []
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None:
+            self.tier.on_dropped = self._tier_dropped
 
     # ---------------------------------------------------------------- stats
     @property
@@ -117,29 +127,39 @@ class BlockManager:
             hashes.extend(block_hashes(tokens, bs, request.extra_keys, hashes[-1] if hashes else None))
         return hashes
 
-    def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
+    def _find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], list[int]]:
+        """The cached blocks of the request's longest cached prefix, and the hashes of the
+        tier's blocks that continue it."""
         # Requests wanting prompt logprobs need logits for every prompt position: no reuse
         # until they have them (vLLM's rule; the blocks they compute are still published).
         wants_logits = (
             request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
         )
         if not self.enable_prefix_caching or wants_logits:
-            return []
+            return [], []
         # Never hit the last token: at least one token must run through the model so the
         # request gets logits. With an exact multiple of block_size this recomputes the
         # whole last block into a private block instead of writing into a shared one.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for h in self.ensure_hashes(request, max_blocks)[:max_blocks]:
+        hashes = self.ensure_hashes(request, max_blocks)[:max_blocks]
+        for h in hashes:
             block = self._cached.get(h)
             if block is None:
                 break
             hits.append(block)
-        return hits
+        tiered: list[int] = []
+        if self.tier is not None:
+            for h in hashes[len(hits) :]:
+                if h not in self.tier:
+                    break
+                tiered.append(h)
+        return hits, tiered
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
-        """Tokens ``allocate`` would reuse from the cache right now (no side effects)."""
-        return len(self._find_cached_prefix(request)) * self.block_size
+        """Tokens ``allocate`` would reuse from the cache and its tier right now (no side effects)."""
+        hits, tiered = self._find_cached_prefix(request)
+        return (len(hits) + len(tiered)) * self.block_size
 
     # ----------------------------------------------------------- allocation
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -148,11 +168,11 @@ class BlockManager:
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Free blocks ``allocate(request, num_new_tokens)`` would take."""
-        return self._blocks_needed(request, self._find_cached_prefix(request), num_new_tokens)
+        return self._blocks_needed(*self._find_cached_prefix(request), num_new_tokens)
 
-    def _blocks_needed(self, request: Request, hits: list[KVBlock], num_new_tokens: int) -> int:
-        total = len(hits) * self.block_size + num_new_tokens
-        new_blocks = -(-total // self.block_size) - len(hits)
+    def _blocks_needed(self, hits: list[KVBlock], tiered: list[int], num_new_tokens: int) -> int:
+        total = (len(hits) + len(tiered)) * self.block_size + num_new_tokens
+        new_blocks = -(-total // self.block_size) - len(hits)  # the tier's go into new blocks
         # Hits on free blocks take them out of the free queue too.
         return new_blocks + sum(1 for b in hits if b.ref_count == 0)
 
@@ -162,24 +182,53 @@ class BlockManager:
         ``num_computed_tokens``. Returns False (nothing changed) if blocks are short."""
         if request.block_table:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
-        hits = self._find_cached_prefix(request)
-        if num_new_tokens <= 0 or len(hits) * self.block_size + num_new_tokens > request.num_tokens:
+        hits, tiered = self._find_cached_prefix(request)
+        bs = self.block_size
+        if num_new_tokens <= 0 or (len(hits) + len(tiered)) * bs + num_new_tokens > request.num_tokens:
             raise ValueError(f"invalid num_new_tokens={num_new_tokens} for request {request.request_id}")
-        if self._blocks_needed(request, hits, num_new_tokens) > len(self._free):
+        if self._blocks_needed(hits, tiered, num_new_tokens) > len(self._free):
             return False
         for block in hits:
             if block.ref_count == 0:
                 del self._free[block.block_id]
             block.ref_count += 1
-        num_cached = len(hits) * self.block_size
-        new_count = -(-(num_cached + num_new_tokens) // self.block_size) - len(hits)
-        request.block_table = [b.block_id for b in hits] + [self._pop_free() for _ in range(new_count)]
+            block.uses += 1
+        loaded = self._load_tiered(request, len(hits), tiered)
+        num_cached = (len(hits) + len(loaded)) * bs
+        new_count = -(-(num_cached + num_new_tokens) // bs) - len(hits) - len(loaded)
+        request.block_table = (
+            [b.block_id for b in hits] + loaded + [self._pop_free() for _ in range(new_count)]
+        )
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
-        self._num_registered[request.request_id] = len(hits)
+        self._num_registered[request.request_id] = len(hits) + len(loaded)
         self.prefix_queried_tokens += request.num_tokens
         self.prefix_hit_tokens += num_cached
+        if loaded and self.tier is not None:
+            self.tier.stats.hit_tokens += len(loaded) * bs
         return True
+
+    def _load_tiered(self, request: Request, first: int, tiered: list[int]) -> list[int]:
+        """Loads the tier's blocks of the request's prefix (from block ``first``) into free
+        blocks registered under their hashes; their ids, up to the first corrupt one."""
+        if self.tier is None or not tiered:
+            return []
+        found: list[tuple[int, bytes]] = []
+        for h in tiered:  # read first: freeing blocks below may evict tier slots
+            data = self.tier.read(h)
+            if data is None:
+                break
+            found.append((h, data))
+        loaded = []
+        for h, data in found:
+            block = self.blocks[self._pop_free()]
+            self.tier.load(block.block_id, data)
+            block.block_hash, block.uses = h, 1
+            self._cached[h] = block
+            loaded.append(block.block_id)
+        if loaded:
+            self._emit_stored(request, list(range(first, first + len(loaded))))
+        return loaded
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow a running request's table to hold ``num_new_tokens`` more tokens.
@@ -203,9 +252,13 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-                self._emit_removed(block.block_hash)
+                kept = self.tier is not None and self.tier.evicted(
+                    block.block_hash, block.block_id, block.uses
+                )
+                if not kept:  # the tier's blocks stay in the scheduler's index (kv_tier.py)
+                    self._emit_removed(block.block_hash)
             block.block_hash = None
-        block.ref_count = 1
+        block.ref_count, block.uses = 1, 0
         return block.block_id
 
     def mark_computed(self, request: Request) -> None:
@@ -225,7 +278,7 @@ class BlockManager:
             # A block computed concurrently by another request may already own this hash;
             # keep that one and leave this copy private (it is freed normally).
             if block.block_hash is None and h not in self._cached:
-                block.block_hash = h
+                block.block_hash, block.uses = h, 1
                 self._cached[h] = block
                 run.append(i)
             elif run:
@@ -256,7 +309,7 @@ class BlockManager:
         if not self._free:
             return None
         block = self.blocks[self._pop_free()]
-        block.block_hash = block_hash
+        block.block_hash, block.uses = block_hash, 1
         self._cached[block_hash] = block
         self._events.append(
             KvEvent("stored", block_hashes=[block_hash], parent_hash=parent_hash, token_ids=list(token_ids))
@@ -300,8 +353,14 @@ class BlockManager:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.tier is not None:
+            self.tier.clear()
         self._events.append(KvEvent("cleared"))
         return True
+
+    def _tier_dropped(self, block_hash: int) -> None:
+        if block_hash not in self._cached:
+            self._emit_removed(block_hash)
 
     # --------------------------------------------------------------- events
     def _emit_stored(self, request: Request, indices: list[int]) -> None:

@@ -48,6 +48,16 @@ class EngineConfig:
         0, "the longest sequence, prompt plus output (0: the model's max_position_embeddings)"
     )
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of an earlier identical prompt prefix")
+    kv_tier_mb: int = opt(
+        0,
+        "a second KV tier in MiB below the cache, in a memory-mapped file: blocks the cache "
+        "evicts after repeated use go there and a prefix found there is loaded, not computed "
+        "(worker_svc/engine/kv_tier.py); 0: none",
+    )
+    kv_tier_path: str = opt("", "the KV tier's file (empty: an unlinked temp file)")
+    kv_tier_admit_after: int = opt(
+        2, "uses (computed or reused) a block needs before an eviction stores it in the KV tier"
+    )
     dtype: str = opt(
         "auto",
         "weights and KV cache: " + ", ".join(DTYPES) + "; auto: bfloat16 on CUDA and on CPUs with "
@@ -103,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
         _non_negative_int("num_kv_blocks", self.num_kv_blocks)
         _positive_int("kv_cache_memory_mb", self.kv_cache_memory_mb)
+        if self.kv_tier_mb < 0 or self.kv_tier_admit_after < 1:
+            raise ValueError("kv_tier_mb must be >= 0 and kv_tier_admit_after >= 1")
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative_int("max_model_len", self.max_model_len)

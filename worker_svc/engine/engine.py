@@ -6,6 +6,7 @@ thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from worker_svc.engine import native
 from worker_svc.engine.block_manager import BlockManager, KvEvent
 from worker_svc.engine.config import EngineConfig, parse_cpu_list, parse_lora_modules
 from worker_svc.engine.kv_handoff import KvHandoff
+from worker_svc.engine.kv_tier import KvTier, TierStats
 from worker_svc.engine.kv_transfer import KvLayout
 from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
@@ -87,6 +89,7 @@ class EngineStats:
     kv_import_tokens_per_s: float = 0.0
     num_priority_preemptions: int = 0  # of num_preemptions, for a waiting higher priority
     lora: LoraSnapshot | None = None  # None: LoRA off
+    kv_tier: TierStats | None = None  # None: no KV tier
 
 
 class EngineStepError(RuntimeError):
@@ -108,7 +111,11 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.model_info: ModelInfo = self.runner.info
         self.block_manager = BlockManager(
-            self.model_info.num_kv_blocks, config.block_size, config.enable_prefix_caching, on_kv_events
+            self.model_info.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            on_kv_events,
+            tier=self._kv_tier(),
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
@@ -572,6 +579,22 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
         )
 
+    def _kv_tier(self) -> KvTier | None:
+        """The KV tier the config asks for (None: none)."""
+        config = self.config
+        block_bytes = self.kv_layout().block_bytes
+        capacity = config.kv_tier_mb * (1 << 20) // block_bytes
+        if capacity <= 0:
+            return None
+        return KvTier(
+            capacity,
+            block_bytes,
+            self.runner.read_block,
+            self.runner.write_block,
+            config.kv_tier_admit_after,
+            config.kv_tier_path,
+        )
+
     # --------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         """Current counters and KV cache usage."""
@@ -594,6 +617,7 @@ class LLMEngine:
             kv_import_tokens_per_s=self.kv.import_rate.per_s,
             num_priority_preemptions=self.scheduler.num_priority_preemptions,
             lora=self.lora.snapshot() if self.lora is not None else None,
+            kv_tier=dataclasses.replace(bm.tier.stats, blocks=len(bm.tier)) if bm.tier is not None else None,
         )
 
 

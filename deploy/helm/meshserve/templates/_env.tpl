@@ -48,6 +48,9 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
   value: {{ include "meshserve.address" (dict "root" .root "name" "tokenizer") | quote }}
 - name: MESHSERVE_SCHEDULER_ADDRESS
   value: {{ include "meshserve.address" (dict "root" .root "name" "scheduler") | quote }}
+# One gateway per pod: its replicas are pods behind the Service, each on its own IP.
+- name: MESHSERVE_REUSE_PORT
+  value: "false"
 {{- if or .root.Values.apiKeys.existingSecret .root.Values.apiKeys.keys }}
 - name: MESHSERVE_API_KEYS
   valueFrom:
@@ -149,6 +152,10 @@ replicas); the local launcher passes its replicas as a comma-separated list inst
   value: {{ include "meshserve.scalar" .v.kvCacheMemoryMb | quote }}
 - name: MESHSERVE_MAX_NUM_SEQS
   value: {{ include "meshserve.scalar" .v.maxNumSeqs | quote }}
+{{- if .v.kvTierMb }}
+- name: MESHSERVE_KV_TIER_MB
+  value: {{ include "meshserve.scalar" .v.kvTierMb | quote }}
+{{- end }}
 - name: MESHSERVE_STREAM_INTERVAL
   value: {{ include "meshserve.scalar" .v.streamInterval | quote }}
 - name: MESHSERVE_GENERATION_CONFIG
