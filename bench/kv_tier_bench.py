@@ -2,8 +2,8 @@
 
 Conversations of token-id prompts: a private opening (``--opening`` tokens), then per turn
 ``--turn-tokens`` more (the previous answer and the next question); each turn's prompt is
-the conversation so far. ``--conversations`` of them, ``--concurrency`` in flight, their
-turns in order, on 2 decoders with a small KV cache (``--kv-cache-mb``), once with the KV
+the conversation so far. ``--conversations`` of them, turn by turn (every conversation's
+first turn, then every second turn, ...), ``--concurrency`` in flight, on 2 decoders with a small KV cache (``--kv-cache-mb``), once with the KV
 tier off and once with a tier of ``--tier-mb`` per decoder. Per run: the prompt tokens
 recomputed (the part of a prompt an earlier turn had computed that was not found cached),
 the tokens found cached, TTFT p50/p99, and the decoders' tier counters.
@@ -66,23 +66,22 @@ async def _turn(
 async def _workload(
     args: argparse.Namespace, url: str, model: str, convs: list[list[list[int]]]
 ) -> list[dict[str, Any]]:
+    """Turn by turn: every conversation's turn k, ``concurrency`` at a time, then turn
+    k + 1 (users come back after the others spoke: what a conversation computed is pushed
+    out of the cache before its next turn)."""
     results: list[dict[str, Any]] = []
-    queue = list(range(len(convs)))
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    gate = asyncio.Semaphore(args.concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def worker() -> None:
-            while queue:
-                turns = convs[queue.pop(0)]
-                previous = 0
-                for prompt in turns:
-                    result = await _turn(session, url, model, prompt, args.output_tokens)
-                    # Computed by an earlier turn yet not found cached: recomputed.
-                    result["recomputed"] = max(0, previous - result["cached"])
-                    results.append(result)
-                    previous = len(prompt)
+        async def one(turns: list[list[int]], k: int) -> None:
+            async with gate:
+                result = await _turn(session, url, model, turns[k], args.output_tokens)
+            # Computed by the previous turn yet not found cached: recomputed.
+            result["recomputed"] = max(0, (len(turns[k - 1]) if k else 0) - result["cached"])
+            results.append(result)
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        for k in range(args.turns):
+            await asyncio.gather(*(one(turns, k) for turns in convs))
     return results
 
 
