@@ -48,7 +48,7 @@ from enum import Enum
 from gateway import metrics
 from gateway.errors import APIError, from_mesh_error
 from gateway.local_tokenizer import LocalTokenizer
-from gateway.upstream import TOKENIZER, Lease, Upstream
+from gateway.upstream import TOKENIZER, LeaseGrant, Upstream
 from gateway.worker_streams import WorkerStream
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
@@ -189,7 +189,7 @@ class GenerationRun:
         self._queue: asyncio.Queue[ChoiceEvent | _Failure | _UpstreamDone] = asyncio.Queue()
         self._choices: list[_Choice] = []
         self._tokenizer: LocalTokenizer | None = None
-        self._lease: Lease | None = None
+        self._lease: LeaseGrant | None = None
         self._stream: WorkerStream | None = None
         self._attempt_worker = ""
         self._excluded: list[str] = []
@@ -282,7 +282,7 @@ class GenerationRun:
         await self._stream.add(request, self)
         self.worker_id = lease.worker_id
 
-    async def _route(self, request: common_pb2.GenerateRequest) -> Lease:
+    async def _route(self, request: common_pb2.GenerateRequest) -> LeaseGrant:
         """Route, excluding the workers that failed this run; when that leaves no worker,
         once more allowing them: a worker whose stream broke may well be alive (a reset
         connection), and one that is not still fails fast or is no longer listed."""

@@ -66,7 +66,7 @@ class HealthReport:
 
 
 @dataclass(frozen=True)
-class Lease:
+class LeaseGrant:
     """A scheduler's lease on a worker for one request (a route's answer)."""
 
     lease_id: str
@@ -205,7 +205,7 @@ class Upstream:
 
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: list[str], force_encode: bool
-    ) -> Lease:
+    ) -> LeaseGrant:
         """A lease on the worker the scheduler picks for `request`, over the replica's
         RouteStream (`gateway.route_stream`)."""
         message = scheduler_pb2.RouteStreamRequest(
@@ -224,18 +224,18 @@ class Upstream:
 
         reply, replica = await self._on_replicas(call)
         kv_source = reply.kv_source if reply.HasField("kv_source") else None
-        return Lease(
+        return LeaseGrant(
             reply.lease_id, reply.worker_id, reply.worker_address, list(reply.mm_items), replica, kv_source
         )
 
-    def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
+    def note_usage(self, lease: LeaseGrant, usage: common_pb2.Usage) -> None:
         """Remembers what the worker reported for the lease's request; its release then
         carries the actual cached tokens (the scheduler compares them with its prediction)."""
         self._usage[lease.lease_id] = scheduler_pb2.LeaseOutcome(
             lease_id=lease.lease_id, cached_tokens=usage.cached_tokens, prompt_tokens=usage.prompt_tokens
         )
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: LeaseGrant) -> None:
         """Hands a lease back to the replica that issued it (batched, in the background),
         with its outcome when `note_usage` recorded one."""
         replica = self._replicas[lease.replica]

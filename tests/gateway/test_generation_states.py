@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.generation import GenerationRun, GenerationSpec, RunState
-from gateway.upstream import Lease
+from gateway.upstream import LeaseGrant
 from meshserve.v1 import common_pb2, worker_pb2
 
 
@@ -51,16 +51,16 @@ class FakeUpstream:
     async def _tokenizer(self, model: str) -> FakeTokenizer:
         return FakeTokenizer()
 
-    async def route(self, request: common_pb2.GenerateRequest, exclude: list[str], force: bool) -> Lease:
+    async def route(self, request: common_pb2.GenerateRequest, exclude: list[str], force: bool) -> LeaseGrant:
         if self.gate is not None:
             await self.gate.wait()
         self._count += 1
-        return Lease(f"l{self._count}", "w", "w:1", [], 0)
+        return LeaseGrant(f"l{self._count}", "w", "w:1", [], 0)
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: LeaseGrant) -> None:
         self.released.append(lease.lease_id)
 
-    def note_usage(self, lease: Lease, usage: common_pb2.Usage) -> None:
+    def note_usage(self, lease: LeaseGrant, usage: common_pb2.Usage) -> None:
         pass
 
 

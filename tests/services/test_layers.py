@@ -1,7 +1,7 @@
 """The layering of the tree, read from the imports of its sources: `services/` is the
 ground floor every service imports and imports none of them; a service imports
 `services` and the stubs, never another service; only the launcher, the benches and the
-tests sit above the services."""
+tests sit above the services. And no two of them define a class of the same name."""
 
 from __future__ import annotations
 
@@ -49,3 +49,28 @@ def test_the_check_sees_an_import_that_runs_back_up(tmp_path: Path) -> None:
     (tmp_path / "services").mkdir()
     (tmp_path / "services" / "bad.py").write_text("from worker_svc.config import WorkerConfig\nimport os\n")
     assert _offending("services", {*SERVICES, *ABOVE}, tmp_path) == {"services/bad.py": {"worker_svc"}}
+
+
+def _class_homes(root: Path) -> dict[str, set[str]]:
+    """Each public class name of the services and their shared ground: the packages defining it."""
+    homes: dict[str, set[str]] = {}
+    for package in (*SERVICES, "services", "launcher"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.parse(path.read_text(), str(path)).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    homes.setdefault(node.name, set()).add(package)
+    return homes
+
+
+def test_no_two_services_name_a_class_alike() -> None:
+    """One name, one thing: the engine's step scheduler is not the mesh's Scheduler, the
+    gateway's lease grant not the registry's Lease."""
+    assert {name: homes for name, homes in _class_homes(ROOT).items() if len(homes) > 1} == {}
+
+
+def test_the_name_check_sees_a_second_home(tmp_path: Path) -> None:
+    for package in (*SERVICES, "services", "launcher"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "gateway" / "a.py").write_text("class Lease:\n    pass\n")
+    (tmp_path / "scheduler_svc" / "b.py").write_text("class Lease:\n    pass\n")
+    assert _class_homes(tmp_path)["Lease"] == {"gateway", "scheduler_svc"}

@@ -31,7 +31,7 @@ from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
-from worker_svc.engine.scheduler import ScheduledRequest, Scheduler
+from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
 from worker_svc.engine.structured import GrammarBackend, Prepared
 from worker_svc.engine.token_rate import TokenRate
 
@@ -117,7 +117,7 @@ class LLMEngine:
             on_kv_events,
             tier=self._kv_tier(),
         )
-        self.scheduler = Scheduler(
+        self.scheduler = StepScheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
         )
         self.sampler = Sampler(self.model_info.vocab_size, self.model_info.eos_token_ids)

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from worker_svc.engine.block_manager import BlockManager
 from worker_svc.engine.request import Request, RequestStatus
 
-__all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
+__all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "SchedulerOutput", "StepScheduler"]
 
 # Preemptions after which a running request is no longer displaced by higher priority.
 MAX_DISPLACEMENTS = 2
@@ -95,7 +95,7 @@ def _waiting_key(request: Request) -> tuple[int, int]:
     return (-request.priority, request.arrival_seq)
 
 
-class Scheduler:
+class StepScheduler:
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(
