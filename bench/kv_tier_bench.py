@@ -3,8 +3,9 @@
 Conversations of token-id prompts: a private opening (``--opening`` tokens), then per turn
 ``--turn-tokens`` more (the previous answer and the next question); each turn's prompt is
 the conversation so far. ``--conversations`` of them, turn by turn (every conversation's
-first turn, then every second turn, ...), ``--concurrency`` in flight, on 2 decoders with a small KV cache (``--kv-cache-mb``), once with the KV
-tier off and once with a tier of ``--tier-mb`` per decoder. Per run: the prompt tokens
+first turn, then every second turn, ...), ``--concurrency`` in flight, on 2 decoders with a small KV cache (``--kv-cache-mb``): with the KV
+tier off, with a tier of ``--tier-mb`` per decoder, and with that tier and the decoders
+sharing prefixes (the scheduler's ``kv_share_min_tokens``, off in the first two). Per run: the prompt tokens
 recomputed (the part of a prompt an earlier turn had computed that was not found cached),
 the tokens found cached, TTFT p50/p99, and the decoders' tier counters.
 
@@ -98,16 +99,18 @@ def _summary(results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, tier_mb: int, convs: list[list[list[int]]]) -> dict[str, Any]:
+def run(args: argparse.Namespace, tier_mb: int, share: int, convs: list[list[list[int]]]) -> dict[str, Any]:
     ports = {f"decoder-{i}": free_port() for i in range(2)}
+    scheduler_port = free_port()
     config = free_ports_config(
         model_dir=args.model_dir,
         num_decoders=2,
         log_dir=tempfile.mkdtemp(prefix="meshserve-kv-tier-bench-"),
-        metrics_ports=tuple(ports.items()),
+        metrics_ports=(*ports.items(), ("scheduler", scheduler_port)),
         extra_env=(
             ("MESHSERVE_KV_CACHE_MEMORY_MB", str(args.kv_cache_mb)),
             ("MESHSERVE_KV_TIER_MB", str(tier_mb)),
+            ("MESHSERVE_KV_SHARE_MIN_TOKENS", str(share)),
         ),
     )
     mesh = Mesh(config).start(timeout=900)
@@ -119,6 +122,10 @@ def run(args: argparse.Namespace, tier_mb: int, convs: list[list[list[int]]]) ->
         out["tier"] = {
             name: {m: metric_sample(port, f"meshserve_worker_kv_tier_{m}") for m in TIER_METRICS}
             for name, port in ports.items()
+        }
+        out["shares"] = {
+            decision: metric_sample(scheduler_port, "meshserve_scheduler_kv_shares_total", decision=decision)
+            for decision in ("shared", "pull_slower")
         }
         out["engines"] = engine_lines(mesh)
         return out
@@ -137,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--kv-cache-mb", type=int, default=96)
     p.add_argument("--tier-mb", type=int, default=1024)
+    p.add_argument("--share-min-tokens", type=int, default=256)
     p.add_argument("--out", default="bench/results/kv_tier_bench.json")
     return p
 
@@ -147,8 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     convs = conversations(args, int(AutoConfig.from_pretrained(args.model_dir).vocab_size))
     working_set = sum(len(turns[-1]) for turns in convs)
-    runs = {"tier_off": run(args, 0, convs), "local_tier": run(args, args.tier_mb, convs)}
-    off, tier = runs["tier_off"], runs["local_tier"]
+    runs = {
+        "tier_off": run(args, 0, 0, convs),
+        "local_tier": run(args, args.tier_mb, 0, convs),
+        "local_tier_sharing": run(args, args.tier_mb, args.share_min_tokens, convs),
+    }
+    off, tier, shared = runs["tier_off"], runs["local_tier"], runs["local_tier_sharing"]
     report: dict[str, Any] = {
         "command": "python -m bench.kv_tier_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": host_info(),
@@ -159,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "recomputed_tokens_tier_over_off": tier["recomputed_tokens"] / max(1, off["recomputed_tokens"]),
         "ttft_p50_tier_over_off": tier["ttft_p50_ms"] / off["ttft_p50_ms"],
         "ttft_p99_tier_over_off": tier["ttft_p99_ms"] / off["ttft_p99_ms"],
+        "recomputed_tokens_sharing_over_off": shared["recomputed_tokens"] / max(1, off["recomputed_tokens"]),
+        "ttft_p50_sharing_over_off": shared["ttft_p50_ms"] / off["ttft_p50_ms"],
+        "ttft_p99_sharing_over_off": shared["ttft_p99_ms"] / off["ttft_p99_ms"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

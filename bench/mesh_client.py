@@ -113,12 +113,12 @@ def model_name(model_dir: str) -> str:
     return Path(model_dir).name
 
 
-def metric_sample(port: int, name: str) -> float:
-    """One unlabelled sample of a service's /metrics on `port` (0 when absent)."""
+def metric_sample(port: int, name: str, **labels: str) -> float:
+    """The sample of a service's /metrics on `port` with exactly `labels` (0 when absent)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and sample.labels == labels:
                 return float(sample.value)
     return 0.0
 

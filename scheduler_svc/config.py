@@ -106,6 +106,11 @@ class SchedulerConfig(ServerConfig):
         "threshold (every one)",
     )
     pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")
+    kv_share_min_tokens: int = opt(
+        256,
+        "a decoder lacking at least this many leading prompt tokens that another decoder holds "
+        "(cache or KV tier) pulls them from it instead of computing them (scheduler_svc/kv_share.py); 0: off",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +143,8 @@ class SchedulerConfig(ServerConfig):
                 f"load_imbalance must be > 0 and load_imbalance_min >= 0, got "
                 f"{self.load_imbalance}, {self.load_imbalance_min}"
             )
+        if self.kv_share_min_tokens < 0:
+            raise ValueError(f"kv_share_min_tokens must be >= 0, got {self.kv_share_min_tokens}")
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         positive(self, "block_size", "kv_stream_maxlen")

@@ -143,6 +143,12 @@ def forget_worker(worker_id: str) -> None:
         pass
 
 
+KV_SHARES = Counter(
+    "meshserve_scheduler_kv_shares_total",
+    "Routes whose decoder lacked a prefix another decoder holds (kv_share_min_tokens or more), "
+    "by decision: shared (it pulls them) or pull_slower (computing them is faster)",
+    ["decision"],
+)
 PD_DECISIONS = Counter(
     "meshserve_scheduler_pd_decisions_total",
     "Routes of text prompts when P/D is on (pd_min_prompt_tokens > 0), by decision: "

@@ -22,11 +22,12 @@ import grpc
 
 from meshserve.v1 import common_pb2, kv_transfer_pb2, scheduler_pb2
 from scheduler_svc import metrics
+from scheduler_svc.kv_share import ShareDecider
 from scheduler_svc.leases import LeaseRecord
 from scheduler_svc.multimodal import EncodeCoordinator
 from scheduler_svc.pd import Handoff, PdDecider
 from scheduler_svc.policies import Decision, RoutingRequest
-from scheduler_svc.registry import Lease
+from scheduler_svc.registry import Lease, WorkerState
 from scheduler_svc.scheduler import Scheduler
 from services.errors import InvalidArgument, Unavailable
 from services.kv_contract import request_extra_keys
@@ -47,6 +48,9 @@ class RouteResult:
     prefill: LeaseRecord | None = None
     transfer_id: str = ""
     expected_s: float = 0.0
+    # Of the prompt, the tokens the source publishes (a decoder sharing its prefix,
+    # kv_share.py); 0: the whole prompt (a prefill worker's hand-off).
+    source_tokens: int = 0
 
 
 def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.RouteResponse:
@@ -71,6 +75,7 @@ def route_response(result: RouteResult, lease_ttl_ms: int) -> scheduler_pb2.Rout
                 transfer_id=result.transfer_id,
                 lease_id=result.prefill.lease_id,
                 expected_ms=round(result.expected_s * 1000),
+                num_prompt_tokens=result.source_tokens,
             )
         )
     return response
@@ -131,6 +136,7 @@ class Router:
             3 * config.heartbeat_interval_s,
             estimate=config.pd_decision == "estimate",
         )
+        self.share = ShareDecider(config.kv_share_min_tokens, 3 * config.heartbeat_interval_s)
 
     async def route(
         self, request: common_pb2.GenerateRequest, exclude: frozenset[str], force_encode: bool = False
@@ -142,7 +148,7 @@ class Router:
         if mm_items:  # images: encode what the encoder cache lacks (E/PD disaggregation)
             mm_items = list((await self.mm.prepare(request, force=force_encode)).mm_items)
         lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
-        return self._issue(request, lease, decision, mm_items, received_at)
+        return self._issue(request, routing, lease, decision, mm_items, received_at)
 
     def route_now(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteResult | None:
         """The route of a request that needs no waiting (no images to encode, a worker
@@ -155,7 +161,7 @@ class Router:
         placed = self.scheduler.dispatcher.acquire_now(routing, exclude)
         if placed is None:
             return None
-        return self._issue(request, placed[0], placed[1], [], received_at)
+        return self._issue(request, routing, placed[0], placed[1], [], received_at)
 
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
@@ -168,6 +174,7 @@ class Router:
     def _issue(
         self,
         request: common_pb2.GenerateRequest,
+        routing: RoutingRequest,
         lease: Lease,
         decision: Decision,
         mm_items: list[common_pb2.MultiModalItem],
@@ -178,14 +185,24 @@ class Router:
             decision.matched_blocks, len(request.prompt_token_ids), block_size
         )
         active = self.scheduler.leases.issue(lease, request.request_id, predicted)
-        handoff = self._pair_prefill(request, active, predicted, mm_items)
+        source = self._pair_prefill(request, active, predicted, mm_items) or self._pair_holder(
+            request, routing, active, decision, mm_items
+        )
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
-        if handoff is None:
+        if source is None:
             return RouteResult(request.request_id, active, decision, mm_items, predicted)
-        prefill, expected_s = handoff
+        prefill, expected_s, tokens = source
         return RouteResult(
-            request.request_id, active, decision, mm_items, predicted, prefill, uuid.uuid4().hex, expected_s
+            request.request_id,
+            active,
+            decision,
+            mm_items,
+            predicted,
+            prefill,
+            uuid.uuid4().hex,
+            expected_s,
+            tokens,
         )
 
     def _pair_prefill(
@@ -194,21 +211,59 @@ class Router:
         decode: LeaseRecord,
         predicted: int,
         mm_items: list[common_pb2.MultiModalItem],
-    ) -> tuple[LeaseRecord, float] | None:
+    ) -> tuple[LeaseRecord, float, int] | None:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
-        decode lease so that it ends with it, and the hand-off's expected seconds; None
-        when the decoder prefills itself."""
-        adapter = self.scheduler.registry.is_adapter(request.model)
-        if mm_items or adapter or request.sampling.HasField("prompt_logprobs"):
+        decode lease so that it ends with it, the hand-off's expected seconds, and 0 (the
+        whole prompt); None when the decoder prefills itself."""
+        if not self._kv_may_move(request, mm_items):
             return None
         uncached = len(request.prompt_token_ids) - predicted
         handoff: Handoff | None = self.pd.decide(self.scheduler.registry, decode.lease.worker, uncached)
         if handoff is None:
             return None
+        return self._source_lease(request, decode, handoff.worker), handoff.expected_s, 0
+
+    def _pair_holder(
+        self,
+        request: common_pb2.GenerateRequest,
+        routing: RoutingRequest,
+        decode: LeaseRecord,
+        decision: Decision,
+        mm_items: list[common_pb2.MultiModalItem],
+    ) -> tuple[LeaseRecord, float, int] | None:
+        """Decoders sharing KV (`kv_share.py`): a lease on the decoder holding more of the
+        prompt's prefix, the expected seconds, and the prompt tokens it publishes."""
+        if not self._kv_may_move(request, mm_items):
+            return None
+        decoder = decode.lease.worker
+        share = self.share.decide(
+            self.scheduler.registry,
+            self.scheduler.index,
+            decoder,
+            routing.hashes(decoder.spec.block_size or self.scheduler.config.block_size),
+            decision.matched_blocks,
+            len(request.prompt_token_ids),
+        )
+        if share is None:
+            return None
+        return self._source_lease(request, decode, share.worker), share.expected_s, share.num_tokens
+
+    def _kv_may_move(
+        self, request: common_pb2.GenerateRequest, mm_items: list[common_pb2.MultiModalItem]
+    ) -> bool:
+        """Whether the request's KV may come from another worker (not with images, a LoRA
+        adapter or prompt logprobs: pd.py)."""
+        adapter = self.scheduler.registry.is_adapter(request.model)
+        return not (mm_items or adapter or request.sampling.HasField("prompt_logprobs"))
+
+    def _source_lease(
+        self, request: common_pb2.GenerateRequest, decode: LeaseRecord, worker: WorkerState
+    ) -> LeaseRecord:
+        """A lease on the worker the decoder pulls KV from, ending with the decode lease."""
         leases = self.scheduler.leases
-        prefill = leases.issue(self.scheduler.registry.acquire(handoff.worker), request.request_id)
-        leases.link(decode.lease_id, prefill.lease_id)
-        return prefill, handoff.expected_s
+        source = leases.issue(self.scheduler.registry.acquire(worker), request.request_id)
+        leases.link(decode.lease_id, source.lease_id)
+        return source
 
     def release(self, lease_ids: list[str], outcomes: Sequence[scheduler_pb2.LeaseOutcome] = ()) -> int:
         """Ends leases (their requests finished); returns how many this replica knew.

@@ -261,9 +261,15 @@ class GenerateStreamCall:
         carrier: dict[str, str] = {}
         with span.current():  # the prefill worker's span is a child of this one
             tracing.inject_into(carrier)
-        job = PrefillJob(
-            self.model, tuple(request.prompt_token_ids), request.cache_salt, request.priority, carrier
+        # A decoder sharing its prefix publishes the first num_prompt_tokens; this one
+        # computes the rest (scheduler_svc/kv_share.py).
+        shared = request.kv_source.num_prompt_tokens
+        prompt = (
+            request.prompt_token_ids[:shared]
+            if 0 < shared < len(request.prompt_token_ids)
+            else request.prompt_token_ids
         )
+        job = PrefillJob(self.model, tuple(prompt), request.cache_salt, request.priority, carrier)
         try:
             import_id = await importer.fetch(source, job, request_extra_keys(request.cache_salt))
         finally:

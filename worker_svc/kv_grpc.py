@@ -145,8 +145,9 @@ _PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """A prefill worker's KV hand-off: prefill-only requests on its engine, their KV held
-    for pulls (engine ``kv``: held transfers, readers, TTL)."""
+    """A worker's KV hand-off: prefill-only requests on its engine, their KV held for pulls
+    (engine ``kv``: held transfers, readers, TTL). On a prefill worker, P/D's prompts; on a
+    decoder, the prefix it shares with another decoder (mostly cached: one token computed)."""
 
     def __init__(
         self, engine: AsyncLLMEngine, model: str, draining: Callable[[], bool] = lambda: False

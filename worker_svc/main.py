@@ -148,11 +148,12 @@ class WorkerProcess:
             engine, decoder = await _start_decoder(config, identity, server, self.publisher)
             self.engine = engine
             self.decoder = decoder
-            if config.role == "prefill":
-                self.kv_transfer = KvTransferServicer(engine, identity.model, lambda: server.draining)
-                server.add_service(
-                    KV_SERVICE, kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, self.kv_transfer
-                )
+            # A prefill worker's hand-offs; a decoder's prefix, shared with another decoder
+            # (scheduler_svc/kv_share.py).
+            self.kv_transfer = KvTransferServicer(engine, identity.model, lambda: server.draining)
+            server.add_service(
+                KV_SERVICE, kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, self.kv_transfer
+            )
             return lambda: load_stats(engine)
         if config.role == "embedding":
             thread = TorchThread("meshserve-embedding")

@@ -52,6 +52,15 @@ def _producer(mesh: SharedMesh, response_id: str) -> str:
     return next(name for name in NAMES if mesh.pid(name) == pid)
 
 
+def _adopted_by(mesh: SharedMesh, response_id: str) -> set[str]:
+    """The gateways that logged adopting ``response_id`` ("": any response)."""
+    gateways = [name for name, spec in mesh.mesh.specs.items() if spec.module == "gateway"]
+    line = f"background response {response_id}" if response_id else "background response "
+    return {
+        n for n in gateways if any(line in x and "adopted" in x for x in mesh.log_tail(n, 2000).splitlines())
+    }
+
+
 def _text(events: list[Any]) -> str:
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
 
@@ -60,16 +69,19 @@ PROMPT = {"model": MODEL_NAME, "input": "Tell me a long story", "max_output_toke
 
 
 def test_sigkill_of_the_producing_gateway_loses_no_event(mesh: SharedMesh, replicas: str) -> None:
+    # Long enough that the producer is still generating when it is killed (the tiny
+    # model makes hundreds of tokens a second).
+    prompt = PROMPT | {"max_output_tokens": 2000}
     client = _client(replicas)
-    reference = client.responses.create(**PROMPT)
-    assert len(reference.output_text) > 20
+    reference = client.responses.create(**prompt)
+    assert len(reference.output_text) > 200
     seen: list[Any] = []
     killed = ""
-    stream = client.responses.create(**PROMPT, background=True, stream=True)
+    stream = client.responses.create(**prompt, background=True, stream=True)
     with contextlib.suppress(openai.APIConnectionError, openai.APIError):
         for event in stream:
             seen.append(event)
-            if len(seen) == 6:
+            if len(seen) == 2:
                 killed = _producer(mesh, seen[0].response.id)
                 mesh.kill(killed)  # SIGKILL mid-stream
     assert killed and mesh.wait_exit(killed, 10) == -signal.SIGKILL
@@ -79,8 +91,7 @@ def test_sigkill_of_the_producing_gateway_loses_no_event(mesh: SharedMesh, repli
     events = seen + rest
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type == f"response.{reference.status}"
-    survivor = next(name for name in NAMES if name != killed)
-    assert f"background response {response_id}: adopted" in mesh.log_tail(survivor, 200)
+    assert _adopted_by(mesh, response_id) - {killed}  # any gateway on the mesh's Redis may adopt it
     assert _text(events) == reference.output_text
     assert client.responses.retrieve(response_id).output_text == reference.output_text
     mesh.wait_kv_idle()
@@ -128,7 +139,7 @@ def test_a_gateway_killed_under_background_load_loses_no_response(mesh: SharedMe
         return await asyncio.gather(*tasks)
 
     assert asyncio.run(run()) == reference
-    assert "adopted after" in mesh.log_tail("bg-gateway-b", 400)
+    assert _adopted_by(mesh, "")
     mesh.wait_kv_idle()
 
 

@@ -213,3 +213,32 @@ async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(
     assert "p1" in sources and "" in sources, sources
     for route in routes:
         await sched.release(route.lease_id)
+
+
+async def test_a_decoder_pulls_the_prefix_another_decoder_holds(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """Decoders sharing KV (kv_share.py): the first decoder is full, so the prompt goes to
+    the second, which is told to pull the 16 tokens the first holds (it publishes 17: one
+    computed past its blocks); the share's lease ends with the decode lease. Off, or
+    across KV layouts: no source."""
+    sched = await start_scheduler(
+        kv_share_min_tokens=8, max_inflight_per_worker=1, lease_ttl_s=30, lease_grace_s=30
+    )
+    await start_worker("d1", sched, kv_layout=LAYOUT)
+    await start_worker("d2", sched, kv_layout=LAYOUT)
+    first = await sched.route(LONG)
+    second = await sched.route(LONG)
+    assert {first.worker_id, second.worker_id} == {"d1", "d2"} and not first.HasField("kv_source")
+    source = second.kv_source
+    assert source.worker_id == first.worker_id and source.num_prompt_tokens == 17 and source.lease_id
+    assert await sched.release(second.lease_id) == 1
+    assert sched.lease_ids() == {first.lease_id}, "the share's lease ended with the decode lease"
+    await sched.release(first.lease_id)
+    for options, layout in (({"kv_share_min_tokens": 0}, LAYOUT), ({"kv_share_min_tokens": 8}, OTHER)):
+        other = await start_scheduler(max_inflight_per_worker=1, lease_ttl_s=30, **options)
+        await start_worker("e1", other, kv_layout=LAYOUT)
+        await start_worker("e2", other, kv_layout=layout)
+        held = await other.route(LONG)
+        assert not (await other.route(LONG)).HasField("kv_source")
+        await other.release(held.lease_id)

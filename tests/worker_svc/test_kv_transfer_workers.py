@@ -1,5 +1,6 @@
-"""P/D hand-off between two real workers over loopback gRPC: a decode worker whose request
-names a prefill worker (`kv_source`) has it prefill, pulls the KV (KvTransfer), imports it
+"""P/D hand-off between two real workers over loopback gRPC (and a prefix shared by one
+decoder with another): a decode worker whose request names a prefill worker (`kv_source`)
+has it prefill, pulls the KV (KvTransfer), imports it
 and decodes; greedy output equals the prefill-free run. Every failure (prefill worker gone,
 corrupted bytes, layout mismatch) falls back to a local prefill with the same output, is
 counted by reason, and leaves no KV block in use on either worker."""
@@ -99,6 +100,28 @@ def test_pd_hand_off_equals_local_prefill(model_dir: Path) -> None:
             assert not p.engine.engine.kv.held, "pull-complete released the transfer"  # type: ignore[union-attr]
             await _idle(p)
             await _idle(d)
+
+    asyncio.run(main())
+
+
+def test_a_decoder_pulls_the_prefix_another_decoder_holds(model_dir: Path) -> None:
+    """Decoders sharing KV (scheduler_svc/kv_share.py): the holder publishes the first 33
+    prompt tokens (its 8 cached blocks and one token computed past them), the other decoder
+    pulls those blocks and computes the rest: greedy output equal to a run on its own."""
+
+    async def main() -> None:
+        async with worker(model_dir, "decoder", worker_id="holder") as a, worker(model_dir, "decoder") as b:
+            holder = f"127.0.0.1:{a.server.port}"
+            expected, _ = await _generate(holder, _request("first"))  # the holder caches the prompt
+            source = kv_transfer_pb2.KvSource(
+                worker_id="holder", address=holder, transfer_id="share-1", num_prompt_tokens=33
+            )
+            tokens, cached = await _generate(f"127.0.0.1:{b.server.port}", _request("second", source))
+            assert tokens == expected
+            assert cached == 32, "the 8 shared blocks came from the holder; the rest computed here"
+            assert not a.engine.engine.kv.held  # type: ignore[union-attr]
+            await _idle(a)
+            await _idle(b)
 
     asyncio.run(main())
 
