@@ -107,9 +107,11 @@ class SchedulerConfig(ServerConfig):
     )
     pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")
     kv_share_min_tokens: int = opt(
-        256,
+        0,
         "a decoder lacking at least this many leading prompt tokens that another decoder holds "
-        "(cache or KV tier) pulls them from it instead of computing them (scheduler_svc/kv_share.py); 0: off",
+        "(cache or KV tier) pulls them from it instead of computing them (scheduler_svc/kv_share.py); "
+        "0: off (docs/design-decisions.md, \"KV tier: admission after repeated use, blocks kept in "
+        "the router's index\")",
     )
 
     def __post_init__(self) -> None:
