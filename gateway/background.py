@@ -57,6 +57,7 @@ CANCEL_WAIT_S = 10.0  # how long a cancel waits for the producer to record it
 LEASE_S = 3.0  # a producer's lease: lapses this long after its last renewal
 RENEW_S = 1.0
 SWEEP_S = 1.0  # how often each replica looks for responses whose producer died
+LOG_RETRIES = 6  # a store call timing out under load is tried again for about 3 s
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
@@ -183,12 +184,23 @@ class BackgroundResponses:
         await self._finish(p.job, max(sequence, p.logged))
 
     async def _log(self, p: _Production, sequence: int, data: bytes) -> None:
-        """Logs one event with the output tokens that came since the previous one."""
+        """Logs one event with the output tokens that came since the previous one; a
+        store error is retried (LOG_RETRIES, backing off) before the response fails."""
+        owner, rid = p.job.tenant, p.job.response_id
         groups = p.multi.runs[0].groups
         fresh, p.groups_sent = groups[p.groups_sent :], len(groups)
-        await self.store.append_event(
-            p.job.tenant, p.job.response_id, sequence, data, json.dumps(fresh).encode()
-        )
+        tokens = json.dumps(fresh).encode()
+        for attempt in range(LOG_RETRIES):
+            try:
+                await self.store.append_event(owner, rid, sequence, data, tokens)
+                return
+            except APIError:
+                with contextlib.suppress(APIError):
+                    if await self.store.log_length(owner, rid) > sequence:
+                        return  # it was written; only its reply was lost (a timeout)
+                if attempt == LOG_RETRIES - 1:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
 
     async def _ensure_final(self, p: _Production) -> None:
         """A stream that ended on an error event leaves the response failed, not in progress."""
