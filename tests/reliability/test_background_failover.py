@@ -121,15 +121,19 @@ def test_cancel_on_either_replica_frees_the_kv_blocks(mesh: SharedMesh, replicas
 
 @pytest.mark.slow
 def test_a_gateway_killed_under_background_load_loses_no_response(mesh: SharedMesh, replicas: str) -> None:
-    """32 background responses at c=16, the replica producing the first killed mid-run:
-    32/32 complete, each equal to its undisturbed answer."""
+    """32 background responses at c=16; once one is in progress, the replica producing it
+    is killed: 32/32 complete, each equal to its undisturbed answer, and one was adopted."""
     client = openai.AsyncOpenAI(base_url=replicas + "/v1", api_key="unused", max_retries=0, timeout=120)
-    prompts = [dict(PROMPT, input=f"Story number {i}") for i in range(32)]
+    prompts = [dict(PROMPT, input=f"Story number {i}", max_output_tokens=400) for i in range(32)]
     reference = [_client(replicas).responses.create(**p).output_text for p in prompts]
+    started: list[str] = []
+    first = asyncio.Event()
 
     async def one(p: dict[str, Any], gate: asyncio.Semaphore) -> str:
         async with gate:
             queued = await _retried(lambda: client.responses.create(**p, background=True))
+            started.append(queued.id)
+            first.set()
             while True:
                 found = await _retried(lambda: client.responses.retrieve(queued.id))
                 if found.status in ("completed", "incomplete", "failed", "cancelled"):
@@ -139,11 +143,8 @@ def test_a_gateway_killed_under_background_load_loses_no_response(mesh: SharedMe
     async def run() -> list[str]:
         gate = asyncio.Semaphore(16)
         tasks = [asyncio.create_task(one(p, gate)) for p in prompts]
-        await asyncio.sleep(1.0)
-        for name in NAMES:  # whichever produces something now
-            with contextlib.suppress(Exception):
-                mesh.kill(name)
-                break
+        await first.wait()
+        mesh.kill(_producer(mesh, started[0]))  # mid-generation: 400 tokens each, 16 at a time
         return await asyncio.gather(*tasks)
 
     assert asyncio.run(run()) == reference
