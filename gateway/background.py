@@ -225,9 +225,7 @@ class BackgroundResponses:
         with contextlib.suppress(APIError):
             await self.store.put(owner, StoredResponse(final, p.job.items))
             sequence = await self.store.log_length(owner, rid)
-            event = named_event(kind, {"type": kind, "sequence_number": sequence, "response": final})
-            await self.store.append_event(owner, rid, sequence, event)
-            await self._finish(p.job, sequence + 1)
+            await self._finish(p.job, await self._append_final(p.job, sequence, final, kind))
 
     async def _watch(self, owner: str, rid: str, generation: asyncio.Task[Any] | None) -> str:
         """Renews the lease and polls the cancel flag; cancels ``generation`` on a cancel
@@ -297,9 +295,13 @@ class BackgroundResponses:
         last = entries[-1][0] if entries else b""
         if last.startswith((f"event: {kind}\n".encode(), b"event: error\n")):
             return len(entries)
-        event = named_event(kind, {"type": kind, "sequence_number": len(entries), "response": final})
-        await self.store.append_event(job.tenant, job.response_id, len(entries), event)
-        return len(entries) + 1
+        return await self._append_final(job, len(entries), final, kind)
+
+    async def _append_final(self, job: JobRecord, sequence: int, final: dict[str, Any], kind: str) -> int:
+        """Logs the final response's event ``kind`` as event ``sequence``; the count logged then."""
+        event = named_event(kind, {"type": kind, "sequence_number": sequence, "response": final})
+        await self.store.append_event(job.tenant, job.response_id, sequence, event)
+        return sequence + 1
 
     async def close(self) -> None:
         """Stops sweeping and the tasks still running (the gateway is stopping: another

@@ -43,7 +43,7 @@ from gateway.protocol import (
     UsageInfo,
 )
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.serving import request_context, usage_info
+from gateway.serving import SSE_HEADERS, request_context, usage_info
 from gateway.tool_parsers import ToolParser
 
 ROUTE = "/v1/responses"
@@ -602,7 +602,7 @@ def _following(store: ResponseStore, owner: str, response_id: str, after: int) -
     return StreamingResponse(
         store.follow_events(owner, response_id, after),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers=SSE_HEADERS,
     )
 
 

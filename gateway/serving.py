@@ -465,6 +465,10 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
     return b"data: " + escape_line_breaks(text.encode()) + b"\n\n"
 
 
+# Every SSE response: no cache, and no buffering in a proxy (nginx) on the way.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 class SSEResponse(StreamingResponse):
     """`text/event-stream` response that always runs `on_close` when it ends, however
     it ends (completed, client disconnect, cancellation).
@@ -488,7 +492,7 @@ class SSEResponse(StreamingResponse):
     ) -> None:
         """`span`: the request's span, current while the response runs (a route made for
         a mid-stream migration is its child) and ended after `on_close`."""
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(content, headers=SSE_HEADERS)
         self._on_close = on_close
         self._span = span
         self._ready = ready

@@ -110,7 +110,7 @@ class SchedulerConfig(ServerConfig):
         0,
         "a decoder lacking at least this many leading prompt tokens that another decoder holds "
         "(cache or KV tier) pulls them from it instead of computing them (scheduler_svc/kv_share.py); "
-        "0: off (docs/design-decisions.md, \"KV tier: admission after repeated use, blocks kept in "
+        '0: off (docs/design-decisions.md, "KV tier: admission after repeated use, blocks kept in '
         "the router's index\")",
     )
 

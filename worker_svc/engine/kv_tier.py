@@ -76,10 +76,11 @@ class KvTier:
         os.ftruncate(self._file.fileno(), capacity * block_bytes)
         self._map = mmap.mmap(self._file.fileno(), capacity * block_bytes)
         self._slots: dict[int, tuple[int, int]] = {}  # hash -> (slot, crc)
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = []
         self._by_freq: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(MAX_FREQ + 1)]
         self._freq: dict[int, int] = {}
         self._ghosts: OrderedDict[int, int] = OrderedDict()  # evicted unadmitted hash -> uses
+        self.clear()
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -151,11 +152,11 @@ class KvTier:
         self.on_dropped(block_hash)
 
     def clear(self) -> None:
-        """Forgets every block (the cache was reset: what it held may no longer apply)."""
-        for block_hash in list(self._slots):
-            self._drop(block_hash)
+        """Forgets every block (the cache was reset: what it held may no longer apply; the
+        reset's own "cleared" event tells the scheduler, so no block is reported dropped)."""
+        self._slots.clear()
+        self._freq.clear()
+        for level in self._by_freq:
+            level.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))
         self._ghosts.clear()
-
-    def close(self) -> None:
-        self._map.close()
-        self._file.close()

@@ -170,18 +170,13 @@ class StepScheduler:
         """Whether waiting ``request`` could be admitted now (a sequence slot, free blocks
         or ones that displacing lower priorities frees, its adapter's slot)."""
         adapters = {r.lora_name for r in self.running if r.lora_name}
-        if request.lora_name and (
-            (request.lora_name not in adapters and len(adapters) >= self.max_loras)
-            or request.lora_name == self._draining_adapter()
-        ):
+        draining = self._draining_adapter() if self.max_loras else ""
+        if self._adapter_waits(request, adapters, draining):
             return False
-        victims = [
-            r for r in self.running if r.priority < request.priority and r.num_preemptions < MAX_DISPLACEMENTS
-        ]
+        victims, held = self._victims(request)
         if len(self.running) >= self.max_num_seqs and not victims:
             return False
         num_new = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
-        held = sum(len(r.block_table) for r in victims)
         return (
             self.block_manager.num_blocks_needed(request, num_new)
             <= self.block_manager.num_free_blocks() + held
@@ -230,16 +225,29 @@ class StepScheduler:
         """Preempt the running request that waiting ``request`` displaces (module docstring);
         the budget it gives back, or None when none may be displaced. ``blocks``: the free
         blocks ``request`` needs (0: it waits for a sequence slot, not for blocks)."""
-        victims = [
-            r for r in self.running if r.priority < request.priority and r.num_preemptions < MAX_DISPLACEMENTS
-        ]
+        victims, held = self._victims(request)
         if not victims:
             return None
-        held = sum(len(r.block_table) for r in victims)  # shared prefix blocks overcount: a bound
         if blocks and self.block_manager.num_free_blocks() + held < blocks:
             return None
         self.num_priority_preemptions += 1
         return self._preempt(min(victims, key=lambda r: (r.priority, -r.arrival_seq)), out)
+
+    def _victims(self, request: Request) -> tuple[list[Request], int]:
+        """The running requests ``request`` may displace, and the blocks they hold (shared
+        prefix blocks overcount: a bound)."""
+        victims = [
+            r for r in self.running if r.priority < request.priority and r.num_preemptions < MAX_DISPLACEMENTS
+        ]
+        return victims, sum(len(r.block_table) for r in victims)
+
+    def _adapter_waits(self, request: Request, adapters: set[str], draining: str) -> bool:
+        """Whether ``request``'s adapter has no slot now: its adapter drains, or would be one
+        too many beside the running ``adapters`` (module docstring)."""
+        return bool(request.lora_name) and (
+            request.lora_name == draining
+            or (request.lora_name not in adapters and len(adapters) >= self.max_loras)
+        )
 
     def _draining_adapter(self) -> str:
         """The running adapter that admits nothing new because a waiting request needs its
@@ -262,10 +270,7 @@ class StepScheduler:
             request = self.waiting[i]
             if floor is not None and request.priority < floor:
                 break  # sorted by priority: the rest are below the floor too
-            if request.lora_name and (
-                request.lora_name == draining
-                or (request.lora_name not in adapters and len(adapters) >= self.max_loras)
-            ):
+            if self._adapter_waits(request, adapters, draining):
                 i += 1  # no slot for its adapter now: later requests may go first
                 continue
             if len(self.running) >= self.max_num_seqs:
