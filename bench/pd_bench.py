@@ -283,8 +283,9 @@ def counters(mesh: Mesh) -> dict[str, float]:
 
 
 def transfers(mesh: Mesh) -> dict[str, float]:
-    """decoder-0's hand-offs by outcome, fallbacks by reason (P/D took place or not) and the
-    seconds of its hand-offs' phases (prefill call, pull: sum and count)."""
+    """decoder-0's hand-offs by outcome, fallbacks by reason (P/D took place or not), the
+    seconds of its hand-offs' phases (prefill call, pull: sum and count) and how many took
+    at most 1x and 2x their estimate (`estimate_ratio_1.0`, `_2.0`, of `_count`)."""
     port = mesh.specs["decoder-0"].env["MESHSERVE_METRICS_PORT"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
     out: dict[str, float] = {}
@@ -299,6 +300,10 @@ def transfers(mesh: Mesh) -> dict[str, float]:
                 for suffix in ("sum", "count"):
                     if sample.name.endswith("_" + suffix):
                         out[f"{sample.labels['phase']}_seconds_{suffix}"] = sample.value
+        if family.name == "meshserve_worker_kv_handoff_estimate_ratio":  # took / estimated
+            for sample in family.samples:
+                if sample.name.endswith("_count") or sample.labels.get("le") in ("1.0", "2.0"):
+                    out["estimate_ratio_" + sample.labels.get("le", "count")] = sample.value
     return out
 
 

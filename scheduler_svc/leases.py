@@ -65,15 +65,28 @@ class LeaseRecord:
     state: LeaseState = LeaseState.ISSUED
     # When its worker last listed it (issued_at until then).
     seen_at: float = 0.0
+    # Prompt tokens its worker is to compute for this route, counted in the worker's
+    # `routed_prompt_tokens` while the lease is ISSUED: once the worker lists it, the
+    # worker's own reports count them (pd.py).
+    prompt_tokens: int = 0
 
     @property
     def worker_id(self) -> str:
         return self.lease.worker.worker_id
 
+    def route_prompt_tokens(self, tokens: int) -> None:
+        """Counts ``tokens`` more prompt tokens for its worker to compute (see above)."""
+        if self.state is LeaseState.ISSUED:
+            self.prompt_tokens += tokens
+            self.lease.worker.routed_prompt_tokens += tokens
+
     def move(self, to: LeaseState) -> None:
         """Moves to `to`; a move the lifecycle does not allow is a bug (ValueError)."""
         if to not in _NEXT.get(self.state, ()):
             raise ValueError(f"lease {self.lease_id}: {self.state} -> {to} is not allowed")
+        if self.state is LeaseState.ISSUED and self.prompt_tokens:
+            self.lease.worker.routed_prompt_tokens -= self.prompt_tokens
+            self.prompt_tokens = 0
         self.state = to
 
 

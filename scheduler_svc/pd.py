@@ -7,10 +7,12 @@ to give it its KV more than ``pd_handoff_margin`` later than a prefill on the de
 (the ``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too;
 this weighs both sides' queues and measured rates). A tie goes to the prefill worker: a
 long prefill on the decoder stalls every stream it decodes, and leaves the prefill
-worker's cores idle (docs/design-decisions.md, "P/D: hand off unless it is slower"). Each side's time is its queued prompt tokens (last heartbeat, plus what
-this scheduler routed there since) and the prompt, over its measured prefill rate; the
-hand-off adds the pull at the decoder's measured import rate. Until no side has measured
-a rate yet, the threshold alone decides. The estimate travels with the route
+worker's cores idle (docs/design-decisions.md, "P/D: hand off unless it is slower").
+Each side's time is its queued prompt tokens (its last heartbeat, plus what this
+scheduler routed there that the worker has not listed yet: `routed_prompt_tokens`, kept
+by the route's lease) and the prompt, over its measured prefill rate; the hand-off adds
+the pull at the decoder's measured import rate. Until no side has measured a rate yet,
+the threshold alone decides. The estimate travels with the route
 (`KvSource.expected_ms`): the decoder abandons a hand-off that runs well past it.
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
@@ -55,7 +57,7 @@ class PdDecider:
         if self.min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
             return None  # P/D off, or no prefill worker of the model at all
         if uncached < self.min_prompt_tokens:
-            return self._local(decoder, uncached, "short")
+            return self._local("short")
         now = registry.now()
         layout = decoder.spec.kv_layout
         candidates = [
@@ -67,7 +69,7 @@ class PdDecider:
             and now - w.last_seen <= self.silent_after_s
         ]
         if not candidates:
-            return self._local(decoder, uncached, "no_prefill_worker")
+            return self._local("no_prefill_worker")
         worker = min(
             candidates,
             key=lambda w: (_queue_s(w, uncached, _rate(w, decoder)) or 0.0, w.load_fraction(), w.worker_id),
@@ -76,14 +78,12 @@ class PdDecider:
         local = _queue_s(decoder, uncached, _rate(decoder, worker))
         slower = remote is not None and local is not None and remote > local * (1.0 + self.margin)
         if self.estimate and slower:
-            return self._local(decoder, uncached, "local_faster")
-        worker.routed_prompt_tokens += uncached
+            return self._local("local_faster")
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
         return Handoff(worker, remote or 0.0)
 
     @staticmethod
-    def _local(decoder: WorkerState, uncached: int, reason: str) -> None:
-        decoder.routed_prompt_tokens += uncached
+    def _local(reason: str) -> None:
         metrics.PD_DECISIONS.labels(decision=reason).inc()
         return None
 

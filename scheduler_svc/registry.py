@@ -95,7 +95,8 @@ class WorkerState:
     inflight: int = 0
     # Requests on the worker that are not ours (other scheduler replicas), from its last report.
     external_load: int = 0
-    # Prompt tokens P/D sent here since the last report (pd.py): its queue the report lacks.
+    # Prompt tokens of this scheduler's routes here that the worker has not listed yet
+    # (leases.py): its queue its reports lack (pd.py).
     routed_prompt_tokens: int = 0
     capacity: int = 1
     # LoRA adapter -> requests for it this scheduler sent here that have not finished yet
@@ -221,7 +222,6 @@ class WorkerRegistry:
         if revived or state.draining != draining:
             self.version += 1
         state.load = load
-        state.routed_prompt_tokens = 0
         state.last_seen = self._clock()
         state.healthy = True
         state.draining = draining
@@ -241,7 +241,6 @@ class WorkerRegistry:
         if not state.healthy or state.draining != draining:
             self.version += 1
         state.load = load
-        state.routed_prompt_tokens = 0
         state.external_load = max(load.num_running + load.num_waiting - state.inflight, 0)
         state.draining = draining
         state.healthy = True

@@ -220,8 +220,11 @@ class Router:
         uncached = len(request.prompt_token_ids) - predicted
         handoff: Handoff | None = self.pd.decide(self.scheduler.registry, decode.lease.worker, uncached)
         if handoff is None:
+            decode.route_prompt_tokens(uncached)
             return None
-        return self._source_lease(request, decode, handoff.worker), handoff.expected_s, 0
+        source = self._source_lease(request, decode, handoff.worker)
+        source.route_prompt_tokens(uncached)
+        return source, handoff.expected_s, 0
 
     def _pair_holder(
         self,

@@ -12,13 +12,15 @@ pull, verify each chunk's checksums off the engine thread, import it into the re
 blocks (hash checks there), and answer the import id the request then runs under.
 Whatever fails, it answers None and the request prefills itself: the client sees no
 error, the fallback is counted by reason. A hand-off running well past the scheduler's
-estimate is abandoned the same way (`deadline`). No grpc here.
+estimate is abandoned the same way (`deadline`), unless this decoder's own queue would
+make a local prefill no sooner. No grpc here.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -127,12 +129,13 @@ class KvImporter:
         """The import id the request's prompt KV was imported under, or None (fallback:
         the request prefills itself; counted by reason). Never raises, except on cancel."""
         import_id = f"import-{source.transfer_id}"
-        started = time.monotonic()
         prompt = job.prompt_token_ids
+        started = 0.0  # set once the prefill worker is called
         try:
-            async with asyncio.timeout(deadline(source.expected_s, self.timeout_s)):
-                # Room first: the prefill worker's work is never wasted for want of blocks.
-                await self.engine.call(lambda engine: engine.kv.reserve_import(import_id, prompt, extra_keys))
+            # Room first: the prefill worker's work is never wasted for want of blocks.
+            await self.engine.call(lambda engine: engine.kv.reserve_import(import_id, prompt, extra_keys))
+            started = time.monotonic()
+            async with self._deadline(source.expected_s, len(prompt)):
                 published = await self.connector.publish(source, job)
                 pulled_at = time.monotonic()
                 mismatch = self.layout.mismatch(published.layout)
@@ -147,12 +150,15 @@ class KvImporter:
                 if isinstance(exc, TimeoutError)
                 else "error"
             )
+            if started:
+                _observe_estimate(source, time.monotonic() - started)
             await self._fall_back(source, import_id, reason, exc)
             return None
         except asyncio.CancelledError:
             self._release_later(source, import_id)
             raise
         done = time.monotonic()
+        _observe_estimate(source, done - started)
         tokens, seconds = count * self.layout.block_size, done - pulled_at
         # Not awaited: the request need not wait for the engine's next step to start.
         asyncio.ensure_future(
@@ -163,6 +169,37 @@ class KvImporter:
         metrics.KV_TRANSFERS.labels(outcome="imported").inc()
         log.debug("transfer %s: %d blocks imported", source.transfer_id, count)
         return import_id
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, expected_s: float, prompt_tokens: int) -> AsyncIterator[None]:
+        """TimeoutError in the body once it runs past `deadline` and a prefill here would
+        be done sooner than the whole hand-off was expected to take; checked again every
+        ``expected_s`` until the decoder's ``timeout_s`` (docs/design-decisions.md, "P/D
+        deadlines from estimates")."""
+        loop = asyncio.get_running_loop()
+        hard_stop = loop.time() + self.timeout_s
+        async with asyncio.timeout(None) as timeout:
+
+            def check() -> None:
+                nonlocal handle
+                now = loop.time()
+                if now >= hard_stop or expected_s <= 0.0 or self._local_s(prompt_tokens) < expected_s:
+                    timeout.reschedule(now)
+                else:
+                    handle = loop.call_at(min(hard_stop, now + max(expected_s, 0.5)), check)
+
+            handle = loop.call_later(deadline(expected_s, self.timeout_s), check)
+            try:
+                yield
+            finally:
+                handle.cancel()
+
+    def _local_s(self, prompt_tokens: int) -> float:
+        """Seconds this decoder expects to take to prefill a prompt of ``prompt_tokens``
+        behind its queue (0: no rate measured yet)."""
+        stats = self.engine.stats()
+        rate = stats.prefill_tokens_per_s
+        return (stats.queued_prompt_tokens + prompt_tokens) / rate if rate > 0.0 else 0.0
 
     def discard(self, source: TransferSource, import_id: str) -> None:
         """An import its request will never use (aborted meanwhile): unpin it."""
@@ -203,7 +240,12 @@ class KvImporter:
         self, source: TransferSource, import_id: str, reason: str, exc: BaseException
     ) -> None:
         log.warning(
-            "transfer %s from %s: %s (%s); prefilling here", source.transfer_id, source.worker_id, reason, exc
+            "transfer %s from %s: %s (%s; expected %.2f s); prefilling here",
+            source.transfer_id,
+            source.worker_id,
+            reason,
+            exc,
+            source.expected_s,
         )
         metrics.KV_TRANSFERS.labels(outcome="fallback").inc()
         metrics.KV_TRANSFER_FALLBACKS.labels(reason=reason).inc()
@@ -222,6 +264,12 @@ class KvImporter:
         except Exception as exc:  # engine shut down: nothing left to unpin
             log.debug("release of import %s: %r", import_id, exc)
         await self.connector.release(source)
+
+
+def _observe_estimate(source: TransferSource, seconds: float) -> None:
+    """How long a hand-off took against the scheduler's estimate (none: nothing to compare)."""
+    if source.expected_s > 0.0:
+        metrics.KV_HANDOFF_ESTIMATE_RATIO.observe(seconds / source.expected_s)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -45,6 +45,11 @@ KV_TRANSFER_SECONDS = Histogram(
     ["phase"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+KV_HANDOFF_ESTIMATE_RATIO = Histogram(
+    "meshserve_worker_kv_handoff_estimate_ratio",
+    "Decode side: a hand-off's seconds (prefill call and pull) over the scheduler's estimate of them",
+    buckets=(0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 5, 10),
+)
 
 KV_TIER = {
     name: Gauge(f"meshserve_worker_kv_tier_{name}", help_text)

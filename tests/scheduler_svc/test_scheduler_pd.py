@@ -215,6 +215,35 @@ async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(
         await sched.release(route.lease_id)
 
 
+async def test_a_route_counts_in_its_workers_queue_until_the_worker_lists_it(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """Heartbeats come between the routes, but the prefill worker lists none of the
+    hand-offs yet (still on their way to it): each still counts in its queue, so the
+    fourth prompt stays on the decoder (80 ms there against 50 ms here, beyond the 50 %
+    margin). Once it lists them its own report counts them (here: all done), and prompts
+    go to it again."""
+    sched = await start_scheduler(
+        pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
+    )
+    decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
+    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate | {"queued_prompt_tokens": 30}), (prefill, rate))
+    routes = []
+    for i in range(4):
+        routes.append(await sched.route(list(range(200 * i, 200 * i + 20))))
+        await prefill.wait_beats(2)
+    assert [r.kv_source.worker_id for r in routes] == ["p1", "p1", "p1", ""]
+    prefill.lease_ids = {r.kv_source.lease_id for r in routes[:3]}
+    await prefill.wait_beats(2)
+    again = await sched.route(list(range(1000, 1020)))
+    assert again.kv_source.worker_id == "p1"
+    for route in (*routes, again):
+        await sched.release(route.lease_id)
+    assert sched.lease_ids() == set()
+
+
 async def test_a_decoder_pulls_the_prefix_another_decoder_holds(
     start_scheduler: Any, start_worker: Any
 ) -> None:
