@@ -102,7 +102,8 @@ class SchedulerConfig(ServerConfig):
         "estimate",
         "P/D: which long prompts are handed off: estimate (each, unless the hand-off, the "
         "prefill worker's queue, the prefill and the pull at measured rates, is expected to "
-        "take more than --pd-handoff-margin longer than a prefill on the decoder) or "
+        "end later than a prefill on the decoder behind its queue, by more than "
+        "--pd-handoff-margin times the prompt's own prefill there) or "
         "threshold (every one)",
     )
     pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")

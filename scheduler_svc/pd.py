@@ -3,8 +3,8 @@
 The decoder is chosen first, as for any request (prefix + load). Then a prompt whose
 tokens not cached on that decoder reach ``pd_min_prompt_tokens`` is handed off (the
 ``threshold`` decision: llm-d's P/D decider), by default unless the hand-off is expected
-to give it its KV more than ``pd_handoff_margin`` later than a prefill on the decoder
-(the ``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too;
+to give it its KV later than a prefill on the decoder would, by more than
+``pd_handoff_margin`` times the prompt's own prefill there (the ``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too;
 this weighs both sides' queues and measured rates). A tie goes to the prefill worker: a
 long prefill on the decoder stalls every stream it decodes, and leaves the prefill
 worker's cores idle (docs/design-decisions.md, "P/D: hand off unless it is slower").
@@ -75,8 +75,11 @@ class PdDecider:
             key=lambda w: (_queue_s(w, uncached, _rate(w, decoder)) or 0.0, w.load_fraction(), w.worker_id),
         )
         remote = _handoff_s(worker, decoder, uncached)
-        local = _queue_s(decoder, uncached, _rate(decoder, worker))
-        slower = remote is not None and local is not None and remote > local * (1.0 + self.margin)
+        rate = _rate(decoder, worker)
+        local = _queue_s(decoder, uncached, rate)
+        # The margin is a share of this prompt's own prefill, not of the queues: behind
+        # long queues a share of them would let the prefill worker's grow that much longer.
+        slower = remote is not None and local is not None and remote > local + self.margin * uncached / rate
         if self.estimate and slower:
             return self._local("local_faster")
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()

@@ -148,7 +148,7 @@ async def test_hand_off_unless_expected_much_slower_than_a_local_prefill(
     assert idle.kv_source.worker_id == "p1", "a tie (the pull aside) goes to the prefill worker"
     assert idle.kv_source.expected_ms == 25, "20 tokens at 1,000/s, pulled at 4,000/s"
     # The prefill worker has 9,000 prompt tokens queued, the decoder 5,000: 9 s against
-    # 5 s, more than the 50 % margin slower.
+    # 5 s, more than half the prompt's own prefill (10 ms) later.
     local = _decisions("local_faster")
     await _report(
         (decoder, rate | {"queued_prompt_tokens": 5000}), (prefill, rate | {"queued_prompt_tokens": 9000})
@@ -156,9 +156,10 @@ async def test_hand_off_unless_expected_much_slower_than_a_local_prefill(
     behind = await sched.route(list(range(40, 60)))
     assert not behind.HasField("kv_source")
     assert _decisions("local_faster") == local + 1
-    # 7,000 queued there: within the margin, handed off.
+    # 5,010 queued there (the decoder has 5,000 and the 20 it took): within half this
+    # prompt's own 20 ms prefill, handed off.
     await _report(
-        (prefill, rate | {"queued_prompt_tokens": 7000}),
+        (prefill, rate | {"queued_prompt_tokens": 5010}),
     )
     close = await sched.route(list(range(70, 90)))
     assert close.kv_source.worker_id == "p1"
@@ -220,8 +221,8 @@ async def test_a_route_counts_in_its_workers_queue_until_the_worker_lists_it(
 ) -> None:
     """Heartbeats come between the routes, but the prefill worker lists none of the
     hand-offs yet (still on their way to it): each still counts in its queue, so the
-    fourth prompt stays on the decoder (80 ms there against 50 ms here, beyond the 50 %
-    margin). Once it lists them its own report counts them (here: all done), and prompts
+    fourth prompt stays on the decoder (80 ms there against 60 ms here, more than half its
+    own 20 ms prefill later). Once it lists them its own report counts them (here: all done), and prompts
     go to it again."""
     sched = await start_scheduler(
         pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
@@ -229,7 +230,7 @@ async def test_a_route_counts_in_its_workers_queue_until_the_worker_lists_it(
     decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
     prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
     rate = {"prefill_tokens_per_s": 1000.0}
-    await _report((decoder, rate | {"queued_prompt_tokens": 30}), (prefill, rate))
+    await _report((decoder, rate | {"queued_prompt_tokens": 40}), (prefill, rate))
     routes = []
     for i in range(4):
         routes.append(await sched.route(list(range(200 * i, 200 * i + 20))))
