@@ -181,7 +181,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self._prefilling.add(tid)
         try:
             out = await self._run_prefill(request)
-            manifest: ExportManifest = await self.engine.call(lambda engine: engine.kv.manifest(tid))
+            manifest: ExportManifest = self.engine.engine.kv.manifest(tid)  # no step's wait
         except BaseException:
             self._leases.pop(tid, None)
             self._spawn(self.engine.call(lambda engine: engine.kv.release(tid)))
@@ -240,7 +240,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         if per < 1:
             raise InvalidArgument("blocks_per_chunk must be >= 1", param="blocks_per_chunk")
         try:
-            manifest: ExportManifest = await self.engine.call(lambda engine: engine.kv.begin_export(tid))
+            manifest: ExportManifest = self.engine.engine.kv.begin_export(tid)  # no step's wait
         except KeyError:
             raise NotFound(
                 f"transfer {tid!r} is not held here (released or expired)", param="transfer_id"

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 
 from meshserve.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
 from tests.worker_svc.worker_kit import generate_one, settled_load, worker_process
+from worker_svc.kv_connector import PrefillJob, TransferSource
 from worker_svc.kv_grpc import GrpcKvConnector
 from worker_svc.main import WorkerProcess
 
@@ -100,6 +101,33 @@ def test_pd_hand_off_equals_local_prefill(model_dir: Path) -> None:
             assert not p.engine.engine.kv.held, "pull-complete released the transfer"  # type: ignore[union-attr]
             await _idle(p)
             await _idle(d)
+
+    asyncio.run(main())
+
+
+def test_a_held_transfer_is_read_while_the_prefill_engine_is_busy(model_dir: Path) -> None:
+    """A pull of a held transfer starts and ends while the prefill worker's engine thread
+    is busy for 3 s (a long step): reading held blocks waits for no step boundary."""
+
+    async def main() -> None:
+        async with worker(model_dir, "prefill") as p:
+            engine = p.engine
+            assert engine is not None
+            address = f"127.0.0.1:{p.server.port}"
+            published = await GrpcKvConnector().publish(
+                TransferSource("prefill", address, "t-busy"), PrefillJob("", tuple(PROMPT))
+            )
+            busy = asyncio.ensure_future(engine.call(lambda e: time.sleep(3.0)))
+            await asyncio.sleep(0.2)  # the engine thread is now inside the 3 s call
+            started = time.monotonic()
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+                pull = kv_transfer_pb2.PullRequest(transfer_id="t-busy", blocks_per_chunk=4)
+                blocks = [b.index async for chunk in stub.Pull(pull) for b in chunk.blocks]
+            assert time.monotonic() - started < 1.5 and not busy.done()
+            assert blocks == list(range(len(published.block_hashes))) == list(range(11))
+            await busy
+            await _idle(p)
 
     asyncio.run(main())
 

@@ -14,11 +14,16 @@ checksums and hashes (``kv_transfer``), then places each block under its hash (i
 reserved block, or one cached meanwhile) so the decode request's normal prefix lookup
 finds it; `release_import` unpins them once the request holds them itself (or never came).
 
-Everything here runs on the engine thread, except `read_blocks` (pinned blocks only).
+Everything here runs on the engine thread, except `manifest`, `begin_export` and
+`read_blocks`, which the prefill worker's servicer calls from its own threads: the
+manifest is made when the transfer is held, and a reader is counted under a lock, so an
+answer and a pull never wait for the engine's step in progress (docs/design-decisions.md,
+"P/D deadlines from estimates"). Blocks are freed on the engine thread alone.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +59,7 @@ class ExportManifest:
 @dataclass
 class _Held:
     request: Request
+    manifest: ExportManifest
     expires_at: float
     readers: int = 0
     released: bool = False
@@ -92,6 +98,7 @@ class KvHandoff:
         self.ttl_s = ttl_s
         self.clock = clock
         self.held: dict[str, _Held] = {}
+        self._held_lock = threading.Lock()  # readers and releases of `held`, across threads
         self.imports: dict[str, _Import] = {}
         # Prompt tokens per second of recent imports, pull included (fed by the worker's
         # importer, which times the pull): a decoder reports it for P/D's estimates.
@@ -101,26 +108,37 @@ class KvHandoff:
     def hold(self, request: Request) -> None:
         """Keep a finished prefill-only request's blocks for its transfer."""
         assert request.transfer_id is not None
-        self.held[request.transfer_id] = _Held(request, self.clock() + self.ttl_s)
+        manifest = self._make_manifest(request)
+        with self._held_lock:
+            self.held[request.transfer_id] = _Held(request, manifest, self.clock() + self.ttl_s)
 
     def begin_export(self, transfer_id: str) -> ExportManifest:
-        """Start reading a held transfer (one more reader); KeyError when it is unknown."""
-        manifest = self.manifest(transfer_id)
-        self.held[transfer_id].readers += 1
-        return manifest
+        """Start reading a held transfer (one more reader); KeyError when it is unknown.
+        Any thread."""
+        with self._held_lock:
+            held = self._live(transfer_id)
+            held.readers += 1
+            return held.manifest
 
     def manifest(self, transfer_id: str) -> ExportManifest:
-        """What a held transfer offers; KeyError when it is unknown or released."""
+        """What a held transfer offers; KeyError when it is unknown or released. Any thread."""
+        with self._held_lock:
+            return self._live(transfer_id).manifest
+
+    def _live(self, transfer_id: str) -> _Held:
         held = self.held.get(transfer_id)
         if held is None or held.released:
             raise KeyError(transfer_id)
-        request = held.request
+        return held
+
+    def _make_manifest(self, request: Request) -> ExportManifest:
+        assert request.transfer_id is not None
         bs = self.block_manager.block_size
         # The blocks a decode request of this prompt can hit (its last token is never a hit).
         count = (request.num_prompt_tokens - 1) // bs
         hashes = self.block_manager.ensure_hashes(request, count)[:count]
         return ExportManifest(
-            transfer_id,
+            request.transfer_id,
             tuple(request.block_table[:count]),
             tuple(hashes),
             request.num_prompt_tokens,
@@ -137,29 +155,31 @@ class KvHandoff:
 
     def end_export(self, transfer_id: str, complete: bool) -> None:
         """A reader ended; a complete pull releases the transfer (pull-complete)."""
-        held = self.held.get(transfer_id)
-        if held is None:
-            return
-        held.readers = max(0, held.readers - 1)
-        if complete:
-            held.released = True
-        if held.released and held.readers == 0:
-            self._free(transfer_id)
+        with self._held_lock:
+            held = self.held.get(transfer_id)
+            if held is None:
+                return
+            held.readers = max(0, held.readers - 1)
+            if complete:
+                held.released = True
+            if held.released and held.readers == 0:
+                self._free(transfer_id)
 
     def release(self, transfer_id: str) -> bool:
         """Release a held transfer now, or when its last reader ends; False when unknown."""
-        held = self.held.get(transfer_id)
-        if held is None:
-            return False
-        held.released = True
-        if held.readers == 0:
-            self._free(transfer_id)
-        return True
+        with self._held_lock:
+            held = self.held.get(transfer_id)
+            if held is None:
+                return False
+            held.released = True
+            if held.readers == 0:
+                self._free(transfer_id)
+            return True
 
     def expire(self) -> int:
         """Release transfers held past their TTL; returns how many."""
         now = self.clock()
-        due = [tid for tid, held in self.held.items() if held.expires_at <= now and not held.released]
+        due = [tid for tid, held in list(self.held.items()) if held.expires_at <= now and not held.released]
         for transfer_id in due:
             self.release(transfer_id)
         return len(due)
