@@ -1,0 +1,95 @@
+"""Decoders sharing KV under a fault: real processes (gateway, tokenizer, scheduler, two
+decoders sharing prefixes, Redis), the official `openai` client. decoder-0 holds a long
+prefix; 16 concurrent prompts that extend it run on both decoders, decoder-1 pulling the
+prefix from decoder-0 (KvTransfer); decoder-0 is killed (-9) once a pull has landed.
+Every request answers with the in-process engine's greedy tokens (the pulls left fall
+back to a local prefill, decoder-0's streams migrate), and no KV block stays in use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from launcher.mesh import Mesh, free_ports_config
+from services.ports import free_port
+from services.redis_client import RedisServer
+from tests.e2e.test_pd_mesh import MAX_TOKENS, complete, expected, reference, text  # noqa: F401
+from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
+
+WORKERS = ["decoder-0", "decoder-1"]
+SHARE_MIN = 24  # the scheduler's kv_share_min_tokens
+
+
+@pytest.fixture(scope="module")
+def shared(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedMesh]:
+    config = free_ports_config(
+        model_dir=str(model_dir),
+        num_decoders=2,
+        embedding_model_dir="",
+        redis_url=redis_server.url,
+        log_dir=str(tmp_path_factory.mktemp("kv-share-mesh-logs")),
+        kv_cache_memory_mb=16,
+        metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
+        extra_env=(
+            ("MESHSERVE_KV_SHARE_MIN_TOKENS", str(SHARE_MIN)),
+            ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", "32"),
+        ),
+    )
+    mesh = SharedMesh(Mesh(config).start(timeout=180))
+    try:
+        wait_gateway_healthy(mesh.gateway_url, 60)
+        for name in WORKERS:
+            mesh.wait_registered(name)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill9_of_a_decoder_others_pull_from_fails_no_request(
+    shared: SharedMesh,
+    reference: object,  # noqa: F811 - the P/D tests' in-process engine fixture
+    model_dir: Path,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    client = openai.OpenAI(base_url=shared.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    prefix = text(1, 70)
+    prompts = [f"{prefix} {text(20 + i, 6)}" for i in range(24)]
+    wanted = {
+        p: tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)  # type: ignore[arg-type]
+        for p in prompts
+    }
+    assert complete(client, model, prefix)[0]  # one decoder now holds the prefix
+
+    def pulled() -> dict[str, float]:
+        return {
+            name: shared.metric(name, "meshserve_worker_kv_transfers_total", outcome="imported")
+            for name in WORKERS
+        }
+
+    before = pulled()
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(lambda p=p: complete(client, model, p)[0]) for p in prompts]
+        deadline = time.monotonic() + 120
+        while (now := pulled()) == before:
+            assert time.monotonic() < deadline, "no decoder pulled the shared prefix"
+            time.sleep(0.05)
+        puller = next(name for name in WORKERS if now[name] > before[name])
+        holder = next(name for name in WORKERS if name != puller)
+        shared.kill(holder)
+        answers = [f.result() for f in futures]
+    assert answers == [wanted[p] for p in prompts]
+    shared.wait_kv_idle(timeout=30, names=[puller])
+    shared.restart(holder)
+    shared.wait_registered(holder)
+    shared.wait_kv_idle(timeout=30, names=WORKERS)
