@@ -1,12 +1,14 @@
 """Decoders sharing KV under a fault: real processes (gateway, tokenizer, scheduler, two
 decoders sharing prefixes, Redis), the official `openai` client. decoder-0 holds a long
-prefix; 16 concurrent prompts that extend it run on both decoders, decoder-1 pulling the
-prefix from decoder-0 (KvTransfer); decoder-0 is killed (-9) once a pull has landed.
-Every request answers with the in-process engine's greedy tokens (the pulls left fall
-back to a local prefill, decoder-0's streams migrate), and no KV block stays in use."""
+prefix and is stopped (SIGSTOP); 16 concurrent prompts that extend it are routed, the
+other decoder pulling the prefix from the holder (KvTransfer); 0.7 s later the holder is
+killed (-9) with those pulls in flight. Every request answers with the in-process
+engine's greedy tokens (those pulls fall back to a local prefill, the holder's streams
+migrate), and no KV block stays in use."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,25 +71,32 @@ def test_kill9_of_a_decoder_others_pull_from_fails_no_request(
         p: tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)  # type: ignore[arg-type]
         for p in prompts
     }
-    assert complete(client, model, prefix)[0]  # one decoder now holds the prefix
 
-    def pulled() -> dict[str, float]:
-        return {
-            name: shared.metric(name, "meshserve_worker_kv_transfers_total", outcome="imported")
-            for name in WORKERS
-        }
+    def finished() -> dict[str, float]:
+        return {name: shared.metric(name, "meshserve_worker_num_finished") for name in WORKERS}
 
-    before = pulled()
+    def fallbacks(name: str) -> float:
+        return shared.metric(name, "meshserve_worker_kv_transfers_total", outcome="fallback")
+
+    before = finished()
+    assert complete(client, model, prefix)[0]
+    deadline = time.monotonic() + 30
+    while (now := finished()) == before:
+        assert time.monotonic() < deadline, "no decoder reported the prefix request finished"
+        time.sleep(0.1)
+    holder = next(name for name in WORKERS if now[name] > before[name])
+    puller = next(name for name in WORKERS if name != holder)
+    fell_back = fallbacks(puller)
+    # Stopped before the load, so that the pulls from it are in flight at the kill (a tiny
+    # model's pull is over in milliseconds), for less than the scheduler takes to see its
+    # heartbeats stop.
+    shared.kill(holder, signal.SIGSTOP)
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(lambda p=p: complete(client, model, p)[0]) for p in prompts]
-        deadline = time.monotonic() + 120
-        while (now := pulled()) == before:
-            assert time.monotonic() < deadline, "no decoder pulled the shared prefix"
-            time.sleep(0.05)
-        puller = next(name for name in WORKERS if now[name] > before[name])
-        holder = next(name for name in WORKERS if name != puller)
+        time.sleep(0.7)
         shared.kill(holder)
         answers = [f.result() for f in futures]
+    assert fallbacks(puller) > fell_back, "no pull was in flight when the holder died"
     assert answers == [wanted[p] for p in prompts]
     shared.wait_kv_idle(timeout=30, names=[puller])
     shared.restart(holder)
