@@ -134,14 +134,20 @@ async def _report(*workers_and_loads: tuple[Any, dict[str, float]]) -> None:
         await worker.wait_beats(2)
 
 
-async def test_hand_off_unless_expected_much_slower_than_a_local_prefill(
-    start_scheduler: Any, start_worker: Any
-) -> None:
+async def _measured_pd_mesh(start_scheduler: Any, start_worker: Any) -> tuple[RunningScheduler, Any, Any]:
+    """A decoder and a prefill worker heartbeating every 100 ms (their reports set by the test)."""
     sched = await start_scheduler(
         pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
     )
     decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
     prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    return sched, decoder, prefill
+
+
+async def test_hand_off_unless_expected_much_slower_than_a_local_prefill(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker)
     rate = {"prefill_tokens_per_s": 1000.0}
     await _report((decoder, rate | {"kv_import_tokens_per_s": 4000.0}), (prefill, rate))
     idle = await sched.route(LONG)
@@ -222,13 +228,9 @@ async def test_a_route_counts_in_its_workers_queue_until_the_worker_lists_it(
     """Heartbeats come between the routes, but the prefill worker lists none of the
     hand-offs yet (still on their way to it): each still counts in its queue, so the
     fourth prompt stays on the decoder (80 ms there against 60 ms here, more than half its
-    own 20 ms prefill later). Once it lists them its own report counts them (here: all done), and prompts
-    go to it again."""
-    sched = await start_scheduler(
-        pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
-    )
-    decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
-    prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
+    own 20 ms prefill later). Once it lists them its own report counts them (here: all
+    done), and prompts go to it again."""
+    sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker)
     rate = {"prefill_tokens_per_s": 1000.0}
     await _report((decoder, rate | {"queued_prompt_tokens": 40}), (prefill, rate))
     routes = []
