@@ -178,21 +178,21 @@ class KvImporter:
         deadlines from estimates")."""
         loop = asyncio.get_running_loop()
         hard_stop = loop.time() + self.timeout_s
+        timer: list[asyncio.TimerHandle] = []  # the pending check
         async with asyncio.timeout(None) as timeout:
 
             def check() -> None:
-                nonlocal handle
                 now = loop.time()
                 if now >= hard_stop or expected_s <= 0.0 or self._local_s(prompt_tokens) < expected_s:
                     timeout.reschedule(now)
                 else:
-                    handle = loop.call_at(min(hard_stop, now + max(expected_s, 0.5)), check)
+                    timer[0] = loop.call_at(min(hard_stop, now + max(expected_s, 0.5)), check)
 
-            handle = loop.call_later(deadline(expected_s, self.timeout_s), check)
+            timer.append(loop.call_later(deadline(expected_s, self.timeout_s), check))
             try:
                 yield
             finally:
-                handle.cancel()
+                timer[0].cancel()
 
     def _local_s(self, prompt_tokens: int) -> float:
         """Seconds this decoder expects to take to prefill a prompt of ``prompt_tokens``
