@@ -517,6 +517,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     chat = to_chat(body, items, first_new, ctx.config.max_n)
     response_id = _new_item_id("resp")
     builder = ResponseBuilder(body, response_id, "")
+    if body.background:
+        return await _launch(request, body, chat, items, builder)
 
     async def on_done(final: dict[str, Any]) -> None:
         if body.store:
@@ -532,8 +534,6 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         builder.model = streamer.model
         return ResponsesStreamer(builder, on_done).stream(chunks, streamer)
 
-    if body.background:
-        return await _launch(request, body, chat, items, builder)
     return await run_chat(request, chat, response_id, ROUTE, _NAMES, collect, stream)
 
 
