@@ -4,8 +4,9 @@ The decoder is chosen first, as for any request (prefix + load). Then a prompt w
 tokens not cached on that decoder reach ``pd_min_prompt_tokens`` is handed off (the
 ``threshold`` decision: llm-d's P/D decider), by default unless the hand-off is expected
 to give it its KV later than a prefill on the decoder would, by more than
-``pd_handoff_margin`` times the prompt's own prefill there (the ``estimate`` decision: Dynamo's disaggregated router weighs the prefill queue too;
-this weighs both sides' queues and measured rates). A tie goes to the prefill worker: a
+``pd_handoff_margin`` times the prompt's own prefill there (the ``estimate`` decision:
+Dynamo's disaggregated router weighs the prefill queue too; this weighs both sides'
+queues and measured rates). A tie goes to the prefill worker: a
 long prefill on the decoder stalls every stream it decodes, and leaves the prefill
 worker's cores idle (docs/design-decisions.md, "P/D: hand off unless it is slower").
 Each side's time is its queued prompt tokens (its last heartbeat, plus what this

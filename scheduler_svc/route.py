@@ -185,9 +185,11 @@ class Router:
             decision.matched_blocks, len(request.prompt_token_ids), block_size
         )
         active = self.scheduler.leases.issue(lease, request.request_id, predicted)
-        source = self._pair_prefill(request, active, predicted, mm_items) or self._pair_holder(
-            request, routing, active, decision, mm_items
-        )
+        source = None
+        if self._kv_may_move(request, mm_items):
+            source = self._pair_prefill(request, active, predicted) or self._pair_holder(
+                request, routing, active, decision
+            )
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
         if source is None:
@@ -210,13 +212,10 @@ class Router:
         request: common_pb2.GenerateRequest,
         decode: LeaseRecord,
         predicted: int,
-        mm_items: list[common_pb2.MultiModalItem],
     ) -> tuple[LeaseRecord, float, int] | None:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
         decode lease so that it ends with it, the hand-off's expected seconds, and 0 (the
         whole prompt); None when the decoder prefills itself."""
-        if not self._kv_may_move(request, mm_items):
-            return None
         uncached = len(request.prompt_token_ids) - predicted
         handoff: Handoff | None = self.pd.decide(self.scheduler.registry, decode.lease.worker, uncached)
         if handoff is None:
@@ -232,12 +231,9 @@ class Router:
         routing: RoutingRequest,
         decode: LeaseRecord,
         decision: Decision,
-        mm_items: list[common_pb2.MultiModalItem],
     ) -> tuple[LeaseRecord, float, int] | None:
         """Decoders sharing KV (`kv_share.py`): a lease on the decoder holding more of the
         prompt's prefix, the expected seconds, and the prompt tokens it publishes."""
-        if not self._kv_may_move(request, mm_items):
-            return None
         decoder = decode.lease.worker
         share = self.share.decide(
             self.scheduler.registry,
