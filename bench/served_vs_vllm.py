@@ -60,10 +60,11 @@ def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> 
     return [Server("vllm", vllm_cmd, 8011, vllm_env), mesh_server(name, model_dir, log_dir)]
 
 
-def mesh_server(name: str, model_dir: str, log_dir: Path) -> Server:
-    """The mesh as `make serve` starts it (its defaults), serving `model_dir` as `name`."""
+def mesh_server(name: str, model_dir: str, log_dir: Path, extra: Sequence[str] = ()) -> Server:
+    """The mesh as `make serve` starts it (its defaults, and `extra` launcher flags), serving
+    `model_dir` as `name`."""
     mesh_cmd = [sys.executable, "-m", "launcher", "up", "--model-dir", model_dir]
-    mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir)]
+    mesh_cmd += ["--served-model-name", name, "--log-dir", str(log_dir), *extra]
     return Server("meshserve", mesh_cmd, DEFAULT_PORTS["gateway"], {})
 
 

@@ -8,7 +8,8 @@ Secret values, securityContext and resources), polls startup/readiness/liveness 
 every pod is Ready (a dead or unlive container is restarted, as with restartPolicy Always),
 sends a streamed chat completion and an embedding through the gateway, kills the decoder
 serving a stream and checks that the stream completes and the decoder is Ready again.
-Before the pods, `make serve`'s mesh runs on the same host: each decoder container's engine
+Before the pods, `make serve`'s mesh runs on the same host, with as many decoders as the
+chart's values deploy: each decoder container's engine
 must be the one `make serve` gets (deploy/served.py: dtype, attention, compiled, native
 kernels), and `vllm bench serve` through the gateway container must reach
 MIN_THROUGHPUT_RATIO of `make serve`'s output tok/s at every concurrency.
@@ -475,7 +476,10 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     }
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     print("make serve on this host, for comparison", flush=True)
-    result["make_serve"] = served.make_serve(args.model_dir, args.vllm, concurrencies, args.min_prompts)
+    decoders = sum(1 for plan in plans if plan.component == "decoder")
+    result["make_serve"] = served.make_serve(
+        args.model_dir, args.vllm, concurrencies, args.min_prompts, decoders
+    )
     loop: asyncio.Task[None] | None = None
     try:
         kubelet.start()

@@ -63,12 +63,18 @@ def throughput(
     return {f"c={c}": result for c, result in runs.items()}
 
 
-def make_serve(model_dir: Path, vllm: str, concurrencies: Sequence[int], min_prompts: int) -> dict[str, Any]:
-    """`make serve`'s mesh on this host (the launcher, its defaults): its decoder's engine
-    configuration and its throughput, the mesh stopped afterwards."""
+def make_serve(
+    model_dir: Path, vllm: str, concurrencies: Sequence[int], min_prompts: int, decoders: int
+) -> dict[str, Any]:
+    """`make serve`'s mesh on this host (the launcher, its defaults) with as many decoders as
+    the deployment runs: its decoder's engine configuration and its throughput, the mesh
+    stopped afterwards. The same number of decoders, because what the ratio is for is what
+    the containers cost; one decoder with the host's cores against two of one core each
+    measures the topology instead (docs/design-decisions.md, "Images carry a C/C++ toolchain")."""
     name = model_dir.name
+    extra = ["--num-decoders", str(decoders)] if decoders != 1 else []
     with tempfile.TemporaryDirectory() as logs:
-        server = mesh_server(name, str(model_dir), Path(logs))
+        server = mesh_server(name, str(model_dir), Path(logs), extra)
         with serving(server) as up_s:
             engine = engine_config((Path(logs) / "decoder-0.log").read_text())
             url = f"http://127.0.0.1:{server.port}"
