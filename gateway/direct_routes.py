@@ -1,10 +1,9 @@
 """The generation endpoints served straight from the gateway middleware, past
 FastAPI's router, dependency solving and response wrapping.
 
-Why: at concurrency 1 those layers cost 0.2-0.35 ms of a streamed request's time to
-first token on a 2-core host (docs/design-decisions.md, "Generation endpoints served
-past FastAPI's router"), and every chunk
-of every stream went through three more `send` wrappers. Only well-formed requests are
+Why: those layers are on a streamed request's time to first token, and every chunk of
+every stream went through three more `send` wrappers (docs/design-decisions.md,
+"Generation endpoints served past FastAPI's router"). Only well-formed requests are
 taken here: POST with a JSON content type and a body that parses to an object and
 validates against the endpoint's request model, exactly the requests for which FastAPI
 would call the endpoint. Anything else (a malformed body, a wrong content type) goes on

@@ -408,7 +408,7 @@ class Upstream:
     async def _decoder_count(self) -> int:
         """Healthy, non-draining decoder workers (-1 when no scheduler can answer). Their
         models' tokenizers start loading now (no wait), so that a first request after the
-        mesh reports ready rarely fetches one (~150 ms of its TTFT)."""
+        mesh reports ready rarely waits for one."""
         try:
             reply, _ = await self.on_scheduler(
                 lambda stub: stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=HEALTH_TIMEOUT_S)

@@ -155,8 +155,8 @@ class IncrementalDetokenizer:
         best = 0
         for stop in self._stops:
             # Only positions holding the stop's first character can start such a tail;
-            # str.find skips the rest in C (testing every tail length costs ~10 µs/token
-            # with a few long stops). The first hit is the longest tail for this stop.
+            # str.find skips the rest in C, where testing every tail length would be a Python
+            # loop per token and stop. The first hit is the longest tail for this stop.
             start = text.find(stop[0], max(lowest, end - len(stop)))
             while start >= 0:
                 if stop.startswith(text[start:]):

@@ -3,9 +3,8 @@
 Why: every message through a service allocates short-lived objects (protobufs, dicts,
 coroutines), and CPython's generational collector then walks the whole heap on each
 full collection -- the loaded model, the tokenizer, the imported modules, the prefix
-index. Measured with py-spy (docs/design-decisions.md, "Garbage collector frozen after
-start-up"), collection was 15 %
-of the scheduler's busy time at 100 routes/s. Once start-up is over, the objects alive
+index, a large share of a busy service's time (docs/design-decisions.md, "Garbage
+collector frozen after start-up"). Once start-up is over, the objects alive
 then (modules, model, tokenizer) live as long as the process: `gc.freeze()` moves them
 out of the collector's reach, and a larger first-generation threshold makes young
 collections rarer without letting garbage cycles pile up (each still runs after

@@ -4,14 +4,14 @@ The engine calls `KvEventPublisher.publish(events)` from its engine thread once 
 `publish` only updates an in-memory mirror of the worker's block set and queues the
 events; a background thread writes them, so an engine step never waits on Redis.
 
-The writer gathers events for `flush_interval_s` (by default the worker's
-`kv_events_flush_ms`, 100 ms) after the first one of a batch and writes them in one
+The writer gathers events for `flush_interval_s` (the worker's `kv_events_flush_ms`)
+after the first one of a batch and writes them in one
 transaction, adjacent events of one kind as one stream entry. Why: one transaction per
 engine step cost the worker a Redis round trip of Python
 work (interpreter lock included) right after the step that produced a request's first
 token, i.e. while that token was on its way to the gateway, and cost the scheduler one
-stream entry to parse per step. The scheduler reads the stream at most every 100 ms
-(`services.kv_contract.SUBSCRIBER_POLL_INTERVAL_MS`) and counts its own recent decisions
+stream entry to parse per step. The scheduler reads the stream at most every
+`services.kv_contract.SUBSCRIBER_POLL_INTERVAL_MS` and counts its own recent decisions
 as cached meanwhile, so gathering as long does not change routing (docs/design-decisions.md,
 "KV events gathered 100 ms").
 

@@ -225,7 +225,8 @@ async def main(argv: Sequence[str]) -> None:
     config = load_config(WorkerConfig, argv, prog="worker_svc")
     setup_logging(f"worker:{config.role}", config.log_level)
     # Auto: what this process may use (its affinity, its cgroup's CPU quota), not the host's
-    # core count torch would take (docs/design-decisions.md, "Engines on one machine ...").
+    # core count torch would take (docs/design-decisions.md, "Engines on one machine get
+    # disjoint cores").
     torch.set_num_threads(config.num_threads or usable_threads())
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         # Inductor sizes its pool of compile workers from the affinity alone; under a CPU

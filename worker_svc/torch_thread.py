@@ -6,9 +6,9 @@ Why one: libgomp keeps an OpenMP thread pool for every thread that ran a paralle
 for as long as that thread lives. With pools on two live threads (a model built on one
 executor thread and run on another, or forwards spread over a pool of threads) libgomp
 manages more threads than there are CPUs and cuts every barrier's spin to ~100
-iterations: the forwards sleep in a futex and are woken at almost every op (the decoder's
-engine ran 20-27 % slower so; docs/design-decisions.md, "Torch work on one long-lived
-thread per process"). One thread also keeps two
+iterations: the forwards sleep in a futex and are woken at almost every op, which slows
+the decoder's engine (docs/design-decisions.md, "Torch work on one long-lived thread per
+process"). One thread also keeps two
 requests' forwards from splitting the cores between them.
 """
 

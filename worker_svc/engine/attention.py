@@ -41,8 +41,8 @@ bf16 with the rounding of torch's CPU flash kernel: bit-identical to SDPA where 
 ``torch`` (fallback) — one gather + one padded SDPA call for all of them; ``sdpa`` —
 one SDPA call per sequence over exactly its own keys, no mask: the call transformers'
 sdpa attention makes at a decode step, so bf16 results are bit-identical to it on any
-CPU (padding and masks change the flash kernel's rounding), but at ~55 us per sequence
-and layer on the bench model (the native kernel: ~11 us);
+CPU (padding and masks change the flash kernel's rounding), but several times slower
+than the native kernel (one call per sequence and layer);
 ``triton`` (CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
 explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
 """

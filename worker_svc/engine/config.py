@@ -197,8 +197,9 @@ def resolved_thread_priority(config: EngineConfig) -> str:
     for each other at every barrier, while the processes that carry its tokens (the
     worker's event loop, the gateway, the client) wake for a fraction of a millisecond
     per step. At normal priority the kernel (EEVDF) often lets a woken one wait for the
-    next tick, up to 4 ms, behind a forward thread; at SCHED_IDLE it preempts the forward
-    at once (docs/design-decisions.md, "Engine threads at idle priority on CPU"). The price: the engine gets only what the other
+    next tick behind a forward thread; at SCHED_IDLE it preempts the forward at once
+    (docs/design-decisions.md, "Engine threads at idle priority on CPU"). The price: the
+    engine gets only what the other
     threads on its CPUs leave, so a CPU-bound neighbour on the same CPUs and in the same
     cgroup starves it -- give it CPUs of its own, or "normal". On CUDA the step thread
     launches kernels and must not wait behind anything: normal."""

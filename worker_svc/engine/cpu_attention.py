@@ -3,8 +3,9 @@ compiler and called through ctypes.
 
 Why not the torch path for decode: it gathers every sequence's blocks into a padded
 ``[B, max_len, Hkv, D]`` copy and runs one masked SDPA over it; on CPU that copy and the
-padded softmax were ~20-40 % of a c=32 step (py-spy). The kernel reads K/V in place
-through the block table, each sequence only up to its own length.
+padded softmax dominate a large batch's step (docs/design-decisions.md, "CPU decode
+attention on torch's OpenMP threads"). The kernel reads K/V in place through the block
+table, each sequence only up to its own length.
 
 bf16 plain causal layers are computed with the rounding of PyTorch's CPU flash kernel, so
 the result equals ``F.scaled_dot_product_attention`` over the sequence's keys bit for bit

@@ -1,9 +1,10 @@
 """Native CPU draw of one token per row (``csrc/sample_rows.c``), called through ctypes.
 
 It computes what :func:`worker_svc.engine.sampling._probs` + ``_inverse_cdf`` do with torch
-ops, two passes over each row instead of about ten over the whole matrix: at 32 rows of a
-32k vocabulary the torch ops were ~45 % of a small model's decode step. Optional like the
-other native kernels: :func:`load` returns None without them and the sampler keeps torch.
+ops, two passes over each row instead of about ten over the whole matrix
+(docs/design-decisions.md, "The unseeded draw in a native kernel on CPU"). Optional like
+the other native kernels: :func:`load` returns None without them and the sampler keeps
+torch.
 """
 
 from __future__ import annotations

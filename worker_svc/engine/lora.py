@@ -7,7 +7,7 @@ side: ``A`` stacked as ``[max_loras * max_rank, in]``, ``B`` as ``[out, max_lora
 One forward serves a mixed batch with three ops per projection, however many adapters the
 step uses: ``h = x @ A.T`` for every slot at once, ``h *= mask`` (the step's per-row adapter
 index as a one-hot over the slots' columns, carrying each adapter's scaling; all zero on a
-base-model row), then ``y += h @ B.T``. On CPU a small matmul costs the same ~20 us whatever
+base-model row), then ``y += h @ B.T``. On CPU a small matmul costs about the same whatever
 its size, so a fixed op count beats two matmuls per adapter present
 (docs/design-decisions.md, "LoRA as one masked matmul pair").
 

@@ -424,13 +424,13 @@ class ModelRunner:
         frames = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         # Set for our calls only (graphs compile lazily, inside them), not process-wide.
-        # The patch objects are built once: building them per call was ~1 % of a decode step.
+        # The patch objects are built once, not per call: they are on every decode step's path.
         if self._inductor_patch is None:
             self._inductor_patch = inductor_config.patch(inductor_options(self.device.type, self.dtype))
             self._dynamo_patch = torch._dynamo.config.patch(_DYNAMO_OPTIONS)
         # Unbacked, a count of 1 is not specialized: the step of one token (batch-1 decode)
         # runs the graph every other step runs, and the worker compiles one graph, not two
-        # (docs/design-decisions.md, "The forward is compiled by default").
+        # (docs/design-decisions.md, "The forward is compiled by default on CPU, before ready").
         for name, dim in _UNBACKED_DIMS:
             if name in kwargs:
                 torch._dynamo.decorators.mark_unbacked(kwargs[name], dim)
@@ -491,7 +491,7 @@ def runtime_guards(entries: Sequence[Any]) -> list[bool]:
     batch size 1 vs many still selects the right graph). Dropped: guards on the model's
     modules, parameters, buffers and config, and on module globals. The runner never
     changes the model after loading (its weights are frozen into the graph anyway), so
-    those guards cannot fail; checking them was ~9 % of a batch-1 decode step (~150 us).
+    those guards cannot fail, and checking them is on every batch-1 decode step's path.
     """
     keep = []
     for entry in entries:
@@ -525,11 +525,11 @@ def eager_mean_reduction() -> None:
     (process-wide, once; only the engine compiles in a worker).
 
     RMSNorm's ``x.float().pow(2).mean(-1)`` summed in inductor's order differs from
-    eager's vectorized sum in the last fp32 bit for ~40 % of rows; after the bf16
-    rounding that follows, it rarely changes a value, but one of 16 bench requests left
-    bf16 ``generate`` at its 34th token through it. With ATen's kernel the compiled graph
-    sums like eager (that request then equals ``generate``; the other kernels were
-    already exact under :func:`inductor_options`).
+    eager's vectorized sum in the last fp32 bit for many rows; the bf16 rounding that
+    follows rarely hides it, so a greedy request can leave bf16 ``generate`` at a near-tie.
+    With ATen's kernel the compiled graph sums like eager (the other kernels are already
+    exact under :func:`inductor_options`; docs/design-decisions.md, "Compiled forward:
+    inductor options").
 
     Inductor's FX graph cache does not see this change (its key covers config, not the
     lowering table), so :func:`inductor_options` carries :class:`_MeanLoweringKey`: graphs
@@ -552,7 +552,7 @@ def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
     """Inductor settings of the compiled forward.
 
     On CPU, ``freezing`` folds the weights into the graph as constants so inductor can
-    prepack them for oneDNN (bench model: +40 % tok/s at batch 1, +6 % at 32).
+    prepack them for oneDNN.
 
     In bf16/fp16 the compiled graph must round like eager PyTorch, else greedy tokens leave
     transformers' ``generate`` at near-ties: ``emulate_precision_casts`` keeps every
@@ -564,13 +564,14 @@ def inductor_options(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
     eager ``F.linear`` bit for bit here (tests/worker_engine/test_bf16_parity.py).
 
     On CPU, ``cpp_wrapper`` generates the graph's calling code (the sequence of kernel and
-    extern-op calls) in C++ instead of Python: the same kernels, without ~2 us of Python
-    per call (bench model, batch-1 decode step: 1.43 -> 1.30 ms; +10 s compile).
+    extern-op calls) in C++ instead of Python: the same kernels, without Python's cost per
+    call, for a longer compile.
 
     On CPU, ``cpp.enable_concat_linear`` (a freezing pass) merges the linears that read the
     same input -- q/k/v, gate/up -- into one GEMM over concatenated weights: fewer, larger
-    oneDNN calls (batch-1 decode: tiny Llama -9 %, SmolLM2-135M -7 %; greedy tokens
-    unchanged, each output column keeps its own reduction).
+    oneDNN calls (greedy tokens unchanged: each output column keeps its own reduction).
+
+    What each option is worth: docs/design-decisions.md, "Compiled forward: inductor options".
     """
     cpu = device_type == "cpu"
     options: dict[str, Any] = {"freezing": cpu, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu}

@@ -229,7 +229,7 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if all(_plain_greedy(r) for r in rows):
             # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
-            # is ~4x faster than argmax on CPU for [32, 32000] bf16 logits.
+            # is the faster CPU kernel for bf16 logits.
             return SamplerOutput(token_ids=_first_argmax(logits).tolist(), logprobs=[None] * len(rows))
         if all(_plain_random(r) for r in rows):
             params = [r.sampling_params for r in rows]
@@ -346,8 +346,9 @@ def _draw_unseeded(
     logits: torch.Tensor, floors: list[float], scales: list[float] | None = None
 ) -> torch.Tensor:
     """Column per row by inverse CDF of softmax(logits * scales[row]), columns more than
-    ``floors[row]`` below the row's best weighing 0: the native kernel on CPU (same draw,
-    ~10x faster), else torch ops. ``scales`` None: the logits are already scaled."""
+    ``floors[row]`` below the row's best weighing 0: the native kernel on CPU (the same
+    draw; docs/design-decisions.md, "The unseeded draw in a native kernel on CPU"), else
+    torch ops. ``scales`` None: the logits are already scaled."""
     n = logits.shape[0]
     native = cpu_sampling.load() if logits.device.type == "cpu" else None
     if native is not None and logits.dtype in native.dtypes and logits.stride(1) == 1:
@@ -363,8 +364,9 @@ def _probs(
 ) -> torch.Tensor:
     """``softmax`` per row, computed as if every logit more than ``floors[row]`` (default
     ``PROB_FLOOR``) below its row's largest were that far below: at a low temperature most
-    of a row's logits are, and exp() of them yields float32 subnormals, ~10x slower on x86
-    (10-30 ms a step for 32 rows of a 49k vocabulary). Below ``PROB_FLOOR`` entries hold under
+    of a row's logits are, and exp() of them yields float32 subnormals, which x86 computes
+    slowly (docs/design-decisions.md, "Sampling without a full-vocabulary pass per row").
+    Below ``PROB_FLOOR`` entries hold under
     vocab * e**-80 (~1e-30) of a row's mass; with ``exact_zeros`` they are 0, so that a masked
     (-inf) token stays impossible (and min-p's floor, ``-log(min_p)``, is exact)."""
     below = PROB_FLOOR if floors is None else floors.unsqueeze(1)
@@ -376,9 +378,9 @@ def _probs(
 def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     """Column drawn per row from ``probs`` (rows need not sum to 1): one uniform per row
     against the row's running sum. Unseeded rows need only a correct draw, and the race's
-    one exponential per column is the slow part of a CPU step: ~20 ms for 32 rows of a 32k
-    vocabulary against ~1 ms here. Seeded rows keep the race: its draws depend on the seed
-    and the position only, never on the batch."""
+    one exponential per column is the slow part of a CPU step (docs/design-decisions.md,
+    "Sampling without a full-vocabulary pass per row"). Seeded rows keep the race: its
+    draws depend on the seed and the position only, never on the batch."""
     cdf = probs.float().cumsum(dim=-1)
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
