@@ -76,16 +76,18 @@ async def _closed_loop(
 
 async def _flood(
     url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, stop: asyncio.Event
-) -> list[Result]:
-    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (class batch)."""
-    results: list[Result] = []
+) -> list[tuple[float, Result]]:
+    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (class batch); each
+    finished request with the time it finished."""
+    results: list[tuple[float, Result]] = []
     async with _session(key) as session:
 
         async def worker(i: int) -> None:
             n = i
             while not stop.is_set():
                 prompt = prompts[n % len(prompts)]
-                results.append(await one_request(session, url, model, prompt, output_len, _tier("batch")))
+                result = await one_request(session, url, model, prompt, output_len, _tier("batch"))
+                results.append((time.perf_counter(), result))
                 n += c
 
         tasks = [asyncio.create_task(worker(i)) for i in range(c)]
@@ -107,14 +109,22 @@ async def _beside_flood(
     )
     await asyncio.sleep(args.settle_s)  # the flood fills the batch first
     prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=11 + seed)
+    began = time.perf_counter()
     if tier == "sheddable":
         figures = await _shed(url, model, prompts, args.output_len)
     else:
         results, seconds = await _closed_loop(url, "interactive", model, prompts, 2, args.output_len, tier)
         figures = {"interactive": summary(results, seconds)}
+    ended = time.perf_counter()
     stop.set()
     flooded = await flood
-    return {**figures, "flood_requests_done": len(flooded)}
+    meanwhile = sum(r.output_tokens for t, r in flooded if began <= t <= ended)
+    return {
+        **figures,
+        "flood_requests_done": len(flooded),
+        # The flood's requests finished while the interactive ones ran: its tokens/s then.
+        "flood_output_tok_s_meanwhile": meanwhile / (ended - began),
+    }
 
 
 async def _shed(url: str, model: str, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -160,7 +170,7 @@ async def _two_tenants(args: argparse.Namespace, url: str, model: str, vocab: in
     ]
     await asyncio.sleep(args.fair_s)
     stop.set()
-    a, b = [sum(r.output_tokens for r in await f) for f in floods]
+    a, b = [sum(r.output_tokens for _, r in await f) for f in floods]
     return {"tenant_a_tokens": a, "tenant_b_tokens": b, "tenant_a_share": a / max(1, a + b)}
 
 
@@ -195,6 +205,13 @@ async def _over_budget(args: argparse.Namespace, url: str, model: str, vocab: in
     return {**counts, "retry_after_s_max": max(retry_after, default=0)}
 
 
+def _engine_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The decoder settings the bench varies (none given: `make serve`'s defaults)."""
+    if args.priority_step_ratio is None:
+        return ()
+    return (("MESHSERVE_PRIORITY_STEP_RATIO", str(args.priority_step_ratio)),)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig
 
@@ -204,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir=args.model_dir,
         api_keys=",".join(KEYS),
         log_dir=tempfile.mkdtemp(prefix="meshserve-flow-bench-"),
-        extra_env=(("MESHSERVE_KEY_BUDGETS", f"capped={budget}/0"),),
+        extra_env=(("MESHSERVE_KEY_BUDGETS", f"capped={budget}/0"), *_engine_env(args)),
     )
     mesh = Mesh(config).start(timeout=900)
     try:
@@ -253,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=15.0, help="how long the capped tenant sends")
     p.add_argument("--capped-tokens-per-minute", type=int, default=600)
     p.add_argument("--phases", default=",".join(PHASES), help="which phases, in this order (alone first)")
+    p.add_argument(
+        "--priority-step-ratio", type=float, default=None, help="the decoder's (default: its own default)"
+    )
     p.add_argument("--out", default="bench/results/flow_bench.json")
     return p
 

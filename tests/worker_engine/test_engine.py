@@ -154,7 +154,7 @@ def test_a_higher_priority_prompt_prefills_in_a_step_of_its_own(make_engine: Fac
         ("peer", ps[4], 0),
     ]
     ref = run_all(make_engine(), [(rid, p, long) for rid, p, _ in reqs])
-    engine = make_engine()
+    engine = make_engine(priority_step_ratio=0)  # the step membership here is the floor's alone
     outs: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
 
     def step() -> set[str]:
@@ -177,6 +177,53 @@ def test_a_higher_priority_prompt_prefills_in_a_step_of_its_own(make_engine: Fac
         step()
     assert outs == {rid: tokens(out) for rid, out in ref.items()}
     assert engine.stats().num_priority_preemptions == 0
+
+
+def test_lower_priorities_take_a_capped_share_of_a_step_in_turn(make_engine: Factory) -> None:
+    """Beside a running request of higher priority, lower-priority rows and prompts take
+    only the tokens the step cost allows (a fixed 10 ms plus 1 ms a token, ratio 2: about
+    10 tokens beside the high row), those that sat out longest first: the high request
+    runs every step, no running low one sits out more than two steps in a row (the high
+    prompt's own step, then 16 rows sharing about 10 tokens), and every answer equals the
+    undisturbed engine's. With the ratio 0 nothing is capped."""
+    long = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ps = prompts(*([6] * 16), 9, 30, seed=31)
+    lows = [(f"low-{i}", p) for i, p in enumerate(ps[:16])]
+    ref = run_all(make_engine(), [*[(rid, p, long) for rid, p in lows], ("high", ps[16], long)])
+    ref |= run_all(make_engine(), [("late", ps[17], long)])
+    for ratio, cap in ((2.0, 11), (0.0, 512)):  # 512: the step's whole budget
+        engine = make_engine(priority_step_ratio=ratio)
+        engine.step_cost.line = lambda: (0.010, 0.001)  # type: ignore[method-assign]
+        outs: dict[str, list[int]] = {rid: [] for rid in ref}
+
+        for rid, p in lows:
+            engine.add_request(RequestSpec(rid, p, long, priority=0))
+        _step_tokens(engine, outs)
+        engine.add_request(RequestSpec("high", ps[16], long, priority=5))
+        assert set(_step_tokens(engine, outs)) == {"high"}  # its prompt in a step of its own class
+        engine.add_request(RequestSpec("late", ps[17], long, priority=0))
+        while "high" in engine.requests:
+            computed = _step_tokens(engine, outs)
+            low_tokens = sum(n for rid, n in computed.items() if rid != "high")
+            assert ("high" in computed or "high" not in engine.requests) and low_tokens <= cap
+            running_lows = [r for r in engine.scheduler.running if r.priority == 0]
+            assert all(engine.scheduler.num_steps - r.last_step <= (2 if ratio else 0) for r in running_lows)
+        while engine.has_unfinished():
+            _step_tokens(engine, outs)
+        assert outs == {rid: tokens(out) for rid, out in ref.items()}
+
+
+def _step_tokens(engine: LLMEngine, outs: dict[str, list[int]]) -> dict[str, int]:
+    """One step, its tokens added to ``outs``; the tokens each request computed in it."""
+    before = {rid: r.num_computed_tokens for rid, r in engine.requests.items()}
+    for out in engine.step():
+        outs[out.request_id] += out.new_token_ids
+    done = engine.scheduler.num_steps
+    return {
+        rid: r.num_computed_tokens - before[rid]
+        for rid, r in engine.requests.items()
+        if r.last_step == done and rid in before
+    }
 
 
 def test_equal_priority_and_displaced_twice_are_not_displaced(make_engine: Factory) -> None:

@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "compile_model": ("false", False),
     "cpu_affinity": ("0", "0"),
     "engine_priority": ("normal", "normal"),
+    "priority_step_ratio": ("3", 3.0),
     "generation_config": ("vllm", "vllm"),
     "cuda_graphs": ("false", False),
     "kv_transfer_ttl_s": ("5", 5.0),

@@ -81,6 +81,13 @@ class EngineConfig:
         "once; a CPU-bound neighbour on the same CPUs and cgroup starves them), normal, or auto "
         "(idle on CPU, normal on CUDA); see resolved_thread_priority",
     )
+    priority_step_ratio: float = opt(
+        2.0,
+        "while requests of more than one priority run, lower priorities' rows and prompt chunks "
+        "take only as many tokens as keep a step within this multiple of what the highest "
+        "priority's rows alone take (from the engine's measured step times): its requests' "
+        "tokens beside a flood of lower priority come at short steps; 0: no cap",
+    )
     generation_config: str = opt(
         "auto",
         "auto: a request's unset sampling fields take the model's generation_config.json defaults "
@@ -128,6 +135,8 @@ class EngineConfig:
             raise ValueError("compile_model must be a bool")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError("cuda_graphs must be a bool")
+        if self.priority_step_ratio != 0 and not self.priority_step_ratio > 1:
+            raise ValueError(f"priority_step_ratio must be 0 (no cap) or > 1, got {self.priority_step_ratio}")
         parse_cpu_list(self.cpu_affinity)
         if self.engine_priority not in THREAD_PRIORITIES:
             raise ValueError(

@@ -32,6 +32,7 @@ from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
+from worker_svc.engine.step_cost import StepCost
 from worker_svc.engine.structured import GrammarBackend, Prepared
 from worker_svc.engine.token_rate import TokenRate
 
@@ -117,8 +118,13 @@ class LLMEngine:
             on_kv_events,
             tier=self._kv_tier(),
         )
+        self.step_cost = StepCost()
         self.scheduler = StepScheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras,
+            lower_share=self._lower_share if config.priority_step_ratio else None,
         )
         self.sampler = Sampler(self.model_info.vocab_size, self.model_info.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -443,10 +449,22 @@ class LLMEngine:
                 # A decode row fills a block only at a block's last slot: else nothing to register.
                 if item.num_new_tokens > 1 or item.end % block_size == 0:
                     self.block_manager.mark_computed(item.request)
-            self._measure_prefill(sched.scheduled, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._measure_prefill(sched.scheduled, seconds)
+            self.step_cost.add(sched.num_tokens, seconds)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
+
+    def _lower_share(self, tokens: int) -> int | None:
+        """The most tokens lower priorities may add to a step in which the highest running
+        priority computes ``tokens``: the step then takes at most ``priority_step_ratio``
+        times what those alone would (StepScheduler; None until steps have been measured)."""
+        line = self.step_cost.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        return int((self.config.priority_step_ratio - 1.0) * (fixed + per_token * tokens) / per_token)
 
     def _measure_prefill(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step's prompt tokens (rows computing more than one token) into the prefill

@@ -112,6 +112,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    # The scheduler's step count when it last scheduled this request (lower priorities'
+    # capped share goes to those that sat out longest).
+    last_step: int = 0
     generator: torch.Generator | None = None
     # Prompt logprobs accumulate over prefill chunks; entry i scores prompt token i + 1.
     prompt_logprobs: list[TokenLogprob] | None = None

@@ -37,6 +37,14 @@ first token then costs a prefill of its own, not a prefill plus a whole batch of
 of the classes it outranks; they lose one step per such prompt (docs/design-decisions.md,
 "Priority displaces running requests"). Equal priorities never trigger it.
 
+The lower priorities' share of a step is capped while requests of more than one priority
+run (``lower_share``: the engine's measured step cost): the highest running priority's
+rows are scheduled first, then lower-priority rows -- those that sat out longest first,
+their prompts chunked to fit -- up to the tokens that keep the step within a multiple of
+what the highest priority's rows alone would take. A flood of lower priority then costs
+an interactive request a short step, not a full batch, at each of its tokens and before
+its first (docs/design-decisions.md, "Lower priorities' share of a step").
+
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
 blocked on: requests behind it (base model, or an adapter already running) go first.
@@ -48,6 +56,7 @@ drains, its slot frees, and the waiting adapter takes it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker_svc.engine.block_manager import BlockManager
@@ -99,9 +108,18 @@ class StepScheduler:
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int = 0,
+        lower_share: Callable[[int], int | None] | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # The most tokens lower priorities may take in a step whose highest running priority
+        # takes the given tokens (None: no cap; module docstring).
+        self.lower_share = lower_share
+        self.num_steps = 0
         # At most this many LoRA adapters among the running requests (the resident slots).
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -138,14 +156,45 @@ class StepScheduler:
         out = self._build(floor)
         if floor is not None and not out.scheduled and not out.preempted:
             out = self._build(None)  # the prompt could not start after all: no empty step
+        self.num_steps += 1
+        for item in out.scheduled:
+            item.request.last_step = self.num_steps
         return out
 
     def _build(self, floor: int | None) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens, floor)
+        top = self._capped_below() if floor is None else None
+        if top is None:
+            budget = share = self._schedule_running(
+                out, list(self.running), self.max_num_batched_tokens, floor
+            )
+        else:
+            budget, share = self._schedule_capped(out, top)
         if not out.preempted:
-            self._schedule_waiting(out, budget, floor)
+            self._schedule_waiting(out, budget, floor, top, share)
         return out
+
+    def _schedule_capped(self, out: SchedulerOutput, top: int) -> tuple[int, int]:
+        """Running requests of priority ``top`` first, then those below it within their
+        share, those that sat out longest first (module docstring); (the budget left, the
+        share of it left)."""
+        protected = [r for r in self.running if r.priority >= top]
+        budget = self._schedule_running(out, protected, self.max_num_batched_tokens, None)
+        assert self.lower_share is not None  # _capped_below checked it
+        cap = self.lower_share(self.max_num_batched_tokens - budget)
+        share = budget if cap is None else min(budget, max(1, cap))
+        lower = sorted((r for r in self.running if r.priority < top), key=lambda r: r.last_step)
+        left = self._schedule_running(out, lower, share, None)
+        return budget - (share - left), left
+
+    def _capped_below(self) -> int | None:
+        """The highest running priority when some running request has a lower one and a
+        share is set: requests below it take a capped share of the step (module
+        docstring); None: no cap this step."""
+        if self.lower_share is None or not self.running:
+            return None
+        top = max(r.priority for r in self.running)
+        return top if top > min(r.priority for r in self.running) else None
 
     def _priority_floor(self) -> int | None:
         """The priority below which requests sit this step out (module docstring): that of
@@ -182,9 +231,12 @@ class StepScheduler:
             <= self.block_manager.num_free_blocks() + held
         )
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, floor: int | None) -> int:
-        # Iterate over a snapshot: preemption removes requests from self.running.
-        for request in list(self.running):
+    def _schedule_running(
+        self, out: SchedulerOutput, requests: list[Request], budget: int, floor: int | None
+    ) -> int:
+        """Schedules running ``requests`` in order within ``budget``; what is left of it."""
+        # ``requests`` is a snapshot: preemption removes requests from self.running.
+        for request in requests:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
@@ -261,7 +313,11 @@ class StepScheduler:
             return ""
         return min(counts, key=lambda name: (counts[name], name))
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, floor: int | None) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, floor: int | None, top: int | None, share: int
+    ) -> None:
+        """Admits waiting requests within ``budget``; those below priority ``top`` (a capped
+        step) within ``share`` of it too, their prompts chunked to fit."""
         bm = self.block_manager
         adapters = {r.lora_name for r in self.running if r.lora_name}
         draining = self._draining_adapter() if self.max_loras else ""
@@ -279,11 +335,15 @@ class StepScheduler:
                     break
                 budget += refund
                 continue
+            capped = top is not None and request.priority < top
+            room = min(budget, share) if capped else budget
+            if room <= 0:
+                break
             cached = bm.num_cached_prefix_tokens(request)
             needed = request.num_tokens - cached
-            if budget < needed <= self.max_num_batched_tokens - len(self.running):
+            if not capped and budget < needed <= self.max_num_batched_tokens - len(self.running):
                 break  # fits whole in a later step: not split (module docstring)
-            num_new = min(needed, budget)
+            num_new = min(needed, room)
             # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
             if not bm.allocate(request, num_new):
                 refund = self._displace(request, out, bm.num_blocks_needed(request, num_new))
@@ -298,3 +358,4 @@ class StepScheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+            share -= num_new if capped else 0
