@@ -6,7 +6,8 @@ too, so that a mesh from before classes (``--phases`` of the first three) runs t
 load. Phases, each its own figures:
 
 - ``alone``: the interactive tenant at c=2 (class ``interactive``);
-- ``beside_flood``: the same beside a batch tenant flooding at c=64 (class ``batch``);
+- ``beside_flood``: the same beside a batch tenant flooding at c=64 (class ``batch``),
+  and the flood's output tokens/s meanwhile (what priority costs it);
 - ``beside_flood_same_priority``: the same with the interactive requests in class
   ``batch``, the reference for what priority buys;
 - ``sheddable``: beside the flood, requests of class ``sheddable`` at c=2: refused with 429
@@ -17,14 +18,20 @@ load. Phases, each its own figures:
   c=4: answered, refused with 429 (and ``Retry-After``), and failed otherwise
   (time-outs and other errors; the target is none).
 
-Usage: ``python -m bench.flow_bench [--model-dir DIR] [--out bench/results/flow_bench.json]``
+Each flooding tenant's client runs in a process of its own, as another tenant's client
+would: the interactive tenant's times are not spent waiting in the flood's event loop.
+
+Usage: ``python -m bench.flow_bench [--model-dir DIR] [--priority-step-ratio R]
+[--out bench/results/flow_bench.json]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -36,7 +43,7 @@ import aiohttp
 
 from bench.host import host_info
 from bench.lora_bench import DEFAULT_MODEL, Result, one_request, prompts_for, summary
-from bench.mesh_client import engine_lines, model_name
+from bench.mesh_client import engine_lines, model_name, sse_events
 from launcher.mesh import Mesh, free_ports_config
 
 KEYS = ("interactive", "batch", "tenant-a", "tenant-b", "capped")
@@ -75,19 +82,33 @@ async def _closed_loop(
 
 
 async def _flood(
-    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, stop: asyncio.Event
-) -> list[tuple[float, Result]]:
-    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (class batch); each
-    finished request with the time it finished."""
-    results: list[tuple[float, Result]] = []
+    url: str, key: str, model: str, prompts: list[list[int]], c: int, output_len: int, *, stop: asyncio.Event
+) -> tuple[list[Result], list[float]]:
+    """Tenant ``key`` keeps ``c`` requests in flight until ``stop`` (class batch); its
+    finished requests, and when each of its tokens arrived (one streamed chunk a token)."""
+    results: list[Result] = []
+    arrivals: list[float] = []
     async with _session(key) as session:
 
         async def worker(i: int) -> None:
             n = i
             while not stop.is_set():
-                prompt = prompts[n % len(prompts)]
-                result = await one_request(session, url, model, prompt, output_len, _tier("batch"))
-                results.append((time.perf_counter(), result))
+                body = {
+                    **_tier("batch"),
+                    "model": model,
+                    "prompt": prompts[n % len(prompts)],
+                    "max_tokens": output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                start, first, tokens = time.monotonic(), None, 0
+                async for event in sse_events(session, url, body):
+                    if any(choice.get("text") for choice in event.get("choices", [])):
+                        arrivals.append(time.monotonic())
+                        first, tokens = first or arrivals[-1], tokens + 1
+                end = time.monotonic()
+                results.append(Result((first or end) - start, end - start, tokens))
                 n += c
 
         tasks = [asyncio.create_task(worker(i)) for i in range(c)]
@@ -95,34 +116,61 @@ async def _flood(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return results
+    return results, arrivals
+
+
+class FloodProcess:
+    """A tenant's flood (`_flood`) in a client process of its own, as another tenant's
+    client would be: the interactive requests' times are not spent in the flood's event
+    loop. ``stop`` ends it and returns what `_flood` returns."""
+
+    def __init__(self, *flood_args: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out: Any = ctx.Queue()
+        self._proc = ctx.Process(target=_flood_main, args=(flood_args, self._stop, self._out), daemon=True)
+        self._proc.start()
+
+    async def stop(self) -> tuple[list[Result], list[float]]:
+        self._stop.set()
+        results, arrivals = await asyncio.to_thread(self._out.get, True, 120)
+        await asyncio.to_thread(self._proc.join, 30)
+        return [Result(*r) for r in results], arrivals
+
+
+def _flood_main(flood_args: tuple[Any, ...], stop: Any, out: Any) -> None:
+    async def main() -> tuple[list[Result], list[float]]:
+        stopped = asyncio.Event()
+        flood = asyncio.create_task(_flood(*flood_args, stop=stopped))
+        await asyncio.to_thread(stop.wait)
+        stopped.set()
+        return await flood
+
+    results, arrivals = asyncio.run(main())
+    out.put(([dataclasses.astuple(r) for r in results], arrivals))
 
 
 async def _beside_flood(
     args: argparse.Namespace, url: str, model: str, vocab: int, tier: str
 ) -> dict[str, Any]:
     seed = PRIORITY[tier]
-    stop = asyncio.Event()
     flood_prompts = prompts_for(4 * args.flood_c, args.prompt_len, vocab, seed=7 + seed)
-    flood = asyncio.create_task(
-        _flood(url, "batch", model, flood_prompts, args.flood_c, args.flood_output_len, stop)
-    )
+    flood = FloodProcess(url, "batch", model, flood_prompts, args.flood_c, args.flood_output_len)
     await asyncio.sleep(args.settle_s)  # the flood fills the batch first
     prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=11 + seed)
-    began = time.perf_counter()
+    began = time.monotonic()
     if tier == "sheddable":
         figures = await _shed(url, model, prompts, args.output_len)
     else:
         results, seconds = await _closed_loop(url, "interactive", model, prompts, 2, args.output_len, tier)
         figures = {"interactive": summary(results, seconds)}
-    ended = time.perf_counter()
-    stop.set()
-    flooded = await flood
-    meanwhile = sum(r.output_tokens for t, r in flooded if began <= t <= ended)
+    ended = time.monotonic()
+    flooded, arrivals = await flood.stop()
+    meanwhile = sum(1 for t in arrivals if began <= t <= ended)
     return {
         **figures,
         "flood_requests_done": len(flooded),
-        # The flood's requests finished while the interactive ones ran: its tokens/s then.
+        # The flood's tokens that arrived while the interactive requests ran, per second.
         "flood_output_tok_s_meanwhile": meanwhile / (ended - began),
     }
 
@@ -153,24 +201,14 @@ async def _shed(url: str, model: str, prompts: list[list[int]], output_len: int)
 
 
 async def _two_tenants(args: argparse.Namespace, url: str, model: str, vocab: int) -> dict[str, Any]:
-    stop = asyncio.Event()
     floods = [
-        asyncio.create_task(
-            _flood(
-                url,
-                key,
-                model,
-                prompts_for(64, args.prompt_len, vocab, seed=20 + i),
-                32,
-                args.output_len,
-                stop,
-            )
+        FloodProcess(
+            url, key, model, prompts_for(64, args.prompt_len, vocab, seed=20 + i), 32, args.output_len
         )
         for i, key in enumerate(("tenant-a", "tenant-b"))
     ]
     await asyncio.sleep(args.fair_s)
-    stop.set()
-    a, b = [sum(r.output_tokens for _, r in await f) for f in floods]
+    a, b = [sum(r.output_tokens for r in (await f.stop())[0]) for f in floods]
     return {"tenant_a_tokens": a, "tenant_b_tokens": b, "tenant_a_share": a / max(1, a + b)}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 from encoder_cache_svc.config import EncoderCacheConfig
 from encoder_cache_svc.servicer import EncoderCacheServicer, RedisMetadata
@@ -14,8 +13,7 @@ from services.log import setup_logging
 from services.server import GrpcServer, run_service
 
 
-async def main(argv: Sequence[str]) -> None:
-    config = load_config(EncoderCacheConfig, argv, prog="encoder_cache_svc")
+async def main(config: EncoderCacheConfig) -> None:
     setup_logging("encoder-cache", config.log_level)
     server = GrpcServer("encoder-cache", config)
     store = EncoderCacheStore(config.capacity)
@@ -34,4 +32,5 @@ async def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    run_service(lambda: main(sys.argv[1:]))
+    parsed = load_config(EncoderCacheConfig, sys.argv[1:], prog="encoder_cache_svc")
+    run_service(lambda: main(parsed), parsed)

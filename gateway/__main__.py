@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.middleware import GatewayState
 from services.config import load_config
 from services.log import setup_logging
+from services.tls import process_files, use_client_files
 
 log = logging.getLogger("gateway")
 # After the drain, how long uvicorn waits for the last connections before cancelling.
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     """Process entry point."""
     config = load_config(GatewayConfig, sys.argv[1:] if argv is None else argv, prog="python -m gateway")
     setup_logging("gateway", config.log_level)
+    use_client_files(process_files(config))  # its channels to the tokenizer, scheduler, workers
     app = create_app(config)
     server = GatewayServer(server_config(app, config), app.state.gateway, config.drain_timeout_s)
     server.run(sockets=[shared_socket(config.host, config.port)] if config.reuse_port else None)
@@ -94,6 +96,7 @@ def server_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn.
         "timeout_keep_alive": config.keep_alive_timeout_s,
         "timeout_graceful_shutdown": FINAL_GRACE_S,
         "log_config": None,
+        "loop": "auto" if config.uvloop else "asyncio",  # auto: uvloop when installed
     }
     return uvicorn.Config(app, **(settings | overrides))
 

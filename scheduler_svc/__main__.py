@@ -13,8 +13,7 @@ from services.log import setup_logging
 from services.server import GrpcServer, run_service
 
 
-async def main() -> None:
-    config = load_config(SchedulerConfig, sys.argv[1:], prog="python -m scheduler_svc")
+async def main(config: SchedulerConfig) -> None:
     log = setup_logging("scheduler", config.log_level)
     scheduler = Scheduler(config)
     server = GrpcServer("scheduler", config)
@@ -32,4 +31,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    run_service(main)
+    parsed = load_config(SchedulerConfig, sys.argv[1:], prog="python -m scheduler_svc")
+    run_service(lambda: main(parsed), parsed)

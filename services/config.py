@@ -280,7 +280,8 @@ TRACING_MODES = ("none", "console", "otlp", "memory")
 
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
-    """Options every service process shares: where it listens, how it logs, traces and drains."""
+    """Options every service process shares: where it listens, how it logs, traces and
+    drains, its TLS files and its event loop."""
 
     host: str = opt("127.0.0.1", "the address to listen on")
     port: int = opt(0, "the port to listen on (0: any free port)")
@@ -290,6 +291,17 @@ class ProcessConfig:
     log_level: str = opt("INFO", "Python logging level")
     tracing: str = opt("none", f"OpenTelemetry tracing: {', '.join(TRACING_MODES)}")
     otlp_endpoint: str = opt("", "the OTLP/gRPC collector of --tracing otlp (e.g. http://collector:4317)")
+    tls_cert: str = opt(
+        "",
+        "PEM certificate of this process: a server's TLS certificate, a client's in mutual TLS (services/tls.py)",
+    )
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt(
+        "",
+        "PEM CA bundle: this process's clients verify servers against it (TLS on); a server with it "
+        "requires client certificates (mutual TLS)",
+    )
+    uvloop: bool = opt(True, "run the event loop on uvloop when it is installed (else asyncio's own)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -301,13 +313,10 @@ class ProcessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig(ProcessConfig):
-    """Options every gRPC service shares: its process options, metrics, message size, TLS."""
+    """Options every gRPC service shares: its process options, metrics, message size."""
 
     metrics_port: int = opt(0, "Prometheus /metrics port (0: no metrics endpoint)")
     max_message_bytes: int = opt(MAX_MESSAGE_BYTES, "the largest gRPC message sent or accepted")
-    tls_cert: str = opt("", "PEM certificate of this service (TLS between services; services/tls.py)")
-    tls_key: str = opt("", "PEM private key of --tls-cert")
-    tls_ca: str = opt("", "PEM CA bundle: verifies peers, and with --tls-cert makes TLS mutual")
 
     def __post_init__(self) -> None:
         super().__post_init__()

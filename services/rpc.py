@@ -207,8 +207,8 @@ def open_channel(
     ping_ms: int = KEEPALIVE_TIME_MS,
     ping_timeout_ms: int = PING_TIMEOUT_MS,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to another service: TLS when MESHSERVE_TLS_CA is set (see
-    services.tls), plaintext otherwise; calls carry the current trace context. A peer
+    """An asyncio channel to another service: TLS when this process's --tls-ca is set
+    (services.tls.use_client_files), plaintext otherwise; calls carry the current trace context. A peer
     that answers no ping within ``ping_timeout_ms`` (hung) fails the channel's calls."""
     options = channel_options(max_message_bytes, ping_ms, ping_timeout_ms)
     interceptors = tracing.client_interceptors()

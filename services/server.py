@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -30,11 +29,11 @@ except ImportError:  # optional: plain asyncio works too
     uvloop = None  # type: ignore[assignment]
 
 from services import metrics, tracing
-from services.config import ServerConfig
+from services.config import ProcessConfig, ServerConfig
 from services.decode_guard import DecodeGuard
 from services.gc_tuning import settle_heap
 from services.rpc import INFLIGHT, server_options
-from services.tls import server_credentials, server_files
+from services.tls import process_files, server_credentials, use_client_files
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class GrpcServer:
         tracing.setup_tracing(self.name, self.config.tracing, self.config.otlp_endpoint)
         reflection.enable_server_reflection(self._service_names, self.server)
         address = f"{self.config.host}:{self.config.port}"
-        credentials = server_credentials(server_files(self.config))
+        credentials = server_credentials(process_files(self.config))
         if credentials is None:
             self.port = self.server.add_insecure_port(address)
         else:
@@ -134,12 +133,14 @@ class GrpcServer:
         log.info("%s stopped", self.name)
 
 
-def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Runs a service's async main in a fresh event loop (process entry points):
-    uvloop when installed (less per-message overhead on the streaming hot path),
-    unless MESHSERVE_UVLOOP=0. Queued spans are exported before it returns."""
+def run_service(main: Callable[[], Coroutine[Any, Any, None]], config: ProcessConfig) -> None:
+    """Runs a service's async main in a fresh event loop (process entry points), with
+    `config`'s client TLS files for its channels: uvloop when installed (less per-message
+    overhead on the streaming hot path) unless ``config.uvloop`` is off. Queued spans are
+    exported before it returns."""
+    use_client_files(process_files(config))
     try:
-        if uvloop is not None and os.environ.get("MESHSERVE_UVLOOP", "1") != "0":
+        if uvloop is not None and config.uvloop:
             uvloop.run(main())
         else:
             asyncio.run(main())

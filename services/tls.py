@@ -1,7 +1,8 @@
 """Optional TLS (and mutual TLS) for gRPC between services.
 
-Off by default. Every process reads the same three settings, as flags of its
-ServerConfig or as environment variables (the gateway, a pure client, uses the env):
+Off by default. Every process reads the same three settings of its config
+(`services.config.ProcessConfig`: flags or their environment variables); a server serves
+with them, and `use_client_files` makes them what this process's clients present:
 
 - MESHSERVE_TLS_CERT / MESHSERVE_TLS_KEY: this process's certificate chain and key
   (PEM). A server with both serves TLS only; a client presents them (mutual TLS).
@@ -11,14 +12,12 @@ ServerConfig or as environment variables (the gateway, a pure client, uses the e
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from services.config import ServerConfig
+from services.config import ProcessConfig
 
 
 @dataclass(frozen=True)
@@ -58,16 +57,21 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials | None:
     )
 
 
-def server_files(config: ServerConfig) -> TlsFiles:
-    """A server's TLS settings (its --tls-* flags / MESHSERVE_TLS_*)."""
+def process_files(config: ProcessConfig) -> TlsFiles:
+    """A process's TLS settings (its --tls-* flags / MESHSERVE_TLS_*)."""
     return TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
 
 
-@functools.cache
+_client = TlsFiles()
+
+
+def use_client_files(files: TlsFiles) -> None:
+    """What this process's channels to other services present and verify from now on
+    (process entry points set their config's; plaintext until then)."""
+    global _client
+    _client = files
+
+
 def client_files() -> TlsFiles:
-    """This process's client-side TLS settings, from MESHSERVE_TLS_* (read once)."""
-    return TlsFiles(
-        cert=os.environ.get("MESHSERVE_TLS_CERT", ""),
-        key=os.environ.get("MESHSERVE_TLS_KEY", ""),
-        ca=os.environ.get("MESHSERVE_TLS_CA", ""),
-    )
+    """This process's client-side TLS settings (`use_client_files`)."""
+    return _client

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 
 from meshserve.v1 import tokenizer_pb2_grpc
-from services.config import load_config
 from services.log import setup_logging
 from services.server import GrpcServer
 from tokenizer_svc.config import TokenizerConfig
@@ -54,9 +52,8 @@ async def start_server(config: TokenizerConfig) -> tuple[GrpcServer, TokenizerSe
     return server, servicer
 
 
-async def main(argv: Sequence[str] | None = None) -> None:
+async def main(config: TokenizerConfig) -> None:
     """Process entry point: `python -m tokenizer_svc --model-dir DIR [--port P ...]`."""
-    config = load_config(TokenizerConfig, argv, prog="python -m tokenizer_svc")
     setup_logging("tokenizer", config.log_level)
     server, _servicer = await start_server(config)
     print(f"tokenizer listening on {config.host}:{server.port}", flush=True)

@@ -8,13 +8,12 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch._inductor.config as inductor_config
 
 from meshserve.v1 import kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
-from services.config import load_config
 from services.cpus import affinity, format_cpus, usable_threads
 from services.encoder_cache_client import EncoderCacheClient
 from services.log import setup_logging
@@ -221,8 +220,7 @@ class WorkerProcess:
             self.embedding.close()
 
 
-async def main(argv: Sequence[str]) -> None:
-    config = load_config(WorkerConfig, argv, prog="worker_svc")
+async def main(config: WorkerConfig) -> None:
     setup_logging(f"worker:{config.role}", config.log_level)
     # Auto: what this process may use (its affinity, its cgroup's CPU quota), not the host's
     # core count torch would take (docs/design-decisions.md, "Engines on one machine get

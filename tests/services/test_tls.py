@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.worker_streams import WorkerStreams
 from meshserve.v1 import common_pb2
 from services import tls
-from services.config import ServerConfig
+from services.config import ProcessConfig, ServerConfig, load_config
 from services.rpc import check_health
 from services.server import GrpcServer
 from tests.gateway.test_worker_stream_transport import Sink
@@ -93,9 +93,10 @@ def client_env(certs: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("MESHSERVE_TLS_CA", str(certs / "ca.pem"))
     monkeypatch.setenv("MESHSERVE_TLS_CERT", str(certs / "client.pem"))
     monkeypatch.setenv("MESHSERVE_TLS_KEY", str(certs / "client.key"))
-    tls.client_files.cache_clear()
+    # What a process entry point does with its config (services.server.run_service).
+    tls.use_client_files(tls.process_files(load_config(ProcessConfig, [])))
     yield
-    tls.client_files.cache_clear()
+    tls.use_client_files(tls.TlsFiles())
 
 
 def test_half_configured_tls_is_refused(certs: Path) -> None:

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from meshserve.v1 import common_pb2
 from services import tracing
+from services.config import ProcessConfig
 from services.server import run_service
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -131,7 +132,6 @@ async def test_flush_sends_queued_spans_and_keeps_tracing_on(capsys: pytest.Capt
 
 
 def test_run_service_shuts_tracing_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MESHSERVE_UVLOOP", "0")
     exporter = _memory()
 
     async def main() -> None:
@@ -139,7 +139,7 @@ def test_run_service_shuts_tracing_down(monkeypatch: pytest.MonkeyPatch) -> None
             pass
 
     # Its own thread: run_service runs (and closes) an event loop of its own.
-    thread = threading.Thread(target=run_service, args=(main,))
+    thread = threading.Thread(target=run_service, args=(main, ProcessConfig(uvloop=False)))
     thread.start()
     thread.join(10)
     assert not thread.is_alive()

@@ -181,8 +181,8 @@ def test_a_higher_priority_prompt_prefills_in_a_step_of_its_own(make_engine: Fac
 
 def test_lower_priorities_take_a_capped_share_of_a_step_in_turn(make_engine: Factory) -> None:
     """Beside a running request of higher priority, lower-priority rows and prompts take
-    only the tokens the step cost allows (a fixed 10 ms plus 1 ms a token, ratio 2: about
-    10 tokens beside the high row), those that sat out longest first: the high request
+    only what the step cost allows (10 ms a step, 0.5 ms a row and a token, ratio 2: about
+    10 decode rows beside the high one), those that sat out longest first: the high request
     runs every step, no running low one sits out more than two steps in a row (the high
     prompt's own step, then 16 rows sharing about 10 tokens), and every answer equals the
     undisturbed engine's. With the ratio 0 nothing is capped."""
@@ -193,7 +193,7 @@ def test_lower_priorities_take_a_capped_share_of_a_step_in_turn(make_engine: Fac
     ref |= run_all(make_engine(), [("late", ps[17], long)])
     for ratio, cap in ((2.0, 11), (0.0, 512)):  # 512: the step's whole budget
         engine = make_engine(priority_step_ratio=ratio)
-        engine.step_cost.line = lambda: (0.010, 0.001)  # type: ignore[method-assign]
+        engine.step_cost.plane = lambda: (0.010, 0.0005, 0.0005)  # type: ignore[method-assign]
         outs: dict[str, list[int]] = {rid: [] for rid in ref}
 
         for rid, p in lows:

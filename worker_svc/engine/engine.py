@@ -32,7 +32,7 @@ from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
 from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
-from worker_svc.engine.step_cost import StepCost
+from worker_svc.engine.step_cost import Share, StepCost
 from worker_svc.engine.structured import GrammarBackend, Prepared
 from worker_svc.engine.token_rate import TokenRate
 
@@ -451,20 +451,17 @@ class LLMEngine:
                     self.block_manager.mark_computed(item.request)
             seconds = time.perf_counter() - started
             self._measure_prefill(sched.scheduled, seconds)
-            self.step_cost.add(sched.num_tokens, seconds)
+            self.step_cost.add(len(sched.scheduled), sched.num_tokens, seconds)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
 
-    def _lower_share(self, tokens: int) -> int | None:
-        """The most tokens lower priorities may add to a step in which the highest running
-        priority computes ``tokens``: the step then takes at most ``priority_step_ratio``
-        times what those alone would (StepScheduler; None until steps have been measured)."""
-        line = self.step_cost.line()
-        if line is None:
-            return None
-        fixed, per_token = line
-        return int((self.config.priority_step_ratio - 1.0) * (fixed + per_token * tokens) / per_token)
+    def _lower_share(self, rows: int, tokens: int) -> Share | None:
+        """What lower priorities may add to a step in which the highest running priority
+        computes ``rows`` and ``tokens``: the step then takes at most
+        ``priority_step_ratio`` times what those alone would (StepScheduler; None until
+        steps have been measured)."""
+        return self.step_cost.share(rows, tokens, self.config.priority_step_ratio)
 
     def _measure_prefill(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step's prompt tokens (rows computing more than one token) into the prefill

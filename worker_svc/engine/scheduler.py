@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 from worker_svc.engine.block_manager import BlockManager
 from worker_svc.engine.request import Request, RequestStatus
+from worker_svc.engine.step_cost import Share
 
 __all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "SchedulerOutput", "StepScheduler"]
 
@@ -113,11 +114,11 @@ class StepScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int = 0,
-        lower_share: Callable[[int], int | None] | None = None,
+        lower_share: Callable[[int, int], Share | None] | None = None,
     ) -> None:
         self.block_manager = block_manager
-        # The most tokens lower priorities may take in a step whose highest running priority
-        # takes the given tokens (None: no cap; module docstring).
+        # What lower priorities may add to a step whose highest running priority computes
+        # the given rows and tokens (None: no cap; module docstring).
         self.lower_share = lower_share
         self.num_steps = 0
         # At most this many LoRA adapters among the running requests (the resident slots).
@@ -164,28 +165,25 @@ class StepScheduler:
     def _build(self, floor: int | None) -> SchedulerOutput:
         out = SchedulerOutput()
         top = self._capped_below() if floor is None else None
+        share = None
         if top is None:
-            budget = share = self._schedule_running(
-                out, list(self.running), self.max_num_batched_tokens, floor
-            )
+            budget = self._schedule_running(out, list(self.running), self.max_num_batched_tokens, floor)
         else:
             budget, share = self._schedule_capped(out, top)
         if not out.preempted:
             self._schedule_waiting(out, budget, floor, top, share)
         return out
 
-    def _schedule_capped(self, out: SchedulerOutput, top: int) -> tuple[int, int]:
+    def _schedule_capped(self, out: SchedulerOutput, top: int) -> tuple[int, Share | None]:
         """Running requests of priority ``top`` first, then those below it within their
-        share, those that sat out longest first (module docstring); (the budget left, the
-        share of it left)."""
+        share, those that sat out longest first (module docstring); the budget left and
+        the share left (None: no step cost known yet, no cap)."""
         protected = [r for r in self.running if r.priority >= top]
         budget = self._schedule_running(out, protected, self.max_num_batched_tokens, None)
         assert self.lower_share is not None  # _capped_below checked it
-        cap = self.lower_share(self.max_num_batched_tokens - budget)
-        share = budget if cap is None else min(budget, max(1, cap))
+        share = self.lower_share(len(out.scheduled), self.max_num_batched_tokens - budget)
         lower = sorted((r for r in self.running if r.priority < top), key=lambda r: r.last_step)
-        left = self._schedule_running(out, lower, share, None)
-        return budget - (share - left), left
+        return self._schedule_running(out, lower, budget, None, share), share
 
     def _capped_below(self) -> int | None:
         """The highest running priority when some running request has a lower one and a
@@ -232,9 +230,15 @@ class StepScheduler:
         )
 
     def _schedule_running(
-        self, out: SchedulerOutput, requests: list[Request], budget: int, floor: int | None
+        self,
+        out: SchedulerOutput,
+        requests: list[Request],
+        budget: int,
+        floor: int | None,
+        share: Share | None = None,
     ) -> int:
-        """Schedules running ``requests`` in order within ``budget``; what is left of it."""
+        """Schedules running ``requests`` in order within ``budget`` (and ``share``, until a
+        row no longer fits it); what is left of the budget."""
         # ``requests`` is a snapshot: preemption removes requests from self.running.
         for request in requests:
             if budget <= 0:
@@ -246,6 +250,10 @@ class StepScheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # defensive: nothing to compute (cannot happen in normal flow)
                 continue
+            if share is not None:
+                num_new = share.take(num_new)
+                if num_new == 0:
+                    break
             while not self.block_manager.append_slots(request, num_new):
                 victim = min(self.running, key=lambda r: (r.priority, -r.arrival_seq))
                 budget += self._preempt(victim, out)
@@ -314,10 +322,10 @@ class StepScheduler:
         return min(counts, key=lambda name: (counts[name], name))
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, floor: int | None, top: int | None, share: int
+        self, out: SchedulerOutput, budget: int, floor: int | None, top: int | None, share: Share | None
     ) -> None:
         """Admits waiting requests within ``budget``; those below priority ``top`` (a capped
-        step) within ``share`` of it too, their prompts chunked to fit."""
+        step) within ``share`` too, their prompts chunked to fit it."""
         bm = self.block_manager
         adapters = {r.lora_name for r in self.running if r.lora_name}
         draining = self._draining_adapter() if self.max_loras else ""
@@ -335,15 +343,16 @@ class StepScheduler:
                     break
                 budget += refund
                 continue
-            capped = top is not None and request.priority < top
-            room = min(budget, share) if capped else budget
-            if room <= 0:
-                break
+            capped = share is not None and top is not None and request.priority < top
             cached = bm.num_cached_prefix_tokens(request)
             needed = request.num_tokens - cached
             if not capped and budget < needed <= self.max_num_batched_tokens - len(self.running):
                 break  # fits whole in a later step: not split (module docstring)
-            num_new = min(needed, room)
+            num_new = min(needed, budget)
+            if share is not None and capped:
+                num_new = share.take(num_new)
+                if num_new == 0:
+                    break
             # Head-of-line blocking on purpose: skipping ahead would starve big/high-priority requests.
             if not bm.allocate(request, num_new):
                 refund = self._displace(request, out, bm.num_blocks_needed(request, num_new))
@@ -358,4 +367,3 @@ class StepScheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-            share -= num_new if capped else 0
