@@ -4,6 +4,8 @@ option's env variable and default, and a nested config's fields are options of t
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +78,23 @@ def test_nested_fields_are_flat_options(monkeypatch: pytest.MonkeyPatch) -> None
         from_options(Outer, nope=1)
     with pytest.raises(TypeError, match="size"):
         options(Clash)
+
+
+SERVICE_CODE = ("gateway", "services", "scheduler_svc", "worker_svc", "tokenizer_svc", "encoder_cache_svc")
+
+
+def test_no_service_reads_a_setting_around_its_config() -> None:
+    """MESHSERVE_* variables reach a service through its config's options (help, --flag,
+    validation) only: no service module reads one from the environment itself."""
+    root = Path(__file__).resolve().parents[2]
+    direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\()\s*["']MESHSERVE_""")
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for package in SERVICE_CODE
+        for path in sorted((root / package).rglob("*.py"))
+        if path.name != "config.py" or package != "services"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if direct.search(line)
+    ]
+    assert not found, "settings read around the config system:\n" + "\n".join(found)
+    assert direct.search('os.environ.get("MESHSERVE_UVLOOP", "1")')  # the pattern still matches

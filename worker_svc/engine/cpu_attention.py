@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -93,8 +92,7 @@ def exact_bf16_verified(flags: frozenset[str]) -> bool:
 
 @functools.cache
 def load() -> DecodeKernel | None:
-    """The built kernel, or None when it cannot be built here."""
-    if os.environ.get("MESHSERVE_DISABLE_NATIVE_ATTENTION") == "1":
-        return None
+    """The built kernel, or None when it cannot be built here (``--attention-backend torch``
+    keeps an engine off it)."""
     lib = native.library()
     return None if lib is None else DecodeKernel(lib)

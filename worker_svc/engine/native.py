@@ -3,7 +3,8 @@ the system C compiler into one shared object and loaded through ctypes.
 
 Optional: without a compiler (or when the build fails) :func:`library` returns None and
 each caller keeps its torch path. The shared object is cached per sources, flags and CPU
-(``-march=native``) under ``$MESHSERVE_KERNEL_CACHE`` (default ``~/.cache/meshserve``).
+(``-march=native``) under the user's cache directory (``$XDG_CACHE_HOME/meshserve``, by
+default ``~/.cache/meshserve``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _build() -> Path:
     sources = sorted(_CSRC.glob("*.c"))
     text = b"".join(p.name.encode() + p.read_bytes() for p in sorted(_CSRC.glob("*.[ch]")))
     key = hashlib.sha256(text + " ".join((compiler, *_FLAGS)).encode() + _cpu_flags()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("MESHSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "meshserve")
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshserve"
     target = cache_dir / f"meshserve_cpu-{key}.so"
     if target.is_file():
         return target
