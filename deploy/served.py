@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,27 @@ def make_serve(
     with tempfile.TemporaryDirectory() as logs:
         server = mesh_server(name, str(model_dir), Path(logs), extra)
         with serving(server) as up_s:
-            engine = engine_config((Path(logs) / "decoder-0.log").read_text())
+            engine = _engines_up(Path(logs), decoders)
             url = f"http://127.0.0.1:{server.port}"
             runs = throughput(vllm, url, name, str(model_dir), concurrencies, min_prompts)
     return {"command": " ".join(server.command), "up_s": round(up_s, 1), "engine": engine, "throughput": runs}
+
+
+def _engines_up(logs: Path, decoders: int, timeout_s: float = 900) -> dict[str, str]:
+    """The engine configuration of `make serve`'s decoders, once every one has logged it
+    (the mesh answers as soon as one decoder is ready); ValueError when they differ."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            engines = [engine_config((logs / f"decoder-{i}.log").read_text()) for i in range(decoders)]
+            break
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    if any(e != engines[0] for e in engines):
+        raise ValueError(f"make serve's decoders run different engines: {engines}")
+    return engines[0]
 
 
 def ratios(deployed: dict[str, dict[str, float]], served: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -233,16 +233,13 @@ class MultiRun:
             self._budget = (ctx.budgets, reservation)
 
     def start(self) -> None:
-        """Starts every run."""
+        """Starts every run. One run's events are taken as they come (no fan-in layer on
+        a chat's token path)."""
         for run in self.runs:
             run.start()
-        self._iter = self._merged()
+        self._iter = self.runs[0].events() if len(self.runs) == 1 else self._merged()
 
     async def _merged(self) -> AsyncIterator[ChoiceEvent]:
-        if len(self.runs) == 1:
-            async for event in self.runs[0].events():
-                yield event
-            return
         queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._drain(i, run, queue)) for i, run in enumerate(self.runs)]
         remaining = len(self.runs)
