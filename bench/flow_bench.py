@@ -43,7 +43,7 @@ import aiohttp
 
 from bench.host import host_info
 from bench.lora_bench import DEFAULT_MODEL, Result, one_request, prompts_for, summary
-from bench.mesh_client import engine_lines, model_name, sse_events
+from bench.mesh_client import engine_lines, model_name
 from launcher.mesh import Mesh, free_ports_config
 
 KEYS = ("interactive", "batch", "tenant-a", "tenant-b", "capped")
@@ -93,22 +93,10 @@ async def _flood(
         async def worker(i: int) -> None:
             n = i
             while not stop.is_set():
-                body = {
-                    **_tier("batch"),
-                    "model": model,
-                    "prompt": prompts[n % len(prompts)],
-                    "max_tokens": output_len,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-                start, first, tokens = time.monotonic(), None, 0
-                async for event in sse_events(session, url, body):
-                    if any(choice.get("text") for choice in event.get("choices", [])):
-                        arrivals.append(time.monotonic())
-                        first, tokens = first or arrivals[-1], tokens + 1
-                end = time.monotonic()
-                results.append(Result((first or end) - start, end - start, tokens))
+                prompt = prompts[n % len(prompts)]
+                results.append(
+                    await one_request(session, url, model, prompt, output_len, _tier("batch"), arrivals)
+                )
                 n += c
 
         tasks = [asyncio.create_task(worker(i)) for i in range(c)]

@@ -106,8 +106,10 @@ async def one_request(
     prompt: list[int],
     output_len: int,
     extra: dict[str, Any] | None = None,
+    arrivals: list[float] | None = None,
 ) -> Result:
-    """One streamed greedy completion of ``output_len`` tokens (``extra``: more body fields)."""
+    """One streamed greedy completion of ``output_len`` tokens (``extra``: more body fields;
+    ``arrivals``: gets the `time.monotonic()` of each chunk with text, a token each)."""
     body = {
         **(extra or {}),
         "model": model,
@@ -124,8 +126,11 @@ async def one_request(
     async for event in sse_events(session, url, body):
         if event.get("usage"):
             tokens = int(event["usage"]["completion_tokens"])
-        elif first is None and any(c.get("text") for c in event.get("choices", [])):
-            first = time.perf_counter()
+        elif any(c.get("text") for c in event.get("choices", [])):
+            if arrivals is not None:
+                arrivals.append(time.monotonic())
+            if first is None:
+                first = time.perf_counter()
     end = time.perf_counter()
     return Result((first or end) - start, end - start, tokens)
 
