@@ -33,7 +33,7 @@ class Share:
         fits = tokens if self.per_token <= 0 else min(tokens, int(room / self.per_token))
         if fits > 0:
             self.seconds -= self.per_row + fits * self.per_token
-        return max(0, fits)
+        return fits
 
 
 class StepCost:
