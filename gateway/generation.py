@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -187,6 +188,8 @@ class GenerationRun:
         self.spec = spec
         self.worker_id = ""
         self._queue: asyncio.Queue[ChoiceEvent | _Failure | _UpstreamDone] = asyncio.Queue()
+        # Events taken already and handed back (`hold`): `events` yields them first.
+        self._held: deque[ChoiceEvent] = deque()
         self._choices: list[_Choice] = []
         self._tokenizer: LocalTokenizer | None = None
         self._lease: LeaseGrant | None = None
@@ -275,7 +278,8 @@ class GenerationRun:
         request.lease_id = lease.lease_id
         del request.mm_items[:]
         request.mm_items.extend(lease.mm_items)
-        if lease.kv_source is not None:  # the decoder pulls the KV itself (docs/architecture.md)
+        # the decoder pulls the KV itself (docs/features/prefill-decode-disaggregation.md)
+        if lease.kv_source is not None:
             request.kv_source.CopyFrom(lease.kv_source)
         self._stream = self.upstream.workers.get(lease.worker_id, lease.worker_address)
         self._move(RunState.RUNNING)
@@ -415,7 +419,10 @@ class GenerationRun:
         # Counted on this side: `on_output` marks a choice ended before its last event
         # has been taken from the queue.
         unfinished = self.spec.n
-        while unfinished:
+        while unfinished or self._held:
+            if self._held:
+                yield self._held.popleft()
+                continue
             item = await self._queue.get()
             if isinstance(item, ChoiceEvent):
                 unfinished -= item.finish_reason is not None
@@ -423,6 +430,11 @@ class GenerationRun:
             elif isinstance(item, _Failure):
                 await self._on_failure(item)
         await self._finish_upstream()
+
+    def hold(self, event: ChoiceEvent) -> None:
+        """Hands back an event `events` yielded: it yields it again, before any other
+        (a peek before the response starts, without a buffering layer on every token)."""
+        self._held.append(event)
 
     async def _on_failure(self, failure: _Failure) -> None:
         """Routes again (or migrates) when the request may go on elsewhere; raises otherwise."""

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -208,6 +209,12 @@ def usage_info(usage: Usage) -> UsageInfo:
     )
 
 
+async def _no_events() -> AsyncIterator[ChoiceEvent]:
+    """No event (a MultiRun that never started)."""
+    return
+    yield
+
+
 class MultiRun:
     """Several GenerationRuns (one per prompt) seen as one: global choice index =
     prompt index × n + choice index. The first events are peeked before the HTTP
@@ -217,7 +224,7 @@ class MultiRun:
         self.runs = runs
         self.n = n
         self._budget: tuple[TenantBudgets, Reservation] | None = None
-        self._buffer: list[ChoiceEvent] = []
+        self._held: deque[ChoiceEvent] = deque()  # what `peek` took from `_merged`
         self._iter: AsyncIterator[ChoiceEvent] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -233,8 +240,8 @@ class MultiRun:
             self._budget = (ctx.budgets, reservation)
 
     def start(self) -> None:
-        """Starts every run. One run's events are taken as they come (no fan-in layer on
-        a chat's token path)."""
+        """Starts every run. One run's events are its own generator's (no fan-in layer
+        on a chat's token path)."""
         for run in self.runs:
             run.start()
         self._iter = self.runs[0].events() if len(self.runs) == 1 else self._merged()
@@ -243,7 +250,10 @@ class MultiRun:
         queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._drain(i, run, queue)) for i, run in enumerate(self.runs)]
         remaining = len(self.runs)
-        while remaining:
+        while remaining or self._held:
+            if self._held:
+                yield self._held.popleft()
+                continue
             offset, item = await queue.get()
             if item is None:
                 remaining -= 1
@@ -276,21 +286,21 @@ class MultiRun:
             await asyncio.gather(*(run.begin() for run in self.runs))
 
     async def peek(self) -> None:
-        """Waits for the first event with output (raising APIError on early failures)."""
+        """Waits for the first event with output (raising APIError on early failures);
+        what it took, `events` yields first."""
         if self._iter is None:
             return
         async for event in self._iter:
-            self._buffer.append(event)
+            if len(self.runs) == 1:
+                self.runs[0].hold(event)
+            else:
+                self._held.append(event)
             if event.token_ids or event.finish_reason or event.text:
                 return
 
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Buffered events, then the rest."""
-        while self._buffer:
-            yield self._buffer.pop(0)
-        if self._iter is not None:
-            async for event in self._iter:
-                yield event
+    def events(self) -> AsyncIterator[ChoiceEvent]:
+        """The events, those `peek` took first: for one run, that run's own generator."""
+        return self._iter if self._iter is not None else _no_events()
 
     def usage(self) -> Usage:
         """Usage summed over the prompts."""
