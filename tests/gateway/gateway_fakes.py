@@ -18,16 +18,18 @@ first one in `route_first` order, then registration order, skipping
 `exclude_worker_ids` and workers marked down); records every RouteRequest, lease and
 released lease (a stream message's `release`).
 
-Fake worker: `GenerateStream` runs the scripted generation of each request added on
-the stream: the output text of choice i depends on keywords in the prompt (see
-`FakeWorker.script`); one token per choice per step, finish STOP (stop token 2) or
-LENGTH at max_tokens, usage with cached_tokens=3 on the last message. An abort ends the
-request with a final FINISH_REASON_ABORT message; request-level failures go out as
-`RequestError`s. Records every added request and every abort.
+Fake workers: tests/fake_worker.py's `FakeWorker` (`keyword_worker`) serving the fake
+model with the keyword script (`KeywordScript`): the output text of choice i depends on
+keywords in the prompt (see `keyword_text`); one token per choice per step, finish STOP
+(stop token 2) or LENGTH at max_tokens (16 when unset), usage with cached_tokens=3 on the
+last message. An abort ends the request with a final FINISH_REASON_ABORT message;
+request-level failures go out as `RequestError`s. Records every added request and every
+abort. Each is served by the harness and registered with the fake scheduler.
 
 Prompt keywords: TOOL, JSON, SLOW (200 ticks, 20 ms per step), UNICODE (non-ASCII
 text), ENDLESS (the usual text, then a slow endless tail: only an abort or max_tokens
-ends it), CRASH (RequestError INTERNAL after 3 tokens), OVERLOAD (the route answers
+ends it), CRASH (RequestError INTERNAL after 3 tokens), WORKER_ABORTS (the worker aborts
+the request by itself after its first token), OVERLOAD (the route answers
 RESOURCE_EXHAUSTED), WORKER_REFUSES (RequestError INVALID_ARGUMENT naming top_k),
 GRAMMAR_REFUSED (INVALID_ARGUMENT naming structured_outputs, as a worker refusing a constraint),
 EVICTED (the first add of a request id fails FAILED_PRECONDITION, as when image
@@ -48,7 +50,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -71,6 +73,7 @@ from meshserve.v1 import (
     worker_pb2_grpc,
 )
 from services.rpc import PARAM_METADATA_KEY
+from tests.fake_worker import FakeWorker, Plan, Refusal, status_number
 
 T = TypeVar("T")
 
@@ -89,11 +92,9 @@ UNICODE_TEXT = "Grüße, 世界! 🎉 naïve café — ∑ 👩‍💻"
 # ENDLESS: tokens after this many come every SLOW_STEP_S (an abort arrives long before).
 ENDLESS_FAST_TOKENS = 40
 SLOW_STEP_S = 0.02
-
-
-def _code(status: grpc.StatusCode) -> int:
-    """The numeric status code a RequestError carries."""
-    return int(status.value[0])
+# A keyword worker's seconds between steps, and its max_tokens of a request that sets none.
+STEP_DELAY_S = 0.001
+DEFAULT_MAX_TOKENS = 16
 
 
 # ----------------------------------------------------------------------- tokenizer
@@ -306,7 +307,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             answer = self._route(message.route)
             if isinstance(answer, tuple):
                 status, text, param = answer
-                reply.error.CopyFrom(scheduler_pb2.RouteError(code=_code(status), message=text, param=param))
+                reply.error.CopyFrom(
+                    scheduler_pb2.RouteError(code=status_number(status), message=text, param=param)
+                )
             else:
                 reply.route.CopyFrom(answer)
             yield reply
@@ -406,271 +409,81 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 # -------------------------------------------------------------------------- worker
 
 
+def keyword_text(prompt: str, index: int) -> str:
+    """Output text of choice `index` for a prompt (the keyword script)."""
+    if "TOOL" in prompt:
+        return 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    if "JSON" in prompt:
+        return '{"answer": 42}' if index == 0 else "not json"
+    if "SLOW" in prompt:
+        return "tick " * 200
+    if "UNICODE" in prompt:
+        return UNICODE_TEXT
+    text = HELLO.format(index=index)
+    if "ENDLESS" in prompt:
+        text += " and on" * 300
+    return text
+
+
 @dataclass
-class _Run:
-    """One request running on a fake worker's stream."""
+class KeywordPlan(Plan):
+    """A request run by the keyword script: its text, failures and pace by prompt keywords."""
 
-    request: common_pb2.GenerateRequest
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
+    prompt: str
+    stop_token_id = EOS
 
+    def tokens(self, index: int) -> Iterable[int]:
+        """The tokens of `keyword_text`, then STOP."""
+        return encode(keyword_text(self.prompt, index))
 
-@dataclass
-class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """Scripted generation over GenerateStream; records requests and aborts."""
-
-    worker_id: str = DEFAULT_WORKER
-    step_delay_s: float = 0.001
-    # Requests produce no token until aborted (or the worker is killed: failover tests).
-    hold: bool = False
-    # Adds are refused with UNAVAILABLE (as by a draining worker).
-    draining: bool = False
-    # The first stream breaks (UNAVAILABLE) after this many messages, the worker stays up
-    # (a connection reset); 0 = never.
-    break_first_stream_after: int = 0
-    requests: list[common_pb2.GenerateRequest] = field(default_factory=list)
-    # request ids of the abort messages received, in order
-    aborts: list[str] = field(default_factory=list)
-    completed: set[str] = field(default_factory=set)
-    # requests that ended without finishing on their own (abort, failure, stream lost)
-    cancelled: set[str] = field(default_factory=set)
-    errors_sent: list[worker_pb2.RequestError] = field(default_factory=list)
-    streams_opened: int = 0
-    _evicted: set[str] = field(default_factory=set)
-
-    @property
-    def last_request(self) -> common_pb2.GenerateRequest:
-        """The last request added on any stream."""
-        return self.requests[-1]
-
-    @property
-    def aborted(self) -> set[str]:
-        """Request ids the gateway aborted on the stream."""
-        return set(self.aborts)
-
-    def request_ids(self) -> list[str]:
-        return [r.request_id for r in self.requests]
-
-    @staticmethod
-    def script(prompt: str, index: int) -> str:
-        """Output text of choice `index` for a prompt."""
-        if "TOOL" in prompt:
-            return (
-                'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-            )
-        if "JSON" in prompt:
-            return '{"answer": 42}' if index == 0 else "not json"
-        if "SLOW" in prompt:
-            return "tick " * 200
-        if "UNICODE" in prompt:
-            return UNICODE_TEXT
-        text = HELLO.format(index=index)
-        if "ENDLESS" in prompt:
-            text += " and on" * 300
-        return text
-
-    async def GenerateStream(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        self.streams_opened += 1
-        outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None] = asyncio.Queue()
-        runs: dict[str, _Run] = {}
-        input_done = False
-
-        def ended(request_id: str) -> None:
-            runs.pop(request_id, None)
-            if input_done and not runs:
-                outbox.put_nowait(None)
-
-        async def read() -> None:
-            nonlocal input_done
-            async for message in request_iterator:
-                kind = message.WhichOneof("kind")
-                if kind == "add":
-                    self._add(message.add, runs, outbox, ended)
-                elif kind == "abort":
-                    self.aborts.append(message.abort.request_id)
-                    run = runs.get(message.abort.request_id)
-                    if run is not None:
-                        run.aborted.set()
-            input_done = True
-            if not runs:
-                outbox.put_nowait(None)
-
-        reader = asyncio.get_running_loop().create_task(read())
-        breaks_after = self.break_first_stream_after if self.streams_opened == 1 else 0
-        sent = 0
-        try:
-            while (message := await outbox.get()) is not None:
-                if breaks_after and sent >= breaks_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (fake)")
-                sent += 1
-                # Whatever else is ready goes in the same message (one per "engine step").
-                while not outbox.empty():
-                    more = outbox.get_nowait()
-                    if more is None:
-                        outbox.put_nowait(None)
-                        break
-                    message.outputs.extend(more.outputs)
-                    message.errors.extend(more.errors)
-                yield message
-        finally:
-            reader.cancel()
-            for run in list(runs.values()):
-                if run.task is not None:
-                    run.task.cancel()
-
-    def _refusal(
-        self, request: common_pb2.GenerateRequest, runs: dict[str, _Run]
-    ) -> worker_pb2.RequestError | None:
-        rid = request.request_id
-        prompt = decode(list(request.prompt_token_ids))
-
-        def error(status: grpc.StatusCode, message: str, param: str = "") -> worker_pb2.RequestError:
-            return worker_pb2.RequestError(request_id=rid, code=_code(status), message=message, param=param)
-
-        if not rid:
-            return error(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", "request_id")
-        if request.model != MODEL:
-            return error(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served", "model")
-        if not request.prompt_token_ids:
-            return error(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty", "prompt")
-        if rid in runs:
-            return error(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already running", "request_id"
-            )
-        if self.draining:
-            return error(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
-        if "WORKER_REFUSES" in prompt:
-            return error(grpc.StatusCode.INVALID_ARGUMENT, "top_k: refused by the worker", "top_k")
-        if "GRAMMAR_REFUSED" in prompt:  # as the real worker names a constraint it cannot build
-            return error(
-                grpc.StatusCode.INVALID_ARGUMENT, "the grammar could not be built", "structured_outputs"
-            )
-        if "EVICTED" in prompt and rid not in self._evicted:
-            self._evicted.add(rid)
-            return error(grpc.StatusCode.FAILED_PRECONDITION, "image embeddings were evicted")
+    def failure(self, position: int) -> Refusal | None:
+        """CRASH: INTERNAL after 3 tokens."""
+        if "CRASH" in self.prompt and position >= 3:
+            return Refusal(grpc.StatusCode.INTERNAL, "worker crashed")
         return None
 
-    def _add(
-        self,
-        request: common_pb2.GenerateRequest,
-        runs: dict[str, _Run],
-        outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None],
-        ended: Callable[[str], None],
-    ) -> None:
-        self.requests.append(request)
-        refusal = self._refusal(request, runs)
-        if refusal is not None:
-            self.errors_sent.append(refusal)
-            outbox.put_nowait(worker_pb2.GenerateStreamResponse(errors=[refusal]))
-            return
-        run = runs[request.request_id] = _Run(request)
-        run.task = asyncio.get_running_loop().create_task(self._run(run, outbox))
-        run.task.add_done_callback(lambda _task: ended(request.request_id))
+    def aborts(self, position: int) -> bool:
+        """WORKER_ABORTS: the worker aborts the request by itself after its first token."""
+        return "WORKER_ABORTS" in self.prompt and position >= 1
 
-    async def _run(self, run: _Run, outbox: asyncio.Queue[worker_pb2.GenerateStreamResponse | None]) -> None:
-        request = run.request
-        try:
-            if self.hold:
-                await run.aborted.wait()
-            async for item in self._steps(request, run.aborted):
-                if isinstance(item, worker_pb2.RequestError):
-                    self.errors_sent.append(item)
-                    outbox.put_nowait(worker_pb2.GenerateStreamResponse(errors=[item]))
-                    return
-                if item.finished:  # recorded before the message can reach the gateway
-                    aborted = any(d.finish_reason == common_pb2.FINISH_REASON_ABORT for d in item.deltas)
-                    (self.cancelled if aborted else self.completed).add(request.request_id)
-                outbox.put_nowait(worker_pb2.GenerateStreamResponse(outputs=[item]))
-                if item.finished:
-                    return
-        finally:
-            if request.request_id not in self.completed:
-                self.cancelled.add(request.request_id)
+    def pause_s(self, position: int, delay: float) -> float:
+        """SLOW, and ENDLESS past its fast part: SLOW_STEP_S per step."""
+        slow = "SLOW" in self.prompt or ("ENDLESS" in self.prompt and position >= ENDLESS_FAST_TOKENS)
+        return SLOW_STEP_S if slow else delay
 
-    async def _steps(self, request: Any, aborted: asyncio.Event) -> AsyncIterator[Any]:
+
+@dataclass
+class KeywordScript:
+    """The gateway suite's script for a fake worker (one per worker: EVICTED remembers)."""
+
+    # request ids whose first add was refused as EVICTED
+    evicted: set[str] = field(default_factory=set)
+
+    def __call__(self, request: common_pb2.GenerateRequest) -> Plan | Refusal:
+        """The keyword plan of `request`, or the refusal its keywords ask for."""
         prompt = decode(list(request.prompt_token_ids))
-        sampling = request.sampling
-        n = sampling.n if sampling.HasField("n") else 1
-        outputs = [encode(self.script(prompt, i)) for i in range(n)]
-        # A migrated request: each choice goes on after the tokens it already produced
-        # (a real worker would compute them; the script just skips them).
-        resumed = {r.index: r for r in request.resumed}
-        positions = [len(resumed[i].token_ids) if i in resumed else 0 for i in range(n)]
-        done = [i in resumed and resumed[i].finished for i in range(n)]
-        first = True
-        while not all(done):
-            if "CRASH" in prompt and positions[0] >= 3:
-                yield worker_pb2.RequestError(
-                    request_id=request.request_id,
-                    code=_code(grpc.StatusCode.INTERNAL),
-                    message="worker crashed",
-                )
-                return
-            # WORKER_ABORTS: the worker aborts the request by itself after its first token.
-            if aborted.is_set() or ("WORKER_ABORTS" in prompt and positions[0] >= 1):
-                deltas = [
-                    common_pb2.SequenceDelta(index=i, finish_reason=common_pb2.FINISH_REASON_ABORT)
-                    for i in range(n)
-                    if not done[i]
-                ]
-                yield self._last(request, deltas, positions)
-                return
-            deltas = [self._delta(request, outputs[i], positions, done, i) for i in range(n) if not done[i]]
-            response = common_pb2.GenerateResponse(request_id=request.request_id, deltas=deltas)
-            if first:
-                response.worker_id, first = self.worker_id, False
-                if sampling.HasField("prompt_logprobs"):  # every prompt token after the first, rank 1
-                    response.prompt_logprobs.extend(
-                        common_pb2.TokenLogprob(
-                            token_id=t,
-                            logprob=-0.5,
-                            rank=1,
-                            top=[common_pb2.TopLogprob(token_id=t, logprob=-0.5)],
-                        )
-                        for t in request.prompt_token_ids[1:]
-                    )
-            if all(done):
-                response.usage.CopyFrom(self._usage(request, positions))
-                response.finished = True
-            yield response
-            await self._pause(prompt, positions[0], aborted)
-
-    async def _pause(self, prompt: str, position: int, aborted: asyncio.Event) -> None:
-        slow = "SLOW" in prompt or ("ENDLESS" in prompt and position >= ENDLESS_FAST_TOKENS)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(aborted.wait(), SLOW_STEP_S if slow else self.step_delay_s)
-
-    def _delta(self, request: Any, output: list[int], positions: list[int], done: list[bool], i: int) -> Any:
-        sampling = request.sampling
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
-        token = output[positions[i]]
-        positions[i] += 1
-        delta = common_pb2.SequenceDelta(index=i, token_ids=[token])
-        if sampling.HasField("logprobs"):
-            top = [common_pb2.TopLogprob(token_id=token, logprob=-0.25)]
-            top += [common_pb2.TopLogprob(token_id=encode("x")[0] + k, logprob=-2.0 - k) for k in range(19)]
-            delta.logprobs.append(
-                common_pb2.TokenLogprob(token_id=token, logprob=-0.25, top=top[: max(sampling.logprobs, 1)])
+        if "WORKER_REFUSES" in prompt:
+            return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "top_k: refused by the worker", "top_k")
+        if "GRAMMAR_REFUSED" in prompt:  # as the real worker names a constraint it cannot build
+            return Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT, "the grammar could not be built", "structured_outputs"
             )
-        if positions[i] >= len(output):
-            delta.finish_reason, delta.stop_token_id, done[i] = common_pb2.FINISH_REASON_STOP, EOS, True
-        elif positions[i] >= max_tokens:
-            delta.finish_reason, done[i] = common_pb2.FINISH_REASON_LENGTH, True
-        return delta
+        if "EVICTED" in prompt and request.request_id not in self.evicted:
+            self.evicted.add(request.request_id)
+            return Refusal(grpc.StatusCode.FAILED_PRECONDITION, "image embeddings were evicted")
+        return KeywordPlan(prompt)
 
-    def _usage(self, request: Any, positions: list[int]) -> Any:
-        return common_pb2.Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            completion_tokens=sum(positions),
-            cached_tokens=CACHED_TOKENS,
-        )
 
-    def _last(self, request: Any, deltas: list[Any], positions: list[int]) -> Any:
-        return common_pb2.GenerateResponse(
-            request_id=request.request_id, deltas=deltas, usage=self._usage(request, positions), finished=True
-        )
+def keyword_worker(worker_id: str, **options: Any) -> FakeWorker:
+    """A fake worker of the fake model run by the keyword script (options: FakeWorker's)."""
+    settings: dict[str, Any] = {
+        "script": KeywordScript(),
+        "model": MODEL,
+        "tokens": DEFAULT_MAX_TOKENS,
+        "delay": STEP_DELAY_S,
+        "cached_tokens": CACHED_TOKENS,
+    }
+    return FakeWorker(worker_id, **{**settings, **options})
 
 
 # ------------------------------------------------------------------------- harness
@@ -785,7 +598,7 @@ class Harness:
 
     def start_worker(self, worker_id: str, **options: Any) -> WorkerHandle:
         """Starts a fake worker and registers it with the fake scheduler."""
-        worker = FakeWorker(worker_id=worker_id, **options)
+        worker = keyword_worker(worker_id, **options)
         server = self.run(start_fake(worker, worker_pb2_grpc.add_WorkerServicer_to_server))
         handle = self.workers[worker_id] = WorkerHandle(worker, server)
         self.scheduler.workers[worker_id] = server.address

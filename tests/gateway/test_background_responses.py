@@ -11,9 +11,10 @@ from typing import Any
 
 import openai
 import pytest
-from gateway_fakes import MODEL, SLOW_STEP_S, FakeWorker, Harness, RunningGateway, wait_for
+from gateway_fakes import MODEL, SLOW_STEP_S, Harness, RunningGateway, wait_for
 
 from services.redis_client import RedisServer
+from tests.fake_worker import FakeWorker
 
 pytestmark = pytest.mark.timeout(60)
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")

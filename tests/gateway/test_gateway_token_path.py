@@ -20,10 +20,10 @@ from gateway_fakes import (
     MODEL,
     FakeScheduler,
     FakeServer,
-    FakeWorker,
     Harness,
     decode,
     encode,
+    keyword_text,
     start_fake,
     wait_for,
 )
@@ -159,7 +159,7 @@ def test_worker_lost_after_tokens_migrates(harness: Harness, http: httpx.Client)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all("error" not in c for c in chunks), chunks
-    expected = FakeWorker.script("SLOW", 0)[:40]
+    expected = keyword_text("SLOW", 0)[:40]
     assert stream_text(events) == expected
     request_id = chunks[0]["id"]
     routes = harness.scheduler.routes_of(request_id)
@@ -191,7 +191,7 @@ def test_migration_keeps_every_choice_and_skips_ended_ones(harness: Harness, htt
             texts[choice["index"]] += choice["delta"].get("content") or ""
             if choice.get("finish_reason"):
                 finish[choice["index"]] = choice["finish_reason"]
-    assert texts[0] == decode(encode(FakeWorker.script("ENDLESS", 0))[:60])
+    assert texts[0] == decode(encode(keyword_text("ENDLESS", 0))[:60])
     assert texts[1] == "Hello from "
     assert finish == {0: "length", 1: "stop"}
     request_id = chunks[0]["id"]
@@ -217,7 +217,7 @@ def test_only_worker_stream_reset_migrates_to_it_again(harness: Harness, http: h
         harness.scheduler.down.discard(DEFAULT_WORKER)
     assert events[-1] == "[DONE]"
     assert all("error" not in json.loads(e) for e in events[:-1]), events
-    assert stream_text(events) == FakeWorker.script("SLOW", 0)[:20]
+    assert stream_text(events) == keyword_text("SLOW", 0)[:20]
     request_id = json.loads(events[0])["id"]
     routes = harness.scheduler.routes_of(request_id)
     assert [list(r.exclude_worker_ids) for r in routes] == [[], ["only"], []]
@@ -351,7 +351,7 @@ def test_concurrent_requests_on_one_stream_get_their_own_output(harness: Harness
         results = list(pool.map(lambda body: post(gw_url, body), bodies))
     for body, (status, reply) in zip(bodies, results, strict=True):
         assert status == 200, reply
-        expected = decode(encode(FakeWorker.script(body["messages"][0]["content"], 0))[:40])
+        expected = decode(encode(keyword_text(body["messages"][0]["content"], 0))[:40])
         if isinstance(reply, list):
             assert stream_text(reply) == expected
         else:

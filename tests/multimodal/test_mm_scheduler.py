@@ -26,7 +26,8 @@ from meshserve.v1 import common_pb2, encoder_cache_pb2_grpc, worker_pb2
 from services.encoder_cache_client import CachedTensor, EncoderCacheClient, cache_key
 from services.ports import free_port
 from services.server import GrpcServer
-from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, SchedulerFactory
+from tests.fake_worker import FakeWorker
+from tests.scheduler_svc.conftest import RunningScheduler, SchedulerFactory
 from tests.scheduler_svc.conftest import start_scheduler as _start_scheduler  # noqa: F401  (a fixture)
 
 PROMPT = [5, 6, 7, 9, 9, 9, 9, 8]

@@ -19,8 +19,9 @@ from meshserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from services.ports import free_port
 from services.rpc import check_health
 from tests.fake_clock import FakeClock
+from tests.fake_worker import FakeWorker
 from tests.reliability.meshkit import metric_value
-from tests.scheduler_svc.conftest import FakeWorker, RunningScheduler, generate_request
+from tests.scheduler_svc.conftest import RunningScheduler, generate_request
 from tests.scheduler_svc.route_client import RouteClient
 from tests.worker_svc.worker_kit import generate_one
 from worker_svc.registration import SchedulerLink
