@@ -1,4 +1,5 @@
-"""Fixtures: a tiny random Llama saved to disk, engine factories that check for leaks."""
+"""Fixtures: a tiny random Llama saved to disk (`engine_model_dir`), engine factories that check
+for leaks."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ EOS = 2
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """hidden 64, 2 layers, 4 heads / 2 kv heads (GQA), vocab 512, saved with save_pretrained."""
+def engine_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The engine tests' model: a seeded random Llama, config and weights only (no tokenizer:
+    the tests feed token ids) with peaked logits; hidden 64, 2 layers, 4 heads / 2 kv heads
+    (GQA), vocab 512, saved with save_pretrained. Not the services' `tiny_model_dir`
+    (tests/conftest.py: devtools.build_model's tiny model, with a tokenizer)."""
     cfg = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -44,9 +48,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_model(tiny_model_dir: str) -> LlamaForCausalLM:
+def hf_model(engine_model_dir: str) -> LlamaForCausalLM:
     """The same weights loaded with stock transformers attention (the reference)."""
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(engine_model_dir, dtype=torch.float32)
     return model.eval()
 
 
@@ -88,11 +92,11 @@ def new_engine(model_dir: str, **overrides: Any) -> LLMEngine:
 
 
 @pytest.fixture
-def make_engine(tiny_model_dir: str) -> Callable[..., LLMEngine]:
+def make_engine(engine_model_dir: str) -> Callable[..., LLMEngine]:
     """Factory: ``make_engine(**EngineConfig overrides)`` (see `new_engine`)."""
 
     def factory(**overrides: Any) -> LLMEngine:
-        engine = new_engine(overrides.pop("model_dir", tiny_model_dir), **overrides)
+        engine = new_engine(overrides.pop("model_dir", engine_model_dir), **overrides)
         _ENGINES.append(engine)
         return engine
 
@@ -111,8 +115,8 @@ class WarmedUp:
 
 
 @pytest.fixture(scope="session")
-def _warmed_up(tiny_model_dir: str) -> WarmedUp:
-    engine = new_engine(tiny_model_dir, compile_model=True, max_num_batched_tokens=32)
+def _warmed_up(engine_model_dir: str) -> WarmedUp:
+    engine = new_engine(engine_model_dir, compile_model=True, max_num_batched_tokens=32)
     graphs = counters["stats"]["unique_graphs"]
     # Under the tests' one thread (_no_leaked_blocks; set after this session fixture):
     # dynamo's global-state guard includes torch's thread count, so graphs compiled under

@@ -1,7 +1,7 @@
 """bf16 greedy parity with transformers' ``generate`` in bf16 (default sdpa attention),
 token for token, on a model whose logits are flat enough that bf16 rounding decides ties.
 
-The session's tiny model (``conftest.tiny_model_dir``) has peaked logits on purpose, so
+The session's tiny model (``conftest.engine_model_dir``) has peaked logits on purpose, so
 it hardly ever notices a rounding difference. This one (default init 0.02, vocab 4096)
 does: on the machine where these tests were written, the native decode kernel with its
 own float32 order (before it reproduced the flash kernel's) left ``generate`` on 4 of

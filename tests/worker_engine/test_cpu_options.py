@@ -31,7 +31,9 @@ def test_auto_dtype_is_resolved_by_the_runner(make_engine: Factory) -> None:
     assert engine.runner.kv_caches[0].dtype == getattr(torch, default_dtype("cpu"))
 
 
-def test_bf16_greedy_matches_transformers_generate_in_bf16(make_engine: Factory, tiny_model_dir: str) -> None:
+def test_bf16_greedy_matches_transformers_generate_in_bf16(
+    make_engine: Factory, engine_model_dir: str
+) -> None:
     """The native kernel rounds softmax weights to bf16 like SDPA's flash kernel does:
     without that, prompt 1 leaves generate's tokens at its 7th token (a near-tie; the
     torch fallback, and transformers' own eager attention, diverge at its 13th). SDPA's
@@ -40,7 +42,7 @@ def test_bf16_greedy_matches_transformers_generate_in_bf16(make_engine: Factory,
     if not cpu_attention.exact_bf16_verified(cpu_flags()):
         pytest.skip("bf16 bit-exactness with SDPA is verified on avx512_bf16 CPUs without AMX only")
     backend = "auto"
-    reference = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    reference = LlamaForCausalLM.from_pretrained(engine_model_dir, dtype=torch.bfloat16).eval()
     ps = prompts(5, 23, 41, seed=3)
     outs = run_all(
         make_engine(dtype="bfloat16", attention_backend=backend),

@@ -83,14 +83,14 @@ def test_replayed_decode_equals_eager(
 
 
 def test_lora_rows_replay_like_eager(
-    make_engine: Callable[..., LLMEngine], tiny_model_dir: str, tmp_path: Any
+    make_engine: Callable[..., LLMEngine], engine_model_dir: str, tmp_path: Any
 ) -> None:
     """With LoRA on, decode steps of base and adapter rows together replay the graphs
     (the step's slot mask is a static buffer) and answer as the eager engine does."""
     from tests.lora_kit import build_adapters
     from worker_svc.engine import RequestSpec
 
-    modules = tuple(f"{n}={p}" for n, p in build_adapters(tiny_model_dir, tmp_path).items())
+    modules = tuple(f"{n}={p}" for n, p in build_adapters(engine_model_dir, tmp_path).items())
     kwargs: dict[str, Any] = {"attention_backend": "cpu", "max_num_seqs": 6, "block_size": 4}
     kwargs.update(max_num_batched_tokens=16, max_loras=2, lora_modules=modules)
     eager, engine = make_engine(**kwargs), make_engine(**kwargs)
@@ -199,10 +199,10 @@ def test_steps_outside_the_buckets_fall_back() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_cuda_graphs_equal_eager(tiny_model_dir: str) -> None:
+def test_captured_cuda_graphs_equal_eager(engine_model_dir: str) -> None:
     from worker_svc.engine import EngineConfig
 
-    kwargs: dict[str, Any] = {"model_dir": tiny_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
+    kwargs: dict[str, Any] = {"model_dir": engine_model_dir, "num_kv_blocks": 128, "dtype": "float32"}
     kwargs.update(device="cuda", attention_backend="triton", max_num_seqs=8)
     eager = LLMEngine(EngineConfig(**kwargs, cuda_graphs=False))
     engine = LLMEngine(EngineConfig(**kwargs))

@@ -384,12 +384,12 @@ def test_generation_capped_by_max_model_len(make_engine: Factory) -> None:
     assert len(tokens(out)) == 12 and out[-1].finish_reason == "length"
 
 
-def test_kv_events_flow(make_engine: Factory, tiny_model_dir: str) -> None:
+def test_kv_events_flow(make_engine: Factory, engine_model_dir: str) -> None:
     events: list[KvEvent] = []
     from worker_svc.engine import EngineConfig
 
     engine = LLMEngine(
-        EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=6, compile_model=False),
+        EngineConfig(model_dir=engine_model_dir, num_kv_blocks=6, compile_model=False),
         on_kv_events=events.extend,
     )
     p = prompts(40, seed=15)[0]
@@ -424,7 +424,7 @@ def test_step_failure_aborts_batch_and_engine_survives(make_engine: Factory) -> 
     assert out[-1].finished
 
 
-def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_dir: str) -> None:
+def test_attention_backend_resolution_on_cpu(make_engine: Factory, engine_model_dir: str) -> None:
     from worker_svc.engine import EngineConfig, cpu_attention, triton_attention
 
     native = cpu_attention.load() is not None
@@ -439,7 +439,7 @@ def test_attention_backend_resolution_on_cpu(make_engine: Factory, tiny_model_di
     with pytest.raises(ValueError, match="attention_backend"):
         LLMEngine(
             EngineConfig(
-                model_dir=tiny_model_dir, num_kv_blocks=8, attention_backend="triton", compile_model=False
+                model_dir=engine_model_dir, num_kv_blocks=8, attention_backend="triton", compile_model=False
             )
         )
 

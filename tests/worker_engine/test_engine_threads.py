@@ -67,9 +67,9 @@ def _run_probe(probe: str, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pool_threads_left(tiny_model_dir: str) -> dict[str, int]:
+def pool_threads_left(engine_model_dir: str) -> dict[str, int]:
     """Where the engine was built ("async", "caller") -> OpenMP pool threads left."""
-    lines = _run_probe(_PROBE, tiny_model_dir)
+    lines = _run_probe(_PROBE, engine_model_dir)
     return {where: int(count) for where, count in (line.split() for line in lines[-2:])}
 
 
@@ -128,10 +128,10 @@ _SCHED_IDLE = 5
 
 
 @pytest.fixture(scope="module")
-def policies(tiny_model_dir: str) -> dict[str, tuple[int, int, list[int]]]:
+def policies(engine_model_dir: str) -> dict[str, tuple[int, int, list[int]]]:
     """engine_priority -> scheduling policies of (caller's thread, step thread, OpenMP workers)."""
     result = {}
-    for line in _run_probe(_PRIORITY_PROBE, tiny_model_dir, "auto", "normal")[-2:]:
+    for line in _run_probe(_PRIORITY_PROBE, engine_model_dir, "auto", "normal")[-2:]:
         priority, caller, step, workers = [*line.split(), ""][:4]
         result[priority] = (int(caller), int(step), [int(p) for p in workers.split(",") if p])
     return result

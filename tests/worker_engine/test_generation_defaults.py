@@ -40,10 +40,10 @@ def test_unset_request_fields_take_the_defaults_and_set_ones_win() -> None:
 
 @pytest.mark.parametrize("mode, expected", [("auto", (("temperature", 0.3), ("top_k", 20))), ("vllm", ())])
 def test_the_engine_reads_the_models_file_unless_told_not_to(
-    tiny_model_dir: str, tmp_path: Path, mode: str, expected: tuple[tuple[str, float], ...]
+    engine_model_dir: str, tmp_path: Path, mode: str, expected: tuple[tuple[str, float], ...]
 ) -> None:
     model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
+    shutil.copytree(engine_model_dir, model)
     path = model / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.3, "top_k": 20}))
     engine = LLMEngine(

@@ -23,8 +23,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return build_adapters(tiny_model_dir, tmp_path_factory.mktemp("loras"))
+def adapter_dirs(engine_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return build_adapters(engine_model_dir, tmp_path_factory.mktemp("loras"))
 
 
 def _run(engine: LLMEngine, reqs: list[tuple[str, list[int], str]]) -> dict[str, list[int]]:
@@ -38,7 +38,7 @@ def _run(engine: LLMEngine, reqs: list[tuple[str, list[int], str]]) -> dict[str,
 
 
 def test_mixed_batch_matches_peft_generate(
-    make_engine: Factory, tiny_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
+    make_engine: Factory, engine_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
 ) -> None:
     engine = make_engine(max_loras=3, lora_modules=tuple(f"{n}={p}" for n, p in adapter_dirs.items()))
     ps = prompts(7, 19, 33, 12, 26)
@@ -50,7 +50,7 @@ def test_mixed_batch_matches_peft_generate(
         want = hf_greedy(hf_model, prompt, GREEDY.max_tokens)
         if name:
             base = want
-            want = peft_greedy(tiny_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
+            want = peft_greedy(engine_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
             assert want != base, f"adapter {name} does not change {rid}'s output: the test proves nothing"
         assert got[rid] == want, f"{rid} under {name or 'the base model'}"
 
@@ -144,16 +144,16 @@ def test_unknown_and_unfit_adapters_refused(
         engine.unload_lora("ok")
 
 
-def test_lora_config_checked(tiny_model_dir: str) -> None:
+def test_lora_config_checked(engine_model_dir: str) -> None:
     with pytest.raises(ValueError, match="needs max_loras"):
-        EngineConfig(model_dir=tiny_model_dir, lora_modules=("a=/x",))
+        EngineConfig(model_dir=engine_model_dir, lora_modules=("a=/x",))
     with pytest.raises(ValueError, match="not 'name=path'"):
-        EngineConfig(model_dir=tiny_model_dir, max_loras=1, lora_modules=("a",))
-    assert EngineConfig(model_dir=tiny_model_dir, max_loras=1, compile_model=True).compiles
+        EngineConfig(model_dir=engine_model_dir, max_loras=1, lora_modules=("a",))
+    assert EngineConfig(model_dir=engine_model_dir, max_loras=1, compile_model=True).compiles
 
 
 def test_compiled_forward_serves_adapters_in_one_graph(
-    make_engine: Factory, tiny_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
+    make_engine: Factory, engine_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
 ) -> None:
     """LoRA on keeps the forward compiled: steps of base rows only, of one adapter and of
     a mix, and an adapter evicted from its slot and loaded again, all run the graph the
@@ -178,7 +178,7 @@ def test_compiled_forward_serves_adapters_in_one_graph(
         got = _run(engine, reqs)
         for rid, prompt, name in reqs:
             want = (
-                peft_greedy(tiny_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
+                peft_greedy(engine_model_dir, adapter_dirs[name], prompt, GREEDY.max_tokens)
                 if name
                 else hf_greedy(hf_model, prompt, GREEDY.max_tokens)
             )
@@ -188,7 +188,7 @@ def test_compiled_forward_serves_adapters_in_one_graph(
 
 
 async def test_async_engine_changes_adapters_between_steps(
-    tiny_model_dir: str, adapter_dirs: dict[str, str]
+    engine_model_dir: str, adapter_dirs: dict[str, str]
 ) -> None:
     """`AsyncLLMEngine.call` runs on the engine thread; its exception reaches the caller;
     a call left when the engine stops fails instead of hanging."""
@@ -196,7 +196,7 @@ async def test_async_engine_changes_adapters_between_steps(
     from worker_svc.engine.async_engine import EngineShutdownError
 
     engine = AsyncLLMEngine(
-        EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, dtype="float32", max_loras=1)
+        EngineConfig(model_dir=engine_model_dir, num_kv_blocks=64, dtype="float32", max_loras=1)
     )
     try:
         await engine.call(lambda e: e.load_lora("a", adapter_dirs["ad-mlp"]))
