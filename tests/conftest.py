@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: model directories and a real Redis."""
+"""Fixtures shared by every test package: model directories, a real Redis and the session's
+shared mesh (tests/mesh.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.redis_client import RedisServer
+from tests.mesh import RunningMesh, release_after_last_test, session_mesh, start_e2e_mesh, start_shared_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 # The services the tests start compute in float32 whatever the host: the tests compare their tokens
@@ -67,3 +69,37 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def shared(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RunningMesh:
+    """The real mesh the reliability, security and fuzz suites share (tests/mesh.py)."""
+    base = tmp_path_factory.mktemp("shared-mesh")
+    return session_mesh(request.config, "shared", lambda: start_shared_mesh(tiny_model_dir, base))
+
+
+@pytest.fixture(scope="session")
+def e2e_mesh(
+    request: pytest.FixtureRequest,
+    model_dir: Path,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> RunningMesh:
+    """The test model's one-decoder mesh the e2e suites share (tests/mesh.py)."""
+    base = tmp_path_factory.mktemp("e2e-mesh")
+    return session_mesh(request.config, "e2e_mesh", lambda: start_e2e_mesh(model_dir, redis_server.url, base))
+
+
+@pytest.fixture(scope="module")
+def mesh(shared: RunningMesh) -> RunningMesh:
+    """The mesh a test runs on: the shared one, with every service running and healthy at
+    the start of a module (a module that starts its own mesh overrides this fixture)."""
+    shared.ensure_running()
+    return shared
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stops a session mesh once the last test that uses it has run."""
+    release_after_last_test(item)

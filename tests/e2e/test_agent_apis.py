@@ -22,9 +22,10 @@ import redis
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from launcher.mesh import Mesh, free_ports_config, service_specs
+from launcher.mesh import Mesh
 from services.ports import free_port
 from services.redis_client import RedisServer
+from tests.mesh import running_mesh, wait_gateway_healthy
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
 GREEDY = {"temperature": 0}  # the anthropic SDK has no sampling arguments: sent as extra body
@@ -54,25 +55,22 @@ class Answer(BaseModel):
 def mesh(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = free_ports_config(
+    with running_mesh(
+        tmp_path_factory.mktemp("mesh"),
+        timeout=240,
         model_dir=str(model_dir),
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
         embedding_model_dir="",
         api_keys=f"{KEY_A},{KEY_B}",
-    )
-    started = Mesh(config)
-    try:
-        # The second gateway starts beside the mesh's services; start() waits for it too.
-        spec = next(s for s in service_specs(config, redis_server.url) if s.name == "gateway")
+    ) as started:
+        # A second gateway beside the mesh's own, on the same scheduler and keys.
+        spec = started.specs["gateway"]
         port = free_port()
         env = {**spec.env, "MESHSERVE_PORT": str(port)}
-        started.start_service(dataclasses.replace(spec, name="gateway-2", port=port, env=env))
-        started.start(timeout=240)
+        started.add_service(dataclasses.replace(spec, name="gateway-2", port=port, env=env))
+        wait_gateway_healthy(f"http://127.0.0.1:{port}")
         yield started
-    finally:
-        started.stop()
 
 
 def _url(mesh: Mesh, gateway: str) -> str:

@@ -14,8 +14,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from launcher.mesh import Mesh, free_ports_config
+from launcher.mesh import Mesh
 from services.redis_client import RedisServer
+from tests.mesh import running_mesh
 
 # The first test's set-up compiles the default model's forward, as `make serve` does (2-3 min of
 # a 2-vCPU host): pytest's per-test limit is the mesh start's own.
@@ -48,20 +49,19 @@ WEATHER_TOOL = {
 def mesh(
     default_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = free_ports_config(
+    with running_mesh(
+        tmp_path_factory.mktemp("mesh"),
+        timeout=600,
         model_dir=str(default_model_dir),
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=64,
         embedding_model_dir="",
         # The worker's defaults, which tests/conftest.py pins for every other test: the forward
         # compiled (the first request below must not pay for it) in the host's dtype (bfloat16
         # where the CPU has native bf16, as `make serve` runs it).
         extra_env=(("MESHSERVE_COMPILE_MODEL", "true"), ("MESHSERVE_DTYPE", "auto")),
-    )
-    started = Mesh(config).start(timeout=600)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -18,52 +18,45 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.e2e.test_pd_mesh import MAX_TOKENS, complete, expected, reference, text  # noqa: F401
-from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
+from tests.mesh import RunningMesh, running_mesh
 
 WORKERS = ["decoder-0", "decoder-1"]
 SHARE_MIN = 24  # the scheduler's kv_share_min_tokens
 
 
 @pytest.fixture(scope="module")
-def shared(
+def sharing(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedMesh]:
-    config = free_ports_config(
+) -> Iterator[RunningMesh]:
+    """Two decoders that pull a prefix from each other (KV sharing)."""
+    with running_mesh(
+        tmp_path_factory.mktemp("kv-share-mesh"),
         model_dir=str(model_dir),
         num_decoders=2,
         embedding_model_dir="",
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("kv-share-mesh-logs")),
         kv_cache_memory_mb=16,
         metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
         extra_env=(
             ("MESHSERVE_KV_SHARE_MIN_TOKENS", str(SHARE_MIN)),
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", "32"),
         ),
-    )
-    mesh = SharedMesh(Mesh(config).start(timeout=180))
-    try:
-        wait_gateway_healthy(mesh.gateway_url, 60)
-        for name in WORKERS:
-            mesh.wait_registered(name)
+    ) as mesh:
         yield mesh
-    finally:
-        mesh.stop()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill9_of_a_decoder_others_pull_from_fails_no_request(
-    shared: SharedMesh,
+    sharing: RunningMesh,
     reference: object,  # noqa: F811 - the P/D tests' in-process engine fixture
     model_dir: Path,
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    client = openai.OpenAI(base_url=shared.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=sharing.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     prefix = text(1, 70)
     prompts = [f"{prefix} {text(20 + i, 6)}" for i in range(24)]
@@ -73,10 +66,10 @@ def test_kill9_of_a_decoder_others_pull_from_fails_no_request(
     }
 
     def finished() -> dict[str, float]:
-        return {name: shared.metric(name, "meshserve_worker_num_finished") for name in WORKERS}
+        return {name: sharing.metric(name, "meshserve_worker_num_finished") for name in WORKERS}
 
     def fallbacks(name: str) -> float:
-        return shared.metric(name, "meshserve_worker_kv_transfers_total", outcome="fallback")
+        return sharing.metric(name, "meshserve_worker_kv_transfers_total", outcome="fallback")
 
     before = finished()
     assert complete(client, model, prefix)[0]
@@ -90,15 +83,15 @@ def test_kill9_of_a_decoder_others_pull_from_fails_no_request(
     # Stopped before the load, so that the pulls from it are in flight at the kill (a tiny
     # model's pull is over in milliseconds), for less than the scheduler takes to see its
     # heartbeats stop.
-    shared.kill(holder, signal.SIGSTOP)
+    sharing.kill(holder, signal.SIGSTOP)
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(lambda p=p: complete(client, model, p)[0]) for p in prompts]
         time.sleep(0.7)
-        shared.kill(holder)
+        sharing.kill(holder)
         answers = [f.result() for f in futures]
     assert fallbacks(puller) > fell_back, "no pull was in flight when the holder died"
     assert answers == [wanted[p] for p in prompts]
-    shared.wait_kv_idle(timeout=30, names=[puller])
-    shared.restart(holder)
-    shared.wait_registered(holder)
-    shared.wait_kv_idle(timeout=30, names=WORKERS)
+    sharing.wait_kv_idle(timeout=30, names=[puller])
+    sharing.restart(holder)
+    sharing.wait_registered(holder)
+    sharing.wait_kv_idle(timeout=30, names=WORKERS)

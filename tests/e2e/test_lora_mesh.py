@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-from launcher.mesh import Mesh, free_ports_config
+from launcher.mesh import Mesh
 from services.ports import free_port
 from services.redis_client import RedisServer
 from tests.lora_kit import base_model, build_adapters, greedy, peft_greedy
-from tests.reliability.meshkit import metric_value
+from tests.mesh import metric_value, running_mesh
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,11 +56,12 @@ def mesh(
     redis_server: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Mesh]:
-    config = free_ports_config(
+    with running_mesh(
+        tmp_path_factory.mktemp("mesh"),
+        timeout=240,
         model_dir=str(peaked_model),
         num_decoders=2,
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         kv_cache_memory_mb=32,
         embedding_model_dir="",
         api_keys=USER,
@@ -69,10 +70,8 @@ def mesh(
         max_loras=2,
         enable_lora_updating=True,
         metrics_ports=(("scheduler", free_port()),),
-    )
-    started = Mesh(config).start(timeout=240)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 def _client(mesh: Mesh, key: str) -> openai.OpenAI:

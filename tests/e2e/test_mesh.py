@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,11 +13,7 @@ import pytest
 from openai.types import Completion
 from transformers import AutoTokenizer
 
-from launcher.mesh import Mesh, free_ports_config
-from services.ports import free_port
-from services.redis_client import RedisServer
-from tests.reliability.meshkit import metric_value
-from worker_svc.embedding import default_embedding_model_dir
+from tests.mesh import RunningMesh, metric_value
 from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 MESSAGES = [
@@ -28,26 +23,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def mesh(
-    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Mesh]:
-    config = free_ports_config(
-        model_dir=str(model_dir),
-        num_decoders=1,
-        redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
-        kv_cache_memory_mb=64,
-        embedding_model_dir=default_embedding_model_dir(),
-        metrics_ports=(("scheduler", free_port()),),
-    )
-    started = Mesh(config).start(timeout=180)
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(e2e_mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=e2e_mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +117,14 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(
     assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def test_requests_share_one_stream_to_the_decoder(mesh: Mesh, client: openai.OpenAI, model_name: str) -> None:
+def test_requests_share_one_stream_to_the_decoder(
+    e2e_mesh: RunningMesh, client: openai.OpenAI, model_name: str
+) -> None:
     """The gateway's token path to the decoder is one GenerateStream, opened once and
     shared by every request."""
     for _ in range(3):
         client.completions.create(model=model_name, prompt="Hello", max_tokens=2)
-    port = int(mesh.gateway_url.rsplit(":", 1)[1])
+    port = int(e2e_mesh.gateway_url.rsplit(":", 1)[1])
     assert metric_value(port, "meshserve_gateway_worker_streams_opened_total") == 1
 
 
@@ -209,13 +188,17 @@ def test_parallel_samples_logprobs_and_stop(client: openai.OpenAI, model_name: s
     assert cut.usage is not None and cut.usage.completion_tokens < 16
 
 
-def test_tokenize_detokenize_and_embeddings(mesh: Mesh, client: openai.OpenAI, model_name: str) -> None:
+def test_tokenize_detokenize_and_embeddings(
+    e2e_mesh: RunningMesh, client: openai.OpenAI, model_name: str
+) -> None:
     tokens = httpx.post(
-        mesh.gateway_url + "/tokenize", json={"model": model_name, "prompt": "héllo wörld"}, timeout=30
+        e2e_mesh.gateway_url + "/tokenize", json={"model": model_name, "prompt": "héllo wörld"}, timeout=30
     )
     assert tokens.status_code == 200, tokens.text
     ids = tokens.json()["tokens"]
-    text = httpx.post(mesh.gateway_url + "/detokenize", json={"model": model_name, "tokens": ids}, timeout=30)
+    text = httpx.post(
+        e2e_mesh.gateway_url + "/detokenize", json={"model": model_name, "tokens": ids}, timeout=30
+    )
     assert text.status_code == 200 and "héllo wörld" in text.json()["prompt"]
     embedding_model = next(m.id for m in client.models.list().data if m.id != model_name)
     vectors = client.embeddings.create(
@@ -228,13 +211,13 @@ def test_tokenize_detokenize_and_embeddings(mesh: Mesh, client: openai.OpenAI, m
         return sum(x * y for x, y in zip(a, b, strict=True))
 
     assert cosine(values[0], values[1]) > cosine(values[0], values[2])
-    metrics = httpx.get(mesh.gateway_url + "/metrics", timeout=30)
+    metrics = httpx.get(e2e_mesh.gateway_url + "/metrics", timeout=30)
     assert metrics.status_code == 200 and "meshserve_gateway" in metrics.text
 
 
-def test_bad_input_is_400_naming_the_field(mesh: Mesh, model_name: str) -> None:
+def test_bad_input_is_400_naming_the_field(e2e_mesh: RunningMesh, model_name: str) -> None:
     reply = httpx.post(
-        mesh.gateway_url + "/v1/chat/completions",
+        e2e_mesh.gateway_url + "/v1/chat/completions",
         json={"model": model_name, "messages": MESSAGES, "max_tokens": -1},
         timeout=30,
     )
@@ -242,26 +225,26 @@ def test_bad_input_is_400_naming_the_field(mesh: Mesh, model_name: str) -> None:
     assert "max_tokens" in reply.json()["error"]["message"] + str(reply.json()["error"].get("param"))
 
 
-def test_killing_a_service_shows_in_health(mesh: Mesh) -> None:
-    assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
-    mesh.stop_service("tokenizer")
+def test_killing_a_service_shows_in_health(e2e_mesh: RunningMesh) -> None:
+    assert httpx.get(e2e_mesh.gateway_url + "/health", timeout=10).status_code == 200
+    e2e_mesh.stop_service("tokenizer")
     try:
         deadline = time.monotonic() + 20
         status = 200
         while time.monotonic() < deadline and status == 200:
-            status = httpx.get(mesh.gateway_url + "/health", timeout=10).status_code
+            status = httpx.get(e2e_mesh.gateway_url + "/health", timeout=10).status_code
             time.sleep(0.2)
         assert status == 503
-        assert "tokenizer" in httpx.get(mesh.gateway_url + "/health", timeout=10).text
+        assert "tokenizer" in httpx.get(e2e_mesh.gateway_url + "/health", timeout=10).text
     finally:
-        mesh.start_service(mesh.specs["tokenizer"])
-        mesh.wait_healthy(60)
-    assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
+        e2e_mesh.start_service(e2e_mesh.specs["tokenizer"])
+        e2e_mesh.wait_healthy(60)
+    assert httpx.get(e2e_mesh.gateway_url + "/health", timeout=10).status_code == 200
 
 
-def _scheduler_series(mesh: Mesh, name: str) -> float:
+def _scheduler_series(e2e_mesh: RunningMesh, name: str) -> float:
     """The sum of a scheduler metric's samples (every label set)."""
-    port = dict(mesh.config.metrics_ports)["scheduler"]
+    port = dict(e2e_mesh.config.metrics_ports)["scheduler"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -271,20 +254,20 @@ def _scheduler_series(mesh: Mesh, name: str) -> float:
 
 
 def test_every_request_routes_and_releases_its_lease(
-    mesh: Mesh, client: openai.OpenAI, model_name: str
+    e2e_mesh: RunningMesh, client: openai.OpenAI, model_name: str
 ) -> None:
     """Requests one after another each route on the gateway's route stream (one route per
     request, no lease held ahead of one) and give their lease back when they end: the
     replica counts every lease released by the gateway and holds none afterwards."""
-    port = dict(mesh.config.metrics_ports)["scheduler"]
-    routed = _scheduler_series(mesh, "meshserve_scheduler_routed_total")
+    port = dict(e2e_mesh.config.metrics_ports)["scheduler"]
+    routed = _scheduler_series(e2e_mesh, "meshserve_scheduler_routed_total")
     released = metric_value(port, "meshserve_scheduler_leases_ended_total", how="released")
     for _ in range(8):
         reply = client.completions.create(model=model_name, prompt="route me", max_tokens=2)
         assert reply.choices[0].text is not None
-    assert _scheduler_series(mesh, "meshserve_scheduler_routed_total") - routed == 8
+    assert _scheduler_series(e2e_mesh, "meshserve_scheduler_routed_total") - routed == 8
     deadline = time.monotonic() + 10
-    while _scheduler_series(mesh, "meshserve_scheduler_leases") > 0 and time.monotonic() < deadline:
+    while _scheduler_series(e2e_mesh, "meshserve_scheduler_leases") > 0 and time.monotonic() < deadline:
         time.sleep(0.05)  # releases go back in 20 ms batches
-    assert _scheduler_series(mesh, "meshserve_scheduler_leases") == 0
+    assert _scheduler_series(e2e_mesh, "meshserve_scheduler_leases") == 0
     assert metric_value(port, "meshserve_scheduler_leases_ended_total", how="released") - released == 8

@@ -19,10 +19,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 from services.redis_client import RedisServer
-from tests.reliability.meshkit import SharedMesh, wait_gateway_healthy
+from tests.mesh import RunningMesh, running_mesh
 from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.kv_grpc import FAULT_ENV
 
@@ -40,14 +39,14 @@ def text(seed: int, words: int) -> str:
 @pytest.fixture(scope="module")
 def pd(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedMesh]:
-    config = free_ports_config(
+) -> Iterator[RunningMesh]:
+    with running_mesh(
+        tmp_path_factory.mktemp("pd-mesh"),
         model_dir=str(model_dir),
         num_decoders=1,
         num_prefill=1,
         embedding_model_dir="",
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("pd-mesh-logs")),
         kv_cache_memory_mb=16,
         metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
         extra_env=(
@@ -56,26 +55,12 @@ def pd(
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),
             ("MESHSERVE_NUM_THREADS", "1"),
         ),
-    )
-    mesh = SharedMesh(Mesh(config).start(timeout=180))
-    try:
-        wait_gateway_healthy(mesh.gateway_url, 60)
-        wait_prefill_registered(mesh)
+    ) as mesh:
         yield mesh
-    finally:
-        mesh.stop()
-
-
-def wait_prefill_registered(mesh: SharedMesh, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while "prefill-0" not in mesh.healthy_decoders(max_heartbeat_age_s=1.0) or not mesh.alive("prefill-0"):
-        if time.monotonic() > deadline:
-            raise TimeoutError("prefill-0 not registered")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
-def client(pd: SharedMesh) -> openai.OpenAI:
+def client(pd: RunningMesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=pd.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -125,12 +110,12 @@ def check(client: openai.OpenAI, model: str, engine: LLMEngine, tokenizer: objec
     return len(ids)
 
 
-def count(mesh: SharedMesh, name: str, metric: str, **labels: str) -> float:
+def count(mesh: RunningMesh, name: str, metric: str, **labels: str) -> float:
     return mesh.metric(name, metric, **labels)
 
 
 def test_pd_greedy_equals_one_engine(
-    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+    pd: RunningMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
@@ -147,13 +132,13 @@ def test_pd_greedy_equals_one_engine(
 
 
 def test_corrupted_block_falls_back_with_the_same_output(
-    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+    pd: RunningMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec = pd.mesh.specs["decoder-0"]
+    spec = pd.specs["decoder-0"]
     faulty = dataclasses.replace(spec, env={**spec.env, FAULT_ENV: "corrupt"})
     try:
-        pd.mesh.specs["decoder-0"] = faulty
+        pd.specs["decoder-0"] = faulty
         pd.restart("decoder-0")
         pd.wait_registered("decoder-0")
         before = count(pd, "decoder-0", "meshserve_worker_kv_transfer_fallbacks_total", reason="checksum")
@@ -164,7 +149,7 @@ def test_corrupted_block_falls_back_with_the_same_output(
         )
         pd.wait_kv_idle(timeout=30, names=WORKERS)
     finally:
-        pd.mesh.specs["decoder-0"] = spec
+        pd.specs["decoder-0"] = spec
         pd.restart("decoder-0")
         pd.wait_registered("decoder-0")
 
@@ -172,7 +157,7 @@ def test_corrupted_block_falls_back_with_the_same_output(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill9_prefill_worker_under_load_fails_no_request(
-    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+    pd: RunningMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
 ) -> None:
     """16 concurrent long prompts; the prefill worker is killed (-9) while they run: every
     request still answers with the reference's tokens (its decoder prefills itself)."""
@@ -201,14 +186,14 @@ def test_kill9_prefill_worker_under_load_fails_no_request(
     assert count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="fallback") > 0
     pd.wait_kv_idle(timeout=30, names=["decoder-0"])
     pd.restart("prefill-0")
-    wait_prefill_registered(pd)
+    pd.wait_registered("prefill-0")
     pd.wait_kv_idle(timeout=30, names=WORKERS)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigstop_prefill_worker_under_load_delays_no_request(
-    pd: SharedMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
+    pd: RunningMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
 ) -> None:
     """16 concurrent long prompts; the prefill worker is stopped (SIGSTOP: alive, silent)
     once the first hand-off has landed. Every request answers with the reference's tokens,
@@ -259,5 +244,5 @@ def test_sigstop_prefill_worker_under_load_delays_no_request(
         pd.wait_kv_idle(timeout=30, names=["decoder-0"])
     finally:
         pd.kill("prefill-0", signal.SIGCONT)
-    wait_prefill_registered(pd)
+    pd.wait_registered("prefill-0")
     pd.wait_kv_idle(timeout=30, names=WORKERS)

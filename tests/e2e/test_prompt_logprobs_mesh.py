@@ -6,7 +6,6 @@ prefills at most 16 tokens per step, so every prompt here spans several chunks."
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launcher.mesh import Mesh, free_ports_config
-from services.redis_client import RedisServer
+from tests.mesh import E2E_CHUNK, RunningMesh
 
-CHUNK = 16
+CHUNK = E2E_CHUNK  # prompts longer than two chunks are scored across chunks
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def mesh(
-    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Mesh]:
-    config = free_ports_config(
-        model_dir=str(model_dir),
-        num_decoders=1,
-        redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("plp-mesh-logs")),
-        kv_cache_memory_mb=64,
-        extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),),
-    )
-    started = Mesh(config).start(timeout=180)
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(e2e_mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=e2e_mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +197,8 @@ def test_vllm_prompt_logprobs_completions_and_chat(
     ],
 )
 def test_bad_prompt_logprobs_requests_name_the_field(
-    mesh: Mesh, model_name: str, path: str, body: dict[str, Any], param: str
+    e2e_mesh: RunningMesh, model_name: str, path: str, body: dict[str, Any], param: str
 ) -> None:
-    reply = httpx.post(mesh.gateway_url + path, json={"model": model_name, **body}, timeout=60)
+    reply = httpx.post(e2e_mesh.gateway_url + path, json={"model": model_name, **body}, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from pathlib import Path
@@ -17,8 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from launcher.mesh import Mesh, free_ports_config
-from services.redis_client import RedisServer
+from tests.mesh import RunningMesh
 
 MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
 Short = Annotated[str, Field(max_length=8)]
@@ -56,24 +54,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def mesh(
-    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Mesh]:
-    config = free_ports_config(
-        model_dir=str(model_dir),
-        num_decoders=1,
-        redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
-        kv_cache_memory_mb=64,
-    )
-    started = Mesh(config).start(timeout=180)
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(e2e_mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=e2e_mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +184,12 @@ def test_forced_tool_choice_always_parses(client: openai.OpenAI, model: str, too
         assert set(json.loads(call.function.arguments)) == {"city"}
 
 
-def test_bad_schema_is_400_and_the_mesh_goes_on(mesh: Mesh, client: openai.OpenAI, model: str) -> None:
+def test_bad_schema_is_400_and_the_mesh_goes_on(
+    e2e_mesh: RunningMesh, client: openai.OpenAI, model: str
+) -> None:
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
     response = httpx.post(
-        mesh.gateway_url + "/v1/chat/completions",
+        e2e_mesh.gateway_url + "/v1/chat/completions",
         json={"model": model, "messages": MESSAGES, "response_format": bad},
         timeout=60,
     )

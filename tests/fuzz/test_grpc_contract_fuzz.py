@@ -39,7 +39,7 @@ from meshserve.v1 import (
     worker_pb2_grpc,
 )
 from services.config import MAX_MESSAGE_BYTES
-from tests.reliability.meshkit import ENCODER_CACHE_MB, MODEL_NAME, SharedMesh
+from tests.mesh import ENCODER_CACHE_MB, MODEL_NAME, RunningMesh
 from tests.scheduler_svc.route_client import RouteClient
 
 CLIENT_ERRORS = {
@@ -107,12 +107,12 @@ def _routed(
     return call
 
 
-def _released(mesh: SharedMesh) -> float:
+def _released(mesh: RunningMesh) -> float:
     """Leases the scheduler replica `scheduler` ended because they were released."""
     return mesh.metric("scheduler", "meshserve_scheduler_leases_ended_total", how="released")
 
 
-def _wait_released(mesh: SharedMesh, count: float, timeout: float = 10.0) -> float:
+def _wait_released(mesh: RunningMesh, count: float, timeout: float = 10.0) -> float:
     """`_released` once it reaches `count` (or at the timeout)."""
     deadline = time.monotonic() + timeout
     while (value := _released(mesh)) < count and time.monotonic() < deadline:
@@ -480,18 +480,18 @@ def _check(error: grpc.aio.AioRpcError | None, expect: frozenset[grpc.StatusCode
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_hostile_message_is_a_client_error(mesh: SharedMesh, case: Case) -> None:
+def test_hostile_message_is_a_client_error(mesh: RunningMesh, case: Case) -> None:
     """Each hostile message ends in its client-error status with a message."""
     _check(asyncio.run(_run(mesh.address(case.service), case.call)), case.expect)
 
 
-def test_oversized_stream_chunk_is_resource_exhausted(mesh: SharedMesh) -> None:
+def test_oversized_stream_chunk_is_resource_exhausted(mesh: RunningMesh) -> None:
     """One Put chunk over the limit → RESOURCE_EXHAUSTED (client-streaming path)."""
     chunk = encoder_cache_pb2.TensorChunk(meta=_meta(), data=b"\0" * (MAX_MESSAGE_BYTES + 1024))
     _check(asyncio.run(_run(mesh.address("encoder-cache"), _put(chunk))), OVERSIZE)
 
 
-def test_encoder_cache_refuses_item_over_capacity_before_buffering(mesh: SharedMesh) -> None:
+def test_encoder_cache_refuses_item_over_capacity_before_buffering(mesh: RunningMesh) -> None:
     """meta.num_bytes above the capacity is refused at the first chunk, not after the
     client streamed (and the server buffered) all of it."""
     total_mib = 4 * ENCODER_CACHE_MB
@@ -526,7 +526,7 @@ def test_encoder_cache_refuses_item_over_capacity_before_buffering(mesh: SharedM
     assert sent < total_mib // 2, f"the server consumed {sent} of {total_mib} MiB before refusing"
 
 
-def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None:
+def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: RunningMesh) -> None:
     """Raw bytes with invalid UTF-8 in TokenizeRequest.text (a proto3 `string`): the server
     cannot parse the message; the call must fail with a message and the service survive."""
     payload = _field(1, MODEL_NAME.encode()) + _field(2, b"caf\xc3(\xff\xfe")
@@ -548,7 +548,7 @@ def test_invalid_utf8_in_string_field_is_a_clean_error(mesh: SharedMesh) -> None
     ids=["tokenize-utf8", "render-chat-utf8", "route-corrupt-wire", "release-utf8", "worker-utf8"],
 )
 def test_undecodable_message_is_invalid_argument(
-    mesh: SharedMesh, service: str, method: str, payload: bytes
+    mesh: RunningMesh, service: str, method: str, payload: bytes
 ) -> None:
     """The contract asks for INVALID_ARGUMENT on a message that does not parse (on a
     stream: the call ends with it)."""
@@ -559,7 +559,7 @@ def test_undecodable_message_is_invalid_argument(
     _check(error, INVALID)
 
 
-def test_release_takes_any_lease_ids(mesh: SharedMesh) -> None:
+def test_release_takes_any_lease_ids(mesh: RunningMesh) -> None:
     """A release on the route stream never fails on what it is given: unknown, empty, huge
     or repeated lease ids are simply not released (0), a lease is released exactly once.
     Each release rides on a route, whose answer comes after the replica handled it."""
@@ -609,7 +609,7 @@ GENERATE_STREAM_CASES: list[tuple[str, common_pb2.GenerateRequest, frozenset[grp
 ]
 
 
-def test_bad_adds_on_generate_stream_fail_only_their_request(mesh: SharedMesh) -> None:
+def test_bad_adds_on_generate_stream_fail_only_their_request(mesh: RunningMesh) -> None:
     """Every hostile add of GENERATE_STREAM_CASES on ONE GenerateStream is answered with
     a RequestError carrying its client-error code and a message, next to a valid request
     that runs to its end; aborts of unknown ids and empty messages are ignored; a second
@@ -646,7 +646,7 @@ def test_bad_adds_on_generate_stream_fail_only_their_request(mesh: SharedMesh) -
     assert len(outcome.errors) == len(GENERATE_STREAM_CASES) + 1
 
 
-def test_undecodable_message_on_generate_stream(mesh: SharedMesh) -> None:
+def test_undecodable_message_on_generate_stream(mesh: RunningMesh) -> None:
     """Bytes that do not parse as a GenerateStreamRequest end the call with
     INVALID_ARGUMENT (never UNKNOWN/INTERNAL, never a hang); the worker goes on serving."""
 
@@ -740,7 +740,7 @@ def _request(prompt: list[int], sampling: common_pb2.SamplingParams, priority: i
     force_encode=st.booleans(),
 )
 def test_fuzzed_route_never_fails_server_side(
-    mesh: SharedMesh,
+    mesh: RunningMesh,
     prompt: list[int],
     sampling: common_pb2.SamplingParams,
     priority: int,
@@ -767,7 +767,7 @@ def test_fuzzed_route_never_fails_server_side(
     )
 )
 def test_fuzzed_generate_stream_adds_never_fail_server_side(
-    mesh: SharedMesh, requests: list[tuple[list[int], common_pb2.SamplingParams, int, str]]
+    mesh: RunningMesh, requests: list[tuple[list[int], common_pb2.SamplingParams, int, str]]
 ) -> None:
     """Random adds on one GenerateStream: each request finishes or gets a RequestError
     with a client-error code and a message (never INTERNAL/UNKNOWN), and the stream still
@@ -791,7 +791,7 @@ def test_fuzzed_generate_stream_adds_never_fail_server_side(
     text=st.text(max_size=64),
     ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
 )
-def test_fuzzed_tokenizer_calls_never_fail_server_side(mesh: SharedMesh, text: str, ids: list[int]) -> None:
+def test_fuzzed_tokenizer_calls_never_fail_server_side(mesh: RunningMesh, text: str, ids: list[int]) -> None:
     """Random Tokenize / Detokenize / RenderChat inputs."""
     calls: list[Call] = [
         _tok("Tokenize", tokenizer_pb2.TokenizeRequest(model=MODEL_NAME, text=text, return_token_strs=True)),
@@ -806,10 +806,10 @@ def test_fuzzed_tokenizer_calls_never_fail_server_side(mesh: SharedMesh, text: s
         assert _acceptable(error), f"{error.code().name if error else ''}: {error.details() if error else ''}"
 
 
-def test_every_service_survived_the_fuzz(mesh: SharedMesh) -> None:
+def test_every_service_survived_the_fuzz(mesh: RunningMesh) -> None:
     """After all of the above: every process is alive, the mesh is healthy, no KV leaked,
     and a normal request still works."""
-    dead = [name for name in mesh.mesh.procs if not mesh.alive(name)]
+    dead = [name for name in mesh.procs if not mesh.alive(name)]
     assert not dead, f"crashed: {dead}"
     assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 200
     mesh.wait_kv_idle()

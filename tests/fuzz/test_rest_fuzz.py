@@ -24,7 +24,7 @@ from schemathesis.core.result import Ok
 from schemathesis.generation import GenerationMode
 from schemathesis.schemas import BaseSchema
 
-from tests.reliability.meshkit import MODEL_NAME, SharedMesh
+from tests.mesh import MODEL_NAME, RunningMesh
 
 # Small so the suite stays fast; per operation and generation mode.
 SCHEMATHESIS_EXAMPLES = 8
@@ -64,7 +64,7 @@ def _assert_error_shape(reply: Any, path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway_schema(mesh: SharedMesh) -> BaseSchema:
+def gateway_schema(mesh: RunningMesh) -> BaseSchema:
     """The gateway's OpenAPI schema as schemathesis loads it from the running gateway."""
     return schemathesis.openapi.from_url(mesh.gateway_url + "/openapi.json", timeout=30)
 
@@ -221,7 +221,7 @@ FUZZ = settings(
 
 
 def _post(
-    mesh: SharedMesh, route: str, content: bytes, content_type: str = "application/json"
+    mesh: RunningMesh, route: str, content: bytes, content_type: str = "application/json"
 ) -> httpx.Response:
     return httpx.post(
         mesh.gateway_url + route, content=content, headers={"Content-Type": content_type}, timeout=60
@@ -237,7 +237,7 @@ def _check(route: str, reply: httpx.Response) -> None:
 
 @FUZZ
 @given(route=st.sampled_from(ROUTES), data=st.data())
-def test_mutated_bodies_never_answer_5xx(mesh: SharedMesh, route: str, data: st.DataObject) -> None:
+def test_mutated_bodies_never_answer_5xx(mesh: RunningMesh, route: str, data: st.DataObject) -> None:
     """A valid body with one field replaced by arbitrary JSON (or a non-finite number)."""
     body = dict(VALID_BODIES[route])
     name = data.draw(st.sampled_from(FIELDS[route]), label="field")
@@ -250,7 +250,7 @@ def test_mutated_bodies_never_answer_5xx(mesh: SharedMesh, route: str, data: st.
 
 @FUZZ
 @given(route=st.sampled_from(ROUTES), value=_json)
-def test_arbitrary_json_bodies_never_answer_5xx(mesh: SharedMesh, route: str, value: Any) -> None:
+def test_arbitrary_json_bodies_never_answer_5xx(mesh: RunningMesh, route: str, value: Any) -> None:
     """Any JSON value as the whole body."""
     _check(route, _post(mesh, route, json.dumps(_cap(value)).encode()))
 
@@ -262,13 +262,13 @@ def test_arbitrary_json_bodies_never_answer_5xx(mesh: SharedMesh, route: str, va
     content_type=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
 )
 def test_non_json_bodies_never_answer_5xx(
-    mesh: SharedMesh, route: str, raw: bytes, content_type: str
+    mesh: RunningMesh, route: str, raw: bytes, content_type: str
 ) -> None:
     """Random bytes (invalid UTF-8 included) with assorted content types."""
     _check(route, _post(mesh, route, raw, content_type))
 
 
-def test_deeply_nested_json_is_a_400(mesh: SharedMesh) -> None:
+def test_deeply_nested_json_is_a_400(mesh: RunningMesh) -> None:
     """A pathologically nested body does not blow the gateway's stack."""
     nested = "[" * 100_000 + "]" * 100_000
     body = '{"model": "tiny", "messages": ' + nested + "}"

@@ -25,7 +25,7 @@ def test_a_chat_streams_from_the_runs_own_generator(
 
     def recording(self: MultiRun) -> AsyncIterator[ChoiceEvent]:
         source = events(self)
-        sources.append(getattr(source, "ag_code").co_qualname)
+        sources.append(source.ag_code.co_qualname)
         return source
 
     monkeypatch.setattr(MultiRun, "events", recording)

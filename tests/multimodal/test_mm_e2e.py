@@ -17,11 +17,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from launcher.mesh import Mesh, free_ports_config
+from launcher.mesh import Mesh
 from services.ports import free_port
 from services.redis_client import RedisServer
+from tests.mesh import metric_value, running_mesh
 from tests.multimodal.conftest import ReferenceBuilder, chat_messages, png_bytes
-from tests.reliability.meshkit import metric_value
 
 MAX_TOKENS = 8
 # Each image's embeddings take 16 x 64 float32 = 4096 bytes: the cache holds two.
@@ -33,20 +33,19 @@ METRICS = ("scheduler", "encoder-cache", "encoder-0")
 def mesh(
     vlm_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    config = free_ports_config(
+    with running_mesh(
+        tmp_path_factory.mktemp("mm-mesh"),
+        timeout=120,
         model_dir=str(vlm_dir),
         embedding_model_dir="",
         num_decoders=1,
         num_encoders=1,
         redis_url=redis_server.url,
-        log_dir=str(tmp_path_factory.mktemp("mm-mesh-logs")),
         kv_cache_memory_mb=16,
         extra_env=(("MESHSERVE_CAPACITY_BYTES", str(CACHE_BYTES)), ("MESHSERVE_NUM_THREADS", "1")),
         metrics_ports=tuple((name, free_port()) for name in METRICS),
-    )
-    started = Mesh(config).start(timeout=120)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

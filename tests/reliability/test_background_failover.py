@@ -20,18 +20,18 @@ import redis
 
 from launcher.mesh import ServiceSpec
 from services.ports import free_port
-from tests.reliability.meshkit import MODEL_NAME, SharedMesh, wait_gateway_healthy
+from tests.mesh import MODEL_NAME, RunningMesh, wait_gateway_healthy
 
 pytestmark = pytest.mark.timeout(240)
 NAMES = ("bg-gateway-a", "bg-gateway-b")
 
 
 @pytest.fixture(scope="module")
-def replicas(shared: SharedMesh) -> str:
+def replicas(shared: RunningMesh) -> str:
     """Two gateway replicas on one port, sharing the mesh's Redis (extra processes of the
     shared mesh: one a test killed is revived before the next); their URL."""
     port = free_port()
-    env = shared.mesh.specs["gateway"].env | {"MESHSERVE_PORT": str(port), "MESHSERVE_REUSE_PORT": "true"}
+    env = shared.specs["gateway"].env | {"MESHSERVE_PORT": str(port), "MESHSERVE_REUSE_PORT": "true"}
     for name in NAMES:
         shared.add_service(ServiceSpec(name, "gateway", port, dict(env), grpc=False, reuse_port=True))
     url = f"http://127.0.0.1:{port}"
@@ -43,18 +43,18 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _producer(mesh: SharedMesh, response_id: str) -> str:
+def _producer(mesh: RunningMesh, response_id: str) -> str:
     """The replica holding the response's lease (its value names the process)."""
-    client = redis.Redis.from_url(mesh.mesh.specs["gateway"].env["MESHSERVE_REDIS_URL"])
+    client = redis.Redis.from_url(mesh.specs["gateway"].env["MESHSERVE_REDIS_URL"])
     keys = client.keys(f"meshserve:responses:*:{response_id}:lease")
     holder = client.get(keys[0]).decode() if keys else ""
     pid = int(holder.split(":")[1]) if holder else -1
     return next(name for name in NAMES if mesh.pid(name) == pid)
 
 
-def _adopted_by(mesh: SharedMesh, response_id: str) -> set[str]:
+def _adopted_by(mesh: RunningMesh, response_id: str) -> set[str]:
     """The gateways that logged adopting ``response_id`` ("": any response)."""
-    gateways = [name for name, spec in mesh.mesh.specs.items() if spec.module == "gateway"]
+    gateways = [name for name, spec in mesh.specs.items() if spec.module == "gateway"]
     line = f"background response {response_id}" if response_id else "background response "
     return {
         n for n in gateways if any(line in x and "adopted" in x for x in mesh.log_tail(n, 2000).splitlines())
@@ -68,7 +68,7 @@ def _text(events: list[Any]) -> str:
 PROMPT = {"model": MODEL_NAME, "input": "Tell me a long story", "max_output_tokens": 64, "temperature": 0}
 
 
-def test_sigkill_of_the_producing_gateway_loses_no_event(mesh: SharedMesh, replicas: str) -> None:
+def test_sigkill_of_the_producing_gateway_loses_no_event(mesh: RunningMesh, replicas: str) -> None:
     # Long enough that the producer is still generating when it is killed (the tiny
     # model makes hundreds of tokens a second).
     prompt = PROMPT | {"max_output_tokens": 2000}
@@ -97,7 +97,7 @@ def test_sigkill_of_the_producing_gateway_loses_no_event(mesh: SharedMesh, repli
     mesh.wait_kv_idle()
 
 
-def test_cancel_on_either_replica_frees_the_kv_blocks(mesh: SharedMesh, replicas: str) -> None:
+def test_cancel_on_either_replica_frees_the_kv_blocks(mesh: RunningMesh, replicas: str) -> None:
     """Eight long background responses keep the decoders busy for seconds (the tiny model
     alone would finish one before a cancel lands); the first is cancelled mid-generation
     from whichever replica the call reaches, the others after it; KV blocks all freed."""
@@ -120,7 +120,7 @@ def test_cancel_on_either_replica_frees_the_kv_blocks(mesh: SharedMesh, replicas
 
 
 @pytest.mark.slow
-def test_a_gateway_killed_under_background_load_loses_no_response(mesh: SharedMesh, replicas: str) -> None:
+def test_a_gateway_killed_under_background_load_loses_no_response(mesh: RunningMesh, replicas: str) -> None:
     """32 background responses at c=16; once one is in progress, the replica producing it
     is killed: 32/32 complete, each equal to its undisturbed answer, and one was adopted."""
     client = openai.AsyncOpenAI(base_url=replicas + "/v1", api_key="unused", max_retries=0, timeout=120)

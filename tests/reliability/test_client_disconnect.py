@@ -8,12 +8,12 @@ import time
 
 import httpx
 
-from tests.reliability.meshkit import SharedMesh, chat_body, report, stream_chat
+from tests.mesh import RunningMesh, chat_body, report, stream_chat
 
 LONG = 1000  # tokens asked for: far more than the stream lives
 
 
-def test_disconnect_mid_stream_aborts_on_the_worker(mesh: SharedMesh) -> None:
+def test_disconnect_mid_stream_aborts_on_the_worker(mesh: RunningMesh) -> None:
     """Read a few chunks of a long stream, drop the connection, and the worker reports
     num_running 0 and kv_usage 0 shortly after; the next request is served."""
     mesh.wait_kv_idle()

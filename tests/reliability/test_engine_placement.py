@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services import cpus
-from tests.reliability.meshkit import SharedMesh
+from tests.mesh import RunningMesh
 from worker_svc.engine.config import parse_cpu_list
 
 _STARTED = re.compile(r"(\d+) torch threads, CPUs ([\d,-]+)")
@@ -26,16 +26,16 @@ def _thread_cpus(pid: int) -> list[frozenset[int]]:
     return found
 
 
-def test_each_decoder_runs_on_cpus_of_its_own_with_a_thread_per_cpu(mesh: SharedMesh) -> None:
+def test_each_decoder_runs_on_cpus_of_its_own_with_a_thread_per_cpu(mesh: RunningMesh) -> None:
     available = cpus.affinity()
     if len(available) < 2:
         pytest.skip("one CPU: two decoders cannot have CPUs of their own")
     placed = {}
     for name in mesh.decoders:
-        threads = _thread_cpus(mesh.mesh.procs[name].pid)
+        threads = _thread_cpus(mesh.procs[name].pid)
         assert threads and len(set(threads)) == 1, f"{name}'s threads run on different CPUs: {set(threads)}"
         placed[name] = threads[0]
-        log = (mesh.mesh.log_dir / f"{name}.log").read_text(errors="replace")
+        log = (mesh.log_dir / f"{name}.log").read_text(errors="replace")
         said = _STARTED.findall(log)
         assert said, f"{name} did not log its threads and CPUs:\n{mesh.log_tail(name)}"
         torch_threads, where = said[-1]  # the latest start (a test may have restarted it)

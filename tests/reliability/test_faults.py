@@ -25,8 +25,8 @@ import pytest
 
 from meshserve.v1 import encoder_cache_pb2, encoder_cache_pb2_grpc
 from services.rpc import channel_options
-from tests.reliability.meshkit import (
-    SharedMesh,
+from tests.mesh import (
+    RunningMesh,
     StreamResult,
     chat_body,
     metric_value,
@@ -52,7 +52,7 @@ def _long_body(i: int) -> dict[str, object]:
 
 
 async def _streams_then(
-    mesh: SharedMesh,
+    mesh: RunningMesh,
     fault: Callable[[], None],
     n: int = STREAMS,
     probe: bool = False,
@@ -83,7 +83,7 @@ async def _streams_then(
 
 
 def _first_success_after(
-    mesh: SharedMesh, start: float, timeout: float = 60.0, url: str | None = None
+    mesh: RunningMesh, start: float, timeout: float = 60.0, url: str | None = None
 ) -> float:
     """Sends small requests until one succeeds; seconds from `start` to that success.
     Every failed attempt must itself fail fast with an error status (no hang)."""
@@ -106,7 +106,7 @@ def _first_success_after(
         time.sleep(0.1)
 
 
-def _busiest_decoder(mesh: SharedMesh) -> str:
+def _busiest_decoder(mesh: RunningMesh) -> str:
     return max(mesh.decoders, key=lambda n: mesh.worker_load(n).num_running)
 
 
@@ -124,7 +124,7 @@ def _reproducible_body(i: int) -> dict[str, object]:
     return chat_body(f"fault stream {i} " * (1 + i % 3), max_tokens=LONG_TOKENS, ignore_eos=True, **sampling)
 
 
-async def _reference_texts(mesh: SharedMesh, n: int) -> list[str]:
+async def _reference_texts(mesh: RunningMesh, n: int) -> list[str]:
     async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as client:
         results = await asyncio.gather(
             *(stream_chat(client, mesh.gateway_url, _reproducible_body(i)) for i in range(n))
@@ -153,7 +153,7 @@ class _DecoderFaultRun:
 
 
 def _decoder_fault_run(
-    mesh: SharedMesh, fault: Callable[[str], None], probe: bool = False
+    mesh: RunningMesh, fault: Callable[[str], None], probe: bool = False
 ) -> tuple[_DecoderFaultRun, list[str]]:
     """Runs the reproducible streams once undisturbed (the reference texts), then again
     with `fault(victim)` applied to the busiest decoder once every stream has output."""
@@ -175,7 +175,7 @@ def _decoder_fault_run(
     return run, reference
 
 
-def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
+def test_kill9_worker_mid_stream_migrates(mesh: RunningMesh) -> None:
     """SIGKILL the busiest decoder while streams run on it: every stream on it migrates
     to the survivor (prompt + tokens so far) and completes -- no error, and for greedy and
     seeded requests exactly the text of an uninterrupted run; usage counts every token
@@ -194,7 +194,7 @@ def test_kill9_worker_mid_stream_migrates(mesh: SharedMesh) -> None:
     )
 
 
-def _migrations(mesh: SharedMesh) -> int:
+def _migrations(mesh: RunningMesh) -> int:
     """How many times the gateway has moved a stream to another worker mid-stream (its
     metric, checked against its log so both must reflect it)."""
     port = int(mesh.gateway_url.rsplit(":", 1)[1])
@@ -219,7 +219,7 @@ def _reset_connections_to(port: int) -> bool:
     return result.returncode == 0 and f":{port}" in result.stdout
 
 
-def test_upstream_connection_reset_migrates(mesh: SharedMesh) -> None:
+def test_upstream_connection_reset_migrates(mesh: RunningMesh) -> None:
     """The gateway's connections to a decoder (its gRPC port: the GenerateStream) are
     reset while both stay up (a network fault): the gateway's streams on it migrate and
     complete with the text of an uninterrupted run; the decoder sees its client gone
@@ -240,7 +240,7 @@ def test_upstream_connection_reset_migrates(mesh: SharedMesh) -> None:
     )
 
 
-def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) -> None:
+def test_worker_death_before_first_token_is_retried_elsewhere(mesh: RunningMesh) -> None:
     """SIGKILL a decoder, then at once (before the scheduler has missed its heartbeats)
     send requests: those routed to the dead worker fail to reach it before any token and
     are routed again, excluding it, so every client gets its answer."""
@@ -271,7 +271,7 @@ def test_worker_death_before_first_token_is_retried_elsewhere(mesh: SharedMesh) 
     )
 
 
-def _burst_after_kill(mesh: SharedMesh, reroutes_before: int) -> tuple[list[int], int]:
+def _burst_after_kill(mesh: RunningMesh, reroutes_before: int) -> tuple[list[int], int]:
     """12 concurrent requests sharing the warm-up's prefix: their statuses, and how many
     times the gateway routed a request again since `reroutes_before`."""
 
@@ -294,12 +294,12 @@ def _burst_after_kill(mesh: SharedMesh, reroutes_before: int) -> tuple[list[int]
 SCHEDULERS = ("scheduler", "scheduler-1")
 
 
-def _reroutes(mesh: SharedMesh) -> int:
+def _reroutes(mesh: RunningMesh) -> int:
     """How many times the gateway has routed a request again after a worker failure."""
     return mesh.log_tail("gateway", lines=100_000).count("routing again")
 
 
-def test_kill9_one_scheduler_replica_loses_nothing(mesh: SharedMesh) -> None:
+def test_kill9_one_scheduler_replica_loses_nothing(mesh: RunningMesh) -> None:
     """SIGKILL one of the two scheduler replicas while 32 streams run: the streams do not
     pass through it, so all 32 complete; new requests keep being routed (by the other
     replica) right away; the restarted replica serves again."""
@@ -319,7 +319,7 @@ def test_kill9_one_scheduler_replica_loses_nothing(mesh: SharedMesh) -> None:
     )
 
 
-def test_kill9_every_scheduler_then_restart(mesh: SharedMesh) -> None:
+def test_kill9_every_scheduler_then_restart(mesh: RunningMesh) -> None:
     """SIGKILL every scheduler replica mid-stream: the streams in flight all complete (the
     scheduler is not in the token path); new requests get a clear 503 naming the
     scheduler until one is back; then requests succeed and no KV block leaks."""
@@ -342,7 +342,7 @@ def test_kill9_every_scheduler_then_restart(mesh: SharedMesh) -> None:
     assert httpx.get(mesh.gateway_url + "/health", timeout=10).status_code == 503
     mesh.wait_kv_idle(timeout=20)
     restart_at = time.monotonic()
-    mesh.mesh.start_service(mesh.mesh.specs["scheduler-1"])  # restart() waits for every service
+    mesh.start_service(mesh.specs["scheduler-1"])  # restart() waits for every service
     mesh.restart("scheduler")
     for name in mesh.decoders:
         mesh.wait_registered(name)
@@ -355,7 +355,7 @@ def test_kill9_every_scheduler_then_restart(mesh: SharedMesh) -> None:
     )
 
 
-def test_kill9_tokenizer_mid_stream(mesh: SharedMesh) -> None:
+def test_kill9_tokenizer_mid_stream(mesh: RunningMesh) -> None:
     """SIGKILL the tokenizer service mid-stream: it renders prompts but is not in the token
     path (the gateway detokenizes with the files it fetched at start), so every stream in
     flight completes; new requests get a clear 503 naming the tokenizer until it is back."""
@@ -377,10 +377,10 @@ def test_kill9_tokenizer_mid_stream(mesh: SharedMesh) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
-def test_redis_stop_and_restart(mesh: SharedMesh, sig: signal.Signals) -> None:
+def test_redis_stop_and_restart(mesh: RunningMesh, sig: signal.Signals) -> None:
     """Redis is optional shared state: while it is down (stopped or killed) requests still
     succeed (or fail fast and clearly); after it is back everything works, no KV leaks."""
-    redis = mesh.mesh.redis
+    redis = mesh.redis
     assert redis is not None and redis.pid is not None
     mesh.wait_kv_idle()
     stop_at = time.monotonic()
@@ -447,7 +447,7 @@ async def _cache_call(address: str, put: bool) -> bool:
 @pytest.mark.parametrize(
     "sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP], ids=["sigterm", "kill-9", "sigstop"]
 )
-def test_encoder_cache_lost(mesh: SharedMesh, sig: signal.Signals) -> None:
+def test_encoder_cache_lost(mesh: RunningMesh, sig: signal.Signals) -> None:
     """The encoder cache stopped (SIGTERM: exit 0), killed or hung: its clients get a
     clear error fast (UNAVAILABLE; for a hung one after the 5 s connect timeout), text
     generation is unaffected (nothing on the text path depends on it), and a restarted
@@ -492,15 +492,15 @@ def test_encoder_cache_lost(mesh: SharedMesh, sig: signal.Signals) -> None:
 HUNG_BOUND_S = 45.0
 
 
-def _hang(mesh: SharedMesh, name: str) -> None:
+def _hang(mesh: RunningMesh, name: str) -> None:
     mesh.kill(name, signal.SIGSTOP)
 
 
-def _resume(mesh: SharedMesh, name: str) -> None:
+def _resume(mesh: RunningMesh, name: str) -> None:
     mesh.kill(name, signal.SIGCONT)
 
 
-def _timed_post(mesh: SharedMesh, body: dict[str, object]) -> tuple[int, str, float]:
+def _timed_post(mesh: RunningMesh, body: dict[str, object]) -> tuple[int, str, float]:
     """(status, error message or "", seconds) of one chat completion."""
     start = time.monotonic()
     reply = httpx.post(mesh.gateway_url + "/v1/chat/completions", json=body, timeout=HUNG_BOUND_S + 15)
@@ -508,7 +508,7 @@ def _timed_post(mesh: SharedMesh, body: dict[str, object]) -> tuple[int, str, fl
     return reply.status_code, message, time.monotonic() - start
 
 
-def test_sigstop_decoder_mid_stream_migrates(mesh: SharedMesh) -> None:
+def test_sigstop_decoder_mid_stream_migrates(mesh: RunningMesh) -> None:
     """SIGSTOP the busiest decoder while streams run on it: the gateway's keepalive finds
     the stream dead, the streams migrate and complete with exactly the text of an
     uninterrupted run; the scheduler stops routing to it (missed heartbeats). After
@@ -529,7 +529,7 @@ def test_sigstop_decoder_mid_stream_migrates(mesh: SharedMesh) -> None:
     )
 
 
-def _while_hung(mesh: SharedMesh, names: list[str], during: Callable[[], T]) -> tuple[str, T, float]:
+def _while_hung(mesh: RunningMesh, names: list[str], during: Callable[[], T]) -> tuple[str, T, float]:
     """Streams in flight, SIGSTOP `names`, `during()` while they hang, SIGCONT. Every
     stream in flight must complete. Returns the streams' summary, what `during` gave
     and the seconds from SIGCONT to the next successful request (KV idle after)."""
@@ -546,7 +546,7 @@ def _while_hung(mesh: SharedMesh, names: list[str], during: Callable[[], T]) -> 
     return _summary(results, fault_at), value, recovered_s
 
 
-def test_sigstop_one_scheduler_replica(mesh: SharedMesh) -> None:
+def test_sigstop_one_scheduler_replica(mesh: RunningMesh) -> None:
     """SIGSTOP one of two scheduler replicas: streams in flight complete; new requests are
     served through the other replica (a Route stuck on the hung one fails over once
     keepalive or the connect timeout gives up on it), each within the bound."""
@@ -564,7 +564,7 @@ def test_sigstop_one_scheduler_replica(mesh: SharedMesh) -> None:
     )
 
 
-def test_sigstop_every_scheduler(mesh: SharedMesh) -> None:
+def test_sigstop_every_scheduler(mesh: RunningMesh) -> None:
     """SIGSTOP both scheduler replicas: streams in flight complete (not in the token path);
     a new request gets a clear 503 naming the scheduler within the bound (no hang),
     /health says 503; after SIGCONT requests are served again."""
@@ -583,7 +583,7 @@ def test_sigstop_every_scheduler(mesh: SharedMesh) -> None:
     )
 
 
-def test_sigstop_tokenizer(mesh: SharedMesh) -> None:
+def test_sigstop_tokenizer(mesh: RunningMesh) -> None:
     """SIGSTOP the tokenizer: streams in flight complete (the gateway detokenizes);
     a new request gets a clear 503 naming the tokenizer within the bound; after SIGCONT
     requests are served again."""
@@ -598,10 +598,10 @@ def test_sigstop_tokenizer(mesh: SharedMesh) -> None:
     )
 
 
-def test_sigstop_redis(mesh: SharedMesh) -> None:
+def test_sigstop_redis(mesh: RunningMesh) -> None:
     """SIGSTOP Redis (hung, connections open): streams in flight complete and new requests
     are served or refused clearly within the bound; after SIGCONT everything is served."""
-    redis = mesh.mesh.redis
+    redis = mesh.redis
     assert redis is not None and redis.pid is not None
     mesh.wait_kv_idle()
     pid = redis.pid

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
-from tests.reliability.meshkit import (
+from tests.mesh import (
     DRAIN_TIMEOUT_S,
     MODEL_NAME,
-    SharedMesh,
+    RunningMesh,
     StreamResult,
     chat_body,
     report,
@@ -36,7 +36,7 @@ TOKENS = 160
 EXIT_SLACK_S = 8.0
 
 
-async def _during_streams(mesh: SharedMesh, action: Callable[[], T]) -> tuple[list[StreamResult], T]:
+async def _during_streams(mesh: RunningMesh, action: Callable[[], T]) -> tuple[list[StreamResult], T]:
     """Runs STREAMS long streams; once each produced a chunk, runs `action()` in a thread
     (its return value is passed back) while the streams continue."""
     firsts = [asyncio.Event() for _ in range(STREAMS)]
@@ -58,7 +58,7 @@ async def _during_streams(mesh: SharedMesh, action: Callable[[], T]) -> tuple[li
     return list(results), outcome
 
 
-def test_sigterm_gateway_under_load(mesh: SharedMesh) -> None:
+def test_sigterm_gateway_under_load(mesh: RunningMesh) -> None:
     """In-flight streams complete; a new request after SIGTERM is 503 'draining'; the
     gateway exits (code 0) within drain_timeout_s; a restarted gateway serves again."""
     mesh.wait_kv_idle()
@@ -89,7 +89,7 @@ def test_sigterm_gateway_under_load(mesh: SharedMesh) -> None:
     mesh.wait_kv_idle()
 
 
-def test_sigterm_worker_under_load(mesh: SharedMesh) -> None:
+def test_sigterm_worker_under_load(mesh: RunningMesh) -> None:
     """SIGTERM the busiest decoder: its in-flight streams complete, a request sent to it
     directly (on a GenerateStream of its own) is refused with UNAVAILABLE, new requests through the gateway are served by the
     other worker, and it exits within its drain grace; then it is restarted."""

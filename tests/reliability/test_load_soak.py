@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from tests.reliability.meshkit import SharedMesh, chat_body, fmt_rss, report, run_load, stream_chat
+from tests.mesh import RunningMesh, chat_body, fmt_rss, report, run_load, stream_chat
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ RSS_GROWTH_FACTOR = 1.25
 RSS_SLACK_KIB = 48 * 1024
 
 
-def test_200_concurrent_streams_zero_errors_and_stable_memory(mesh: SharedMesh) -> None:
+def test_200_concurrent_streams_zero_errors_and_stable_memory(mesh: RunningMesh) -> None:
     """Warm-up round at full concurrency, RSS snapshot, LOAD_SECONDS of load, RSS again."""
     mesh.wait_kv_idle()
     warmup = asyncio.run(run_load(mesh.gateway_url, CONCURRENCY, 0.0, MAX_TOKENS))
@@ -55,7 +55,7 @@ def test_200_concurrent_streams_zero_errors_and_stable_memory(mesh: SharedMesh) 
     assert not grown, f"RSS grew (KiB before, after): {grown}"
 
 
-def test_many_clients_disconnecting_mid_stream_leave_no_kv(mesh: SharedMesh) -> None:
+def test_many_clients_disconnecting_mid_stream_leave_no_kv(mesh: RunningMesh) -> None:
     """100 clients drop their streams after a random number of chunks (some before the
     first): every worker returns to zero running requests and zero KV usage."""
     mesh.wait_kv_idle()

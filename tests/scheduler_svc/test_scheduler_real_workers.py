@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,31 +28,45 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import SchedulerServicer
 from services.redis_client import RedisServer
 from services.server import GrpcServer
+from tests.mesh import RunningMesh, mesh_config, start_mesh
 from tests.scheduler_svc.route_client import ReleaseCounter, RouteClient, release_counted
 from tests.worker_svc.worker_kit import generate_one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-WORKERS = ("rw0", "rw1")
+WORKERS = ("decoder-0", "decoder-1")
 
 
-class Mesh:
-    """Redis + in-process scheduler + worker processes."""
+class RealWorkers:
+    """Redis + an in-process scheduler (its registry and prefix index in reach) + decoder
+    worker processes started by the test mesh helper."""
 
-    def __init__(self, model_dir: Path, redis: RedisServer, policy: str = "prefix") -> None:
-        self.model_dir = model_dir
-        self.redis = redis
+    def __init__(self, model_dir: Path, redis: RedisServer, base: Path, policy: str = "prefix") -> None:
+        self.config = mesh_config(
+            base,
+            only="decoder",
+            model_dir=str(model_dir),
+            served_model_name=MODEL,
+            num_decoders=len(WORKERS),
+            redis_url=redis.url,
+            max_num_seqs=8,
+            extra_env=(("MESHSERVE_NUM_KV_BLOCKS", "256"), ("MESHSERVE_NUM_THREADS", "1")),
+        )
         self.policy = policy
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs: dict[str, Path] = {}
+        self.workers: RunningMesh | None = None
         self.worker_channels: dict[str, grpc.aio.Channel] = {}
 
-    async def start_scheduler(self) -> None:
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The worker processes by worker id."""
+        return self.workers.procs if self.workers is not None else {}
+
+    async def start(self) -> None:
+        """The scheduler on the port the workers are told, then the workers, registered."""
         config = SchedulerConfig(
-            port=0, redis_url=self.redis.url, heartbeat_interval_ms=200, worker_timeout_s=1.5,
-            routing_policy=self.policy,
+            port=self.config.scheduler_port, redis_url=self.config.redis_url, heartbeat_interval_ms=200,
+            worker_timeout_s=1.5, routing_policy=self.policy,
         )  # fmt: skip
         self.core = Scheduler(config)
         self.server = GrpcServer(f"scheduler-{self.policy}", config)
@@ -67,40 +80,16 @@ class Mesh:
         await self.server.set_serving(True)
         self.channel = grpc.aio.insecure_channel(self.address)
         self.routes = RouteClient(self.channel)
+        # Blocking waits (health checks on their own loop): off this loop, which serves the scheduler.
+        self.workers = await asyncio.to_thread(start_mesh, self.config, 180.0)
+        await self.wait_registered(WORKERS)
 
-    def spawn(self, worker_id: str, log_dir: Path) -> None:
-        log_path = log_dir / f"{worker_id}.log"
-        cmd = [
-            sys.executable, "-m", "worker_svc",
-            "--model-dir", str(self.model_dir), "--served-model-name", MODEL,
-            "--port", "0", "--worker-id", worker_id,
-            "--scheduler-address", self.address, "--redis-url", self.redis.url,
-            "--num-kv-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1",
-        ]  # fmt: skip
-        with log_path.open("wb") as out:
-            self.procs[worker_id] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        self.logs[worker_id] = log_path
-
-    async def wait_registered(self, worker_ids: tuple[str, ...], timeout: float = 180.0) -> None:
+    async def wait_registered(self, worker_ids: tuple[str, ...], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not all((w := self.core.registry.get(i)) is not None and w.healthy for i in worker_ids):
-            for worker_id, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{worker_id} exited: {self.logs[worker_id].read_text()[-2000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers {worker_ids} did not register")
             await asyncio.sleep(0.1)
-
-    def stop_workers(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     def request(self, prompt: list[int], max_tokens: int = 4, **fields: Any) -> common_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -138,7 +127,8 @@ class Mesh:
         return responses
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.stop_workers)
+        if self.workers is not None:
+            await asyncio.to_thread(self.workers.stop)
         for channel in self.worker_channels.values():
             await channel.close()
         await self.routes.close()
@@ -157,14 +147,10 @@ def module_redis() -> Iterator[RedisServer]:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def mesh(
     tiny_model_dir: Path, module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Mesh]:
-    mesh = Mesh(tiny_model_dir, module_redis)
-    await mesh.start_scheduler()
-    log_dir = tmp_path_factory.mktemp("worker-logs")
-    for worker_id in WORKERS:
-        mesh.spawn(worker_id, log_dir)
+) -> AsyncIterator[RealWorkers]:
+    mesh = RealWorkers(tiny_model_dir, module_redis, tmp_path_factory.mktemp("real-workers"))
     try:
-        await mesh.wait_registered(WORKERS)
+        await mesh.start()
         yield mesh
     finally:
         await mesh.close()
@@ -175,7 +161,7 @@ def tokens(responses: list[Any]) -> list[int]:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_routed_requests_and_prefix_affinity(mesh: Mesh) -> None:
+async def test_routed_requests_and_prefix_affinity(mesh: RealWorkers) -> None:
     system = [(7 * i) % 500 + 3 for i in range(64)]  # 4 blocks of 16
     first = await mesh.generate([*system, 11, 12], max_tokens=6)
     assert len(tokens(first)) == 6 and first[-1].finished
@@ -199,7 +185,7 @@ async def test_routed_requests_and_prefix_affinity(mesh: Mesh) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_kill_9_worker_mid_stream(mesh: Mesh) -> None:
+async def test_kill_9_worker_mid_stream(mesh: RealWorkers) -> None:
     request = mesh.request(list(range(5, 40)), max_tokens=2000)
     route = await mesh.route(request)
     victim = route.worker_id
@@ -249,19 +235,14 @@ async def test_policy_serves_and_spreads_over_real_workers(
     Its own Redis: the registry is shared through Redis, so with the module's Redis this
     scheduler would also see (and rightly use) the module mesh's surviving worker."""
     redis = RedisServer().start()
-    mesh = Mesh(tiny_model_dir, redis, policy)
-    await mesh.start_scheduler()
-    ids = (f"{policy}-a", f"{policy}-b")
-    log_dir = tmp_path_factory.mktemp(f"{policy}-logs")
-    for worker_id in ids:
-        mesh.spawn(worker_id, log_dir)
+    mesh = RealWorkers(tiny_model_dir, redis, tmp_path_factory.mktemp(f"{policy}-workers"), policy)
     try:
-        await mesh.wait_registered(ids)
+        await mesh.start()
         prompts = [[(13 * i + j) % 500 + 3 for j in range(20)] for i in range(8)]
         results = await asyncio.gather(*(mesh.generate(p, max_tokens=4) for p in prompts))
         assert all(len(tokens(r)) == 4 and r[-1].finished for r in results)
         used = {r[0].worker_id for r in results}
-        assert used == set(ids), f"{policy} used only {used}"
+        assert used == set(WORKERS), f"{policy} used only {used}"
     finally:
         await mesh.close()
         redis.cleanup()

@@ -20,7 +20,7 @@ from services.ports import free_port
 from services.rpc import check_health
 from tests.fake_clock import FakeClock
 from tests.fake_worker import FakeWorker
-from tests.reliability.meshkit import metric_value
+from tests.mesh import metric_value
 from tests.scheduler_svc.conftest import RunningScheduler, generate_request
 from tests.scheduler_svc.route_client import RouteClient
 from tests.worker_svc.worker_kit import generate_one

@@ -28,12 +28,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import MAX_MESSAGE_BYTES
-from tests.reliability.meshkit import (
+from tests.mesh import (
     API_KEYS,
     MODEL_NAME,
     RATE_LIMIT_BURST,
     RATE_LIMIT_RPS,
-    SharedMesh,
+    RunningMesh,
     chat_body,
     gateway_spec,
     tokenizer_spec,
@@ -50,7 +50,7 @@ EXTRA_ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def secure_url(mesh: SharedMesh) -> str:
+def secure_url(mesh: RunningMesh) -> str:
     """A gateway with API keys and a per-key rate limit, on a tokenizer whose operator
     allows request-supplied chat templates (both extra processes on the shared mesh)."""
     mesh.add_service(
@@ -176,7 +176,7 @@ def test_health_is_never_rate_limited(secure_url: str) -> None:
     assert set(codes) == {200}, codes
 
 
-def test_request_chat_template_refused_by_default(mesh: SharedMesh) -> None:
+def test_request_chat_template_refused_by_default(mesh: RunningMesh) -> None:
     """The default tokenizer does not run templates from requests at all."""
     body = chat_body(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     reply = httpx.post(mesh.gateway_url + "/v1/chat/completions", json=body, timeout=60)
@@ -273,7 +273,7 @@ def image_host() -> Iterator[tuple[str, type[_CountingHandler]]]:
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_remote_image_fetch_is_off_by_default(
-    mesh: SharedMesh, image_host: tuple[str, type[_CountingHandler]], scheme: str
+    mesh: RunningMesh, image_host: tuple[str, type[_CountingHandler]], scheme: str
 ) -> None:
     """An http(s) image_url → 400 naming the field, and the host is never contacted."""
     host, handler = image_host
@@ -288,7 +288,7 @@ def test_remote_image_fetch_is_off_by_default(
     assert handler.hits == 0
 
 
-def test_gateway_body_limit_is_413(mesh: SharedMesh) -> None:
+def test_gateway_body_limit_is_413(mesh: RunningMesh) -> None:
     """A body over max_request_bytes (16 MiB) → 413 without being processed."""
     body = (
         b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (17 * 1024 * 1024) + b'"}]}'
@@ -324,7 +324,7 @@ GRPC_SERVICES = [
 
 
 @pytest.mark.parametrize(("service", "method"), GRPC_SERVICES, ids=[s for s, _ in GRPC_SERVICES])
-def test_grpc_message_size_limit_on_every_server(mesh: SharedMesh, service: str, method: str) -> None:
+def test_grpc_message_size_limit_on_every_server(mesh: RunningMesh, service: str, method: str) -> None:
     """A request over max_message_bytes (64 MiB) → RESOURCE_EXHAUSTED; the server lives on
     and answers health checks."""
     payload = _oversized(MAX_MESSAGE_BYTES + 4096)
@@ -359,10 +359,10 @@ async def _health(address: str, credentials: grpc.ChannelCredentials | None = No
         return int(reply.status)
 
 
-def test_shared_mesh_is_plaintext_by_default(mesh: SharedMesh) -> None:
+def test_shared_mesh_is_plaintext_by_default(mesh: RunningMesh) -> None:
     """TLS is opt-in (MESHSERVE_TLS_*; mutual TLS is tested in tests/services/test_tls.py):
     every gRPC service of a mesh started without it answers SERVING to a plaintext health check."""
-    services = [spec for spec in mesh.mesh.specs.values() if spec.grpc]
+    services = [spec for spec in mesh.specs.values() if spec.grpc]
     assert {"scheduler", "tokenizer"} <= {spec.name for spec in services}
     for spec in services:
         status = asyncio.run(_health(spec.address, None))

@@ -12,7 +12,7 @@ import httpx
 
 from meshserve.v1 import common_pb2, worker_pb2_grpc
 from services.ports import free_port
-from tests.reliability.meshkit import unlabelled_samples
+from tests.mesh import unlabelled_samples
 from tests.worker_svc.worker_kit import generate_one, settled_load, worker_process
 
 PROMPT = [5, 17, 33, 8, 90, 41, 7]

@@ -1,17 +1,18 @@
-"""Shared helpers of the reliability, security and fuzz suites.
+"""The one way the tests start a mesh: `running_mesh` (or `start_mesh`) starts the
+launcher's `Mesh`, as `make serve` does, on free loopback ports, and hands back a
+`RunningMesh`: the mesh plus what tests do with one (kill, restart, read metrics and
+loads, wait for decoders to register).
 
-One real mesh (Redis, scheduler, tokenizer, two decoder workers, gateway and an encoder
-cache, every one its own process on 127.0.0.1) is started once per pytest session and
-shared by tests/reliability, tests/security and tests/fuzz: starting a mesh costs
-20-90 s on a loaded 2-core machine. Tests that kill or stop a service restart it
-before they end, and `SharedMesh.ensure_running` restarts anything a failed test left
-dead, so one broken test does not cascade.
+One such mesh (Redis, two scheduler replicas, tokenizer, two decoders, gateway and an
+encoder cache) is the session's shared mesh (`shared_mesh`; the root conftest's `shared`
+and `mesh` fixtures): every test that asks for it runs on it, and starting a mesh costs
+20-90 s on a loaded 2-core machine. Tests that kill or stop a service restart it before
+they end, and `RunningMesh.ensure_running` restarts anything a failed test left dead, so
+one broken test does not cascade. It stops after the session's last test that uses it.
 
-The model is the tiny untrained test model plus an `<image>` token (llava-style config
-keys), so that image inputs go through the real decode path of the tokenizer.
-
-Import as `from tests.reliability.meshkit import ...` (never as a top-level module:
-the mesh registry lives in `config.stash`, but keep one module object anyway).
+The shared mesh's model is the tiny untrained test model plus an `<image>` token
+(llava-style config keys), so that image inputs go through the real decode path of the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from launcher.mesh import Mesh, MeshConfig, ServiceSpec, free_ports_config
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.ports import free_port
+from worker_svc.embedding import default_embedding_model_dir
 
 MODEL_NAME = "tiny"
 IMAGE_SEQ_LENGTH = 4
@@ -50,8 +52,6 @@ ENCODER_CACHE_MB = 8
 API_KEYS = ("sk-reliability-alpha", "sk-reliability-beta")
 RATE_LIMIT_RPS = 5.0
 RATE_LIMIT_BURST = 10
-
-_MESH_KEY = pytest.StashKey["SharedMesh"]()
 
 
 def build_vlm_model(tiny_model_dir: Path, out: Path) -> Path:
@@ -103,91 +103,93 @@ def read_rss_kib(pid: int) -> int:
     return 0
 
 
-@dataclass
-class SharedMesh:
-    """A running `Mesh` plus the helpers the suites use on it."""
+class RunningMesh(Mesh):
+    """A started launcher `Mesh` plus the helpers the tests use on it."""
 
-    mesh: Mesh
-    events: list[str] = field(default_factory=list)
+    def __init__(self, config: MeshConfig) -> None:
+        super().__init__(config)
+        self.events: list[str] = []  # what the tests did to it, for failure messages
 
     # ------------------------------------------------------------------ addresses
-    @property
-    def gateway_url(self) -> str:
-        """Base URL of the mesh's gateway (no authentication)."""
-        return self.mesh.gateway_url
-
     def address(self, name: str) -> str:
         """host:port of a service (`tokenizer`, `scheduler`, `decoder-0`, ...)."""
-        return self.mesh.specs[name].address
+        return self.specs[name].address
 
     @property
     def decoders(self) -> list[str]:
         """Names of the decoder worker processes."""
-        return sorted(n for n in self.mesh.specs if n.startswith("decoder-"))
+        return sorted(n for n in self.specs if n.startswith("decoder-"))
 
     def pid(self, name: str) -> int:
         """Process id of a service."""
-        return self.mesh.procs[name].pid
+        return self.procs[name].pid
 
     def alive(self, name: str) -> bool:
         """True while the service's process runs."""
-        return self.mesh.procs[name].poll() is None
+        return self.procs[name].poll() is None
 
     # ------------------------------------------------------------------ lifecycle
     def add_service(self, spec: ServiceSpec, timeout: float = 120.0) -> None:
         """Starts an extra process (once) and waits until every service is healthy."""
-        if spec.name not in self.mesh.procs:
-            self.mesh.start_service(spec)
-        self.mesh.wait_healthy(timeout)
+        if spec.name not in self.procs:
+            self.start_service(spec)
+        self.wait_healthy(timeout)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` to a service process (SIGKILL by default: no cleanup at all)."""
         self.events.append(f"{time.strftime('%X')} signal {sig} -> {name}")
-        self.mesh.procs[name].send_signal(sig)
+        self.procs[name].send_signal(sig)
 
     def wait_exit(self, name: str, timeout: float) -> int | None:
         """Waits for a service to exit; its return code, or None if still running."""
         try:
-            return self.mesh.procs[name].wait(timeout)
+            return self.procs[name].wait(timeout)
         except subprocess.TimeoutExpired:
             return None
 
     def restart(self, name: str, timeout: float = 120.0) -> float:
         """(Re)starts a stopped service and waits for health; returns seconds taken."""
         start = time.monotonic()
-        proc = self.mesh.procs[name]
+        proc = self.procs[name]
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
         self.events.append(f"{time.strftime('%X')} restart {name}")
-        self.mesh.start_service(self.mesh.specs[name])
-        self.mesh.wait_healthy(timeout)
+        self.start_service(self.specs[name])
+        self.wait_healthy(timeout)
         return time.monotonic() - start
 
     def ensure_running(self, timeout: float = 120.0) -> None:
-        """Restarts whatever a previous test left dead (Redis included), then waits for
-        every service, the gateway's /health and every decoder registered with the
-        scheduler (one restarted at the end of the previous test may not be yet)."""
-        redis = self.mesh.redis
+        """Restarts whatever a previous test left dead (Redis included), then `wait_ready`."""
+        redis = self.redis
         if redis is not None and not redis.is_running():
             redis.start()
-        for name, proc in list(self.mesh.procs.items()):
+        for name, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 self.events.append(f"{time.strftime('%X')} revive {name}")
-                self.mesh.start_service(self.mesh.specs[name])
-        self.mesh.wait_healthy(timeout)
-        wait_gateway_healthy(self.gateway_url, timeout)
-        for name in self.decoders:
-            self.wait_registered(name, timeout)
+                self.start_service(self.specs[name])
+        self.wait_ready(timeout)
 
-    def stop(self) -> None:
-        """Stops every process and Redis."""
-        self.mesh.stop()
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Waits for every service, the gateway's /health (when it runs) and every engine
+        worker registered with the scheduler (when it runs: one restarted at the end of
+        the previous test may not be yet)."""
+        self.wait_healthy(timeout)
+        if "gateway" in self.specs:
+            wait_gateway_healthy(self.gateway_url, timeout)
+        if "scheduler" in self.specs:
+            for name in self.engines:
+                self.wait_registered(name, timeout)
+
+    @property
+    def engines(self) -> list[str]:
+        """Names of the decoder and prefill worker processes."""
+        return sorted(n for n in self.specs if n.startswith(("decoder-", "prefill-")))
 
     # ------------------------------------------------------------------ observation
     def rss_kib(self) -> dict[str, int]:
         """VmRSS (KiB) of every running service process."""
-        return {name: read_rss_kib(proc.pid) for name, proc in self.mesh.procs.items() if proc.poll() is None}
+        return {name: read_rss_kib(proc.pid) for name, proc in self.procs.items() if proc.poll() is None}
 
     def rpc_count(self, name: str, method: str, code: str) -> float:
         """`meshserve_rpc_requests_total{method, code}` of a service started with
@@ -200,7 +202,7 @@ class SharedMesh:
         return metric_value(self._metrics_port(name), metric, **labels)
 
     def _metrics_port(self, name: str) -> int:
-        return int(self.mesh.specs[name].env["MESHSERVE_METRICS_PORT"])
+        return int(self.specs[name].env["MESHSERVE_METRICS_PORT"])
 
     def worker_load(self, name: str) -> WorkerLoad:
         """One decoder's load gauges, read from one scrape of its /metrics (as of its
@@ -257,7 +259,7 @@ class SharedMesh:
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         """The last lines of a service's log (for assertion messages)."""
-        path = self.mesh.log_dir / f"{name}.log"
+        path = self.log_dir / f"{name}.log"
         if not path.is_file():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -306,28 +308,6 @@ def wait_gateway_healthy(url: str, timeout: float = 60.0) -> float:
     raise TimeoutError(f"{url}/health not 200 after {timeout:.0f}s: {last}")
 
 
-def _mesh_config(model_dir: Path, log_dir: Path) -> MeshConfig:
-    return free_ports_config(
-        model_dir=str(model_dir),
-        served_model_name=MODEL_NAME,
-        num_decoders=2,
-        # Two replicas: the token path does not pass through the scheduler, so killing
-        # one (or both) must cost no stream in flight.
-        num_schedulers=2,
-        log_dir=str(log_dir),
-        # The scheduler's lease counters (the fuzz suite checks its releases there) and the
-        # decoders' load gauges (`worker_load`).
-        metrics_ports=tuple((name, free_port()) for name in ("scheduler", "decoder-0", "decoder-1")),
-        kv_cache_memory_mb=16,
-        max_num_seqs=64,
-        extra_env=(
-            ("MESHSERVE_DEFAULT_MAX_TOKENS", "16"),
-            ("MESHSERVE_DRAIN_TIMEOUT_S", str(DRAIN_TIMEOUT_S)),
-            ("MESHSERVE_LOG_LEVEL", "INFO"),
-        ),
-    )
-
-
 def _free_run(base: int, count: int) -> int:
     """A port from which `count` consecutive ports are free (`base` when it is)."""
     while True:
@@ -340,18 +320,50 @@ def _free_run(base: int, count: int) -> int:
             base = free_port()
 
 
-def _decoder_ports_free(config: MeshConfig) -> MeshConfig:
-    """decoder-i listens on decoder_base_port + i, scheduler replica i on scheduler_port
-    + i: make sure those ports are free too."""
+def _replica_ports_free(config: MeshConfig) -> MeshConfig:
+    """decoder-i listens on decoder_base_port + i (prefill-i, scheduler replica i alike):
+    make sure those ports are free too."""
     return dataclasses.replace(
         config,
         decoder_base_port=_free_run(config.decoder_base_port, config.num_decoders),
+        prefill_base_port=_free_run(config.prefill_base_port, config.num_prefill),
         scheduler_port=_free_run(config.scheduler_port, config.num_schedulers),
     )
 
 
+def mesh_config(base: Path, **options: Any) -> MeshConfig:
+    """The launcher's config of a test mesh: `options` over free loopback ports, logs
+    under `base`/logs."""
+    return _replica_ports_free(free_ports_config(log_dir=str(base / "logs"), **options))
+
+
+def start_mesh(config: MeshConfig, timeout: float = 180.0) -> RunningMesh:
+    """Starts a mesh and waits until it is ready (`RunningMesh.wait_ready`); a start that
+    fails stops what it started."""
+    mesh = RunningMesh(config)
+    started = time.monotonic()
+    mesh.start(timeout=timeout)
+    try:
+        mesh.wait_ready(timeout)
+    except BaseException:
+        mesh.stop()
+        raise
+    mesh.events.append(f"mesh started in {time.monotonic() - started:.1f}s (logs in {mesh.log_dir})")
+    return mesh
+
+
+@contextmanager
+def running_mesh(base: Path, timeout: float = 180.0, **options: Any) -> Iterator[RunningMesh]:
+    """A started mesh of `options` (MeshConfig fields; see `mesh_config`), stopped on exit."""
+    mesh = start_mesh(mesh_config(base, **options), timeout)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
 def encoder_cache_spec(mesh: Mesh) -> ServiceSpec:
-    """The encoder cache (the launcher does not start one): its own process and port."""
+    """The encoder cache (the launcher starts one only with encoders): its own process and port."""
     assert mesh.redis is not None
     port = free_port()
     return ServiceSpec(
@@ -369,96 +381,103 @@ def encoder_cache_spec(mesh: Mesh) -> ServiceSpec:
     )
 
 
-def shared_mesh(
-    config: pytest.Config, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> SharedMesh:
-    """The session's shared mesh, started on first use and stopped when pytest exits."""
-    existing = config.stash.get(_MESH_KEY, None)
-    if existing is not None:
-        existing.ensure_running()
-        return existing
-    base = tmp_path_factory.mktemp("reliability")
-    model = build_vlm_model(tiny_model_dir, base / "tiny-vlm")
-    mesh = Mesh(_decoder_ports_free(_mesh_config(model, base / "logs")))
-    started = time.monotonic()
-    try:
-        mesh.start(timeout=240)
-        mesh.start_service(encoder_cache_spec(mesh))
-        mesh.wait_healthy(120)
-        wait_gateway_healthy(mesh.gateway_url, 120)
-    except BaseException:
-        mesh.stop()
-        raise
-    handle = SharedMesh(mesh)
-    handle.events.append(f"mesh started in {time.monotonic() - started:.1f}s (logs in {base / 'logs'})")
-    config.stash[_MESH_KEY] = handle
-    config.add_cleanup(handle.stop)
-    return handle
+_SESSION_MESHES = pytest.StashKey[dict[str, RunningMesh]]()
+_LAST_USERS = pytest.StashKey[dict[str, str]]()
 
 
-SUITES = ("reliability", "security", "fuzz")
-_LAST_ITEM_KEY = pytest.StashKey[str]()
-
-
-def _in_suites(item: pytest.Item) -> bool:
-    return item.path.parent.name in SUITES and item.path.parent.parent.name == "tests"
+def session_mesh(config: pytest.Config, fixture: str, start: Callable[[], RunningMesh]) -> RunningMesh:
+    """The mesh of the session-scoped `fixture`: started by `start` on first use, stopped
+    after the session's last test that uses the fixture (`release_after_last_test`), so
+    its processes do not idle through the rest of `make test`, or when pytest exits."""
+    meshes = config.stash.setdefault(_SESSION_MESHES, {})
+    if fixture not in meshes:
+        meshes[fixture] = start()
+        config.add_cleanup(meshes[fixture].stop)
+    return meshes[fixture]
 
 
 def release_after_last_test(item: pytest.Item) -> None:
-    """Stops the shared mesh after the session's last test of the three suites, so its
-    ~2 GB of processes do not idle through the rest of `make test`. (Called from
-    `pytest_runtest_teardown` below.)"""
-    config = item.config
-    if _LAST_ITEM_KEY not in config.stash:
-        ours = [i.nodeid for i in item.session.items if _in_suites(i)]
-        config.stash[_LAST_ITEM_KEY] = ours[-1] if ours else ""
-    if item.nodeid != config.stash[_LAST_ITEM_KEY]:
-        return
-    handle = config.stash.get(_MESH_KEY, None)
-    if handle is not None:
-        del config.stash[_MESH_KEY]
-        handle.stop()
+    """Stops each session mesh whose fixture's last user `item` is (the root conftest's
+    `pytest_runtest_teardown` calls it)."""
+    meshes = item.config.stash.get(_SESSION_MESHES, {})
+    last = item.config.stash.setdefault(_LAST_USERS, {})
+    for fixture in list(meshes):
+        if fixture not in last:
+            users = [i.nodeid for i in item.session.items if fixture in getattr(i, "fixturenames", ())]
+            last[fixture] = users[-1] if users else ""
+        if item.nodeid == last[fixture]:
+            meshes.pop(fixture).stop()
 
 
-@pytest.fixture(scope="session")
-def shared(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> SharedMesh:
-    """The real mesh shared by the reliability, security and fuzz suites (started once)."""
-    return shared_mesh(request.config, tiny_model_dir, tmp_path_factory)
+def start_shared_mesh(tiny_model_dir: Path, base: Path) -> RunningMesh:
+    """The mesh the reliability, security and fuzz suites share: two decoders of the tiny
+    model with an `<image>` token, two scheduler replicas, an encoder cache."""
+    mesh = start_mesh(
+        mesh_config(
+            base,
+            model_dir=str(build_vlm_model(tiny_model_dir, base / "tiny-vlm")),
+            served_model_name=MODEL_NAME,
+            num_decoders=2,
+            # Two replicas: the token path does not pass through the scheduler, so killing
+            # one (or both) must cost no stream in flight.
+            num_schedulers=2,
+            # The scheduler's lease counters (the fuzz suite checks its releases there) and the
+            # decoders' load gauges (`worker_load`).
+            metrics_ports=tuple((name, free_port()) for name in ("scheduler", "decoder-0", "decoder-1")),
+            kv_cache_memory_mb=16,
+            max_num_seqs=64,
+            extra_env=(
+                ("MESHSERVE_DEFAULT_MAX_TOKENS", "16"),
+                ("MESHSERVE_DRAIN_TIMEOUT_S", str(DRAIN_TIMEOUT_S)),
+                ("MESHSERVE_LOG_LEVEL", "INFO"),
+            ),
+        ),
+        timeout=240,
+    )
+    mesh.add_service(encoder_cache_spec(mesh))
+    return mesh
 
 
-@pytest.fixture(scope="module")
-def mesh(shared: SharedMesh) -> SharedMesh:
-    """The shared mesh with every service running and healthy at the start of a module."""
-    shared.ensure_running()
-    return shared
+# The e2e mesh's prefill chunk: prompts of the prompt-logprobs tests span several chunks.
+E2E_CHUNK = 16
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stops the shared mesh once the last test of the three suites has run (a hook: the
-    suites' conftests re-export it with the fixtures above)."""
-    release_after_last_test(item)
+def start_e2e_mesh(model_dir: Path, redis_url: str, base: Path) -> RunningMesh:
+    """The mesh of the e2e suites that need nothing special: the test model on one
+    decoder (prompts prefilled in chunks of `E2E_CHUNK`), the embedding worker, the
+    scheduler's metrics."""
+    return start_mesh(
+        mesh_config(
+            base,
+            model_dir=str(model_dir),
+            num_decoders=1,
+            redis_url=redis_url,
+            kv_cache_memory_mb=64,
+            embedding_model_dir=default_embedding_model_dir(),
+            metrics_ports=(("scheduler", free_port()),),
+            extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(E2E_CHUNK)),),
+        )
+    )
 
 
-def gateway_spec(handle: SharedMesh, name: str, tokenizer: str = "tokenizer", **env: str) -> ServiceSpec:
+def gateway_spec(handle: RunningMesh, name: str, tokenizer: str = "tokenizer", **env: str) -> ServiceSpec:
     """An extra gateway process on the shared mesh's scheduler (e.g. with API keys)."""
     port = free_port()
     base = {
         "MESHSERVE_HOST": "127.0.0.1",
         "MESHSERVE_PORT": str(port),
         "MESHSERVE_TOKENIZER_ADDRESS": handle.address(tokenizer),
-        "MESHSERVE_SCHEDULER_ADDRESS": handle.mesh.config.scheduler_addresses,
+        "MESHSERVE_SCHEDULER_ADDRESS": handle.config.scheduler_addresses,
         "MESHSERVE_DEFAULT_MAX_TOKENS": "16",
         "MESHSERVE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
     }
     return ServiceSpec(name, "gateway", port, {**base, **env}, grpc=False)
 
 
-def tokenizer_spec(handle: SharedMesh, name: str, **env: str) -> ServiceSpec:
+def tokenizer_spec(handle: RunningMesh, name: str, **env: str) -> ServiceSpec:
     """An extra tokenizer process serving the mesh's model (e.g. with other policies)."""
     port = free_port()
-    base_env = handle.mesh.specs["tokenizer"].env
+    base_env = handle.specs["tokenizer"].env
     return ServiceSpec(name, "tokenizer_svc", port, {**base_env, "MESHSERVE_PORT": str(port), **env})
 
 
