@@ -50,6 +50,7 @@ class Server:
     command: list[str]
     port: int
     env: dict[str, str]
+    cwd: Path = ROOT  # where it starts (a mesh runs the code of the checkout it starts in)
 
 
 def servers(vllm: str, name: str, model_dir: str, dtype: str, log_dir: Path) -> list[Server]:
@@ -142,7 +143,7 @@ def serving(server: Server) -> Iterator[float]:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     with (LOG_DIR / f"{server.system}.log").open("wb") as log:
         proc = subprocess.Popen(
-            server.command, cwd=ROOT, env={**os.environ, **server.env}, stdout=log, stderr=subprocess.STDOUT,
+            server.command, cwd=server.cwd, env={**os.environ, **server.env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
         try:
