@@ -21,7 +21,14 @@ from redis.exceptions import RedisError, ResponseError
 
 from scheduler_svc import metrics
 from scheduler_svc.prefix_index import ApplyResult, KvRecord, PrefixIndex
-from services.kv_contract import INDEX_KEY_PREFIX, SEQ_KEY_PREFIX, STREAM_KEY, SUBSCRIBER_POLL_INTERVAL_MS
+from services.kv_contract import (
+    SEQ_KEY_PREFIX,
+    STREAM_KEY,
+    SUBSCRIBER_POLL_INTERVAL_MS,
+    index_key,
+    seq_key,
+    tier_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +140,20 @@ class KvSubscriber:
         return count
 
     async def resync(self, worker_id: str) -> None:
-        """Replaces the index's view of one worker with its block set in Redis."""
+        """Replaces the index's view of one worker with its block sets in Redis."""
         pipe = self._client.pipeline(transaction=True)
-        pipe.smembers(INDEX_KEY_PREFIX + worker_id)
-        pipe.get(SEQ_KEY_PREFIX + worker_id)
-        members, raw_cursor = await pipe.execute()
+        pipe.smembers(index_key(worker_id))
+        pipe.smembers(tier_key(worker_id))
+        pipe.get(seq_key(worker_id))
+        members, tier_members, raw_cursor = await pipe.execute()
         try:
             epoch, seq = parse_cursor(raw_cursor)
             hashes = [int(m) for m in members]
+            tiered = [int(m) for m in tier_members]
         except ValueError as exc:
             log.warning("kv subscriber: malformed block set of %s (%s); ignoring it", worker_id, exc)
-            epoch, seq, hashes = "", 0, []
-        self._index.reset_worker(worker_id, hashes, epoch, seq)
+            epoch, seq, hashes, tiered = "", 0, [], []
+        self._index.reset_worker(worker_id, hashes, epoch, seq, tiered)
         metrics.KV_RESYNCS.inc()
 
     async def _handle(self, fields: dict[Any, Any]) -> None:

@@ -153,6 +153,16 @@ WEIGHT_OPTIONS = {
 }
 
 
+def tier_load_cost(worker: WorkerState) -> float:
+    """What loading a block from the worker's KV tier costs as a fraction of computing it
+    there: its prefill rate over its tier load rate, both measured by the worker (1 at
+    most). 0 until both are measured: a tier block then counts as a cached one."""
+    load = worker.load
+    if load.kv_tier_load_tokens_per_s <= 0.0 or load.prefill_tokens_per_s <= 0.0:
+        return 0.0
+    return min(1.0, load.prefill_tokens_per_s / load.kv_tier_load_tokens_per_s)
+
+
 class PrefixAwarePolicy:
     """Longest cached prefix weighed against queue depth and KV usage, with a load cap."""
 
@@ -169,21 +179,26 @@ class PrefixAwarePolicy:
 
     def _matches(
         self, request: RoutingRequest, candidates: Sequence[WorkerState]
-    ) -> dict[str, tuple[int, int]]:
-        """worker_id -> (matched blocks, total blocks), hashing once per block size."""
-        result: dict[str, tuple[int, int]] = {}
+    ) -> dict[str, tuple[int, int, float]]:
+        """worker_id -> (matched blocks, total blocks, matched blocks as priced: one in the
+        worker's KV tier counts for what loading it saves, `tier_load_cost`), hashing once
+        per block size."""
+        by_id = {w.worker_id: w for w in candidates}
+        result: dict[str, tuple[int, int, float]] = {}
         for size in {w.spec.block_size for w in candidates}:
             hashes = request.hashes(size)
             group = [w.worker_id for w in candidates if w.spec.block_size == size]
             for worker_id, matched in self._index.match(hashes, group).items():
-                result[worker_id] = (matched, len(hashes))
+                tiered = self._index.tier_blocks(worker_id, hashes[:matched]) if matched else 0
+                priced = matched - tiered * tier_load_cost(by_id[worker_id])
+                result[worker_id] = (matched, len(hashes), priced)
         return result
 
     def scores(
         self,
         request: RoutingRequest,
         candidates: Sequence[WorkerState],
-        matches: dict[str, tuple[int, int]] | None = None,
+        matches: dict[str, tuple[int, int, float]] | None = None,
     ) -> dict[str, float]:
         """The score of every candidate (higher is better)."""
         if matches is None:
@@ -192,8 +207,8 @@ class PrefixAwarePolicy:
         low = min(loads)
         result: dict[str, float] = {}
         for worker, load in zip(candidates, loads, strict=True):
-            matched, total = matches[worker.worker_id]
-            hit = matched / total if total else 0.0
+            _, total, priced = matches[worker.worker_id]
+            hit = priced / total if total else 0.0
             idle = (low + 1) / (load + 1)
             kv_free = 1.0 - min(max(worker.load.kv_usage, 0.0), 1.0)
             w = self._weights
@@ -210,7 +225,7 @@ class PrefixAwarePolicy:
             allowed = [w for w in candidates if not self._over_cap(w, candidates)]
             best = self._best(allowed, scores) if allowed else self._least_load.pick(candidates)
             reason = "load_cap"
-        matched, total = matches[best.worker_id]
+        matched, total, _ = matches[best.worker_id]
         self._index.add_speculative(best.worker_id, request.hashes(best.spec.block_size))
         return Decision(best, reason, matched, total)
 

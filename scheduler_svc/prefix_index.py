@@ -1,6 +1,7 @@
 """Which worker holds which KV blocks: the prefix index behind prefix-aware routing.
 
-Pure domain code. Workers publish KV events (blocks stored / removed / cache cleared)
+Pure domain code. Workers publish KV events (blocks stored / offloaded into the KV tier /
+removed / cache cleared)
 with a per-worker `(epoch, seq)` cursor; `apply` folds them in and tells the caller when
 it must resync a worker from its full block set instead (first contact, new epoch after a
 restart, or a gap in `seq`). Routing decisions are also recorded as short-lived
@@ -9,7 +10,8 @@ before the worker's events arrive.
 
 Block hashes are chained (see `services.kv_hash`), so a worker that holds block i of a
 prompt's hash list holds a prefix ending there; `match` returns, per worker, the number of
-leading blocks it holds.
+leading blocks it holds, and `tier_blocks` how many of those are in its KV tier (held,
+but to be loaded before use).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from enum import StrEnum
 from services.clock import Clock
 
 KIND_STORED = "stored"
+KIND_OFFLOADED = "offloaded"  # still held, in the worker's KV tier
 KIND_REMOVED = "removed"
 KIND_CLEARED = "cleared"
 # A snapshot marker: the worker rewrote its whole block set (start-up, after an outage).
 KIND_RESYNC = "resync"
-KINDS = (KIND_STORED, KIND_REMOVED, KIND_CLEARED, KIND_RESYNC)
+KINDS = (KIND_STORED, KIND_OFFLOADED, KIND_REMOVED, KIND_CLEARED, KIND_RESYNC)
 
 
 class ApplyResult(StrEnum):
@@ -61,6 +64,7 @@ class PrefixIndex:
         self._clock = clock
         self._owners: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
+        self._tiered: dict[str, set[int]] = {}  # of each worker's held blocks, those in its tier
         self._cursor: dict[str, tuple[str, int]] = {}
         # worker -> hash -> expiry, oldest first (the TTL is constant).
         self._speculative: dict[str, OrderedDict[int, float]] = {}
@@ -79,6 +83,10 @@ class PrefixIndex:
             return ApplyResult.RESYNC
         if record.kind == KIND_STORED:
             self._add(record.worker_id, record.hashes)
+            self._tiered.get(record.worker_id, set()).difference_update(record.hashes)
+        elif record.kind == KIND_OFFLOADED:
+            self._add(record.worker_id, record.hashes)
+            self._tiered.setdefault(record.worker_id, set()).update(record.hashes)
         elif record.kind == KIND_REMOVED:
             self._remove(record.worker_id, record.hashes)
         elif record.kind == KIND_CLEARED:
@@ -86,10 +94,14 @@ class PrefixIndex:
         self._cursor[record.worker_id] = (record.epoch, record.seq)
         return ApplyResult.APPLIED
 
-    def reset_worker(self, worker_id: str, hashes: Iterable[int], epoch: str, seq: int) -> None:
-        """Replaces a worker's block set with a snapshot taken at cursor (epoch, seq)."""
+    def reset_worker(
+        self, worker_id: str, hashes: Iterable[int], epoch: str, seq: int, tiered: Iterable[int] = ()
+    ) -> None:
+        """Replaces a worker's block set (and of it, those in its tier) with a snapshot
+        taken at cursor (epoch, seq)."""
         self._drop_confirmed(worker_id)
         self._add(worker_id, hashes)
+        self._tiered[worker_id] = set(tiered) & self._held.get(worker_id, set())
         self._cursor[worker_id] = (epoch, seq)
 
     def remove_worker(self, worker_id: str) -> None:
@@ -102,6 +114,7 @@ class PrefixIndex:
     def clear(self) -> None:
         self._owners.clear()
         self._held.clear()
+        self._tiered.clear()
         self._cursor.clear()
         self._speculative.clear()
         self._speculative_owners.clear()
@@ -118,6 +131,11 @@ class PrefixIndex:
     def blocks(self, worker_id: str) -> frozenset[int]:
         """The blocks KV events say the worker holds (speculative entries excluded)."""
         return frozenset(self._held.get(worker_id, ()))
+
+    def tier_blocks(self, worker_id: str, hashes: Iterable[int]) -> int:
+        """How many of `hashes` the worker holds in its KV tier rather than its cache."""
+        tiered = self._tiered.get(worker_id)
+        return sum(1 for block in hashes if block in tiered) if tiered else 0
 
     def holds(self, worker_id: str, block: int) -> bool:
         return block in self._held.get(worker_id, ())
@@ -180,7 +198,10 @@ class PrefixIndex:
     def _remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         held = self._held.get(worker_id)
         speculative = self._speculative.get(worker_id)
+        tiered = self._tiered.get(worker_id)
         for block in hashes:
+            if tiered is not None:
+                tiered.discard(block)
             if held is not None and block in held:
                 held.discard(block)
                 self._drop_owner(block, worker_id)
@@ -188,6 +209,7 @@ class PrefixIndex:
                 self._drop_speculative_owner(block, worker_id)
 
     def _drop_confirmed(self, worker_id: str) -> None:
+        self._tiered.pop(worker_id, None)
         for block in self._held.pop(worker_id, set()):
             self._drop_owner(block, worker_id)
 

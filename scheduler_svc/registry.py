@@ -70,6 +70,7 @@ class LoadSnapshot:
     prefill_tokens_per_s: float = 0.0
     kv_import_tokens_per_s: float = 0.0
     num_priority_preemptions: int = 0
+    kv_tier_load_tokens_per_s: float = 0.0
     # LoRA adapters requests may name on this worker, and those in a compute slot now.
     lora_loaded: tuple[str, ...] = ()
     lora_resident: tuple[str, ...] = ()

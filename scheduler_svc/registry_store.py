@@ -20,7 +20,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from scheduler_svc.registry import LoadSnapshot, WorkerRegistry, WorkerSpec, WorkerState
-from services.kv_contract import index_key, seq_key
+from services.kv_contract import index_key, seq_key, tier_key
 
 log = logging.getLogger(__name__)
 
@@ -108,5 +108,5 @@ class RegistryMirror:
         pipe = self._client.pipeline(transaction=False)
         pipe.hdel(WORKERS_KEY, *worker_ids)
         for worker_id in worker_ids:
-            pipe.delete(index_key(worker_id), seq_key(worker_id))
+            pipe.delete(index_key(worker_id), tier_key(worker_id), seq_key(worker_id))
         await pipe.execute()

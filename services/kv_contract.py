@@ -21,10 +21,12 @@ __all__ = [
     "SEQ_KEY_PREFIX",
     "STREAM_KEY",
     "SUBSCRIBER_POLL_INTERVAL_MS",
+    "TIER_KEY_PREFIX",
     "MultiModalKey",
     "index_key",
     "request_extra_keys",
     "seq_key",
+    "tier_key",
     "with_lora_key",
     "with_mm_keys",
 ]
@@ -33,10 +35,12 @@ __all__ = [
 # which must be equal for prefix-aware routing.
 DEFAULT_BLOCK_SIZE = 16
 
-# Redis stream of KV events (stored / removed block hashes) from every worker.
+# Redis stream of KV events (stored / offloaded / removed block hashes) from every worker.
 STREAM_KEY = "meshserve:kv-events"
-# Per worker: the set of block hashes it holds (snapshot rewritten on resync) ...
+# Per worker: the set of block hashes it holds (snapshot rewritten on resync), ...
 INDEX_KEY_PREFIX = "meshserve:kv-index:"
+# ... those of them in its KV tier rather than its cache (a subset), ...
+TIER_KEY_PREFIX = "meshserve:kv-tier:"
 # ... and the stream id of the last event folded into that set.
 SEQ_KEY_PREFIX = "meshserve:kv-seq:"
 # The scheduler reads the stream at most this often, and a worker gathers its events
@@ -91,6 +95,11 @@ def request_extra_keys(
 def index_key(worker_id: str) -> str:
     """Redis set of the block hashes `worker_id` holds."""
     return INDEX_KEY_PREFIX + worker_id
+
+
+def tier_key(worker_id: str) -> str:
+    """Redis set of the block hashes `worker_id` holds in its KV tier (a subset of its index set)."""
+    return TIER_KEY_PREFIX + worker_id
 
 
 def seq_key(worker_id: str) -> str:

@@ -19,9 +19,11 @@ Redis layout (shared with `scheduler_svc.kv_subscriber`):
 
 * stream ``meshserve:kv-events`` (approximate MAXLEN), one entry per event with fields
   ``worker_id``, ``epoch`` (random per publisher instance), ``seq`` (per worker, +1 per
-  entry), ``kind`` (stored | removed | cleared | resync) and ``hashes`` (comma-separated
-  decimal uint64 block hashes);
+  entry), ``kind`` (stored | offloaded | removed | cleared | resync) and ``hashes``
+  (comma-separated decimal uint64 block hashes);
 * set ``meshserve:kv-index:{worker_id}``: the worker's current block hashes;
+* set ``meshserve:kv-tier:{worker_id}``: those of them in its KV tier, not its cache
+  (``offloaded`` adds to it; ``stored``, ``removed`` and ``cleared`` take out);
 * string ``meshserve:kv-seq:{worker_id}``: ``"{epoch}:{seq}"`` of the last entry folded
   into the set.
 
@@ -46,7 +48,7 @@ from prometheus_client import Counter
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.kv_contract import STREAM_KEY, index_key, seq_key
+from services.kv_contract import STREAM_KEY, index_key, seq_key, tier_key
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -80,13 +82,18 @@ class _Event:
     hashes: tuple[int, ...]
 
 
+_MERGEABLE = ("stored", "offloaded", "removed")
+# A worker's blocks as a resync writes them: every block it holds, and those of them in its tier.
+_Snapshot = tuple[set[int], set[int]]
+
+
 def coalesce(events: Sequence[_Event]) -> list[_Event]:
-    """`events` with each run of adjacent "stored" (or "removed") events merged into one,
-    in order: the same block set and stream meaning in fewer entries."""
+    """`events` with each run of adjacent events of one kind (but "cleared") merged into
+    one, in order: the same block sets and stream meaning in fewer entries."""
     merged: list[_Event] = []
     for event in events:
         last = merged[-1] if merged else None
-        if last is not None and last.kind == event.kind and event.kind in ("stored", "removed"):
+        if last is not None and last.kind == event.kind and event.kind in _MERGEABLE:
             merged[-1] = _Event(event.kind, last.hashes + event.hashes)
         else:
             merged.append(event)
@@ -121,6 +128,7 @@ class KvEventPublisher:
         self._cond = threading.Condition()
         self._pending: list[_Event] = []
         self._mirror: set[int] = set()
+        self._tier_mirror: set[int] = set()  # of _mirror, the blocks in the KV tier
         self._needs_resync = True
         self._seq = 0
         self._busy = False
@@ -202,10 +210,16 @@ class KvEventPublisher:
     def _fold(self, event: _Event) -> None:
         if event.kind == "stored":
             self._mirror.update(event.hashes)
+            self._tier_mirror.difference_update(event.hashes)
+        elif event.kind == "offloaded":
+            self._mirror.update(event.hashes)
+            self._tier_mirror.update(event.hashes)
         elif event.kind == "removed":
             self._mirror.difference_update(event.hashes)
+            self._tier_mirror.difference_update(event.hashes)
         elif event.kind == "cleared":
             self._mirror.clear()
+            self._tier_mirror.clear()
 
     def _count_dropped(self, count: int) -> None:
         self.dropped += count
@@ -222,7 +236,7 @@ class KvEventPublisher:
                 if not self._needs_resync:
                     # Let the next steps' events join this batch (see the module doc).
                     self._cond.wait_for(lambda: self._stopping or self._needs_resync, self._flush_interval_s)
-                snapshot = set(self._mirror) if self._needs_resync else None
+                snapshot = self._copy_mirror() if self._needs_resync else None
                 events, self._pending = coalesce(self._pending), []
                 self._needs_resync = False
                 self._busy = True
@@ -236,7 +250,7 @@ class KvEventPublisher:
                 if not ok:
                     self._cond.wait_for(lambda: self._stopping, self._retry_interval_s)
 
-    def _write(self, snapshot: set[int] | None, events: list[_Event]) -> bool:
+    def _write(self, snapshot: _Snapshot | None, events: list[_Event]) -> bool:
         """One transaction; False when Redis failed or the cursor shows lost state."""
         try:
             if snapshot is not None:
@@ -253,11 +267,15 @@ class KvEventPublisher:
             log.warning("kv events: Redis unreachable (%s); dropped %d events, will resync", exc, count)
             return False
 
-    def _snapshot_now(self) -> set[int]:
+    def _snapshot_now(self) -> _Snapshot:
         with self._cond:
             # Pending events are folded into the mirror already: the snapshot covers them.
             self._pending.clear()
-            return set(self._mirror)
+            return self._copy_mirror()
+
+    def _copy_mirror(self) -> _Snapshot:
+        """(every block held, those in the tier), copied (under the lock)."""
+        return set(self._mirror), set(self._tier_mirror)
 
     def _redis(self) -> redis.Redis:
         if self._client is None:
@@ -288,12 +306,7 @@ class KvEventPublisher:
             pipe.xadd(
                 STREAM_KEY, self._entry(event.kind, event.hashes), maxlen=self._maxlen, approximate=True
             )
-            if event.kind == "cleared":
-                pipe.delete(index_key(self.worker_id))
-            elif event.hashes and event.kind == "stored":
-                pipe.sadd(index_key(self.worker_id), *event.hashes)
-            elif event.hashes and event.kind == "removed":
-                pipe.srem(index_key(self.worker_id), *event.hashes)
+            self._fold_into_sets(pipe, event)
         pipe.set(seq_key(self.worker_id), self._cursor())
         try:
             results = pipe.execute()
@@ -304,12 +317,28 @@ class KvEventPublisher:
         EVENTS_PUBLISHED.inc(len(events))
         return bool(results[0] == expected)
 
-    def _write_snapshot(self, hashes: set[int]) -> None:
+    def _fold_into_sets(self, pipe: Any, event: _Event) -> None:
+        """The event's change of the worker's index and tier sets, queued on `pipe`."""
+        held, tier = index_key(self.worker_id), tier_key(self.worker_id)
+        if event.kind == "cleared":
+            pipe.delete(held, tier)
+        elif event.hashes and event.kind == "stored":
+            pipe.sadd(held, *event.hashes)
+            pipe.srem(tier, *event.hashes)
+        elif event.hashes and event.kind == "offloaded":
+            pipe.sadd(held, *event.hashes)
+            pipe.sadd(tier, *event.hashes)
+        elif event.hashes and event.kind == "removed":
+            pipe.srem(held, *event.hashes)
+            pipe.srem(tier, *event.hashes)
+
+    def _write_snapshot(self, snapshot: _Snapshot) -> None:
         pipe = self._redis().pipeline(transaction=True)
-        pipe.delete(index_key(self.worker_id))
-        members = list(hashes)
-        for start in range(0, len(members), _SADD_CHUNK):
-            pipe.sadd(index_key(self.worker_id), *members[start : start + _SADD_CHUNK])
+        for key, hashes in zip((index_key(self.worker_id), tier_key(self.worker_id)), snapshot, strict=True):
+            pipe.delete(key)
+            members = list(hashes)
+            for start in range(0, len(members), _SADD_CHUNK):
+                pipe.sadd(key, *members[start : start + _SADD_CHUNK])
         pipe.xadd(STREAM_KEY, self._entry("resync", ()), maxlen=self._maxlen, approximate=True)
         pipe.set(seq_key(self.worker_id), self._cursor())
         pipe.execute()

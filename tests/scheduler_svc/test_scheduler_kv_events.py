@@ -15,7 +15,7 @@ import redis
 from meshserve.v1 import common_pb2
 from scheduler_svc.kv_subscriber import KvSubscriber
 from scheduler_svc.prefix_index import PrefixIndex
-from services.kv_contract import STREAM_KEY, index_key, request_extra_keys, seq_key
+from services.kv_contract import STREAM_KEY, index_key, request_extra_keys, seq_key, tier_key
 from services.redis_client import RedisServer, connect
 from worker_svc.kv_events import KvEventPublisher
 
@@ -203,6 +203,41 @@ async def test_subscriber_rebuilds_follows_and_resyncs_on_gaps(private_redis: Re
     assert "ignored" not in index.workers()
     for p in (pub, other):
         await asyncio.to_thread(p.close)
+    await client.aclose()
+
+
+async def test_the_index_knows_which_blocks_sit_in_a_workers_tier(private_redis: RedisServer) -> None:
+    """Offloaded blocks stay held and go in the worker's tier set, a load back (stored)
+    takes them out, removed drops them: in Redis, in the index the stream feeds, and in
+    the index a resync reloads."""
+    sync = redis.Redis.from_url(private_redis.url)
+    pub = KvEventPublisher(private_redis.url, "w1")
+    pub.start()
+    pub.publish([Ev("stored", [1, 2, 3, 4])])
+    assert await asyncio.to_thread(pub.wait_idle)
+    index = PrefixIndex(speculative_ttl_s=0)
+    client = connect(private_redis.url)
+    sub = KvSubscriber(client, index, tracked=lambda w: True)
+    await sub.rebuild()
+    pub.publish([Ev("offloaded", [2, 3, 4])])
+    pub.publish([Ev("stored", [2]), Ev("removed", [4])])
+    assert await asyncio.to_thread(pub.wait_idle)
+    await sub.poll_once(block_ms=100)
+    assert members(sync, "w1") == {1, 2, 3}
+    assert {int(m) for m in sync.smembers(tier_key("w1"))} == {3}
+    assert index.match([1, 2, 3, 4], ["w1"]) == {"w1": 3}
+    assert index.tier_blocks("w1", [1, 2, 3]) == 1
+    fresh = PrefixIndex(speculative_ttl_s=0)
+    await KvSubscriber(client, fresh, tracked=lambda w: True).rebuild()
+    assert fresh.match([1, 2, 3, 4], ["w1"]) == {"w1": 3} and fresh.tier_blocks("w1", [1, 2, 3]) == 1
+    # A resync rewrites both sets from the publisher's mirror.
+    sync.delete(tier_key("w1"), index_key("w1"))
+    sync.set(seq_key("w1"), "someone-else:1")
+    pub.publish([Ev("offloaded", [1])])
+    assert await asyncio.to_thread(pub.wait_idle)
+    assert members(sync, "w1") == {1, 2, 3}
+    assert {int(m) for m in sync.smembers(tier_key("w1"))} == {1, 3}
+    await asyncio.to_thread(pub.close)
     await client.aclose()
 
 

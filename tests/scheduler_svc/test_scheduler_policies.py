@@ -11,6 +11,7 @@ from scheduler_svc.policies import (
     RoundRobinPolicy,
     RoutingRequest,
     make_policy,
+    tier_load_cost,
 )
 from scheduler_svc.prefix_index import PrefixIndex
 from scheduler_svc.registry import LoadSnapshot, WorkerSpec, WorkerState
@@ -91,6 +92,31 @@ def test_short_shared_prefix_loses_to_a_much_less_loaded_worker() -> None:
     policy = PrefixAwarePolicy(index)
     ws = [worker("hot", running=5), worker("idle")]
     assert policy.choose(request(tokens), ws).worker.worker_id == "idle"
+
+
+def test_a_prefix_in_a_workers_tier_is_priced_at_what_loading_it_costs() -> None:
+    """Two idle workers hold the whole prefix, one in its cache, one mostly in its KV
+    tier: while the tier's loads are unmeasured both count alike; once the worker says
+    loading costs 3/4 of computing (prefill 3,000 tok/s, tier 4,000), the cache wins, and
+    the tier still beats a worker with a shorter prefix in its cache."""
+    index = PrefixIndex(speculative_ttl_s=0)
+    tokens = list(range(40))
+    hashes = block_hashes(tokens, BS)  # 10 blocks
+    index.reset_worker("cache", hashes, "e", 1)
+    index.reset_worker("tier", hashes, "e", 1, tiered=hashes[2:])
+    policy = PrefixAwarePolicy(index)
+    cache, tier = worker("cache"), worker("tier")
+    scores = policy.scores(request(tokens), [cache, tier])
+    assert scores["cache"] == scores["tier"]
+    tier.load = LoadSnapshot(prefill_tokens_per_s=3000.0, kv_tier_load_tokens_per_s=4000.0)
+    assert tier_load_cost(tier) == 0.75
+    assert policy.choose(request(tokens), [tier, cache]).worker.worker_id == "cache"
+    index.reset_worker("cache", hashes[:3], "e", 2)  # 3 blocks cached, against 2 + 8 x 1/4
+    assert policy.choose(request(tokens), [tier, cache]).worker.worker_id == "tier"
+    # A tier slower than computing counts for nothing, never less.
+    tier.load = LoadSnapshot(prefill_tokens_per_s=9000.0, kv_tier_load_tokens_per_s=4000.0)
+    assert tier_load_cost(tier) == 1.0
+    assert policy.choose(request(tokens), [tier, cache]).worker.worker_id == "cache"
 
 
 def test_load_cap_falls_back_to_least_load() -> None:

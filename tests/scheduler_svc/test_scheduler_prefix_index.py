@@ -78,3 +78,20 @@ def test_speculative_entries_expire() -> None:
     index.add_speculative("w3", [1, 2])
     index.apply(KvRecord("w3", "e", 1, "removed", (1,)))
     assert index.match([1, 2], ["w3"]) == {"w3": 0}
+
+
+def test_offloaded_blocks_stay_held_in_the_tier_until_loaded_back_or_removed() -> None:
+    index = PrefixIndex()
+    index.reset_worker("w1", [1, 2, 3, 4], "e1", 0, tiered=[4, 99])  # 99: not held, ignored
+    assert index.tier_blocks("w1", [1, 2, 3, 4, 99]) == 1
+    assert index.apply(rec(1, "offloaded", (2, 3))) is ApplyResult.APPLIED
+    assert index.match([1, 2, 3, 4], ["w1"]) == {"w1": 4}
+    assert index.tier_blocks("w1", [1, 2, 3, 4]) == 3
+    assert index.apply(rec(2, "stored", (2,))) is ApplyResult.APPLIED  # loaded back
+    assert index.apply(rec(3, "removed", (4,))) is ApplyResult.APPLIED  # the tier dropped it
+    assert index.match([1, 2, 3, 4], ["w1"]) == {"w1": 3}
+    assert index.tier_blocks("w1", [1, 2, 3, 4]) == 1
+    assert index.apply(rec(4, "offloaded", (5,))) is ApplyResult.APPLIED  # held from the tier alone
+    assert index.holds("w1", 5) and index.tier_blocks("w1", [5]) == 1
+    assert index.apply(rec(5, "cleared")) is ApplyResult.APPLIED
+    assert index.num_blocks("w1") == 0 and index.tier_blocks("w1", [3, 5]) == 0

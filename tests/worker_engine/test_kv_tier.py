@@ -117,9 +117,9 @@ def _request(engine: LLMEngine, prompt: list[int]) -> Request:
     return request
 
 
-def test_the_scheduler_hears_of_a_block_only_when_the_tier_drops_it() -> None:
-    """Evicted into the tier: no "removed" event (the worker still holds it, routing may
-    count on it); dropped by the tier later: "removed"."""
+def test_the_scheduler_hears_where_each_block_is() -> None:
+    """Evicted into the tier: "offloaded" (the worker still holds it; routing prices it at
+    a load); dropped by the tier: "removed"; loaded back: "stored", its load timed."""
     stand_in = Blocks()
     tier = KvTier(1, stand_in.size, stand_in.read, stand_in.write, admit_after=1)
     bm = BlockManager(num_blocks=4, block_size=4, tier=tier)
@@ -131,7 +131,13 @@ def test_the_scheduler_hears_of_a_block_only_when_the_tier_drops_it() -> None:
     bm.take_events()
     second = Request("second", list(range(50, 66)), GREEDY)
     assert bm.allocate(second, 16)  # all 4 blocks: both cached blocks are evicted
-    removed = [h for e in bm.take_events() if e.kind == "removed" for h in e.block_hashes]
+    events = [(e.kind, e.block_hashes) for e in bm.take_events()]
     # The tail went first, into the tier; the head displaced it there (one slot).
-    assert removed == [h1] and h0 in tier and h1 not in tier
+    assert events == [("offloaded", [h1]), ("removed", [h1]), ("offloaded", [h0])]
+    assert h0 in tier and h1 not in tier
     bm.free(second)
+    assert bm.tier_load_rate.per_s == 0.0
+    again = Request("again", list(range(1, 10)), GREEDY)
+    assert bm.allocate(again, 5)  # the first block from the tier, the rest computed
+    assert [(e.kind, e.block_hashes) for e in bm.take_events()] == [("stored", [h0])]
+    assert again.num_cached_tokens == 4 and bm.tier_load_rate.per_s > 0.0

@@ -9,7 +9,8 @@ Design (after vLLM v1's KVCacheManager):
   go to the tail (least recently used first out; a request's blocks are appended in
   reverse so its tail is evicted before its more shareable head). Freed blocks
   without a hash hold nothing reusable and go to the head. Allocation pops the head;
-  a popped block that still had a hash is evicted from the cache ("removed" event).
+  a popped block that still had a hash is evicted from the cache ("removed" event, or
+  "offloaded" when the KV tier keeps it).
 * A cache hit on a free block takes it out of the queue (ref 0 -> 1); a hit on a
   block in use just bumps its ref count.
 * Blocks are registered (hashed, "stored" event) only after their KV was computed,
@@ -22,6 +23,7 @@ Design (after vLLM v1's KVCacheManager):
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,10 +32,11 @@ from typing import Literal
 from services.kv_hash import block_hashes
 from worker_svc.engine.kv_tier import KvTier
 from worker_svc.engine.request import Request
+from worker_svc.engine.token_rate import TokenRate
 
 __all__ = ["BlockManager", "KVBlock", "KvEvent", "KvEventKind"]
 
-KvEventKind = Literal["stored", "removed", "cleared"]
+KvEventKind = Literal["stored", "offloaded", "removed", "cleared"]
 
 
 @dataclass
@@ -42,8 +45,10 @@ class KvEvent:
 
     ``stored``: ``block_hashes`` (a chained run) became reusable; ``parent_hash`` is the
     hash of the block before the first one (None at the start of a sequence) and
-    ``token_ids`` the tokens of all the blocks. ``removed``: the hashes were evicted.
-    ``cleared``: the whole cache was dropped.
+    ``token_ids`` the tokens of all the blocks (also when loaded back from the KV tier).
+    ``offloaded``: the cache evicted the hashes into the KV tier (still reusable, at the
+    cost of a load). ``removed``: the worker holds them no more (in neither place).
+    ``cleared``: the whole cache (and tier) was dropped.
     """
 
     kind: KvEventKind
@@ -87,6 +92,8 @@ class BlockManager:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.tier = tier if enable_prefix_caching else None
+        # Prompt tokens per second loaded from the tier (the scheduler prices a tier hit with it).
+        self.tier_load_rate = TokenRate()
         if self.tier is not None:
             self.tier.on_dropped = self._tier_dropped
 
@@ -213,6 +220,7 @@ class BlockManager:
         blocks registered under their hashes; their ids, up to the first corrupt one."""
         if self.tier is None or not tiered:
             return []
+        started = time.perf_counter()
         found: list[tuple[int, bytes]] = []
         for h in tiered:  # read first: freeing blocks below may evict tier slots
             data = self.tier.read(h)
@@ -228,6 +236,7 @@ class BlockManager:
             loaded.append(block.block_id)
         if loaded:
             self._emit_stored(request, list(range(first, first + len(loaded))))
+            self.tier_load_rate.add(len(loaded) * self.block_size, time.perf_counter() - started)
         return loaded
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
@@ -255,8 +264,7 @@ class BlockManager:
                 kept = self.tier is not None and self.tier.evicted(
                     block.block_hash, block.block_id, block.uses
                 )
-                if not kept:  # the tier's blocks stay in the scheduler's index (kv_tier.py)
-                    self._emit_removed(block.block_hash)
+                self._emit_gone("offloaded" if kept else "removed", block.block_hash)
             block.block_hash = None
         block.ref_count, block.uses = 1, 0
         return block.block_id
@@ -360,7 +368,7 @@ class BlockManager:
 
     def _tier_dropped(self, block_hash: int) -> None:
         if block_hash not in self._cached:
-            self._emit_removed(block_hash)
+            self._emit_gone("removed", block_hash)
 
     # --------------------------------------------------------------- events
     def _emit_stored(self, request: Request, indices: list[int]) -> None:
@@ -374,12 +382,12 @@ class BlockManager:
             )
         )
 
-    def _emit_removed(self, block_hash: int) -> None:
-        # Evictions of one allocation burst are coalesced into one event.
-        if self._events and self._events[-1].kind == "removed":
+    def _emit_gone(self, kind: KvEventKind, block_hash: int) -> None:
+        """An "offloaded" or "removed" event; those of one allocation burst coalesce."""
+        if self._events and self._events[-1].kind == kind:
             self._events[-1].block_hashes.append(block_hash)
         else:
-            self._events.append(KvEvent("removed", block_hashes=[block_hash]))
+            self._events.append(KvEvent(kind, block_hashes=[block_hash]))
 
     def take_events(self) -> list[KvEvent]:
         """Return and clear the buffered events."""

@@ -89,6 +89,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     kv_import_tokens_per_s: float = 0.0
     num_priority_preemptions: int = 0  # of num_preemptions, for a waiting higher priority
+    kv_tier_load_tokens_per_s: float = 0.0  # prompt tokens per second loaded from the KV tier
     lora: LoraSnapshot | None = None  # None: LoRA off
     kv_tier: TierStats | None = None  # None: no KV tier
 
@@ -631,6 +632,7 @@ class LLMEngine:
             prefill_tokens_per_s=self.prefill_rate.per_s,
             kv_import_tokens_per_s=self.kv.import_rate.per_s,
             num_priority_preemptions=self.scheduler.num_priority_preemptions,
+            kv_tier_load_tokens_per_s=bm.tier_load_rate.per_s,
             lora=self.lora.snapshot() if self.lora is not None else None,
             kv_tier=dataclasses.replace(bm.tier.stats, blocks=len(bm.tier)) if bm.tier is not None else None,
         )

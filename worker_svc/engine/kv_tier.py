@@ -17,9 +17,11 @@ least recently used block among those loaded back the fewest times (counts cappe
 Pure engine code: it reads and writes KV through the two functions it is given (the
 model runner's `read_block` / `write_block`), on the engine thread, between steps.
 
-The scheduler's prefix index counts a block the tier holds as the worker's: its "removed"
-event is sent when the tier drops it, not when the cache evicts it into the tier, so a
-conversation that comes back is routed to the decoder whose tier has its prefix.
+The scheduler's prefix index knows where each block is: the cache's eviction into the tier
+sends an "offloaded" event, a load back a "stored" one, and "removed" comes when the tier
+drops it. A conversation that comes back is routed to the decoder whose tier has its
+prefix, its tier blocks priced at what loading them costs there (the worker's measured
+tier load rate against its prefill rate).
 """
 
 from __future__ import annotations
