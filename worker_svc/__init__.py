@@ -1,1 +1,1 @@
-"""Worker service (decoder, encoder and embedding roles): the gRPC front (servicer.py, generate_stream.py) over the engine package (engine/)."""
+"""Worker service (decoder, encoder and embedding roles): the gRPC front (decoder_servicer.py, generate_stream.py, embedding_servicer.py, encoder_servicer.py) over the engine package (engine/)."""

@@ -21,17 +21,19 @@ from services.server import GrpcServer
 from services.worker_roles import role_value
 from worker_svc import metrics as worker_metrics
 from worker_svc.config import WorkerConfig
+from worker_svc.decoder_servicer import DecoderServicer, load_stats, lora_state
 from worker_svc.embedding import EmbeddingModel
+from worker_svc.embedding_servicer import EmbeddingServicer
 from worker_svc.encoder import VisionEncoder
 from worker_svc.encoder_servicer import EncoderServicer
 from worker_svc.engine.async_engine import AsyncLLMEngine
+from worker_svc.identity import WorkerIdentity
 from worker_svc.kv_connector import KvImporter
 from worker_svc.kv_events import KvEventPublisher
 from worker_svc.kv_grpc import SERVICE as KV_SERVICE
 from worker_svc.kv_grpc import GrpcKvConnector, KvTransferServicer, layout_to_proto
 from worker_svc.mm_fetch import EmbeddingFetcher
 from worker_svc.registration import SchedulerLink
-from worker_svc.servicer import DecoderServicer, EmbeddingServicer, WorkerIdentity, load_stats, lora_state
 from worker_svc.torch_thread import TorchThread
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ import pytest
 
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.worker_kit import generate_one, worker_process
+from worker_svc.decoder_servicer import load_stats
 from worker_svc.main import WorkerProcess
-from worker_svc.servicer import load_stats
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 30

@@ -15,8 +15,8 @@ import grpc
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.config import from_options
 from worker_svc.config import WorkerConfig
+from worker_svc.decoder_servicer import load_stats
 from worker_svc.main import WorkerProcess
-from worker_svc.servicer import load_stats
 
 T = TypeVar("T")
 Tokens = dict[int, list[int]]  # sample index -> generated token ids

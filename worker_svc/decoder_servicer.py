@@ -1,11 +1,15 @@
-"""Worker gRPC servicer: a thin proto ↔ engine layer for the decoder role."""
+"""Worker servicer of the decoder role: a thin proto ↔ engine layer. `Worker.GenerateStream`
+(the token path) opens a `GenerateStreamCall` per call on the worker's engine; `LoadLora` /
+`UnloadLora` change its adapters; `load_stats` and `lora_state` are the engine's load and
+adapters as heartbeats report them. Image embeddings come from the encoder cache (`_fetch_mm`),
+never encoded here.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -14,22 +18,14 @@ from services import tracing
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.proto_mirror import mirrored
 from services.rpc import feed_stream, rpc_handler
-from worker_svc.embedding import EmbeddingModel
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import LLMEngine
 from worker_svc.engine.lora import LoraError, LoraSnapshot, LoraStateError, UnknownLoraError
 from worker_svc.engine.multimodal import MultiModalInput
 from worker_svc.generate_stream import GenerateStreamCall
+from worker_svc.identity import WorkerIdentity
 from worker_svc.kv_connector import KvImporter
 from worker_svc.mm_fetch import EmbeddingFetcher
-from worker_svc.torch_thread import TorchThread
-
-
-@dataclass(frozen=True)
-class WorkerIdentity:
-    worker_id: str
-    model: str
-    role: str
 
 
 def load_stats(engine: AsyncLLMEngine) -> worker_pb2.LoadStats:
@@ -176,48 +172,3 @@ async def _fetch_mm(fetcher: EmbeddingFetcher, request: common_pb2.GenerateReque
     """The prompt's image embeddings, fetched from the encoder cache (never encoded here)."""
     with tracing.span("worker.fetch_embeddings", request_id=request.request_id, items=len(request.mm_items)):
         return await fetcher.fetch(request.mm_items)
-
-
-class EmbeddingServicer(worker_pb2_grpc.WorkerServicer):
-    """Embedding role: pooled sentence embeddings, one request at a time on the role's
-    torch thread (the one its model was built on: `TorchThread`)."""
-
-    def __init__(
-        self, model: EmbeddingModel, thread: TorchThread, identity: WorkerIdentity, max_batch: int = 256
-    ) -> None:
-        self.model = model
-        self._thread = thread
-        self.identity = identity
-        self.max_batch = max_batch
-        self._running = 0
-        self._finished = 0
-
-    @rpc_handler
-    async def Embed(
-        self, request: common_pb2.EmbedRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.EmbedResponse:
-        """Embeds `inputs`; INVALID_ARGUMENT names the input that is too long or empty."""
-        if request.model and request.model != self.identity.model:
-            raise NotFound(f"model {request.model!r} is not served by this worker", param="model")
-        if not request.inputs or len(request.inputs) > self.max_batch:
-            raise InvalidArgument(f"input must hold 1..{self.max_batch} items", param="input")
-        self._running += 1
-        try:
-            result = await self._thread.run(
-                self.model.embed, list(request.inputs), request.normalize, request.truncate_prompt_tokens
-            )
-        finally:
-            self._running -= 1
-            self._finished += 1
-        return common_pb2.EmbedResponse(
-            embeddings=[common_pb2.Embedding(values=v) for v in result.vectors],
-            prompt_tokens=result.prompt_tokens,
-        )
-
-    def load(self) -> worker_pb2.LoadStats:
-        """Embeddings running now and finished since start (heartbeats report them)."""
-        return worker_pb2.LoadStats(num_running=self._running, num_finished=self._finished)
-
-    def close(self) -> None:
-        """Stops the torch thread once its current call returns."""
-        self._thread.shutdown()
