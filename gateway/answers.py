@@ -19,19 +19,11 @@ from gateway import metrics
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Usage
 from gateway.logprobs import resolve_strings
+from gateway.multi_run import MultiRun, usage_info
 from gateway.protocol import ChatCompletionChunk, CompletionChunk, SamplingRequest
-from gateway.serving import (
-    SSE_DONE,
-    Generation,
-    MultiRun,
-    RequestContext,
-    TextChunkTemplate,
-    new_id,
-    request_context,
-    respond,
-    sse_event,
-    usage_info,
-)
+from gateway.request_specs import new_id
+from gateway.serving import Generation, RequestContext, request_context, respond
+from gateway.sse import SSE_DONE, TextChunkTemplate, sse_event
 from meshserve.v1 import common_pb2
 from services import tracing
 

@@ -55,8 +55,9 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gateway.request_specs import new_id
 from gateway.response_store import ResponseStore
-from gateway.serving import background_context, new_id
+from gateway.serving import background_context
 from gateway.upstream import TOKENIZER, Upstream, adapter_parents
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services import tracing

@@ -44,9 +44,10 @@ from gateway.chat import ChatStreamer, start_chat
 from gateway.chat_bridge import named_event
 from gateway.errors import APIError
 from gateway.middleware import GatewayState
+from gateway.multi_run import MultiRun
 from gateway.protocol import ChatCompletionRequest
 from gateway.response_store import END, ResponseStore, StoredResponse
-from gateway.serving import MultiRun, RequestContext
+from gateway.serving import RequestContext
 
 __all__ = ["BackgroundResponses", "JobRecord", "Pipeline", "cancel"]
 

@@ -31,6 +31,7 @@ from gateway.answers import ChoiceCollector, ChoiceOutput, ChoiceStreamer, Start
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, GenerationRun
 from gateway.logprobs import chat_logprobs, resolve_strings, vllm_prompt_logprobs
+from gateway.multi_run import MultiRun, usage_info
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -45,17 +46,9 @@ from gateway.protocol import (
     NamedToolChoice,
     ToolCall,
 )
-from gateway.serving import (
-    Generation,
-    MultiRun,
-    RequestContext,
-    TextChunkTemplate,
-    generation_spec,
-    resolve_max_tokens,
-    sampling_params,
-    sse_event,
-    usage_info,
-)
+from gateway.request_specs import generation_spec, resolve_max_tokens, sampling_params
+from gateway.serving import Generation, RequestContext
+from gateway.sse import TextChunkTemplate, sse_event
 from gateway.tool_parsers import ToolCallDelta, ToolParser, parse_whole
 from gateway.tools import forced_tool_parser
 from gateway.upstream import TOKENIZER

@@ -18,7 +18,8 @@ from gateway.answers import StartedRequest
 from gateway.chat import ChatCollector, ChatStreamer, start_chat
 from gateway.errors import APIError, param_from_loc
 from gateway.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
-from gateway.serving import Generation, escape_line_breaks, request_context, respond
+from gateway.serving import Generation, request_context, respond
+from gateway.sse import escape_line_breaks
 from services import tracing
 
 

@@ -30,6 +30,7 @@ from gateway.logprobs import (
     resolve_strings,
     vllm_prompt_logprobs,
 )
+from gateway.multi_run import MultiRun, usage_info
 from gateway.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -37,17 +38,9 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from gateway.serving import (
-    Generation,
-    MultiRun,
-    RequestContext,
-    TextChunkTemplate,
-    generation_spec,
-    resolve_max_tokens,
-    sampling_params,
-    sse_event,
-    usage_info,
-)
+from gateway.request_specs import generation_spec, resolve_max_tokens, sampling_params
+from gateway.serving import Generation, RequestContext
+from gateway.sse import TextChunkTemplate, sse_event
 from gateway.upstream import TOKENIZER
 from meshserve.v1 import common_pb2, tokenizer_pb2
 from services.completion_prompt import ImageToken, completion_token_ids

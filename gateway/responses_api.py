@@ -35,6 +35,7 @@ from gateway import background
 from gateway.chat import ChatStreamer
 from gateway.chat_bridge import chat_request, named_event, renamed, run_chat
 from gateway.errors import APIError
+from gateway.multi_run import usage_info
 from gateway.protocol import (
     INT32_MAX,
     ChatCompletionChunk,
@@ -43,7 +44,8 @@ from gateway.protocol import (
     UsageInfo,
 )
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.serving import SSE_HEADERS, request_context, usage_info
+from gateway.serving import request_context
+from gateway.sse import SSE_HEADERS
 from gateway.tool_parsers import ToolParser
 
 ROUTE = "/v1/responses"

@@ -13,7 +13,7 @@ import pytest
 from gateway_fakes import MODEL
 
 from gateway.generation import ChoiceEvent
-from gateway.serving import MultiRun
+from gateway.multi_run import MultiRun
 
 
 @pytest.mark.parametrize("n", [1, 2])

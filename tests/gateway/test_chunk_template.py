@@ -14,7 +14,7 @@ from gateway.protocol import (
     CompletionChunk,
     DeltaMessage,
 )
-from gateway.serving import TextChunkTemplate, sse_event
+from gateway.sse import TextChunkTemplate, sse_event
 
 TEXTS = [
     " hello",

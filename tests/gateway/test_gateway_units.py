@@ -25,7 +25,7 @@ from gateway.errors import APIError, from_mesh_error
 from gateway.local_tokenizer import LocalTokenizer
 from gateway.protocol import CompletionRequest
 from gateway.ratelimit import RateLimiter
-from gateway.serving import resolve_max_tokens
+from gateway.request_specs import resolve_max_tokens
 from gateway.tools import ToolCallStreamParser, parse_tool_calls
 from services.errors import Code, MeshError, Overloaded
 from tests.fake_clock import FakeClock
