@@ -52,7 +52,7 @@ class Answer(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def mesh(
+def agent_mesh(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
     with running_mesh(
@@ -73,31 +73,39 @@ def mesh(
         yield started
 
 
-def _url(mesh: Mesh, gateway: str) -> str:
-    return f"http://127.0.0.1:{mesh.specs[gateway].port}"
+def _url(agent_mesh: Mesh, gateway: str) -> str:
+    return f"http://127.0.0.1:{agent_mesh.specs[gateway].port}"
 
 
 @pytest.fixture(scope="module")
-def oai(mesh: Mesh) -> openai.OpenAI:
+def oai(agent_mesh: Mesh) -> openai.OpenAI:
     """Key A on the first gateway."""
-    return openai.OpenAI(base_url=_url(mesh, "gateway") + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=_url(agent_mesh, "gateway") + "/v1", api_key=KEY_A, max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
-def oai_2(mesh: Mesh) -> openai.OpenAI:
+def oai_2(agent_mesh: Mesh) -> openai.OpenAI:
     """Key A on the second gateway."""
-    return openai.OpenAI(base_url=_url(mesh, "gateway-2") + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=_url(agent_mesh, "gateway-2") + "/v1", api_key=KEY_A, max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
-def oai_b(mesh: Mesh) -> openai.OpenAI:
+def oai_b(agent_mesh: Mesh) -> openai.OpenAI:
     """Key B on the second gateway."""
-    return openai.OpenAI(base_url=_url(mesh, "gateway-2") + "/v1", api_key=KEY_B, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=_url(agent_mesh, "gateway-2") + "/v1", api_key=KEY_B, max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
-def claude(mesh: Mesh) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=_url(mesh, "gateway"), api_key=KEY_A, max_retries=0, timeout=120)
+def claude(agent_mesh: Mesh) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=_url(agent_mesh, "gateway"), api_key=KEY_A, max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +373,7 @@ def test_messages_stop_sequence(claude: anthropic.Anthropic, model: str) -> None
 
 
 def test_messages_stream_event_sequence(
-    claude: anthropic.Anthropic, oai: openai.OpenAI, mesh: Mesh, model: str
+    claude: anthropic.Anthropic, oai: openai.OpenAI, agent_mesh: Mesh, model: str
 ) -> None:
     chat = _chat(oai, model, [{"role": "user", "content": "Sing"}], 12)
     request: dict[str, Any] = {
@@ -391,7 +399,7 @@ def test_messages_stream_event_sequence(
     headers = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
     with httpx.stream(
         "POST",
-        _url(mesh, "gateway") + "/v1/messages",
+        _url(agent_mesh, "gateway") + "/v1/messages",
         json={**request, **GREEDY, "stream": True},
         headers=headers,
         timeout=120,
@@ -478,8 +486,10 @@ def test_messages_bad_input_in_anthropic_shape(
     assert error["error"]["message"].startswith(field), error
 
 
-def test_x_api_key_is_checked(mesh: Mesh, model: str) -> None:
-    wrong = anthropic.Anthropic(base_url=_url(mesh, "gateway"), api_key="wrong", max_retries=0, timeout=60)
+def test_x_api_key_is_checked(agent_mesh: Mesh, model: str) -> None:
+    wrong = anthropic.Anthropic(
+        base_url=_url(agent_mesh, "gateway"), api_key="wrong", max_retries=0, timeout=60
+    )
     with pytest.raises(anthropic.AuthenticationError) as raised:
         wrong.messages.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert raised.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]

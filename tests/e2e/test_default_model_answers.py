@@ -46,7 +46,7 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def mesh(
+def answers_mesh(
     default_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
     with running_mesh(
@@ -65,8 +65,10 @@ def mesh(
 
 
 @pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(answers_mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=answers_mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +126,13 @@ def test_forced_tool_call_has_valid_arguments_naming_the_city(client: openai.Ope
     assert "Paris" in json.loads(call.function.arguments)["city"], call.function.arguments
 
 
-def test_responses_and_messages_apis_say_paris(client: openai.OpenAI, mesh: Mesh, model: str) -> None:
+def test_responses_and_messages_apis_say_paris(client: openai.OpenAI, answers_mesh: Mesh, model: str) -> None:
     """The agent APIs (gateway/responses_api.py, messages_api.py) on the real model."""
     response = client.responses.create(model=model, input="What is the capital of France?", temperature=0)
     assert "Paris" in response.output_text and response.status == "completed", response.output_text
-    claude = anthropic.Anthropic(base_url=mesh.gateway_url, api_key="unused", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(
+        base_url=answers_mesh.gateway_url, api_key="unused", max_retries=0, timeout=120
+    )
     message = claude.messages.create(
         model=model,
         max_tokens=48,

@@ -50,7 +50,7 @@ def adapters(peaked_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 @pytest.fixture(scope="module")
-def mesh(
+def lora_mesh(
     peaked_model: Path,
     adapters: dict[str, str],
     redis_server: RedisServer,
@@ -74,8 +74,8 @@ def mesh(
         yield started
 
 
-def _client(mesh: Mesh, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=key, max_retries=0, timeout=120)
+def _client(lora_mesh: Mesh, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=lora_mesh.gateway_url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> list[str]:
@@ -93,30 +93,30 @@ def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> list[str]
     return logprobs.tokens
 
 
-def _post(mesh: Mesh, path: str, key: str, body: dict[str, str]) -> httpx.Response:
+def _post(lora_mesh: Mesh, path: str, key: str, body: dict[str, str]) -> httpx.Response:
     return httpx.post(
-        f"{mesh.gateway_url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        f"{lora_mesh.gateway_url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
     )
 
 
 def test_adapters_served_like_peft_in_mixed_batches(
-    mesh: Mesh, peaked_model: Path, adapters: dict[str, str], tmp_path: Path
+    lora_mesh: Mesh, peaked_model: Path, adapters: dict[str, str], tmp_path: Path
 ) -> None:
-    client, base = _client(mesh, USER), peaked_model.name
+    client, base = _client(lora_mesh, USER), peaked_model.name
     cards = {m.id: m for m in client.models.list().data}
     assert {"ad-all", "ad-attn"} <= set(cards)
     assert getattr(cards["ad-all"], "parent", None) == base and getattr(cards[base], "parent", None) is None
 
     # The third adapter: admin only; a broken directory is refused naming it, nothing changes.
     body = {"lora_name": "ad-mlp", "lora_path": adapters["ad-mlp"]}
-    assert _post(mesh, "/v1/load_lora_adapter", USER, body).status_code == 403
+    assert _post(lora_mesh, "/v1/load_lora_adapter", USER, body).status_code == 403
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
-    refused = _post(mesh, "/v1/load_lora_adapter", ADMIN, {"lora_name": "bad", "lora_path": str(broken)})
+    refused = _post(lora_mesh, "/v1/load_lora_adapter", ADMIN, {"lora_name": "bad", "lora_path": str(broken)})
     assert refused.status_code == 400 and "'bad'" in refused.json()["error"]["message"], refused.text
     assert "bad" not in {m.id for m in client.models.list().data}
-    loaded = _post(mesh, "/v1/load_lora_adapter", ADMIN, body)
+    loaded = _post(lora_mesh, "/v1/load_lora_adapter", ADMIN, body)
     assert loaded.status_code == 200, loaded.text
 
     with pytest.raises(openai.NotFoundError, match="nope"):
@@ -135,12 +135,12 @@ def test_adapters_served_like_peft_in_mixed_batches(
             want = peft_greedy(peaked_model, adapters[name], prompt, MAX_TOKENS)
             assert want != greedy(reference, prompt, MAX_TOKENS)
         assert tokens == [tokenizer.decode([t]) for t in want], name
-    port = dict(mesh.config.metrics_ports)["scheduler"]
+    port = dict(lora_mesh.config.metrics_ports)["scheduler"]
     assert (
         metric_value(port, "meshserve_scheduler_adapter_routes_total", adapter="ad-mlp", resident="true") > 0
     )
 
-    unloaded = _post(mesh, "/v1/unload_lora_adapter", ADMIN, {"lora_name": "ad-mlp"})
+    unloaded = _post(lora_mesh, "/v1/unload_lora_adapter", ADMIN, {"lora_name": "ad-mlp"})
     assert unloaded.status_code == 200, unloaded.text
-    gone = _post(mesh, "/v1/unload_lora_adapter", ADMIN, {"lora_name": "ad-mlp"})
+    gone = _post(lora_mesh, "/v1/unload_lora_adapter", ADMIN, {"lora_name": "ad-mlp"})
     assert gone.status_code == 404 and "ad-mlp" in gone.json()["error"]["message"]

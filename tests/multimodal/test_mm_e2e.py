@@ -30,7 +30,7 @@ METRICS = ("scheduler", "encoder-cache", "encoder-0")
 
 
 @pytest.fixture(scope="module")
-def mesh(
+def mm_mesh(
     vlm_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
     with running_mesh(
@@ -49,13 +49,13 @@ def mesh(
 
 
 @pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(mm_mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mm_mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def metric(mesh: Mesh, service: str, name: str, **labels: str) -> float:
+def metric(mm_mesh: Mesh, service: str, name: str, **labels: str) -> float:
     """A sample of a service's /metrics (0 when absent)."""
-    return metric_value(dict(mesh.config.metrics_ports)[service], name, **labels)
+    return metric_value(dict(mm_mesh.config.metrics_ports)[service], name, **labels)
 
 
 def ask(client: openai.OpenAI, png: bytes) -> tuple[str, int, int]:
@@ -79,32 +79,32 @@ def expected(refs: ReferenceBuilder, png: bytes) -> tuple[str, int]:
     return refs.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
 
-def _counters(mesh: Mesh) -> dict[str, float]:
+def _counters(mm_mesh: Mesh) -> dict[str, float]:
     """The counters the cache-hit test reads (it compares them before and after: the module's
     tests run in any order, and one restarts the encoder cache)."""
     lookups = "meshserve_scheduler_encoder_cache_lookups_total"
     return {
-        "encoded": metric(mesh, "encoder-0", "meshserve_encoder_items_total"),
-        "queued": metric(mesh, "encoder-0", "meshserve_encoder_queue_seconds_count"),
-        "hit": metric(mesh, "scheduler", lookups, result="hit"),
-        "miss": metric(mesh, "scheduler", lookups, result="miss"),
-        "cache_hits": metric(mesh, "encoder-cache", "meshserve_encoder_cache_hits_total"),
+        "encoded": metric(mm_mesh, "encoder-0", "meshserve_encoder_items_total"),
+        "queued": metric(mm_mesh, "encoder-0", "meshserve_encoder_queue_seconds_count"),
+        "hit": metric(mm_mesh, "scheduler", lookups, result="hit"),
+        "miss": metric(mm_mesh, "scheduler", lookups, result="miss"),
+        "cache_hits": metric(mm_mesh, "encoder-cache", "meshserve_encoder_cache_hits_total"),
     }
 
 
 def test_repeated_image_is_an_encoder_cache_hit(
-    mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder
+    mm_mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder
 ) -> None:
     image = png_bytes(31)  # no other test of the module sends it
     text, count = expected(refs, image)
-    before = _counters(mesh)
+    before = _counters(mm_mesh)
     first = ask(client, image)
     assert first[:2] == (text, count)
-    assert _counters(mesh)["encoded"] == before["encoded"] + 1
+    assert _counters(mm_mesh)["encoded"] == before["encoded"] + 1
     second = ask(client, image)
     assert second[:2] == first[:2]
     assert second[2] > 0  # same image: its KV blocks are reused too
-    after = _counters(mesh)
+    after = _counters(mm_mesh)
     assert {k: after[k] - before[k] for k in after} == {
         "encoded": 1,  # no second encode
         "queued": 1,
@@ -128,20 +128,22 @@ def test_completion_prompt_with_the_image_placeholder_is_refused(
         assert "image placeholder" in str(body.get("message")), body
 
 
-def test_small_cache_evicts_and_reencodes(mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder) -> None:
+def test_small_cache_evicts_and_reencodes(
+    mm_mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder
+) -> None:
     first, second, third = png_bytes(11), png_bytes(12), png_bytes(13)
-    evictions = metric(mesh, "encoder-cache", "meshserve_encoder_cache_evictions_total")
+    evictions = metric(mm_mesh, "encoder-cache", "meshserve_encoder_cache_evictions_total")
     assert ask(client, first)[:2] == expected(refs, first)  # cached now, whatever ran before
-    before = metric(mesh, "encoder-0", "meshserve_encoder_items_total")
+    before = metric(mm_mesh, "encoder-0", "meshserve_encoder_items_total")
     for image in (second, third):  # the cache holds two images: the first one goes
         reply = ask(client, image)
         assert reply[:2] == expected(refs, image)
         assert reply[2] == 0  # same prompt tokens as the first image, different image: no KV reuse
-    assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_evictions_total") >= evictions + 1
-    assert metric(mesh, "encoder-cache", "meshserve_encoder_cache_bytes") <= CACHE_BYTES
+    assert metric(mm_mesh, "encoder-cache", "meshserve_encoder_cache_evictions_total") >= evictions + 1
+    assert metric(mm_mesh, "encoder-cache", "meshserve_encoder_cache_bytes") <= CACHE_BYTES
     again = ask(client, first)
     assert again[:2] == expected(refs, first)
-    assert metric(mesh, "encoder-0", "meshserve_encoder_items_total") == before + 3
+    assert metric(mm_mesh, "encoder-0", "meshserve_encoder_items_total") == before + 3
 
 
 def _images_served_again(client: openai.OpenAI, timeout_s: float = 60.0) -> None:
@@ -168,13 +170,13 @@ def _text_still_served(client: openai.OpenAI) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_encoder_worker_lost_is_a_bounded_clear_error_then_recovers(
-    mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder, sig: signal.Signals
+    mm_mesh: Mesh, client: openai.OpenAI, refs: ReferenceBuilder, sig: signal.Signals
 ) -> None:
     """The only encoder worker killed (or hung): an image request is answered with a clear
     503 naming the encoder within the bound (keepalive finds a hung one), text requests
     are unaffected; once it is back (restarted / SIGCONT) images are served again."""
     image = png_bytes(21 + int(sig))  # not cached: it must be encoded
-    mesh.procs["encoder-0"].send_signal(sig)
+    mm_mesh.procs["encoder-0"].send_signal(sig)
     try:
         start = time.monotonic()
         with pytest.raises(openai.APIStatusError) as failure:
@@ -183,10 +185,10 @@ def test_encoder_worker_lost_is_a_bounded_clear_error_then_recovers(
         _text_still_served(client)
     finally:
         if sig == signal.SIGSTOP:
-            mesh.procs["encoder-0"].send_signal(signal.SIGCONT)
+            mm_mesh.procs["encoder-0"].send_signal(signal.SIGCONT)
         else:
-            mesh.procs["encoder-0"].wait(10)
-            mesh.start_service(mesh.specs["encoder-0"])
+            mm_mesh.procs["encoder-0"].wait(10)
+            mm_mesh.start_service(mm_mesh.specs["encoder-0"])
     assert failure.value.status_code == 503, failure.value
     assert "encoder" in str(failure.value).lower(), failure.value
     assert refused_s < 30, refused_s
@@ -202,16 +204,16 @@ def test_encoder_worker_lost_is_a_bounded_clear_error_then_recovers(
     print(f"[multimodal] encoder-0 {sig.name}: image request 503 in {refused_s:.1f}s; text served; recovered")
 
 
-def test_encoder_cache_down_is_a_fast_clear_error(mesh: Mesh, client: openai.OpenAI) -> None:
-    mesh.stop_service("encoder-cache")
+def test_encoder_cache_down_is_a_fast_clear_error(mm_mesh: Mesh, client: openai.OpenAI) -> None:
+    mm_mesh.stop_service("encoder-cache")
     try:
         start = time.monotonic()
         with pytest.raises(openai.APIStatusError) as failure:
             ask(client, png_bytes(41))
         refused_s = time.monotonic() - start
     finally:  # the module's other tests, in whatever order they run, need it back
-        mesh.start_service(mesh.specs["encoder-cache"])
-        mesh.wait_healthy(60)
+        mm_mesh.start_service(mm_mesh.specs["encoder-cache"])
+        mm_mesh.wait_healthy(60)
         _images_served_again(client)
     assert refused_s < 15
     assert failure.value.status_code == 503
