@@ -7,7 +7,7 @@ Data flow of a `GenerationRun`:
   admission + routing), then adds the request to the gateway's `WorkerStream` to that
   worker;
 * the stream's reader task hands each engine step's output to `on_output`, which
-  detokenizes every choice in-process (UTF-8 safe, stop strings, `services.detokenizer`)
+  detokenizes every choice in-process (UTF-8 safe, stop strings, `gateway.detokenizer`)
   and queues `ChoiceEvent`s; `events()` yields them. A stop string ends its choice
   with finish_reason "stop"; once every choice has ended early the request is aborted
   on the worker (KV blocks freed at once);
@@ -47,13 +47,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gateway import metrics
+from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, from_mesh_error
 from gateway.local_tokenizer import LocalTokenizer
 from gateway.upstream import TOKENIZER, LeaseGrant, Upstream
 from gateway.worker_streams import WorkerStream
 from meshserve.v1 import common_pb2, worker_pb2
 from services import tracing
-from services.detokenizer import IncrementalDetokenizer
 from services.errors import Code, MeshError, error_from_status
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from typing import IO, Any, Protocol
 import grpc
 from transformers import AutoTokenizer
 
+from gateway.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, make_decoder
 from meshserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, make_decoder
 from services.errors import InvalidArgument, Unavailable
 from services.model_files import eos_token_ids
 from services.rpc import error_from_rpc
@@ -245,7 +245,7 @@ class LocalTokenizer:
         include_stop_str_in_output: bool = False,
     ) -> IncrementalDetokenizer:
         """An incremental detokenizer for one generated sequence (see
-        services.detokenizer). Only the prompt's last few ids are used, as decoding
+        gateway.detokenizer). Only the prompt's last few ids are used, as decoding
         context; they must be in the vocabulary (InvalidArgument naming prompt_token_ids).
         Generated ids pushed later are not checked: they come from the model."""
         tail = [int(i) for i in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]

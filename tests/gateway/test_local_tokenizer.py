@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway.detokenizer import IncrementalDetokenizer
 from gateway.local_tokenizer import (
     GatewayTokenizers,
     LocalTokenizer,
@@ -24,7 +25,6 @@ from gateway.local_tokenizer import (
 from meshserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.completion_prompt import completion_token_ids
 from services.config import ServerConfig
-from services.detokenizer import IncrementalDetokenizer
 from services.errors import Code, InvalidArgument, MeshError
 from services.server import GrpcServer
 from tokenizer_svc.config import TokenizerConfig

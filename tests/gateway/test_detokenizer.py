@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from services.detokenizer import IncrementalDetokenizer, make_decoder
+from gateway.detokenizer import IncrementalDetokenizer, make_decoder
 from services.errors import InvalidArgument
 
 MULTIBYTE_TEXT = "Café naïve — 你好，世界! 🎉🚀 emoji 👩‍💻 and ∑ math"
