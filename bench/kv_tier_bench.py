@@ -34,7 +34,14 @@ from bench.mesh_client import completion_body, engine_lines, metric_sample, mode
 from launcher.mesh import Mesh, free_ports_config
 from services.ports import free_port
 
-TIER_METRICS = ("hit_tokens", "stored_blocks", "loaded_blocks", "evicted_blocks", "corrupt_blocks")
+TIER_METRICS = (
+    "hit_tokens",
+    "stored_blocks",
+    "loaded_blocks",
+    "evicted_blocks",
+    "corrupt_blocks",
+    "load_tokens_per_s",
+)
 
 
 def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
@@ -120,7 +127,11 @@ def run(args: argparse.Namespace, tier_mb: int, share: int, convs: list[list[lis
         results = asyncio.run(_workload(args, url, model, convs))
         out = _summary(results, time.perf_counter() - started)
         out["tier"] = {
-            name: {m: metric_sample(port, f"meshserve_worker_kv_tier_{m}") for m in TIER_METRICS}
+            name: {
+                **{m: metric_sample(port, f"meshserve_worker_kv_tier_{m}") for m in TIER_METRICS},
+                # With load_tokens_per_s, what the scheduler counted a tier block for: 1 - prefill / load.
+                "prefill_tokens_per_s": metric_sample(port, "meshserve_worker_prefill_tokens_per_s"),
+            }
             for name, port in ports.items()
         }
         out["shares"] = {

@@ -23,6 +23,13 @@ PRIORITY_PREEMPTIONS = Gauge(
     "Of the preemptions, those for a waiting request of higher priority, since start",
 )
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
+# The rates the scheduler prices routes with (LoadStats): a KV tier block counts at 1 - their ratio.
+PREFILL_RATE = Gauge(
+    "meshserve_worker_prefill_tokens_per_s", "Prompt tokens per second of recent steps that computed some"
+)
+TIER_LOAD_RATE = Gauge(
+    "meshserve_worker_kv_tier_load_tokens_per_s", "Prompt tokens per second of recent loads from the KV tier"
+)
 
 KV_TRANSFERS = Counter(
     "meshserve_worker_kv_transfers_total",
@@ -91,6 +98,8 @@ def watch(
         PREEMPTIONS: "num_preemptions",
         PRIORITY_PREEMPTIONS: "num_priority_preemptions",
         FINISHED: "num_finished",
+        PREFILL_RATE: "prefill_tokens_per_s",
+        TIER_LOAD_RATE: "kv_tier_load_tokens_per_s",
     }
     for gauge, name in fields.items():
         gauge.set_function(functools.partial(_field, load, name))
