@@ -82,14 +82,11 @@ def shared(
 
 @pytest.fixture(scope="session")
 def e2e_mesh(
-    request: pytest.FixtureRequest,
-    model_dir: Path,
-    redis_server: RedisServer,
-    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningMesh:
     """The test model's one-decoder mesh the e2e suites share (tests/mesh.py)."""
     base = tmp_path_factory.mktemp("e2e-mesh")
-    return session_mesh(request.config, "e2e_mesh", lambda: start_e2e_mesh(model_dir, redis_server.url, base))
+    return session_mesh(request.config, "e2e_mesh", lambda: start_e2e_mesh(model_dir, base))
 
 
 @pytest.fixture(scope="module")

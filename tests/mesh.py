@@ -442,16 +442,16 @@ def start_shared_mesh(tiny_model_dir: Path, base: Path) -> RunningMesh:
 E2E_CHUNK = 16
 
 
-def start_e2e_mesh(model_dir: Path, redis_url: str, base: Path) -> RunningMesh:
+def start_e2e_mesh(model_dir: Path, base: Path) -> RunningMesh:
     """The mesh of the e2e suites that need nothing special: the test model on one
     decoder (prompts prefilled in chunks of `E2E_CHUNK`), the embedding worker, the
-    scheduler's metrics."""
+    scheduler's metrics. Its own Redis: it runs beside the e2e modules' own meshes,
+    whose schedulers would otherwise list its workers (the registry is shared in Redis)."""
     return start_mesh(
         mesh_config(
             base,
             model_dir=str(model_dir),
             num_decoders=1,
-            redis_url=redis_url,
             kv_cache_memory_mb=64,
             embedding_model_dir=default_embedding_model_dir(),
             metrics_ports=(("scheduler", free_port()),),
