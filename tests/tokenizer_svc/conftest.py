@@ -5,24 +5,21 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer
 
 from meshserve.v1 import tokenizer_pb2_grpc
 from services.server import GrpcServer
+from tests.mesh import IMAGE_SEQ_LENGTH, build_vlm_model
 from tokenizer_svc.config import TokenizerConfig
 from tokenizer_svc.renderer import Renderer, RenderOptions
 from tokenizer_svc.server import start_server
 from tokenizer_svc.servicer import TokenizerServicer
 
-IMAGE_SEQ_LENGTH = 4
 PngFactory = Callable[..., str]
 
 
@@ -60,16 +57,7 @@ def permissive_renderer(tiny_model_dir: Path) -> Renderer:
 @pytest.fixture(scope="session")
 def vlm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model plus an `<image>` special token and llava-style config keys."""
-    out = tmp_path_factory.mktemp("models") / "tiny-vlm"
-    shutil.copytree(tiny_model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    tokenizer.add_tokens(["<image>"], special_tokens=True)
-    tokenizer.save_pretrained(out)
-    config = json.loads((out / "config.json").read_text())
-    config["image_token_index"] = tokenizer.convert_tokens_to_ids("<image>")
-    config["image_seq_length"] = IMAGE_SEQ_LENGTH
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return build_vlm_model(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-vlm")
 
 
 @pytest.fixture(scope="session")
