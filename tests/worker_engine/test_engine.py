@@ -193,7 +193,10 @@ def test_lower_priorities_take_a_capped_share_of_a_step_in_turn(make_engine: Fac
     ref |= run_all(make_engine(), [("late", ps[17], long)])
     for ratio, cap in ((2.0, 11), (0.0, 512)):  # 512: the step's whole budget
         engine = make_engine(priority_step_ratio=ratio)
-        engine.step_cost.plane = lambda: (0.010, 0.0005, 0.0005)  # type: ignore[method-assign]
+        if engine.step_cost is not None:  # fitted only with a ratio
+            engine.step_cost.plane = lambda: (0.010, 0.0005, 0.0005)  # type: ignore[method-assign]
+        else:
+            assert ratio == 0.0
         outs: dict[str, list[int]] = {rid: [] for rid in ref}
 
         for rid, p in lows:

@@ -119,7 +119,8 @@ class LLMEngine:
             on_kv_events,
             tier=self._kv_tier(),
         )
-        self.step_cost = StepCost()
+        # Fitted only when it sizes lower priorities' share of a step (priority_step_ratio).
+        self.step_cost = StepCost() if config.priority_step_ratio else None
         self.scheduler = StepScheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -452,7 +453,8 @@ class LLMEngine:
                     self.block_manager.mark_computed(item.request)
             seconds = time.perf_counter() - started
             self._measure_prefill(sched.scheduled, seconds)
-            self.step_cost.add(len(sched.scheduled), sched.num_tokens, seconds)
+            if self.step_cost is not None:
+                self.step_cost.add(len(sched.scheduled), sched.num_tokens, seconds)
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
@@ -462,6 +464,8 @@ class LLMEngine:
         computes ``rows`` and ``tokens``: the step then takes at most
         ``priority_step_ratio`` times what those alone would (StepScheduler; None until
         steps have been measured)."""
+        if self.step_cost is None:
+            return None
         return self.step_cost.share(rows, tokens, self.config.priority_step_ratio)
 
     def _measure_prefill(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
