@@ -23,14 +23,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from services.clock import Clock
+from services.kv_contract import SET_CHANGES
 
-KIND_STORED = "stored"
-KIND_OFFLOADED = "offloaded"  # still held, in the worker's KV tier
-KIND_REMOVED = "removed"
 KIND_CLEARED = "cleared"
 # A snapshot marker: the worker rewrote its whole block set (start-up, after an outage).
 KIND_RESYNC = "resync"
-KINDS = (KIND_STORED, KIND_OFFLOADED, KIND_REMOVED, KIND_CLEARED, KIND_RESYNC)
 
 
 class ApplyResult(StrEnum):
@@ -81,16 +78,13 @@ class PrefixIndex:
             return ApplyResult.DUPLICATE
         if record.seq != cursor[1] + 1:
             return ApplyResult.RESYNC
-        if record.kind == KIND_STORED:
-            self._add(record.worker_id, record.hashes)
-            self._tiered.get(record.worker_id, set()).difference_update(record.hashes)
-        elif record.kind == KIND_OFFLOADED:
-            self._add(record.worker_id, record.hashes)
-            self._tiered.setdefault(record.worker_id, set()).update(record.hashes)
-        elif record.kind == KIND_REMOVED:
-            self._remove(record.worker_id, record.hashes)
-        elif record.kind == KIND_CLEARED:
+        if record.kind == KIND_CLEARED:
             self._drop_confirmed(record.worker_id)
+        elif record.kind in SET_CHANGES:  # stored / offloaded / removed
+            held, in_tier = SET_CHANGES[record.kind]
+            (self._add if held else self._remove)(record.worker_id, record.hashes)
+            tiered = self._tiered.setdefault(record.worker_id, set())
+            (tiered.update if in_tier else tiered.difference_update)(record.hashes)
         self._cursor[record.worker_id] = (record.epoch, record.seq)
         return ApplyResult.APPLIED
 
@@ -198,10 +192,7 @@ class PrefixIndex:
     def _remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         held = self._held.get(worker_id)
         speculative = self._speculative.get(worker_id)
-        tiered = self._tiered.get(worker_id)
         for block in hashes:
-            if tiered is not None:
-                tiered.discard(block)
             if held is not None and block in held:
                 held.discard(block)
                 self._drop_owner(block, worker_id)

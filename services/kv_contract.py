@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "INDEX_KEY_PREFIX",
     "SEQ_KEY_PREFIX",
+    "SET_CHANGES",
     "STREAM_KEY",
     "SUBSCRIBER_POLL_INTERVAL_MS",
     "TIER_KEY_PREFIX",
@@ -43,6 +44,15 @@ INDEX_KEY_PREFIX = "meshserve:kv-index:"
 TIER_KEY_PREFIX = "meshserve:kv-tier:"
 # ... and the stream id of the last event folded into that set.
 SEQ_KEY_PREFIX = "meshserve:kv-seq:"
+# What an event of each kind does to a worker's two block sets, (held, in its tier): True
+# adds the event's hashes to the set, False takes them out. The publisher's mirror, its
+# Redis sets and the scheduler's prefix index all fold events by this table; "cleared"
+# empties both sets, "resync" marks a rewritten snapshot.
+SET_CHANGES: dict[str, tuple[bool, bool]] = {
+    "stored": (True, False),  # computed, or loaded back from the tier: in the cache
+    "offloaded": (True, True),  # the cache evicted it into the tier: still held
+    "removed": (False, False),  # held no more, in neither place
+}
 # The scheduler reads the stream at most this often, and a worker gathers its events
 # this long by default before it writes them (`kv_events_flush_ms`): written more often,
 # they would cost the worker's writer thread and Redis a transaction each

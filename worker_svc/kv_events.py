@@ -48,7 +48,7 @@ from prometheus_client import Counter
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.kv_contract import STREAM_KEY, index_key, seq_key, tier_key
+from services.kv_contract import SET_CHANGES, STREAM_KEY, index_key, seq_key, tier_key
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,6 @@ class _Event:
     hashes: tuple[int, ...]
 
 
-_MERGEABLE = ("stored", "offloaded", "removed")
 # A worker's blocks as a resync writes them: every block it holds, and those of them in its tier.
 _Snapshot = tuple[set[int], set[int]]
 
@@ -93,7 +92,7 @@ def coalesce(events: Sequence[_Event]) -> list[_Event]:
     merged: list[_Event] = []
     for event in events:
         last = merged[-1] if merged else None
-        if last is not None and last.kind == event.kind and event.kind in _MERGEABLE:
+        if last is not None and last.kind == event.kind and event.kind in SET_CHANGES:
             merged[-1] = _Event(event.kind, last.hashes + event.hashes)
         else:
             merged.append(event)
@@ -208,18 +207,12 @@ class KvEventPublisher:
     # -- engine-thread side (under the lock) ---------------------------------------------
 
     def _fold(self, event: _Event) -> None:
-        if event.kind == "stored":
-            self._mirror.update(event.hashes)
-            self._tier_mirror.difference_update(event.hashes)
-        elif event.kind == "offloaded":
-            self._mirror.update(event.hashes)
-            self._tier_mirror.update(event.hashes)
-        elif event.kind == "removed":
-            self._mirror.difference_update(event.hashes)
-            self._tier_mirror.difference_update(event.hashes)
-        elif event.kind == "cleared":
+        if event.kind == "cleared":
             self._mirror.clear()
             self._tier_mirror.clear()
+        elif event.kind in SET_CHANGES:
+            for blocks, add in zip((self._mirror, self._tier_mirror), SET_CHANGES[event.kind], strict=True):
+                (blocks.update if add else blocks.difference_update)(event.hashes)
 
     def _count_dropped(self, count: int) -> None:
         self.dropped += count
@@ -319,18 +312,12 @@ class KvEventPublisher:
 
     def _fold_into_sets(self, pipe: Any, event: _Event) -> None:
         """The event's change of the worker's index and tier sets, queued on `pipe`."""
-        held, tier = index_key(self.worker_id), tier_key(self.worker_id)
+        keys = (index_key(self.worker_id), tier_key(self.worker_id))
         if event.kind == "cleared":
-            pipe.delete(held, tier)
-        elif event.hashes and event.kind == "stored":
-            pipe.sadd(held, *event.hashes)
-            pipe.srem(tier, *event.hashes)
-        elif event.hashes and event.kind == "offloaded":
-            pipe.sadd(held, *event.hashes)
-            pipe.sadd(tier, *event.hashes)
-        elif event.hashes and event.kind == "removed":
-            pipe.srem(held, *event.hashes)
-            pipe.srem(tier, *event.hashes)
+            pipe.delete(*keys)
+        elif event.hashes and event.kind in SET_CHANGES:
+            for key, add in zip(keys, SET_CHANGES[event.kind], strict=True):
+                (pipe.sadd if add else pipe.srem)(key, *event.hashes)
 
     def _write_snapshot(self, snapshot: _Snapshot) -> None:
         pipe = self._redis().pipeline(transaction=True)
