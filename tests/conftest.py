@@ -76,8 +76,7 @@ def shared(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningMesh:
     """The real mesh the reliability, security and fuzz suites share (tests/mesh.py)."""
-    base = tmp_path_factory.mktemp("shared-mesh")
-    return session_mesh(request.config, "shared", lambda: start_shared_mesh(tiny_model_dir, base))
+    return session_mesh(request, start_shared_mesh(tiny_model_dir, tmp_path_factory.mktemp("shared-mesh")))
 
 
 @pytest.fixture(scope="session")
@@ -85,8 +84,7 @@ def e2e_mesh(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningMesh:
     """The test model's one-decoder mesh the e2e suites share (tests/mesh.py)."""
-    base = tmp_path_factory.mktemp("e2e-mesh")
-    return session_mesh(request.config, "e2e_mesh", lambda: start_e2e_mesh(model_dir, base))
+    return session_mesh(request, start_e2e_mesh(model_dir, tmp_path_factory.mktemp("e2e-mesh")))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,15 +385,13 @@ _SESSION_MESHES = pytest.StashKey[dict[str, RunningMesh]]()
 _LAST_USERS = pytest.StashKey[dict[str, str]]()
 
 
-def session_mesh(config: pytest.Config, fixture: str, start: Callable[[], RunningMesh]) -> RunningMesh:
-    """The mesh of the session-scoped `fixture`: started by `start` on first use, stopped
-    after the session's last test that uses the fixture (`release_after_last_test`), so
-    its processes do not idle through the rest of `make test`, or when pytest exits."""
-    meshes = config.stash.setdefault(_SESSION_MESHES, {})
-    if fixture not in meshes:
-        meshes[fixture] = start()
-        config.add_cleanup(meshes[fixture].stop)
-    return meshes[fixture]
+def session_mesh(request: pytest.FixtureRequest, mesh: RunningMesh) -> RunningMesh:
+    """`mesh`, the value of the session-scoped fixture `request` serves: stopped after the
+    session's last test that uses the fixture (`release_after_last_test`), so its
+    processes do not idle through the rest of `make test`, or when pytest exits."""
+    request.config.stash.setdefault(_SESSION_MESHES, {})[request.fixturename] = mesh
+    request.config.add_cleanup(mesh.stop)
+    return mesh
 
 
 def release_after_last_test(item: pytest.Item) -> None:
