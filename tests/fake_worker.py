@@ -46,6 +46,7 @@ from meshserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.errors import Code, status_number
 from services.kv_contract import request_extra_keys
 from services.kv_hash import block_hashes
 from services.worker_roles import role_value
@@ -56,11 +57,6 @@ HEARTBEAT_S = 0.1
 # tokenizer's "x", "y", "z", ...).
 FIRST_ALTERNATIVE = 130
 ALTERNATIVES = 19
-
-
-def status_number(status: grpc.StatusCode) -> int:
-    """The numeric status code a RequestError carries."""
-    return int(status.value[0])
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,10 @@ class Refusal:
     def error(self, request_id: str) -> worker_pb2.RequestError:
         """The RequestError the worker sends for `request_id`."""
         return worker_pb2.RequestError(
-            request_id=request_id, code=status_number(self.status), message=self.message, param=self.param
+            request_id=request_id,
+            code=status_number(Code(self.status.name)),
+            message=self.message,
+            param=self.param,
         )
 
 

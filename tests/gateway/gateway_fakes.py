@@ -72,8 +72,9 @@ from meshserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.errors import Code, status_number
 from services.rpc import PARAM_METADATA_KEY
-from tests.fake_worker import FakeWorker, Plan, Refusal, status_number
+from tests.fake_worker import FakeWorker, Plan, Refusal
 
 T = TypeVar("T")
 
@@ -308,7 +309,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             if isinstance(answer, tuple):
                 status, text, param = answer
                 reply.error.CopyFrom(
-                    scheduler_pb2.RouteError(code=status_number(status), message=text, param=param)
+                    scheduler_pb2.RouteError(code=status_number(Code(status.name)), message=text, param=param)
                 )
             else:
                 reply.route.CopyFrom(answer)
