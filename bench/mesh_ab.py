@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.host import host_info
-from bench.served_vs_vllm import LOG_DIR, METRICS, ROOT, Server, bench_runs, serving
+from bench.served_vs_vllm import LOG_DIR, METRICS, ROOT, Server, bench_runs, median_table, serving
 from services.config import DEFAULT_PORTS
 
 
@@ -44,22 +43,6 @@ def tree_commit(tree: Path) -> str:
         ["git", "-C", str(tree), "status", "--porcelain", "-uno"], capture_output=True, text=True
     )
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def medians(runs: list[dict], labels: Sequence[str], concurrencies: Sequence[int]) -> dict:
-    """Per tree and concurrency, the median of each metric over the rounds."""
-    return {
-        label: {
-            str(c): {
-                m: round(
-                    statistics.median(r[m] for r in runs if r["tree"] == label and r["concurrency"] == c), 2
-                )
-                for m in METRICS
-            }
-            for c in concurrencies
-        }
-        for label in labels
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c, r in results.items()
             ]
     first, second = trees
-    table = medians(runs, list(trees), concurrencies)
+    table = median_table(runs, "tree", list(trees), concurrencies)
     ratios = {
         str(c): {m: round(table[second][str(c)][m] / table[first][str(c)][m], 3) for m in METRICS}
         for c in concurrencies

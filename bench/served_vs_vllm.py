@@ -166,14 +166,27 @@ def run_server(
     ]
 
 
+def median_table(
+    runs: list[dict], key: str, labels: Sequence[str], concurrencies: Sequence[int]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per label (of the runs' field `key`) and concurrency, each metric's median over the rounds."""
+    return {
+        label: {
+            str(c): {
+                m: round(
+                    statistics.median(r[m] for r in runs if r[key] == label and r["concurrency"] == c), 2
+                )
+                for m in METRICS
+            }
+            for c in concurrencies
+        }
+        for label in labels
+    }
+
+
 def summarize(runs: list[dict], concurrencies: Sequence[int]) -> dict:
     """Medians per system and concurrency, and the mesh / vLLM ratios of throughput and TTFT."""
-    medians: dict[str, dict[str, dict[str, float]]] = {}
-    for system in ("vllm", "meshserve"):
-        medians[system] = {}
-        for c in concurrencies:
-            rows = [r for r in runs if r["system"] == system and r["concurrency"] == c]
-            medians[system][str(c)] = {m: round(statistics.median(r[m] for r in rows), 2) for m in METRICS}
+    medians = median_table(runs, "system", ("vllm", "meshserve"), concurrencies)
     ratios = {
         str(c): {
             "throughput": round(
