@@ -8,11 +8,12 @@ Secret values, securityContext and resources), polls startup/readiness/liveness 
 every pod is Ready (a dead or unlive container is restarted, as with restartPolicy Always),
 sends a streamed chat completion and an embedding through the gateway, kills the decoder
 serving a stream and checks that the stream completes and the decoder is Ready again.
-Before the pods, `make serve`'s mesh runs on the same host, with as many decoders as the
+Beside the pods, `make serve`'s mesh runs on the same host, with as many decoders as the
 chart's values deploy: each decoder container's engine
 must be the one `make serve` gets (deploy/served.py: dtype, attention, compiled, native
 kernels), and `vllm bench serve` through the gateway container must reach
-MIN_THROUGHPUT_RATIO of `make serve`'s output tok/s at every concurrency.
+MIN_THROUGHPUT_RATIO of `make serve`'s output tok/s at every concurrency, medians of
+rounds that alternate between the two (both up, one benchmarked at a time).
 Prints a table of the pods and writes deploy/results/deploy_check.json (also when a check
 fails: its `failures` say which)."""
 
@@ -38,6 +39,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.host import commit
+from bench.served_vs_vllm import median_table
 from deploy import served
 from deploy.chart import NAMESPACE, RELEASE, ROOT, Rendered, render
 from deploy.pods import PodFacts, PodPlan, Probe, container_args, pause_args, plan_pods, resolve_env
@@ -457,6 +459,42 @@ def throughput_failures(ratios: dict[str, float]) -> list[str]:
     ]
 
 
+async def deployed_and_served(
+    kubelet: Kubelet, args: argparse.Namespace, result: dict[str, Any]
+) -> tuple[str, str]:
+    """Every pod Ready, a chat and an embedding through the gateway, each decoder's engine
+    held against `make serve`'s and Redis in use (into `result`); the gateway's address and
+    the served LLM's name."""
+    await kubelet.wait_ready(args.timeout)
+    print(table(kubelet), flush=True)
+    gateway = next(p for p in kubelet.pods.values() if p.plan.component == "gateway")
+    gateway_addr = f"{gateway.ip}:{gateway.plan.ports['http']}"
+    result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
+    result["engines"], failures = await asyncio.to_thread(
+        deployed_engines, kubelet, result["make_serve"]["engine"]
+    )
+    result["redis"], redis_failures = await asyncio.to_thread(redis_in_use, kubelet)
+    result["failures"] += failures + redis_failures
+    return gateway_addr, result["requests"]["chat"]["model"]
+
+
+async def compare_throughput(
+    args: argparse.Namespace, served_url: str, deployed_url: str, llm: str, result: dict[str, Any]
+) -> None:
+    """`vllm bench serve` against `make serve` and the deployment, both up, in alternating
+    rounds; the medians, their ratios and any ratio under MIN_THROUGHPUT_RATIO into `result`."""
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    urls = {"make_serve": served_url, "deployed": deployed_url}
+    runs = await asyncio.to_thread(
+        served.alternating_rounds, args.vllm, urls, llm, str(args.model_dir), concurrencies,
+        args.min_prompts, args.rounds,
+    )  # fmt: skip
+    medians = median_table(runs, "side", list(urls), concurrencies)
+    result["throughput"] = {"rounds": args.rounds, "medians": medians, "runs": runs}
+    result["deployed_over_make_serve"] = served.ratios(medians)
+    result["failures"] += throughput_failures(result["deployed_over_make_serve"])
+
+
 async def check(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     rendered = render(yaml.safe_load(args.values.read_text()), release=RELEASE, namespace=NAMESPACE)
@@ -474,38 +512,19 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         "images": images,
         "failures": [],
     }
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
     print("make serve on this host, for comparison", flush=True)
     decoders = sum(1 for plan in plans if plan.component == "decoder")
-    result["make_serve"] = served.make_serve(
-        args.model_dir, args.vllm, concurrencies, args.min_prompts, decoders
-    )
     loop: asyncio.Task[None] | None = None
     try:
-        kubelet.start()
-        loop = asyncio.create_task(kubelet.run())
-        await kubelet.wait_ready(args.timeout)
-        first_ready = {
-            p.plan.name: round(p.ready_at - p.started_at, 1) for p in kubelet.pods.values() if p.ready_at
-        }
-        print(table(kubelet), flush=True)
-        gateway = next(p for p in kubelet.pods.values() if p.plan.component == "gateway")
-        gateway_addr = f"{gateway.ip}:{gateway.plan.ports['http']}"
-        result["requests"] = await asyncio.to_thread(serve_requests, gateway_addr)
-        result["engines"], failures = await asyncio.to_thread(
-            deployed_engines, kubelet, result["make_serve"]["engine"]
-        )
-        result["redis"], redis_failures = await asyncio.to_thread(redis_in_use, kubelet)
-        result["failures"] += failures + redis_failures
-        llm = result["requests"]["chat"]["model"]
-        result["throughput"] = await asyncio.to_thread(
-            served.throughput, args.vllm, f"http://{gateway_addr}", llm, str(args.model_dir),
-            concurrencies, args.min_prompts,
-        )  # fmt: skip
-        result["deployed_over_make_serve"] = served.ratios(
-            result["throughput"], result["make_serve"]["throughput"]
-        )
-        result["failures"] += throughput_failures(result["deployed_over_make_serve"])
+        with served.make_serve(args.model_dir, decoders) as mesh:
+            result["make_serve"] = mesh.report()
+            kubelet.start()
+            loop = asyncio.create_task(kubelet.run())
+            gateway_addr, llm = await deployed_and_served(kubelet, args, result)
+            first_ready = {
+                p.plan.name: round(p.ready_at - p.started_at, 1) for p in kubelet.pods.values() if p.ready_at
+            }
+            await compare_throughput(args, mesh.url, f"http://{gateway_addr}", llm, result)
         result["kill"] = await kill_mid_stream(kubelet, gateway_addr, llm)
         print(table(kubelet), flush=True)
         result.update(pod_report(kubelet, first_ready))
@@ -533,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--concurrency", default="8,32", help="vllm bench serve concurrencies")
     parser.add_argument("--min-prompts", type=int, default=64, help="prompts per run: max(this, 4 x c)")
+    parser.add_argument("--rounds", type=int, default=3, help="benchmark rounds per side (medians compared)")
     args = parser.parse_args(argv)
     if shutil.which(args.vllm) is None:
         parser.error(

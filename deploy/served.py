@@ -8,15 +8,18 @@ Two comparisons of `make deploy-check` (deploy/check.py):
   the check.
 - throughput under `vllm bench serve` (bench/served_vs_vllm.py's client and workload: random
   128 in / 64 out, ignore_eos) at each concurrency, against the gateway container and against
-  `make serve`'s gateway, one after the other on the same host and commit.
+  `make serve`'s gateway, both up on the same host and commit, in rounds whose order
+  alternates; the ratio is of the medians over the rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,31 +59,49 @@ def config_differences(deployed: dict[str, str], served: dict[str, str]) -> list
     ]
 
 
-def throughput(
-    vllm: str, base_url: str, model: str, tokenizer: str, concurrencies: Sequence[int], min_prompts: int
-) -> dict[str, dict[str, float]]:
-    """`vllm bench serve` results per concurrency (keys "c=N") against `base_url`."""
-    runs = bench_runs(vllm, base_url, model, tokenizer, concurrencies, min_prompts)
-    return {f"c={c}": result for c, result in runs.items()}
+@dataclass
+class MakeServe:
+    """`make serve`'s mesh while it is up: its command, seconds to be up, decoders' engine, URL."""
+
+    command: str
+    up_s: float
+    engine: dict[str, str]
+    url: str
+
+    def report(self) -> dict[str, Any]:
+        return {"command": self.command, "up_s": round(self.up_s, 1), "engine": self.engine}
 
 
-def make_serve(
-    model_dir: Path, vllm: str, concurrencies: Sequence[int], min_prompts: int, decoders: int
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def make_serve(model_dir: Path, decoders: int) -> Iterator[MakeServe]:
     """`make serve`'s mesh on this host (the launcher, its defaults) with as many decoders as
-    the deployment runs: its decoder's engine configuration and its throughput, the mesh
-    stopped afterwards. The same number of decoders, because what the ratio is for is what
-    the containers cost; one decoder with the host's cores against two of one core each
-    measures the topology instead (docs/design-decisions.md, "Images carry a C/C++ toolchain")."""
-    name = model_dir.name
+    the deployment runs, up (every decoder's engine line logged) until the block ends. The
+    same number of decoders, because what the ratio is for is what the containers cost; one
+    decoder with the host's cores against two of one core each measures the topology instead
+    (docs/design-decisions.md, "Images carry a C/C++ toolchain")."""
     extra = ["--num-decoders", str(decoders)] if decoders != 1 else []
     with tempfile.TemporaryDirectory() as logs:
-        server = mesh_server(name, str(model_dir), Path(logs), extra)
+        server = mesh_server(model_dir.name, str(model_dir), Path(logs), extra)
         with serving(server) as up_s:
             engine = _engines_up(Path(logs), decoders)
-            url = f"http://127.0.0.1:{server.port}"
-            runs = throughput(vllm, url, name, str(model_dir), concurrencies, min_prompts)
-    return {"command": " ".join(server.command), "up_s": round(up_s, 1), "engine": engine, "throughput": runs}
+            yield MakeServe(" ".join(server.command), up_s, engine, f"http://127.0.0.1:{server.port}")
+
+
+def alternating_rounds(
+    vllm: str, urls: dict[str, str], model: str, tokenizer: str, concurrencies: Sequence[int],
+    min_prompts: int, rounds: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """`vllm bench serve` at every concurrency against each of `urls` (label -> base URL), both
+    systems up, the order alternating between rounds so that a shared host's drift falls on
+    both; one record per run (its round, label as "side", concurrency and results)."""
+    labels = list(urls)
+    runs: list[dict[str, Any]] = []
+    for index in range(rounds):
+        for label in labels if index % 2 == 0 else labels[::-1]:
+            print(f"round {index + 1}/{rounds}: {label}", flush=True)
+            results = bench_runs(vllm, urls[label], model, tokenizer, concurrencies, min_prompts)
+            runs += [{"round": index + 1, "side": label, "concurrency": c, **r} for c, r in results.items()]
+    return runs
 
 
 def _engines_up(logs: Path, decoders: int, timeout_s: float = 900) -> dict[str, str]:
@@ -100,8 +121,10 @@ def _engines_up(logs: Path, decoders: int, timeout_s: float = 900) -> dict[str, 
     return engines[0]
 
 
-def ratios(deployed: dict[str, dict[str, float]], served: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Deployed / `make serve` output tok/s per concurrency."""
+def ratios(medians: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Deployed / `make serve` median output tok/s per concurrency (keys "c=N"), from
+    `median_table`'s medians keyed by side ("deployed", "make_serve")."""
+    deployed, served = medians["deployed"], medians["make_serve"]
     return {
-        key: round(deployed[key]["output_throughput"] / served[key]["output_throughput"], 3) for key in served
+        f"c={c}": round(deployed[c]["output_throughput"] / served[c]["output_throughput"], 3) for c in served
     }

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.served_vs_vllm import METRICS, median_table
 from deploy.served import config_differences, engine_config, ratios
 from worker_svc.engine import LLMEngine, native
 from worker_svc.engine.config import EngineConfig
@@ -48,8 +49,17 @@ def test_an_engine_unlike_make_serves_is_named_field_by_field() -> None:
         "compiled: deployed no, make serve yes",
         "native CPU kernels: deployed no, make serve yes",
     ]
-    runs = {"c=8": {"output_throughput": 100.0}, "c=32": {"output_throughput": 200.0}}
-    assert ratios({"c=8": {"output_throughput": 95.0}, "c=32": {"output_throughput": 150.0}}, runs) == {
-        "c=8": 0.95,
-        "c=32": 0.75,
-    }
+
+
+def test_the_ratio_is_of_the_medians_over_alternating_rounds() -> None:
+    runs = [
+        {"side": side, "concurrency": c, "round": r, **dict.fromkeys(METRICS, tok_s)}
+        for side, c, r, tok_s in [
+            ("make_serve", 8, 1, 100.0), ("make_serve", 8, 2, 300.0), ("make_serve", 8, 3, 110.0),
+            ("deployed", 8, 1, 95.0), ("deployed", 8, 2, 10.0), ("deployed", 8, 3, 99.0),
+            ("make_serve", 32, 1, 200.0), ("deployed", 32, 1, 150.0),
+        ]
+    ]  # fmt: skip
+    medians = median_table(runs, "side", ["make_serve", "deployed"], [8, 32])
+    # One bad round on either side moves neither median: 95/110 and 150/200.
+    assert ratios(medians) == {"c=8": 0.864, "c=32": 0.75}
