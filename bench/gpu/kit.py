@@ -14,9 +14,14 @@ rewritten after every step, so a crash leaves what was measured until then):
   CUDA with the triton attention backend, with and without CUDA graphs.
 * ``roofline``: device-to-device copy bandwidth (bytes read + written per second) and the
   bench model's weight bytes: the floor of one decode step is weights / bandwidth.
+* ``decode_attention``: the paged decode kernel alone, one layer, every row at the
+  workload's full context, at each concurrency: GPU microseconds per call unsplit and
+  split (split-KV), and the largest difference between the two outputs (CUDA only).
 * ``engine_graphs`` / ``engine_eager``: the engine in-process (bench.engine_bench's
   closed-loop client) at every concurrency, output tok/s, TPOT and TTFT, with and without
-  CUDA graphs (graphs need CUDA: skipped elsewhere).
+  CUDA graphs (graphs need CUDA: skipped elsewhere); per concurrency the steps' count,
+  total and median wall time by kind (a graph replay or eager), and with graphs the
+  kernels of one replay of the largest bucket.
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
   gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency.
 * ``hf_naive``: transformers ``generate`` one request at a time (c=1).
@@ -60,6 +65,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "build": steps.build,
         "correctness": steps.correctness,
         "roofline": steps.roofline,
+        "decode_attention": steps.decode_attention,
         "engine_graphs": steps.engine_graphs,
         "engine_eager": steps.engine_eager,
         "lora_mix": steps.lora_mix,
@@ -74,6 +80,7 @@ STEPS = (
     "build",
     "correctness",
     "roofline",
+    "decode_attention",
     "engine_graphs",
     "engine_eager",
     "lora_mix",

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from bench.engine_bench import (
     run_generate_workload,
     warm_up,
 )
-from bench.gpu.context import Skip, StepContext
+from bench.gpu.context import Profile, Skip, StepContext
 from worker_svc.engine import AsyncLLMEngine, EngineConfig, LLMEngine, RequestSpec, SamplingParams
 
 BLOCK_SIZE = 16
@@ -204,6 +205,56 @@ def roofline(ctx: StepContext) -> None:
     ctx.record("decode_floor_ms", weight_bytes / bandwidth * 1000)
 
 
+# --------------------------------------------------------- decode_attention
+def decode_attention(ctx: StepContext) -> None:
+    """The paged decode kernel alone, one layer of the bench model's shape, every row's
+    context the workload's full length: GPU microseconds per call at each concurrency,
+    unsplit (one program per sequence and KV head) and split as the engine splits it
+    (``triton_attention.split_count``), CUDA events over 50 calls each."""
+    if not _cuda(ctx):
+        raise Skip("the Triton kernel runs natively on CUDA only")
+    p = ctx.profile
+    rows: dict[str, Any] = {}
+    for c in p.concurrencies:
+        rows[str(c)] = _decode_attention_row(p, c)
+        ctx.record("rows", rows)
+
+
+def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
+    from worker_svc.engine import triton_attention
+
+    dev, dtype, head_dim = torch.device(p.device), getattr(torch, p.dtype), p.hidden // p.heads
+    blocks = -(-p.max_model_len // BLOCK_SIZE)  # a CUDA graph's block-table width
+    cache = torch.randn(2, c * blocks, BLOCK_SIZE, p.kv_heads, head_dim, device=dev, dtype=dtype)
+    tables = torch.arange(c * blocks, device=dev, dtype=torch.int32).view(c, blocks)
+    lens = torch.full((c,), p.prompt_len + p.output_len, device=dev, dtype=torch.int32)
+    q = torch.randn(c, p.heads, head_dim, device=dev, dtype=dtype)
+    auto = triton_attention.split_count(c * p.kv_heads, blocks, dev)
+    row: dict[str, Any] = {"splits": auto}
+    outs = {}
+    for label, splits in (("unsplit", 1), ("split", auto)):
+        call = partial(
+            triton_attention.paged_decode_attention, q, cache, tables, lens, head_dim**-0.5, num_splits=splits
+        )
+        outs[label] = call()
+        row[f"{label}_us"] = _cuda_us(call, 50)
+    row["max_abs_diff"] = float((outs["split"].float() - outs["unsplit"].float()).abs().max())
+    return row
+
+
+def _cuda_us(fn: Callable[[], Any], calls: int) -> float:
+    """Mean GPU microseconds per call of ``fn`` (CUDA events, after two warm-up calls)."""
+    fn()
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(begin.elapsed_time(end) * 1000 / calls, 2)
+
+
 # ------------------------------------------------------------------ engine
 def _engine_config(ctx: StepContext, cuda_graphs: bool) -> EngineConfig:
     p = ctx.profile
@@ -226,6 +277,40 @@ def _workload(ctx: StepContext, num_requests: int, seed: int = 0) -> Workload:
     return make_workload(ctx.model_dir, num_requests, p.prompt_len, p.output_len, seed)
 
 
+class _StepClock:
+    """Wall time of each of an engine's steps, by kind: a decode step replayed from a CUDA
+    graph, or an eager one (prefill chunks, mixed steps, or no graphs at all)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine, self.inner = engine, engine.step
+        self.ms: dict[str, list[float]] = {"graph": [], "eager": []}
+        engine.step = self.step  # type: ignore[method-assign]
+
+    def step(self) -> Any:
+        graphs, steps = self.engine.runner.graphs, self.engine.num_steps
+        replays = graphs.replays if graphs is not None else 0
+        start = time.perf_counter()
+        out = self.inner()
+        if self.engine.num_steps != steps:  # a step that ran a forward
+            replayed = graphs is not None and graphs.replays != replays
+            self.ms["graph" if replayed else "eager"].append((time.perf_counter() - start) * 1000)
+        return out
+
+    def take(self) -> dict[str, Any]:
+        """Steps, their total and median milliseconds per kind since the last take."""
+        out = {
+            kind: {
+                "steps": len(ms),
+                "total_ms": round(sum(ms), 1),
+                "p50_ms": round(sorted(ms)[len(ms) // 2], 3),
+            }
+            for kind, ms in self.ms.items()
+            if ms
+        }
+        self.ms = {kind: [] for kind in self.ms}
+        return out
+
+
 def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
     p = ctx.profile
     start = time.monotonic()
@@ -233,6 +318,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
     async def run(engine: AsyncLLMEngine) -> None:
         engine.start()
         ctx.record("warm_up", await warm_up(engine, _workload(ctx, 5, seed=99)))
+        clock = _StepClock(engine.engine)
         ctx.record("load_s", round(time.monotonic() - start, 2))
         ctx.record("model_info", asdict(engine.model_info))
         ctx.record("cuda_graphs", _graph_stats(engine.engine))  # updated at the end
@@ -245,15 +331,29 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
             row, timings = await run_generate_workload(
                 engine_generate_fn(engine, f"c{c}"), workload, c, "meshserve"
             )
-            rows.append(asdict(row))
+            rows.append({**asdict(row), "steps": clock.take()})
             ctx.record("rows", rows)
             if c == 1:  # greedy tokens, compared with the other steps' in the summary
                 ctx.record("c1_tokens", [t.tokens for t in timings])
         ctx.record("cuda_graphs", _graph_stats(engine.engine))
         await engine.shutdown()
+        _largest_replay_kernels(ctx, engine.engine)
 
     asyncio.run(run(AsyncLLMEngine(_engine_config(ctx, cuda_graphs))))
     gc.collect()
+
+
+def _largest_replay_kernels(ctx: StepContext, engine: LLMEngine) -> None:
+    """The largest bucket's graph replayed once under the profiler, its buffers as the last
+    step that used it left them (rows at the workload's context lengths): the kernels of a
+    full decode step. The engine is done: the K/V the replay writes is never read again."""
+    graphs = engine.runner.graphs
+    if graphs is None or not _cuda(ctx):
+        return
+    try:
+        ctx.record("largest_replay_kernels", _kernel_profile(graphs._replays[graphs.buckets[-1]]))
+    except Exception as exc:  # the profiler's event API moves between torch versions
+        ctx.record("largest_replay_kernels", {"error": repr(exc)})
 
 
 def engine_graphs(ctx: StepContext) -> None:

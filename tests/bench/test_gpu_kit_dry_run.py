@@ -33,6 +33,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "build": "ok",
         "correctness": "ok",
         "roofline": "ok",
+        "decode_attention": "skipped",
         "engine_graphs": "skipped",
         "engine_eager": "ok",
         "lora_mix": "ok",
@@ -40,7 +41,7 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "c1_anatomy": "ok",
         "host_overhead": "ok",
     }, {name: got[name].get("error") for name in steps}
-    assert "CUDA" in got["engine_graphs"]["reason"]
+    assert "CUDA" in got["engine_graphs"]["reason"] and "CUDA" in got["decode_attention"]["reason"]
     assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
     for case in got["correctness"]["archs"].values():
         assert case["eager"]["match"] and "CUDA" in case["graphs"]["skipped"]
@@ -48,6 +49,9 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     assert roof["copy_read_write_gb_per_s"] > 0
     assert got["build"]["weight_bytes"] <= roof["weight_bytes"] < got["build"]["weight_bytes"] * 1.01
     _rows_ok(got["engine_eager"]["rows"], DRY.concurrencies)
+    for row in got["engine_eager"]["rows"]:  # every step eager, each timed
+        assert list(row["steps"]) == ["eager"] and row["steps"]["eager"]["p50_ms"] > 0
+        assert row["steps"]["eager"]["steps"] >= DRY.output_len
     lora = got["lora_mix"]
     for label in ("base_lora_on", "mix"):
         assert lora[label]["output_tokens"] == DRY.num_requests(DRY.mesh_concurrency) * DRY.output_len

@@ -39,8 +39,9 @@ def test_store_kv_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(cache_a, cache_b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (8, 8, 64), (12, 4, 80)])
-def test_paged_decode_matches_torch(heads: int, kv_heads: int, head_dim: int) -> None:
+def test_paged_decode_matches_torch(heads: int, kv_heads: int, head_dim: int, num_splits: int | None) -> None:
     dev = torch.device(DEVICE)
     torch.manual_seed(0)
     bs, nb = 16, 64
@@ -62,7 +63,7 @@ def test_paged_decode_matches_torch(heads: int, kv_heads: int, head_dim: int) ->
     )
     assert meta_t.decode_block_tables is not None and meta_t.decode_seq_lens is not None
     out_t = triton_attention.paged_decode_attention(
-        q, cache, meta_t.decode_block_tables, meta_t.decode_seq_lens, scale
+        q, cache, meta_t.decode_block_tables, meta_t.decode_seq_lens, scale, num_splits=num_splits
     )
 
     class Layer(torch.nn.Module):
@@ -93,3 +94,30 @@ def test_engine_greedy_same_with_triton_backend(make_engine: Callable[..., LLMEn
     assert engine.model_info.attention_backend == "triton"
     triton_out = run_all(engine, reqs)
     assert {k: tokens(v) for k, v in triton_out.items()} == {k: tokens(v) for k, v in torch_out.items()}
+
+
+def test_split_decode_reads_and_writes_only_the_decode_rows() -> None:
+    """Decode rows among prefill rows: each sequence reads its row of q and writes the same
+    row of out, split or not, and leaves the other rows as they were."""
+    dev = torch.device(DEVICE)
+    torch.manual_seed(1)
+    bs, nb, heads, kv_heads, head_dim = 16, 32, 4, 2, 32
+    cache = torch.randn(2, nb, bs, kv_heads, head_dim, device=dev)
+    chunks = [(99, 1, list(range(0, 7))), (40, 1, list(range(7, 10))), (200, 1, list(range(10, 23)))]
+    meta = build_attention_metadata(chunks, bs, [cache], dev, "triton")
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    q = torch.randn(3, heads, head_dim, device=dev)
+    whole = triton_attention.paged_decode_attention(
+        q, cache, meta.decode_block_tables, meta.decode_seq_lens, 0.3, num_splits=1
+    )
+    rows = torch.tensor([5, 1, 3], device=dev)
+    wide_q = torch.randn(6, heads, head_dim, device=dev)
+    wide_q[rows] = q
+    for splits in (1, 4):
+        out = torch.full((6, heads, head_dim), 7.0, device=dev)
+        triton_attention.paged_decode_attention(
+            wide_q, cache, meta.decode_block_tables, meta.decode_seq_lens, 0.3, rows=rows, out=out,
+            num_splits=splits,
+        )  # fmt: skip
+        torch.testing.assert_close(out[rows], whole, rtol=1e-5, atol=1e-5)
+        assert bool((out[[0, 2, 4]] == 7.0).all())

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_triton_decode_honours_window_softcap_and_sinks(name: str) -> None:
+def test_triton_decode_honours_window_softcap_and_sinks(name: str, num_splits: int) -> None:
     layer = LAYERS[name]
     q, cache, tables, lens, meta = _case(torch.float32)
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
@@ -34,6 +35,7 @@ def test_triton_decode_honours_window_softcap_and_sinks(name: str) -> None:
         layer.window or 0,
         layer.softcap or 0.0,
         sinks,
+        num_splits=num_splits,
     ).cpu()
     for b in range(len(lens)):
         expected = _reference(q[b], cache, tables[b], lens[b], 0.2, layer)

@@ -367,8 +367,9 @@ def _decode(
         return
     from worker_svc.engine import triton_attention
 
-    od = triton_attention.paged_decode_attention(
-        q.index_select(0, rows),
+    # The kernel reads and writes the decode rows in place: no gather or scatter around it.
+    triton_attention.paged_decode_attention(
+        q,
         cache,
         tables,
         lens,
@@ -376,8 +377,9 @@ def _decode(
         layer.window or 0,
         layer.softcap or 0.0,
         layer.sinks,
+        rows=rows,
+        out=out,
     )
-    out.index_copy_(0, rows, od.to(out.dtype))
 
 
 @dataclass(frozen=True)

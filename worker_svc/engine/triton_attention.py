@@ -4,10 +4,11 @@ Import-safe without triton (``HAS_TRITON`` is then False and the wrappers raise)
 Layouts match :mod:`worker_svc.engine.attention`: cache ``[2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (contiguous), slot = ``block * block_size + offset``.
 
-``paged_decode_attention`` runs one program per (sequence, KV head), covering the
-``H // Hkv`` query heads of that GQA group. It walks the sequence's block table one KV
-block at a time with an online (streaming) softmax in fp32, so no padded context is
-materialized. Prefill chunks stay on torch SDPA (the runner gathers their
+``paged_decode_attention`` runs one program per (sequence, KV head, split), covering the
+``H // Hkv`` query heads of that GQA group. It walks its share of the sequence's block
+table one KV block at a time with an online (streaming) softmax in fp32, so no padded
+context is materialized; with more than one split a second kernel merges the splits'
+partial softmaxes (flash-decoding). Prefill chunks stay on torch SDPA (the runner gathers their
 context), which on GPU dispatches to flash/efficient kernels anyway.
 
 The decode kernel also serves per-layer attention: a sliding window (the walk starts at
@@ -18,6 +19,7 @@ in the denominator), checked against the torch path under TRITON_INTERPRET=1 by
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -84,7 +86,10 @@ if HAS_TRITON:
         v_cache_ptr,
         block_tables_ptr,
         seq_lens_ptr,
+        rows_ptr,
         out_ptr,
+        part_ptr,
+        stats_ptr,
         scale,
         q_stride_b,
         q_stride_h,
@@ -94,8 +99,10 @@ if HAS_TRITON:
         sinks_ptr,
         window,
         softcap,
+        blocks_per_split,
         HAS_SINKS: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr,
+        SPLIT: tl.constexpr,
         GROUP: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -103,17 +110,19 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # One program per (sequence, kv head): the GROUP query heads sharing that kv head
-        # are processed together so each K/V block is loaded once.
+        # One program per (sequence, kv head, split of its blocks): the GROUP query heads
+        # sharing that kv head are processed together so each K/V block is loaded once.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        row = tl.load(rows_ptr + seq).to(tl.int64)  # q's and out's row of this sequence
         seq_len = tl.load(seq_lens_ptr + seq)
         g = tl.arange(0, BLOCK_G)
         g_mask = g < GROUP
         heads = kv_head * GROUP + g
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
-        q_offs = seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
+        q_offs = row * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
         q_mask = g_mask[:, None] & d_mask[None, :]
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
         tok = tl.arange(0, BLOCK_SIZE)
@@ -124,7 +133,9 @@ if HAS_TRITON:
         # A sliding window starts at its first key: earlier blocks are skipped. No window
         # comes as window >= any length (no data-dependent branch in the kernel).
         first = tl.maximum(seq_len - window, 0)
-        for blk in range(first // BLOCK_SIZE, num_blocks):
+        lo = tl.maximum(first // BLOCK_SIZE, split * blocks_per_split)
+        hi = tl.minimum(num_blocks, (split + 1) * blocks_per_split)
+        for blk in range(lo, hi):
             phys = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
             pos = blk * BLOCK_SIZE + tok
             t_mask = (pos < seq_len) & (pos >= first)
@@ -144,15 +155,68 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if SPLIT:  # this split's running max, sum and unnormalized output: _merge_kernel ends it
+            nsplit = tl.num_programs(2)
+            at = (seq * NUM_KV_HEADS * GROUP + heads) * nsplit + split  # [G] of [B, H, S]
+            tl.store(stats_ptr + at * 2, m_i, mask=g_mask)
+            tl.store(stats_ptr + at * 2 + 1, l_i, mask=g_mask)
+            tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+        else:
+            if HAS_SINKS:  # one extra logit per head, in the denominator only
+                sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_fin)
+                l_i = l_i * alpha + tl.exp(sink - m_fin)
+                acc = acc * alpha[:, None]
+            out = acc / l_i[:, None]
+            o_offs = row * o_stride_b + heads[:, None] * o_stride_h + d[None, :]
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def _merge_kernel(  # type: ignore[no-untyped-def]
+        part_ptr,
+        stats_ptr,
+        rows_ptr,
+        out_ptr,
+        o_stride_b,
+        o_stride_h,
+        sinks_ptr,
+        num_splits,
+        HAS_SINKS: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (sequence, query head): its splits' partial softmaxes merged.
+        # A split past the sequence's end (or before its window) left max -inf and sum 0:
+        # its weight is 0.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        s_mask = s < num_splits
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        at = (seq * NUM_HEADS + head) * num_splits + s
+        m_s = tl.load(stats_ptr + at * 2, mask=s_mask, other=-float("inf"))
+        l_s = tl.load(stats_ptr + at * 2 + 1, mask=s_mask, other=0.0)
+        m = tl.max(m_s, axis=0)  # finite: a sequence has >= 1 key, in some split
         if HAS_SINKS:  # one extra logit per head, in the denominator only
-            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
-            m_fin = tl.maximum(m_i, sink)
-            alpha = tl.exp(m_i - m_fin)
-            l_i = l_i * alpha + tl.exp(sink - m_fin)
-            acc = acc * alpha[:, None]
-        out = acc / l_i[:, None]
-        o_offs = seq * o_stride_b + heads[:, None] * o_stride_h + d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
+        w = tl.exp(m_s - m)
+        part = tl.load(
+            part_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+        )
+        acc = tl.sum(w[:, None] * part, axis=0)
+        denom = tl.sum(w * l_s, axis=0)
+        if HAS_SINKS:
+            denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m)
+        tl.store(
+            out_ptr + row * o_stride_b + head * o_stride_h + d,
+            (acc / denom).to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
 def _require_triton() -> None:
@@ -182,48 +246,83 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    *,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention: ``q [B, H, D]`` over each row's paged context -> ``[B, H, D]``.
+    """Decode attention of each sequence's query row over its paged context -> ``out``.
 
     ``block_tables [B, max_blocks]`` int32 and ``seq_lens [B]`` int32 (context length
     including the token being decoded, whose KV must already be stored). ``window``
     (keys ``p - window < k <= p``), ``softcap`` and ``sinks [H]`` as in
-    :mod:`worker_svc.engine.attention`; 0 / 0.0 / None mean none.
+    :mod:`worker_svc.engine.attention`; 0 / 0.0 / None mean none. Sequence ``b`` reads
+    row ``rows[b]`` of ``q [T, H, D]`` and writes the same row of ``out [T, H, D]`` (by
+    default rows 0..B-1, and a new tensor like ``q``); other rows of ``out`` are left as
+    they are. ``num_splits`` (default: enough to fill the GPU, :func:`split_count`)
+    divides each sequence's blocks among that many programs, merged by a second kernel.
     """
     _require_triton()
-    batch, heads, head_dim = q.shape
+    _, heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
     _, _, block_size, hkv, _ = cache.shape
     if not cache.is_contiguous():
         raise ValueError("KV cache must be contiguous")
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
     if batch == 0:
         return out
-    launch: Any = _paged_decode_kernel[(batch, hkv)]
+    if rows is None:
+        rows = torch.arange(batch, device=q.device)
+    max_blocks = block_tables.shape[1]
+    splits = num_splits or split_count(batch * hkv, max_blocks, q.device)
+    per_split = -(-max_blocks // splits)
+    part = stats = out  # unused without splits (any tensor will do)
+    if splits > 1:
+        part = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        stats = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
+    launch: Any = _paged_decode_kernel[(batch, hkv, splits)]
     launch(
-        q,
-        cache[0],
-        cache[1],
-        block_tables,
-        seq_lens,
-        out,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        sink_f32,
-        int(window) if window > 0 else _NO_WINDOW,
-        float(softcap) if softcap else 1.0,
-        HAS_SINKS=sinks is not None,
-        HAS_SOFTCAP=bool(softcap),
-        GROUP=heads // hkv,
-        NUM_KV_HEADS=hkv,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=max(_next_pow2(heads // hkv), 2),
-        BLOCK_D=_next_pow2(head_dim),
-    )
+        q, cache[0], cache[1], block_tables, seq_lens, rows, out, part, stats, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        sink_f32, int(window) if window > 0 else _NO_WINDOW, float(softcap) if softcap else 1.0, per_split,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap), SPLIT=splits > 1, GROUP=heads // hkv,
+        NUM_KV_HEADS=hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(_next_pow2(heads // hkv), 2), BLOCK_D=_next_pow2(head_dim),
+    )  # fmt: skip
+    if splits > 1:
+        merge: Any = _merge_kernel[(batch, heads)]
+        merge(
+            part, stats, rows, out, out.stride(0), out.stride(1), sink_f32, splits,
+            HAS_SINKS=sinks is not None, NUM_HEADS=heads, HEAD_DIM=head_dim,
+            BLOCK_S=max(_next_pow2(splits), 2), BLOCK_D=_next_pow2(head_dim),
+        )  # fmt: skip
     return out
+
+
+# Split-KV (flash-decoding): a decode step of few sequences has too few (sequence, KV head)
+# programs to occupy the GPU, and each walks its whole context alone; splitting the walk
+# gives every multiprocessor work (docs/design-decisions.md, "Decode attention splits long
+# contexts"). A split covers at least _MIN_SPLIT_BLOCKS blocks, so short contexts stay whole.
+_MIN_SPLIT_BLOCKS = 2
+_MAX_SPLITS = 64
+_INTERPRETER_SMS = 8  # under TRITON_INTERPRET, as a small GPU: the CPU tests then run split steps too
+
+
+def split_count(programs: int, max_blocks: int, device: torch.device) -> int:
+    """Splits per sequence for ``programs`` (sequence, KV head) programs over block tables
+    ``max_blocks`` wide: enough for two programs per multiprocessor, 1 when already so."""
+    target = 2 * _multiprocessors(device)
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), max_blocks // _MIN_SPLIT_BLOCKS, _MAX_SPLITS))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
