@@ -34,7 +34,7 @@ WHEELS=".cache/docker/wheels-$FLAVOR"
 deploy/docker/base.sh python
 base_image="$(deploy/docker/base.sh --name python)"
 
-mkdir -p "$WHEELS"
+mkdir -p "$WHEELS" "$STAGE"
 torch_pin="$(grep -E '^torch==' requirements.txt)"
 requirements=requirements.txt
 if [ "$FLAVOR" = cuda ]; then
