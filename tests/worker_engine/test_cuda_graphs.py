@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worker_engine.conftest import _ENGINES, prompts, run_all, tokens
+from tests.worker_engine.conftest import _ENGINES, WarmedUp, prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention, triton_attention
 from worker_svc.engine.attention import AttentionMetadata
-from worker_svc.engine.cuda_graphs import DecodeGraphs, attach, bucket_sizes
+from worker_svc.engine.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, attach, bucket_sizes
 
 # The graph backends this machine runs: the native CPU kernel, and the Triton kernel with
 # CUDA or under TRITON_INTERPRET=1 (test_triton_interpret.py runs the triton case so).
@@ -142,10 +142,36 @@ def test_windowed_model_replays_like_eager(tmp_path: Any, backend: str) -> None:
     assert graphs.replays > 0
 
 
+def test_decode_graphs_replay_the_compiled_graph_of_eager_steps(warmed_up: WarmedUp) -> None:
+    """A compiled forward captured in graphs is the graph eager steps compiled (same
+    arguments, contiguous inputs at every bucket): capturing compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    engine = warmed_up.engine
+    if engine.model_info.attention_backend not in GRAPH_BACKENDS:
+        pytest.skip(f"graphs need {GRAPH_BACKENDS}, the engine has {engine.model_info.attention_backend}")
+    expected = _run(engine, (5, 17, 3))
+    compiled = counters["stats"]["unique_graphs"]
+
+    def run_at_capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        fn()  # as a real capture runs it: every bucket's forward once
+        return fn
+
+    graphs = attach(engine.runner, run_at_capture)
+    try:
+        assert counters["stats"]["unique_graphs"] == compiled, "capturing compiled another graph"
+        assert _run(engine, (5, 17, 3)) == expected
+        assert graphs.replays > 0 and counters["stats"]["unique_graphs"] == compiled
+    finally:
+        engine.runner.graphs = None
+
+
 def _recording_graphs(buckets: tuple[int, ...]) -> tuple[DecodeGraphs, list[AttentionMetadata]]:
     seen: list[AttentionMetadata] = []
 
-    def forward(meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor, mask: Any) -> torch.Tensor:
+    def forward(
+        meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor, mask: Any, rows: torch.Tensor
+    ) -> torch.Tensor:
         seen.append(meta)
         return ids[0].float().unsqueeze(1).repeat(1, 3)  # "logits": each row's token id
 
@@ -169,8 +195,8 @@ def test_padding_rows_point_at_the_scratch_block() -> None:
     chunks = [(5, 1, [3, 7]), (0, 1, [2]), (9, 1, [1, 4, 6])]
     logits = graphs.run(chunks, [11, 12, 13], [5, 0, 9], [0, 1, 2])
     assert logits is not None and logits[:, 0].tolist() == [11, 12, 13]
-    assert graphs.input_ids[0, :4].tolist() == [11, 12, 13, 11]
-    assert graphs.positions[0, :4].tolist() == [5, 0, 9, 0]
+    assert graphs.input_ids[:4].tolist() == [11, 12, 13, 11]
+    assert graphs.positions[:4].tolist() == [5, 0, 9, 0]
     assert graphs.slots[:4].tolist() == [7 * 4 + 1, 2 * 4, 6 * 4 + 1, 9 * 4]
     assert graphs.lens[:4].tolist() == [6, 1, 10, 1]
     assert graphs.tables[:4, :3].tolist() == [[3, 7, 9], [2, 9, 9], [1, 4, 6], [9, 9, 9]]

@@ -90,16 +90,20 @@ def cuda_capture(pool: Any = None) -> Capture:
 class DecodeGraphs:
     """Static buffers, one captured forward per bucket, and the per-step fill and replay.
 
-    ``forward(meta, input_ids [1, n], position_ids [1, n], lora_mask [n, width] or None)``
-    returns the logits of all ``n`` rows; it runs only at capture (and at every replay
-    under a CPU test capture). With ``lora_width``, the step's LoRA mask (every slot's
+    ``forward(meta, input_ids [1, n], position_ids [1, n], lora_mask [n, width] or None,
+    rows [n])`` returns the logits of all ``n`` rows (``rows``: 0..n-1, the rows to keep);
+    it runs only at capture (and at every replay under a CPU test capture). A bucket's
+    inputs are contiguous, as an eager step's are, so that a compiled forward's guards hold
+    for every bucket and for eager steps alike: one compiled graph serves them all. With ``lora_width``, the step's LoRA mask (every slot's
     columns, worker_svc.engine.lora) is a static buffer too: base and adapter rows replay
     the same graph, padding rows under no adapter.
     """
 
     def __init__(
         self,
-        forward: Callable[[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+        forward: Callable[
+            [AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor
+        ],
         *,
         buckets: Sequence[int],
         kv_caches: list[torch.Tensor],
@@ -125,8 +129,8 @@ class DecodeGraphs:
         self.layer_windows = layer_windows
         self.device = device
         n, width = self.buckets[-1], -(-max_model_len // block_size)
-        self.input_ids = torch.zeros((1, n), dtype=torch.long, device=device)
-        self.positions = torch.zeros((1, n), dtype=torch.long, device=device)
+        self.input_ids = torch.zeros((n,), dtype=torch.long, device=device)  # a bucket views [1, size]
+        self.positions = torch.zeros((n,), dtype=torch.long, device=device)
         self.slots = torch.empty((n,), dtype=torch.long, device=device)
         self.tables = torch.empty((n, width), dtype=torch.int32, device=device)
         self.lens = torch.empty((n,), dtype=torch.int32, device=device)
@@ -169,9 +173,10 @@ class DecodeGraphs:
 
     def _bucket_forward(self, size: int) -> Callable[[], torch.Tensor]:
         meta = self.metadata(size)
-        ids, pos = self.input_ids[:, :size], self.positions[:, :size]
+        ids, pos = self.input_ids[:size].view(1, size), self.positions[:size].view(1, size)
         mask = None if self.lora_mask is None else self.lora_mask[:size]
-        return lambda: self.forward(meta, ids, pos, mask)
+        rows = self.rows[:size]
+        return lambda: self.forward(meta, ids, pos, mask, rows)
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` rows (None: more rows than the largest)."""
@@ -222,8 +227,8 @@ class DecodeGraphs:
             flat += row + [scratch] * (width - len(row))
         flat += [scratch] * (width * pad)
         dev = torch.tensor(flat, dtype=torch.long).to(self.device)
-        self.input_ids[0, :size].copy_(dev[:size])
-        self.positions[0, :size].copy_(dev[size : 2 * size])
+        self.input_ids[:size].copy_(dev[:size])
+        self.positions[:size].copy_(dev[size : 2 * size])
         self.slots[:size].copy_(dev[2 * size : 3 * size])
         self.lens[:size].copy_(dev[3 * size : 4 * size])
         self.tables[:size, :width].copy_(dev[4 * size :].view(size, width))
@@ -250,10 +255,16 @@ def attach(runner: Any, capture: Capture) -> DecodeGraphs:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         mask: torch.Tensor | None,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
         masked = nullcontext() if lora is None else lora.masked(mask)
+        # Every row's logits kept as an eager step keeps them (logits_to_keep where the model
+        # takes it): the same arguments, so a compiled forward is the eager steps' graph.
+        keep = {"logits_to_keep": rows} if runner.supports_logits_to_keep else {}
         with torch.inference_mode(), attention_context(meta), masked:
-            out = runner.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = runner.model_forward(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **keep
+            )
         logits: torch.Tensor = out.logits[0]
         return logits
 

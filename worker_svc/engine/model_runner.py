@@ -144,7 +144,7 @@ class ModelRunner:
             )
             for _ in range(self.info.num_layers)
         ]
-        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.lora: LoraManager | None = None
         if config.max_loras:
             self.lora = LoraManager(
@@ -332,7 +332,7 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = row_index(keep, self.device)
         kwargs: dict[str, Any] = {"use_cache": False}
-        if self._supports_logits_to_keep:
+        if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
         with torch.inference_mode(), attention_context(meta), lora:
             if image_rows[0]:
@@ -342,7 +342,7 @@ class ModelRunner:
             else:
                 out = self.model_forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
         logits: torch.Tensor = out.logits[0]
-        if not self._supports_logits_to_keep:
+        if not self.supports_logits_to_keep:
             logits = logits[keep_t]
         # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
         return logits
