@@ -3,7 +3,7 @@
     python -m bench.gpu.kit --profile gpu --out bench/results/gpu.json       # on a GPU host (run.sh)
     python -m bench.gpu.kit --profile cpu-dry-run --out /tmp/gpu.json --inline  # the CPU dry run
 
-Steps, in order (each in a process of its own unless ``--inline``, killed at its time box;
+Steps (run in STEPS' order, the baselines last; each in a process of its own unless ``--inline``, killed at its time box;
 a failed, timed-out or skipped step is recorded and the next one runs; the JSON is
 rewritten after every step, so a crash leaves what was measured until then):
 
@@ -11,24 +11,25 @@ rewritten after every step, so a crash leaves what was measured until then):
   weights) and a word-level tokenizer of its vocabulary, in the work directory.
 * ``correctness``: greedy tokens of the engine == transformers ``generate`` on tiny random
   Llama, Qwen3 and Gemma 3 (sliding window) models (devtools.arch_matrix), float32; on
-  CUDA with the triton attention backend, with and without CUDA graphs.
+  CUDA with the triton attention backend, plain eager and as the CUDA default (the
+  compiled forward in CUDA graphs).
 * ``roofline``: device-to-device copy bandwidth (bytes read + written per second) and the
   bench model's weight bytes: the floor of one decode step is weights / bandwidth.
 * ``decode_attention``: the paged decode kernel alone, one layer, every row at the
   workload's full context, at each concurrency: GPU microseconds per call unsplit and
   split (split-KV), and the largest difference between the two outputs (CUDA only).
 * ``engine_graphs`` / ``engine_eager``: the engine in-process (bench.engine_bench's
-  closed-loop client) at every concurrency, output tok/s, TPOT and TTFT, with and without
-  CUDA graphs (graphs need CUDA: skipped elsewhere); per concurrency the steps' count,
+  closed-loop client) at every concurrency, output tok/s, TPOT and TTFT: as the CUDA
+  default (the forward compiled in CUDA graphs; graphs need CUDA: skipped elsewhere) and
+  plain eager (neither); per concurrency the steps' count,
   total and median wall time by kind (a graph replay or eager), and with graphs the
   kernels of one replay of the largest bucket.
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
   gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency.
 * ``hf_naive``: transformers ``generate`` one request at a time (c=1).
-* ``c1_anatomy``: where a c=1 decode step's time goes: the step's wall time, the graph
-  replay alone (GPU), the rest (host), cProfile's top functions and the kernels one
-  forward launches; on CUDA again with the forward compiled under the graphs, with its
-  float32 greedy parity against transformers.
+* ``c1_anatomy``: where a c=1 decode step of the default engine goes (on CUDA the compiled
+  forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
+  (host), cProfile's top functions and the kernels one forward launches.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 
@@ -82,12 +83,12 @@ STEPS = (
     "roofline",
     "decode_attention",
     "engine_graphs",
-    "engine_eager",
+    "c1_anatomy",
     "lora_mix",
     "mesh",
-    "hf_naive",
-    "c1_anatomy",
     "host_overhead",
+    "engine_eager",  # the last two: the baselines, first to go when the budget runs out
+    "hf_naive",
 )
 # Fault injection for the kit's own test: the named step hangs, as a CUDA fault or a stuck
 # collective would, so that its time box is what ends it (a real step's speed varies).
@@ -223,8 +224,6 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step"):
             if variant.get(key) is not None:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
-    if "compiled_parity" in anatomy:
-        out["c1_compiled_parity_all_match"] = all(c["match"] for c in anatomy["compiled_parity"].values())
     host = _ok(steps, "host_overhead")
     if host:
         out["host_ms_per_step"] = {k: v for k, v in host.items() if k.endswith("_host_ms_per_step")}

@@ -7,9 +7,8 @@ import argparse
 import asyncio
 import gc
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, fields, replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -145,11 +144,12 @@ def _arch_reference(ctx: StepContext, name: str) -> tuple[str, list[list[int]], 
 
 
 def _arch_config(ctx: StepContext, path: str, graphs: bool) -> EngineConfig:
+    """Graphs on: the CUDA default (compiled inside them); off: plain eager."""
     cuda = _cuda(ctx)
     return EngineConfig(
         model_dir=path, block_size=BLOCK_SIZE, num_kv_blocks=64, dtype="float32", device=ctx.profile.device,
         attention_backend="triton" if cuda else "auto", max_num_batched_tokens=64, cuda_graphs=graphs,
-        compile_model=False,
+        compile_model=graphs and cuda,
     )  # fmt: skip
 
 
@@ -163,7 +163,8 @@ def _parity(config: EngineConfig, prompts: list[list[int]], expected: list[list[
 
 
 def correctness(ctx: StepContext) -> None:
-    """Engine greedy tokens == transformers ``generate`` per architecture, graphs off / on."""
+    """Engine greedy tokens == transformers ``generate`` per architecture: plain eager, and
+    the CUDA default (the compiled forward in CUDA graphs)."""
     results: dict[str, Any] = {}
     for name in ARCHS:
         path, prompts, expected = _arch_reference(ctx, name)
@@ -268,7 +269,9 @@ def _engine_config(ctx: StepContext, cuda_graphs: bool) -> EngineConfig:
         dtype=p.dtype,
         device=p.device,
         cuda_graphs=cuda_graphs,
-        compile_model=False,  # the kit measures CUDA graphs; its CPU dry run stands in eagerly
+        # With graphs, the CUDA default: the forward compiled inside them. Without, plain
+        # eager (the baseline), as on the CPU dry run, which cannot afford the compiles.
+        compile_model=cuda_graphs and _cuda(ctx),
     )
 
 
@@ -436,7 +439,7 @@ def lora_mix(ctx: StepContext) -> None:
     small = replace(config, max_num_seqs=len(prompts), kv_cache_memory_mb=min(p.kv_cache_mb, 1024))
     graphs, _ = _engine_greedy(small, prompts, adapters)
     gc.collect()
-    eager, _ = _engine_greedy(replace(small, cuda_graphs=False), prompts, adapters)
+    eager, _ = _engine_greedy(replace(small, cuda_graphs=False, compile_model=False), prompts, adapters)
     ctx.record("mix_tokens_equal_eager", graphs == eager)
 
 
@@ -473,25 +476,9 @@ def hf_naive(ctx: StepContext) -> None:
 ANATOMY_MAX_SEQS = 8  # buckets 1, 2, 4, 8: enough for a c=1 step, quick to capture (and compile)
 
 
-class _CompiledOnCuda(EngineConfig):
-    """The engine's config with the forward compiled on CUDA as well (there, by default,
-    decode replays CUDA graphs of the eager forward): graphs then capture the compiled one."""
-
-    def compile_skipped(self) -> str:
-        return "" if self.compile_model else "compile_model off"
-
-
-def _anatomy_config(ctx: StepContext, compiled: bool) -> EngineConfig:
-    base = replace(_engine_config(ctx, cuda_graphs=True), max_num_seqs=ANATOMY_MAX_SEQS)
-    if not compiled:
-        return base
-    return _compiled_on_cuda(base)
-
-
-def _compiled_on_cuda(base: EngineConfig) -> EngineConfig:
-    return _CompiledOnCuda(
-        **{f.name: getattr(base, f.name) for f in fields(base) if f.init} | {"compile_model": True}
-    )
+def _anatomy_config(ctx: StepContext) -> EngineConfig:
+    """The CUDA default (compiled forward in CUDA graphs), few buckets: quick to capture."""
+    return replace(_engine_config(ctx, cuda_graphs=True), max_num_seqs=ANATOMY_MAX_SEQS)
 
 
 def _one_request(
@@ -591,32 +578,11 @@ def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
     }
 
 
-@contextmanager
-def _frozen(on: bool) -> Iterator[None]:
-    """While on, the engine compiles with inductor's ``freezing`` on CUDA too (it sets it on
-    CPU only): the weights become constants, and the linears that read one input (q/k/v,
-    gate/up) are merged into one GEMM -- inductor's concat-linear pattern, which on CUDA
-    needs no flag. The merged weights are copies: ``gpu_mem_gb`` shows what that costs."""
-    from worker_svc.engine import model_runner
-
-    original = model_runner.inductor_options
-    if on:
-        model_runner.inductor_options = lambda device_type, dtype: {
-            **original(device_type, dtype),
-            "freezing": True,
-        }
-    try:
-        yield
-    finally:
-        model_runner.inductor_options = original
-
-
-def _anatomy(ctx: StepContext, compiled: bool, frozen: bool = False) -> dict[str, Any]:
+def _anatomy(ctx: StepContext) -> dict[str, Any]:
     cuda, p = _cuda(ctx), ctx.profile
     start = time.monotonic()
-    with _frozen(frozen):
-        engine = LLMEngine(_anatomy_config(ctx, compiled))
-        warm_s = engine.warm_up()
+    engine = LLMEngine(_anatomy_config(ctx))
+    warm_s = engine.warm_up()
     out: dict[str, Any] = {"load_s": round(time.monotonic() - start, 2), "warm_up_s": round(warm_s, 2)}
     out["engine"] = engine.describe()
     if cuda:
@@ -641,48 +607,11 @@ def _anatomy(ctx: StepContext, compiled: bool, frozen: bool = False) -> dict[str
     return out
 
 
-def _compiled_parity(ctx: StepContext, frozen: bool) -> None:
-    """Greedy parity with transformers (float32, tiny models) of the compiled forward under
-    CUDA graphs, per architecture while the step's time box allows."""
-    results: dict[str, Any] = {}
-    for name in ARCHS:
-        if ctx.left_s() < 45:
-            ctx.record("compiled_parity_cut", f"time box reached before {name}")
-            break
-        path, prompts, expected = _arch_reference(ctx, name)
-        base = _arch_config(ctx, path, graphs=True)
-        with _frozen(frozen):
-            results[name] = _parity(_compiled_on_cuda(base), prompts, expected)
-        ctx.record("compiled_parity", results)
-
-
-# (label, compiled, frozen): the default CUDA forward first, then the compiled one to weigh
-# against it, frozen so that the linears sharing an input merge (the unfrozen compile's
-# figures are in bench/README.md).
-CUDA_VARIANTS = (("graphs", False, False), ("graphs_compiled_frozen", True, True))
-
-
 def c1_anatomy(ctx: StepContext) -> None:
-    """Where a c=1 decode step's time goes, graphs on: the step's wall time, the graph replay
-    alone (GPU), the rest (host), the host's top functions (cProfile) and the kernels one
-    forward launches; then the same with the forward compiled under the graphs (CUDA only)."""
-    variants = list(CUDA_VARIANTS if _cuda(ctx) else CUDA_VARIANTS[:1])
-    done: dict[str, Any] = {}
-    for label, compiled, frozen in variants:
-        done[label] = _anatomy(ctx, compiled, frozen)
-        ctx.record("variants", done)
-    if len(done) < 2:
-        return
-    label, _, frozen = variants[1]
-    _compiled_parity(ctx, frozen)
-    a, b = done["graphs"]["tokens"], done[label]["tokens"]
-    ctx.record(
-        "compiled_tokens_first_diff",
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None),
-    )
-    ctx.record(
-        "compiled_over_eager_step", done[label]["decode_step_ms_p50"] / done["graphs"]["decode_step_ms_p50"]
-    )
+    """Where a c=1 decode step's time goes in the default engine (on CUDA the compiled
+    forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
+    (host), the host's top functions (cProfile) and the kernels one forward launches."""
+    ctx.record("variants", {"graphs": _anatomy(ctx)})
 
 
 def host_overhead(ctx: StepContext) -> None:

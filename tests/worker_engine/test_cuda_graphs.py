@@ -18,7 +18,7 @@ import torch
 from tests.worker_engine.conftest import _ENGINES, WarmedUp, prompts, run_all, tokens
 from worker_svc.engine import LLMEngine, SamplingParams, cpu_attention, triton_attention
 from worker_svc.engine.attention import AttentionMetadata
-from worker_svc.engine.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, attach, bucket_sizes
+from worker_svc.engine.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, attach, bucket_sizes, capture_graphs
 
 # The graph backends this machine runs: the native CPU kernel, and the Triton kernel with
 # CUDA or under TRITON_INTERPRET=1 (test_triton_interpret.py runs the triton case so).
@@ -125,7 +125,7 @@ def test_windowed_model_replays_like_eager(tmp_path: Any, backend: str) -> None:
     case = next(c for c in CASES if c.name == "Gemma 3")  # sliding window of 8, shorter than the prompts
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(build_config(case), dtype=torch.float32).save_pretrained(tmp_path)
-    # Eager, as CUDA graphs capture it (a compiled forward is CPU's default, not the graphs').
+    # Eager: the replay's windowed attention is what is checked here, not the compiler.
     config = EngineConfig(
         model_dir=str(tmp_path),
         block_size=4,
@@ -164,6 +164,26 @@ def test_decode_graphs_replay_the_compiled_graph_of_eager_steps(warmed_up: Warme
         assert graphs.replays > 0 and counters["stats"]["unique_graphs"] == compiled
     finally:
         engine.runner.graphs = None
+
+
+@pytest.mark.skipif(cpu_attention.load() is None, reason="needs a C compiler")
+def test_a_compiler_failure_inside_the_capture_captures_the_eager_forward(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    eager = make_engine(attention_backend="cpu", max_num_seqs=6, compile_model=False)
+    expected = _run(eager, (5, 17, 3))
+    engine = make_engine(attention_backend="cpu", max_num_seqs=6, compile_model=True)
+    runner = engine.runner
+
+    def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        if not runner.compile_failed:  # as the compiler would, raising inside the capture
+            raise RuntimeError("inductor failed")
+        return fn
+
+    graphs, note = capture_graphs(runner, capture)
+    assert graphs is not None and note == "" and runner.graphs is graphs
+    assert runner.compile_failed == "compile failed: RuntimeError"
+    assert _run(engine, (5, 17, 3)) == expected and graphs.replays > 0
 
 
 def _recording_graphs(buckets: tuple[int, ...]) -> tuple[DecodeGraphs, list[AttentionMetadata]]:

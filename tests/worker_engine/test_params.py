@@ -35,7 +35,8 @@ def test_engine_config_defaults() -> None:
     cfg = EngineConfig(model_dir="/x")
     assert cfg.block_size == 16 and cfg.num_kv_blocks == 0 and cfg.max_num_batched_tokens == 512
     assert cfg.compiles, "the fast path is the default on CPU"
-    assert not EngineConfig(model_dir="/x", device="cuda").compiles  # CUDA graphs serve decode there
+    assert EngineConfig(model_dir="/x", device="cuda").compiles  # and on CUDA, inside the graphs
+    assert EngineConfig(model_dir="/x", compile_model=False).compile_skipped() == "compile_model off"
     with pytest.raises(ValueError, match="model_dir"):
         EngineConfig(model_dir="")
 

@@ -67,9 +67,8 @@ class EngineConfig:
     attention_backend: str = opt("auto", "paged attention kernels: " + ", ".join(ATTENTION_BACKENDS))
     compile_model: bool = opt(
         True,
-        "torch.compile the text-only forward on CPU, before the worker reports ready (1-3 min "
-        "at start on 2 cores); CUDA decode replays CUDA graphs instead and LoRA runs eagerly "
-        "(see compile_skipped)",
+        "torch.compile the text-only forward before the worker reports ready (1-3 min at start "
+        "on 2 cores); on CUDA the decode graphs capture the compiled forward",
     )
     cpu_affinity: str = opt(
         "", "CPUs the engine's step thread is pinned to, e.g. 0 or 0-1,4 (empty: not pinned)"
@@ -165,13 +164,8 @@ class EngineConfig:
             raise ValueError("lora_modules needs max_loras >= 1")
 
     def compile_skipped(self) -> str:
-        """Why the forward runs eagerly ("" when it compiles): ``compile_model`` off; on CUDA
-        decode steps replay CUDA graphs (worker_svc.engine.cuda_graphs)."""
-        if not self.compile_model:
-            return "compile_model off"
-        if self.device.startswith("cuda"):
-            return "CUDA: decode replays CUDA graphs"
-        return ""
+        """Why the forward runs eagerly ("" when it compiles): ``compile_model`` off."""
+        return "" if self.compile_model else "compile_model off"
 
     @property
     def compiles(self) -> bool:

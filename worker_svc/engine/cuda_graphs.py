@@ -297,11 +297,23 @@ def for_runner(runner: Any) -> tuple[DecodeGraphs | None, str]:
     backend = runner.info.attention_backend
     if backend not in GRAPH_BACKENDS:
         return None, f"attention backend {backend} builds per-step shapes (graphs need {GRAPH_BACKENDS})"
+    return capture_graphs(runner, cuda_capture(torch.cuda.graph_pool_handle()))
+
+
+def capture_graphs(runner: Any, capture: Capture) -> tuple[DecodeGraphs | None, str]:
+    """The runner's decode graphs captured with ``capture``, or None and why. When the
+    compiler fails on the model inside the capture, the eager forward is captured instead:
+    graphs of it are still worth far more than none (the start-up line then says compiled
+    no, and why). Any other capture failure leaves the runner eager."""
     try:
-        graphs = attach(runner, cuda_capture(torch.cuda.graph_pool_handle()))
-    except Exception as exc:  # any capture failure: serve eagerly rather than not at all
-        log.warning("CUDA graph capture failed, decode runs eagerly: %r", exc)
-        runner.graphs = None
-        return None, f"capture failed: {exc!r}"
+        graphs = attach(runner, capture)
+    except Exception as exc:
+        if runner.compile_failed or not runner.config.compiles:
+            log.warning("CUDA graph capture failed, decode runs eagerly: %r", exc)
+            runner.graphs = None
+            return None, f"capture failed: {exc!r}"
+        log.warning("compiling the forward failed during CUDA graph capture, capturing it eagerly: %r", exc)
+        runner.stop_compiling(f"compile failed: {type(exc).__name__}")
+        return capture_graphs(runner, capture)
     log.info("CUDA graphs: %d buckets captured in %.1f s", len(graphs.buckets), graphs.capture_s)
     return graphs, ""
