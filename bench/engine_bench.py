@@ -108,6 +108,8 @@ class RunResult:
     samples: list[float] = field(default_factory=list)  # tok/s of every repeat (median is the row)
     # per reference request: first position where greedy tokens leave hf_naive's (None: equal)
     greedy_first_diff: list[int | None] | None = None
+    # mesh rows: cores each service process kept busy during the run (CPU seconds / wall)
+    process_cores: dict[str, float] | None = None
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -385,14 +387,29 @@ def bench_mesh(
             system = "mesh" if stream_interval == 1 else f"mesh_si{stream_interval}"
             for c in concurrencies:
                 fn = gateway_generate_fn(client, base_url, name, f"{system}-c{c}")
+                before = process_cpu_s(pids)
                 row, _ = await run_generate_workload(fn, workload, c, system)
+                used = process_cpu_s(pids)
+                row.process_cores = {k: round((used[k] - before[k]) / row.wall_s, 3) for k in used}
                 rows.append(row)
             return rows
 
     with running_mesh(
         args.model_dir, max(concurrencies), args.max_batch_tokens, extra_env, stream_interval
     ) as mesh:
+        pids = {name: proc.pid for name, proc in mesh.procs.items()}
         return asyncio.run(main(mesh.gateway_url))
+
+
+def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far, from /proc (Linux); the
+    processes of the client itself under "client"."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {"client": sum(os.times()[:2])}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
 
 
 # ------------------------------------------------------------- transformers

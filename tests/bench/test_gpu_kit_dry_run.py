@@ -100,3 +100,6 @@ def test_dry_run_mesh(tmp_path: Path) -> None:
     _rows_ok([mesh["row"]], (DRY.mesh_concurrency,))
     assert report["summary"]["served_over_in_process_tok_s"] > 0
     assert report["summary"]["served_ttft_ms"]["p99"] >= report["summary"]["served_ttft_ms"]["p50"] > 0
+    cores = report["summary"]["served_process_cores"]
+    assert {"gateway", "tokenizer", "scheduler", "decoder-0", "client"} <= set(cores), cores
+    assert cores["gateway"] > 0 and cores["decoder-0"] > 0 and cores["client"] > 0
