@@ -367,10 +367,12 @@ def bench_mesh(
     concurrencies: list[int],
     stream_interval: int = 1,
     extra_env: tuple[tuple[str, str], ...] = (),
+    num_gateways: int = 1,
 ) -> list[RunResult]:
     """The same workload through the full mesh (gateway → scheduler → worker processes);
-    rows are named `mesh`, or `mesh_si{N}` for a decoder stream interval N > 1. `extra_env`
-    goes to every service (e.g. MESHSERVE_DEVICE=cuda for the decoder)."""
+    rows are named `mesh`, `mesh_si{N}` for a decoder stream interval N > 1, with `_g{G}`
+    for G > 1 gateway processes (one port). `extra_env` goes to every service (e.g.
+    MESHSERVE_DEVICE=cuda for the decoder)."""
     import httpx
 
     from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
@@ -385,6 +387,7 @@ def bench_mesh(
             )
             rows = []
             system = "mesh" if stream_interval == 1 else f"mesh_si{stream_interval}"
+            system += f"_g{num_gateways}" if num_gateways > 1 else ""
             for c in concurrencies:
                 fn = gateway_generate_fn(client, base_url, name, f"{system}-c{c}")
                 before = process_cpu_s(pids)
@@ -395,8 +398,9 @@ def bench_mesh(
             return rows
 
     with running_mesh(
-        args.model_dir, max(concurrencies), args.max_batch_tokens, extra_env, stream_interval
-    ) as mesh:
+        args.model_dir, max(concurrencies), args.max_batch_tokens, extra_env, stream_interval,
+        num_gateways=num_gateways,
+    ) as mesh:  # fmt: skip
         pids = {name: proc.pid for name, proc in mesh.procs.items()}
         return asyncio.run(main(mesh.gateway_url))
 

@@ -27,13 +27,16 @@ def running_mesh(
     extra_env: tuple[tuple[str, str], ...] = (),
     stream_interval: int = 1,
     num_decoders: int = 1,
+    num_gateways: int = 1,
 ) -> Iterator[Mesh]:
-    """Starts gateway, tokenizer, scheduler and `num_decoders` decoder workers on free ports."""
+    """Starts `num_gateways` gateways (one port), tokenizer, scheduler and `num_decoders`
+    decoder workers on free ports."""
     config = free_ports_config(
         model_dir=model_dir,
         max_num_seqs=max_num_seqs,
         stream_interval=stream_interval,
         num_decoders=num_decoders,
+        num_gateways=num_gateways,
         log_dir=tempfile.mkdtemp(prefix="meshserve-bench-logs-"),
         extra_env=(("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(max_batch_tokens)), *extra_env),
     )

@@ -79,7 +79,7 @@ PROFILES = {
             "engine_graphs": 200,
             "c1_anatomy": 100,
             "lora_mix": 180,
-            "mesh": 180,
+            "mesh": 240,
             "host_overhead": 45,
             "engine_eager": 100,
             "hf_naive": 45,

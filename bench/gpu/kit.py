@@ -26,7 +26,8 @@ rewritten after every step, so a crash leaves what was measured until then):
   kernels of one replay of the largest bucket.
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
   gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency, with the
-  cores each process (and the client) kept busy meanwhile.
+  cores each process (and the client) kept busy meanwhile; then, while its box allows,
+  the same with 4 gateway processes sharing the port.
 * ``hf_naive``: transformers ``generate`` one request at a time (c=1).
 * ``c1_anatomy``: where a c=1 decode step of the default engine goes (on CUDA the compiled
   forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
@@ -213,6 +214,11 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         out["served_ttft_ms"] = {k: mesh["row"]["ttft_ms"].get(k) for k in ("p50", "p99")}
         # A front-end process near 1.0 is the ceiling: one core's worth of Python per token.
         out["served_process_cores"] = mesh["row"].get("process_cores")
+        more = mesh.get("row_more_gateways")
+        if more:
+            out["served_more_gateways_over_in_process_tok_s"] = (
+                more["output_tok_per_s"] / inproc[c]["output_tok_per_s"]
+            )
     if graphs.get("c1_tokens") and eager.get("c1_tokens"):
         out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]
     naive = _ok(steps, "hf_naive")
