@@ -116,11 +116,16 @@ def _engine_greedy(
 
 
 def _graph_stats(engine: LLMEngine) -> dict[str, Any]:
-    """The CUDA graph counters of the engine's runner, or why it has none."""
-    graphs = engine.runner.graphs
-    if graphs is None:
-        return {"disabled": engine.runner.graphs_note, "engine_steps": engine.num_steps}
-    return {**graphs.stats(), "engine_steps": engine.num_steps}  # replays / engine_steps: decode-only share
+    """The CUDA graph counters of the engine's runner, or why it has none; and whether its
+    forward ran compiled (a compiler failure falls back to the eager forward: why)."""
+    runner = engine.runner
+    compiled = {"compiled": engine.config.compiles and not runner.compile_failed}
+    if runner.compile_failed:
+        compiled["compile_failed"] = runner.compile_failed
+    if runner.graphs is None:
+        return {"disabled": runner.graphs_note, "engine_steps": engine.num_steps, **compiled}
+    # replays / engine_steps: the decode-only share
+    return {**runner.graphs.stats(), "engine_steps": engine.num_steps, **compiled}
 
 
 def _arch_reference(ctx: StepContext, name: str) -> tuple[str, list[list[int]], list[list[int]]]:
