@@ -21,7 +21,7 @@ load. Phases, each its own figures:
 Each flooding tenant's client runs in a process of its own, as another tenant's client
 would: the interactive tenant's times are not spent waiting in the flood's event loop.
 
-Usage: ``python -m bench.flow_bench [--model-dir DIR] [--priority-step-ratio R]
+Usage: ``python -m bench.flow_bench [--model-dir DIR] [--priority-step-ratio R] [--rounds N]
 [--out bench/results/flow_bench.json]``
 """
 
@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing
+import statistics
 import sys
 import tempfile
 import time
@@ -141,7 +142,7 @@ def _flood_main(flood_args: tuple[Any, ...], stop: Any, out: Any) -> None:
 async def _beside_flood(
     args: argparse.Namespace, url: str, model: str, vocab: int, tier: str
 ) -> dict[str, Any]:
-    seed = PRIORITY[tier]
+    seed = PRIORITY[tier] + args.seed_offset  # fresh prompts every round: no prefix cache hits
     flood_prompts = prompts_for(4 * args.flood_c, args.prompt_len, vocab, seed=7 + seed)
     flood = FloodProcess(url, "batch", model, flood_prompts, args.flood_c, args.flood_output_len)
     await asyncio.sleep(args.settle_s)  # the flood fills the batch first
@@ -238,6 +239,20 @@ def _engine_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return (("MESHSERVE_PRIORITY_STEP_RATIO", str(args.priority_step_ratio)),)
 
 
+def median_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over ``records`` of each number (nested dicts likewise); other
+    values as the first record has them."""
+    out: dict[str, Any] = {}
+    for key, value in records[0].items():
+        if isinstance(value, dict):
+            out[key] = median_of([r[key] for r in records])
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in records)
+        else:
+            out[key] = value
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig
 
@@ -253,15 +268,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         url, model = mesh.gateway_url + "/v1/completions", model_name(args.model_dir)
         out: dict[str, Any] = {"engines": engine_lines(mesh)}
-        prompts = prompts_for(args.interactive_requests, args.prompt_len, vocab, seed=3)
         warm = prompts_for(8, args.prompt_len, vocab, seed=4)
         asyncio.run(_closed_loop(url, "interactive", model, warm, 4, args.output_len, "default"))
-        phases = {
-            "alone": lambda: summary(
+
+        def alone() -> dict[str, Any]:
+            prompts = prompts_for(
+                args.interactive_requests, args.prompt_len, vocab, seed=3 + args.seed_offset
+            )
+            return summary(
                 *asyncio.run(
                     _closed_loop(url, "interactive", model, prompts, 2, args.output_len, "interactive")
                 )
-            ),
+            )
+
+        phases = {
+            "alone": alone,
             "beside_flood": lambda: asyncio.run(_beside_flood(args, url, model, vocab, "interactive")),
             "beside_flood_same_priority": lambda: asyncio.run(
                 _beside_flood(args, url, model, vocab, "batch")
@@ -270,8 +291,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "two_tenants": lambda: asyncio.run(_two_tenants(args, url, model, vocab)),
             "over_budget": lambda: asyncio.run(_over_budget(args, url, model, vocab)),
         }
-        for name in args.phases.split(","):
-            out[name] = phases[name]()
+        rounds: list[dict[str, Any]] = []
+        for index in range(args.rounds):
+            args.seed_offset = 1000 * index
+            rounds.append({name: phases[name]() for name in args.phases.split(",")})
+        out.update(median_of(rounds))
+        if args.rounds > 1:
+            out["rounds"] = rounds
         alone = out["alone"]["ttft_p99_ms"]
         for name, key in (("beside_flood", "interactive"), ("beside_flood_same_priority", "same_priority")):
             if name in out:
@@ -298,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phases", default=",".join(PHASES), help="which phases, in this order (alone first)")
     p.add_argument(
         "--priority-step-ratio", type=float, default=None, help="the decoder's (default: its own default)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the phases this many times, in order (medians reported; per round in `rounds`)",
     )
     p.add_argument("--out", default="bench/results/flow_bench.json")
     return p
