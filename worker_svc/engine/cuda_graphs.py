@@ -94,9 +94,10 @@ class DecodeGraphs:
     rows [n])`` returns the logits of all ``n`` rows (``rows``: 0..n-1, the rows to keep);
     it runs only at capture (and at every replay under a CPU test capture). A bucket's
     inputs are contiguous, as an eager step's are, so that a compiled forward's guards hold
-    for every bucket and for eager steps alike: one compiled graph serves them all. With ``lora_width``, the step's LoRA mask (every slot's
-    columns, worker_svc.engine.lora) is a static buffer too: base and adapter rows replay
-    the same graph, padding rows under no adapter.
+    for every bucket and for eager steps alike: one compiled graph serves them all. With
+    ``lora_width``, the step's LoRA mask (every slot's columns, worker_svc.engine.lora) is
+    a static buffer too: base and adapter rows replay the same graph, padding rows under
+    no adapter.
     """
 
     def __init__(
