@@ -3,9 +3,10 @@
     python -m bench.gpu.kit --profile gpu --out bench/results/gpu.json       # on a GPU host (run.sh)
     python -m bench.gpu.kit --profile cpu-dry-run --out /tmp/gpu.json --inline  # the CPU dry run
 
-Steps (run in STEPS' order, the baselines last; each in a process of its own unless ``--inline``, killed at its time box;
-a failed, timed-out or skipped step is recorded and the next one runs; the JSON is
-rewritten after every step, so a crash leaves what was measured until then):
+Steps (run in STEPS' order, the baselines last; each in a process of its own unless
+``--inline``, killed at its time box; a failed, timed-out or skipped step is recorded and
+the next one runs; the JSON is rewritten after every step, so a crash leaves what was
+measured until then):
 
 * ``build``: the bench model (Llama-3.2-1B's shape in the ``gpu`` profile, random
   weights) and a word-level tokenizer of its vocabulary, in the work directory.
