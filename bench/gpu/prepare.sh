@@ -50,6 +50,6 @@ if [ "$total" -gt $((LIMIT_MB * 1024 * 1024)) ]; then
 fi
 cat <<MSG
 prepare: ready. On the GPU host, in one call (device tool):
-  run(command="bash bench/gpu/run.sh", carry=["$KIT", "meshserve"], timeout_s=540)
+  run(command="bash bench/gpu/run.sh", carry=["$KIT", "meshserve"], timeout_s=590)
 then fetch bench/results/gpu.json from the files it returns (also printed at the end of its output).
 MSG
