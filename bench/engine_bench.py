@@ -375,7 +375,7 @@ def bench_mesh(
     MESHSERVE_DEVICE=cuda for the decoder)."""
     import httpx
 
-    from bench.mesh_client import gateway_generate_fn, model_name, running_mesh
+    from bench.mesh_client import cpu_seconds, gateway_generate_fn, model_name, running_mesh
 
     async def main(base_url: str) -> list[RunResult]:
         limits = httpx.Limits(max_connections=max(concurrencies) + 8)
@@ -390,9 +390,9 @@ def bench_mesh(
             system += f"_g{num_gateways}" if num_gateways > 1 else ""
             for c in concurrencies:
                 fn = gateway_generate_fn(client, base_url, name, f"{system}-c{c}")
-                before = process_cpu_s(pids)
+                before = _with_client(cpu_seconds(mesh))
                 row, _ = await run_generate_workload(fn, workload, c, system)
-                used = process_cpu_s(pids)
+                used = _with_client(cpu_seconds(mesh))
                 row.process_cores = {k: round((used[k] - before[k]) / row.wall_s, 3) for k in used}
                 rows.append(row)
             return rows
@@ -401,19 +401,12 @@ def bench_mesh(
         args.model_dir, max(concurrencies), args.max_batch_tokens, extra_env, stream_interval,
         num_gateways=num_gateways,
     ) as mesh:  # fmt: skip
-        pids = {name: proc.pid for name, proc in mesh.procs.items()}
         return asyncio.run(main(mesh.gateway_url))
 
 
-def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) each process has used so far, from /proc (Linux); the
-    processes of the client itself under "client"."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {"client": sum(os.times()[:2])}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return out
+def _with_client(seconds: dict[str, float]) -> dict[str, float]:
+    """The mesh's CPU seconds, with this process's (the client's) as "client"."""
+    return {**seconds, "client": sum(os.times()[:2])}
 
 
 # ------------------------------------------------------------- transformers

@@ -5,6 +5,7 @@ service running as its own process (launcher.mesh.Mesh) and a real Redis."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,19 @@ def running_mesh(
         yield mesh
     finally:
         mesh.stop()
+
+
+def cpu_seconds(mesh: Mesh) -> dict[str, float]:
+    """CPU time (user + system) used so far by each of the mesh's processes (Linux /proc;
+    {} elsewhere)."""
+    result: dict[str, float] = {}
+    for name, proc in mesh.procs.items():
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return result
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from typing import Any
 import grpc
 
 from bench.host import host_info
+from bench.mesh_client import cpu_seconds
 from bench.routing_client import (
     MODEL_NAME,
     Mesh,
@@ -148,18 +149,6 @@ def start_mesh(config: BenchConfig, policy: str, log_dir: Path) -> launcher.Mesh
 def metrics_port(mesh: launcher.Mesh) -> int:
     """The scheduler's Prometheus port."""
     return dict(mesh.config.metrics_ports)["scheduler"]
-
-
-def cpu_seconds(mesh: launcher.Mesh) -> dict[str, float]:
-    """CPU time (user + system) used so far by each process (Linux /proc; {} elsewhere)."""
-    result: dict[str, float] = {}
-    for name, proc in mesh.procs.items():
-        try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return result
 
 
 def policy_cost(config: BenchConfig, workload: list[Conversation], rounds: int = 3) -> dict[str, float]:
