@@ -518,15 +518,7 @@ def _replay_ms(engine: LLMEngine, cuda: bool) -> float | None:
     graphs = engine.runner.graphs
     if graphs is None or not cuda:
         return None
-    replay = graphs._replays[graphs.buckets[0]]
-    replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(100):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / 100
+    return _cuda_us(graphs._replays[graphs.buckets[0]], 100) / 1000
 
 
 def _host_profile(

@@ -203,7 +203,8 @@ if HAS_TRITON:
         l_s = tl.load(stats_ptr + at * 2 + 1, mask=s_mask, other=0.0)
         m = tl.max(m_s, axis=0)  # finite: a sequence has >= 1 key, in some split
         if HAS_SINKS:  # one extra logit per head, in the denominator only
-            m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            m = tl.maximum(m, sink)
         w = tl.exp(m_s - m)
         part = tl.load(
             part_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
@@ -211,7 +212,7 @@ if HAS_TRITON:
         acc = tl.sum(w[:, None] * part, axis=0)
         denom = tl.sum(w * l_s, axis=0)
         if HAS_SINKS:
-            denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m)
+            denom += tl.exp(sink - m)
         tl.store(
             out_ptr + row * o_stride_b + head * o_stride_h + d,
             (acc / denom).to(out_ptr.dtype.element_ty),
