@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -44,33 +45,24 @@ def lora_state(engine: AsyncLLMEngine) -> worker_pb2.LoraState | None:
     return lora_proto(snap) if snap is not None else None
 
 
+@dataclass(eq=False)
 class DecoderServicer(worker_pb2_grpc.WorkerServicer):
     """Runs generation requests on the worker's engine: `GenerateStream`, the token path
     (many requests per call, batched per engine step, a `GenerateStreamCall` each)."""
 
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        identity: WorkerIdentity,
-        fetcher: EmbeddingFetcher | None = None,
-        stream_interval: int = 1,
-        draining: Callable[[], bool] = lambda: False,
-        kv_importer: KvImporter | None = None,
-        runtime_lora_updating: bool = False,
-    ) -> None:
-        self.engine = engine
-        # Whether LoadLora/UnloadLora may change the adapters (--enable-runtime-lora-updating).
-        self.runtime_lora_updating = runtime_lora_updating
-        self.identity = identity
-        # P/D: requests whose route named a prefill worker pull their prompt KV with it.
-        self.kv_importer = kv_importer
-        # Tokens per sequence gathered into one stream message after the first (vLLM's
-        # --stream-interval): fewer messages on the way to the client.
-        self.stream_interval = stream_interval
-        # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
-        self.fetcher = fetcher
-        self._draining = draining
-        self._calls: set[GenerateStreamCall] = set()
+    engine: AsyncLLMEngine
+    identity: WorkerIdentity
+    # Fetches image embeddings from the encoder cache (None: no encoder cache configured).
+    fetcher: EmbeddingFetcher | None = None
+    # Tokens per sequence gathered into one stream message after the first (vLLM's
+    # --stream-interval): fewer messages on the way to the client.
+    stream_interval: int = 1
+    draining: Callable[[], bool] = lambda: False
+    # P/D: requests whose route named a prefill worker pull their prompt KV with it.
+    kv_importer: KvImporter | None = None
+    # Whether LoadLora/UnloadLora may change the adapters (--enable-runtime-lora-updating).
+    runtime_lora_updating: bool = False
+    _calls: set[GenerateStreamCall] = field(default_factory=set, init=False)
 
     def open_call(self) -> GenerateStreamCall:
         """The state of a new `GenerateStream` call on the engine."""
@@ -81,7 +73,7 @@ class DecoderServicer(worker_pb2_grpc.WorkerServicer):
             self.identity.model,
             self.stream_interval,
             fetch,
-            self._draining,
+            self.draining,
             self.kv_importer,
         )
         self._calls.add(call)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshserve.v1 import common_pb2, worker_pb2
@@ -159,35 +159,26 @@ def request_error(request_id: str, exc: BaseException) -> worker_pb2.RequestErro
     )
 
 
+@dataclass(eq=False)
 class GenerateStreamCall:
     """The requests of one GenerateStream call and the messages it sends."""
 
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        worker_id: str,
-        model: str,
-        stream_interval: int,
-        fetch_mm: FetchMm | None,
-        draining: Callable[[], bool] = lambda: False,
-        kv_importer: KvImporter | None = None,
-    ) -> None:
-        self.engine = engine
-        # P/D: pulls a request's prompt KV from the prefill worker its route named.
-        self._kv_importer = kv_importer
-        self.worker_id = worker_id
-        self.model = model
-        self.stream_interval = stream_interval
-        self._fetch_mm = fetch_mm
-        self._draining = draining
-        self.runs: dict[str, RequestRun] = {}
-        self._ready: dict[str, RequestRun] = {}
-        self._errors: list[worker_pb2.RequestError] = []
-        # Requests whose image embeddings are being fetched (not in the engine yet).
-        self._fetching: set[str] = set()
-        self._wake = asyncio.Event()
-        self._input_done = False
-        self._tasks: set[asyncio.Task[None]] = set()
+    engine: AsyncLLMEngine
+    worker_id: str
+    model: str
+    stream_interval: int
+    fetch_mm: FetchMm | None
+    draining: Callable[[], bool] = lambda: False
+    # P/D: pulls a request's prompt KV from the prefill worker its route named.
+    kv_importer: KvImporter | None = None
+    runs: dict[str, RequestRun] = field(default_factory=dict, init=False)
+    _ready: dict[str, RequestRun] = field(default_factory=dict, init=False)
+    _errors: list[worker_pb2.RequestError] = field(default_factory=list, init=False)
+    # Requests whose image embeddings are being fetched (not in the engine yet).
+    _fetching: set[str] = field(default_factory=set, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _input_done: bool = field(default=False, init=False)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     # -- requests in --------------------------------------------------------------
 
@@ -208,23 +199,23 @@ class GenerateStreamCall:
         """Starts a request, or queues a RequestError for it."""
         try:
             self._validate(request)
-            if self._draining():
+            if self.draining():
                 raise Unavailable(f"worker {self.worker_id} is draining")
-            if request.HasField("kv_source") and self._kv_importer is not None and not request.mm_items:
+            if request.HasField("kv_source") and self.kv_importer is not None and not request.mm_items:
                 self._fetching.add(request.request_id)  # as for images: see below
-                self._spawn(self._add_pd(request, self._kv_importer))
+                self._spawn(self._add_pd(request, self.kv_importer))
                 return
             if not request.mm_items:
                 self._start(request, [])
                 return
-            if self._fetch_mm is None:
+            if self.fetch_mm is None:
                 raise Unavailable(
                     "this decoder worker has no encoder cache (encoder_cache_address), so it cannot take images"
                 )
             # Marked now, not when the task runs: the id is taken, and a half-closed
             # stream must not end before the request has started.
             self._fetching.add(request.request_id)
-            self._spawn(self._add_mm(request, self._fetch_mm))
+            self._spawn(self._add_mm(request, self.fetch_mm))
         except Exception as exc:
             self._fail(request.request_id, exc)
 
@@ -411,7 +402,7 @@ class GenerateStreamCall:
             message = self._collect()
             if message.outputs or message.errors:
                 yield message
-            if not self.runs and not self._fetching and (self._input_done or self._draining()):
+            if not self.runs and not self._fetching and (self._input_done or self.draining()):
                 return
 
     def _collect(self) -> worker_pb2.GenerateStreamResponse:
