@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -37,27 +38,19 @@ ENCODE_TIME = Histogram(
 ITEMS = Counter("meshserve_encoder_items_total", "Multimodal items encoded (vision tower runs per item)")
 
 
+@dataclass(eq=False)
 class EncoderServicer(worker_pb2_grpc.WorkerServicer):
     """Encode of an encoder worker; its load goes out with heartbeats."""
 
-    def __init__(
-        self,
-        encoder: VisionEncoder,
-        thread: TorchThread,
-        cache: EncoderCacheClient,
-        model: str,
-        role: str = "encoder",
-        max_items: int = 64,
-    ) -> None:
-        self.encoder = encoder
-        self.cache = cache
-        self.model = model
-        self.role = role
-        self.max_items = max_items
-        self._thread = thread  # the encoder's model was built on it
-        self._waiting = 0
-        self._running = 0
-        self._finished = 0  # items encoded since start
+    encoder: VisionEncoder
+    thread: TorchThread  # the encoder's model was built on it
+    cache: EncoderCacheClient
+    model: str
+    role: str = "encoder"
+    max_items: int = 64
+    _waiting: int = field(default=0, init=False)
+    _running: int = field(default=0, init=False)
+    _finished: int = field(default=0, init=False)  # items encoded since start
 
     def _inputs(self, request: worker_pb2.EncodeRequest) -> list[EncodeInput]:
         if request.model and request.model != self.model:
@@ -79,7 +72,7 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
         inputs = self._inputs(request)
         self._waiting += 1
         try:
-            stored, seconds = await self._thread.run(self._encode, inputs, time.perf_counter())
+            stored, seconds = await self.thread.run(self._encode, inputs, time.perf_counter())
         except ValueError as exc:
             raise InvalidArgument(str(exc), param="items") from exc
         await asyncio.gather(*(self.cache.put(entry) for entry in stored))
@@ -127,5 +120,5 @@ class EncoderServicer(worker_pb2_grpc.WorkerServicer):
 
     async def close(self) -> None:
         """Stops the encoder thread and closes the cache channel."""
-        self._thread.shutdown()
+        self.thread.shutdown()
         await self.cache.close()

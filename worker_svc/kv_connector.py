@@ -107,23 +107,16 @@ class KVConnector(abc.ABC):
         """Frees the transport's resources."""
 
 
+@dataclass(eq=False)
 class KvImporter:
     """A decode worker's hand-off: KV from a prefill worker into the engine, or None."""
 
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        connector: KVConnector,
-        layout: KvLayout,
-        timeout_s: float,
-        blocks_per_chunk: int = 4,
-    ) -> None:
-        self.engine = engine
-        self.connector = connector
-        self.layout = layout
-        self.timeout_s = timeout_s
-        self.blocks_per_chunk = blocks_per_chunk
-        self._releases: set[asyncio.Task[None]] = set()
+    engine: AsyncLLMEngine
+    connector: KVConnector
+    layout: KvLayout
+    timeout_s: float
+    blocks_per_chunk: int = 4
+    _releases: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     async def fetch(self, source: TransferSource, job: PrefillJob, extra_keys: tuple[str, ...]) -> str | None:
         """The import id the request's prompt KV was imported under, or None (fallback:
