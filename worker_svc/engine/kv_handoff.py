@@ -78,31 +78,24 @@ class _Import:
         return [*self.block_ids, *self.cached.values(), *self.empty]
 
 
+@dataclass(eq=False)
 class KvHandoff:
     """Held transfers and pinned imports of one engine."""
 
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        read_block: Callable[[int], bytes],
-        write_block: Callable[[int, bytes], None],
-        layout: KvLayout,
-        ttl_s: float,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self.block_manager = block_manager
-        self._read_block = read_block
-        self._write_block = write_block
-        # What this engine's blocks hold; a worker names its served model here.
-        self.layout = layout
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.held: dict[str, _Held] = {}
-        self._held_lock = threading.Lock()  # readers and releases of `held`, across threads
-        self.imports: dict[str, _Import] = {}
-        # Prompt tokens per second of recent imports, pull included (fed by the worker's
-        # importer, which times the pull): a decoder reports it for P/D's estimates.
-        self.import_rate = TokenRate()
+    block_manager: BlockManager
+    read_block: Callable[[int], bytes]
+    write_block: Callable[[int, bytes], None]
+    # What this engine's blocks hold; a worker names its served model here.
+    layout: KvLayout
+    ttl_s: float
+    clock: Clock = time.monotonic
+    held: dict[str, _Held] = field(default_factory=dict, init=False)
+    # Readers and releases of `held`, across threads.
+    _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    imports: dict[str, _Import] = field(default_factory=dict, init=False)
+    # Prompt tokens per second of recent imports, pull included (fed by the worker's
+    # importer, which times the pull): a decoder reports it for P/D's estimates.
+    import_rate: TokenRate = field(default_factory=TokenRate, init=False)
 
     # ------------------------------------------------------------ prefill side
     def hold(self, request: Request) -> None:
@@ -149,7 +142,7 @@ class KvHandoff:
         """Blocks ``start .. start+count`` of a transfer being read, with their checksums."""
         payloads = []
         for index in range(start, min(start + count, len(manifest.block_ids))):
-            data = self._read_block(manifest.block_ids[index])
+            data = self.read_block(manifest.block_ids[index])
             payloads.append(KvBlockPayload(index, manifest.block_hashes[index], data, block_checksum(data)))
         return payloads
 
@@ -222,7 +215,7 @@ class KvHandoff:
                 list(token_ids[i * bs : (i + 1) * bs]),
             )
             if fresh:
-                self._write_block(block_id, payload.data)
+                self.write_block(block_id, payload.data)
             pinned.append(block_id)
         return len(pinned)
 
