@@ -171,33 +171,27 @@ class Lease:
     priority: int = 0  # the request's (higher first)
 
 
+@dataclass(eq=False)
 class WorkerRegistry:
     """All known workers, keyed by worker_id."""
 
-    def __init__(
-        self,
-        timeout_s: float,
-        forget_s: float,
-        max_inflight_per_worker: int = 0,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self._timeout_s = timeout_s
-        self._forget_s = forget_s
-        self._max_inflight = max_inflight_per_worker
-        self._clock = clock
-        self._workers: dict[str, WorkerState] = {}
-        self.version = 0  # bumped whenever routability may have changed
+    timeout_s: float
+    forget_s: float
+    max_inflight_per_worker: int = 0
+    clock: Clock = time.monotonic
+    _workers: dict[str, WorkerState] = field(default_factory=dict, init=False)
+    version: int = field(default=0, init=False)  # bumped whenever routability may have changed
 
     def now(self) -> float:
-        return self._clock()
+        return self.clock()
 
     def _capacity(self, spec: WorkerSpec) -> int:
-        return self._max_inflight if self._max_inflight > 0 else max(spec.max_num_seqs, 1)
+        return self.max_inflight_per_worker if self.max_inflight_per_worker > 0 else max(spec.max_num_seqs, 1)
 
     def register(self, spec: WorkerSpec) -> tuple[WorkerState, bool]:
         """Adds or replaces a worker (a restart re-registers); returns (state, is_new)."""
         spec.validate()
-        now = self._clock()
+        now = self.clock()
         state = self._workers.get(spec.worker_id)
         is_new = state is None
         if state is None:
@@ -223,7 +217,7 @@ class WorkerRegistry:
         if revived or state.draining != draining:
             self.version += 1
         state.load = load
-        state.last_seen = self._clock()
+        state.last_seen = self.clock()
         state.healthy = True
         state.draining = draining
         state.external_load = max(load.num_running + load.num_waiting - state.inflight, 0)
@@ -231,8 +225,8 @@ class WorkerRegistry:
 
     def observe_remote(self, spec: WorkerSpec, load: LoadSnapshot, draining: bool, age_s: float) -> bool:
         """Merges an entry another scheduler replica wrote; True when it changed ours."""
-        seen = self._clock() - max(age_s, 0.0)
-        if age_s > self._timeout_s:
+        seen = self.clock() - max(age_s, 0.0)
+        if age_s > self.timeout_s:
             return False
         state = self._workers.get(spec.worker_id)
         if state is not None and state.last_seen >= seen:
@@ -253,15 +247,15 @@ class WorkerRegistry:
 
         Returns (newly unhealthy ids, forgotten ids).
         """
-        now = self._clock()
+        now = self.clock()
         down: list[str] = []
         gone: list[str] = []
         for worker_id, state in list(self._workers.items()):
             silent = now - state.last_seen
-            if silent > self._forget_s and state.inflight == 0:
+            if silent > self.forget_s and state.inflight == 0:
                 del self._workers[worker_id]
                 gone.append(worker_id)
-            elif silent > self._timeout_s and state.healthy:
+            elif silent > self.timeout_s and state.healthy:
                 state.healthy = False
                 down.append(worker_id)
         if down or gone:
@@ -281,7 +275,7 @@ class WorkerRegistry:
         """Keeps a worker out of routing for `penalty_s` after a failed call."""
         state = self._workers.get(worker_id)
         if state is not None:
-            state.suspect_until = self._clock() + penalty_s
+            state.suspect_until = self.clock() + penalty_s
             self.version += 1
 
     def get(self, worker_id: str) -> WorkerState | None:
@@ -298,7 +292,7 @@ class WorkerRegistry:
         """Routable workers for (model, role); suspects only when nothing else is left."""
         excluded = set(exclude)
         routable = [w for w in self.serving(model, role) if w.routable() and w.worker_id not in excluded]
-        now = self._clock()
+        now = self.clock()
         trusted = [w for w in routable if not w.is_suspect(now)]
         return trusted or routable
 
@@ -324,7 +318,7 @@ class WorkerRegistry:
         if adapter:
             state.adapter_inflight[adapter] = state.adapter_inflight.get(adapter, 0) + 1
         state.priority_inflight[priority] = state.priority_inflight.get(priority, 0) + 1
-        return Lease(worker=state, dispatched_at=self._clock(), adapter=adapter, priority=priority)
+        return Lease(worker=state, dispatched_at=self.clock(), adapter=adapter, priority=priority)
 
     def release(self, lease: Lease) -> None:
         state = lease.worker
