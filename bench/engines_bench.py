@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from bench.host import host_info
-from bench.mesh_client import metric_sample, sse_lines
+from bench.mesh_client import cpu_seconds, metric_sample, sse_lines
 from launcher.mesh import Mesh, free_ports_config
 from services.cpus import format_cpus
 from services.ports import free_port
@@ -78,6 +78,16 @@ async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: i
     }
 
 
+def _round(mesh: Mesh, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    """One recorded round, with the CPU seconds each process (and this client) used in it."""
+    before, client = cpu_seconds(mesh), time.process_time()
+    result: dict[str, Any] = asyncio.run(_load(mesh.gateway_url, Path(args.model_dir).name, args, round_no))
+    after = cpu_seconds(mesh)
+    used = {name: round(after[name] - before[name], 2) for name in after.keys() & before.keys()}
+    result["cpu_s"] = {**dict(sorted(used.items())), "client": round(time.process_time() - client, 2)}
+    return result
+
+
 def _start_mesh(
     args: argparse.Namespace, decoders: int, compiled: bool
 ) -> tuple[Mesh, tuple[tuple[str, int], ...]]:
@@ -96,9 +106,7 @@ def _start_mesh(
     return mesh, metrics
 
 
-def _summary(
-    mesh: Mesh, metrics: Sequence[tuple[str, int]], rounds: list[dict[str, float]]
-) -> dict[str, Any]:
+def _summary(mesh: Mesh, metrics: Sequence[tuple[str, int]], rounds: list[dict[str, Any]]) -> dict[str, Any]:
     placement = {
         name: {"cpus": format_cpus(spec.cpus), "threads": spec.env.get("MESHSERVE_NUM_THREADS", "")}
         for name, spec in mesh.specs.items()
@@ -107,7 +115,7 @@ def _summary(
     served = {
         name: metric_sample(port, "meshserve_worker_num_finished") for name, port in metrics
     }  # warm-up included
-    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "cpu_s"}
     return {"placement": placement, "requests_served": served, "rounds": rounds, "median": median}
 
 
@@ -118,10 +126,10 @@ def measure(args: argparse.Namespace, counts: Sequence[int], compiled: bool) -> 
     try:
         for count in counts:
             meshes[count] = _start_mesh(args, count, compiled)
-        rounds: dict[int, list[dict[str, float]]] = {count: [] for count in counts}
+        rounds: dict[int, list[dict[str, Any]]] = {count: [] for count in counts}
         for r in range(args.rounds):
             for count, (mesh, _) in meshes.items():
-                rounds[count].append(asyncio.run(_load(mesh.gateway_url, Path(args.model_dir).name, args, r)))
+                rounds[count].append(_round(mesh, args, r))
                 print(f"round {r}, {count} decoder(s): {json.dumps(rounds[count][-1])}", flush=True)
         return {
             f"{count}_decoders": _summary(mesh, metrics, rounds[count])
