@@ -107,6 +107,12 @@ class SchedulerConfig(ServerConfig):
         "threshold (every one)",
     )
     pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")
+    pd_prefill_decodes: bool = opt(
+        True,
+        "P/D: prefill workers also take whole requests (prefill and decode there) where the "
+        "routing policy ranks them best, as decoders do; false: they only prefill hand-offs "
+        '(docs/design-decisions.md, "P/D: prefill workers also take whole requests")',
+    )
     kv_share_min_tokens: int = opt(
         0,
         "a decoder lacking at least this many leading prompt tokens that another decoder holds "

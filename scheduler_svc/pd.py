@@ -16,6 +16,14 @@ the pull at the decoder's measured import rate. Until no side has measured a rat
 the threshold alone decides. The estimate travels with the route
 (`KvSource.expected_ms`): the decoder abandons a hand-off that runs well past it.
 
+A prefill worker takes whole requests too (``pd_prefill_decodes``, on by default): the
+routing policy may choose it as a request's decoder, as it would a decoder, and it then
+prefills the prompt itself (``on_prefill_worker``). A P/D deployment so keeps every
+engine's capacity for what disaggregation does not pay for, short prompts above all,
+where keeping them on the decoders alone left the prefill worker idle and the decoders
+with twice the colocated load (docs/design-decisions.md, "P/D: prefill workers also take
+whole requests").
+
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
 ``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
 about a second, long before the registry's worker timeout. Requests with images, a LoRA
@@ -57,6 +65,8 @@ class PdDecider:
         model = decoder.spec.model
         if self.min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
             return None  # P/D off, or no prefill worker of the model at all
+        if decoder.spec.role == "prefill":
+            return self._local("on_prefill_worker")  # a whole request there (pd_prefill_decodes)
         if uncached < self.min_prompt_tokens:
             return self._local("short")
         now = registry.now()

@@ -179,6 +179,8 @@ class WorkerRegistry:
     forget_s: float
     max_inflight_per_worker: int = 0
     clock: Clock = time.monotonic
+    # P/D: prefill workers also take whole requests (SchedulerConfig.pd_prefill_decodes).
+    prefill_decodes: bool = False
     _workers: dict[str, WorkerState] = field(default_factory=dict, init=False)
     version: int = field(default=0, init=False)  # bumped whenever routability may have changed
 
@@ -285,8 +287,10 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def serving(self, model: str, role: str) -> list[WorkerState]:
-        """Every registered worker (healthy or not) of `role` serving `model`."""
-        return [w for w in self._workers.values() if w.serves(model) and w.spec.role == role]
+        """Every registered worker (healthy or not) taking `role`'s requests for `model`: the
+        workers of that role, and for decoding the prefill workers too when `prefill_decodes`."""
+        roles = (role, "prefill") if role == "decoder" and self.prefill_decodes else (role,)
+        return [w for w in self._workers.values() if w.serves(model) and w.spec.role in roles]
 
     def candidates(self, model: str, role: str, exclude: Iterable[str] = ()) -> list[WorkerState]:
         """Routable workers for (model, role); suspects only when nothing else is left."""

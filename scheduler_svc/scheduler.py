@@ -43,7 +43,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.registry = WorkerRegistry(
-            config.worker_timeout_s, config.worker_forget_s, config.max_inflight_per_worker, clock
+            config.worker_timeout_s,
+            config.worker_forget_s,
+            config.max_inflight_per_worker,
+            clock,
+            prefill_decodes=config.pd_prefill_decodes,
         )
         self.index = PrefixIndex(config.speculative_ttl_s, clock=clock)
         self.policy = make_policy(config.routing_policy, self.index, PrefixWeights.of(config))
@@ -89,7 +93,7 @@ class Scheduler:
 
     def register(self, spec: WorkerSpec) -> None:
         """RegisterWorker: adds/replaces the worker and (re)loads its prefix index entries."""
-        if spec.role == "decoder" and spec.block_size != self.config.block_size:
+        if spec.role in ("decoder", "prefill") and spec.block_size != self.config.block_size:
             log.warning(
                 "worker %s uses block_size %d (scheduler default %d); hashing per worker",
                 spec.worker_id,

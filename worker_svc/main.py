@@ -76,10 +76,10 @@ async def _start_decoder(
     # Its KV layout names the served model, so only workers of that model pair up (P/D).
     engine.engine.kv.layout = engine.engine.kv_layout(identity.model)
     fetcher = _embedding_fetcher(config, identity, engine)
-    importer = None
-    if config.role == "decoder":
-        connector = GrpcKvConnector(config.max_message_bytes)
-        importer = KvImporter(engine, connector, engine.engine.kv.layout, config.kv_transfer_timeout_s)
+    # Decoders pull hand-offs and shared prefixes; so does a prefill worker taking whole
+    # requests (the scheduler's pd_prefill_decodes).
+    connector = GrpcKvConnector(config.max_message_bytes)
+    importer = KvImporter(engine, connector, engine.engine.kv.layout, config.kv_transfer_timeout_s)
     servicer = DecoderServicer(
         engine,
         identity,

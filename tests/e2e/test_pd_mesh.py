@@ -52,6 +52,7 @@ def pd(
         extra_env=(
             ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(PD_MIN)),
             ("MESHSERVE_PD_DECISION", "threshold"),  # the hand-off path under test, every time
+            ("MESHSERVE_PD_PREFILL_DECODES", "false"),  # and never a whole request on prefill-0
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),
             ("MESHSERVE_NUM_THREADS", "1"),
         ),

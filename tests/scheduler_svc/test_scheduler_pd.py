@@ -26,10 +26,14 @@ OTHER = kv_transfer_pb2.KvLayout(
     model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4
 )
 LONG = list(range(10, 30))  # 20 tokens: 4 full blocks of 4 the decoder can cache
+# Every test but the last turns pd_prefill_decodes off: a prefill worker then only ever
+# prefills hand-offs, the paths they test.
 
 
 async def pd_mesh(start_scheduler: Any, start_worker: Any, **prefill_kwargs: Any) -> RunningScheduler:
-    sched = await start_scheduler(pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30)
+    sched = await start_scheduler(
+        pd_prefill_decodes=False, pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30
+    )
     await start_worker("d1", sched, kv_layout=LAYOUT)
     await start_worker(
         "p1", sched, role="prefill", kv_layout=prefill_kwargs.pop("layout", LAYOUT), **prefill_kwargs
@@ -85,7 +89,7 @@ async def test_incompatible_or_missing_prefill_worker_means_no_hand_off(
     route = await sched.route(LONG)
     assert not route.HasField("kv_source"), "a bf16 prefill worker never serves a float32 decoder"
     await sched.release(route.lease_id)
-    off = await start_scheduler(lease_ttl_s=30, pd_min_prompt_tokens=0)  # P/D off
+    off = await start_scheduler(lease_ttl_s=30, pd_prefill_decodes=False, pd_min_prompt_tokens=0)  # P/D off
     await start_worker("d2", off, kv_layout=LAYOUT)
     await start_worker("p3", off, role="prefill", kv_layout=LAYOUT)
     plain = await off.route(LONG)
@@ -93,7 +97,9 @@ async def test_incompatible_or_missing_prefill_worker_means_no_hand_off(
 
 
 async def test_prefill_worker_down_ends_only_its_lease(start_scheduler: Any, start_worker: Any) -> None:
-    sched = await start_scheduler(pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30)
+    sched = await start_scheduler(
+        pd_prefill_decodes=False, pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30
+    )
     await start_worker("d1", sched, kv_layout=LAYOUT)
     prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
     route = await sched.route(LONG)
@@ -134,10 +140,17 @@ async def _report(*workers_and_loads: tuple[Any, dict[str, float]]) -> None:
         await worker.wait_beats(2)
 
 
-async def _measured_pd_mesh(start_scheduler: Any, start_worker: Any) -> tuple[RunningScheduler, Any, Any]:
-    """A decoder and a prefill worker heartbeating every 100 ms (their reports set by the test)."""
+async def _measured_pd_mesh(
+    start_scheduler: Any, start_worker: Any, strict: bool = True
+) -> tuple[RunningScheduler, Any, Any]:
+    """A decoder and a prefill worker heartbeating every 100 ms (their reports set by the
+    test); `strict`: the prefill worker takes hand-offs only."""
     sched = await start_scheduler(
-        pd_min_prompt_tokens=12, lease_ttl_s=30, lease_grace_s=30, heartbeat_interval_ms=100
+        pd_prefill_decodes=not strict,
+        pd_min_prompt_tokens=12,
+        lease_ttl_s=30,
+        lease_grace_s=30,
+        heartbeat_interval_ms=100,
     )
     decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
     prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
@@ -185,7 +198,9 @@ async def test_hand_off_unless_expected_much_slower_than_a_local_prefill(
 async def test_threshold_decision_hands_off_every_long_prompt(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    sched = await start_scheduler(pd_min_prompt_tokens=12, pd_decision="threshold", lease_ttl_s=30)
+    sched = await start_scheduler(
+        pd_prefill_decodes=False, pd_min_prompt_tokens=12, pd_decision="threshold", lease_ttl_s=30
+    )
     decoder = await start_worker("d1", sched, kv_layout=LAYOUT)
     prefill = await start_worker("p1", sched, role="prefill", kv_layout=LAYOUT)
     rate = {"prefill_tokens_per_s": 1000.0}
@@ -203,6 +218,7 @@ async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(
     of long prompts spreads over both instead of all going to the prefill worker (after
     three hand-offs its queue is more than 50 % longer than the decoder's)."""
     sched = await start_scheduler(
+        pd_prefill_decodes=False,
         pd_min_prompt_tokens=12,
         lease_ttl_s=30,
         lease_grace_s=30,
@@ -274,3 +290,25 @@ async def test_a_decoder_pulls_the_prefix_another_decoder_holds(
         held = await other.route(LONG)
         assert not (await other.route(LONG)).HasField("kv_source")
         await other.release(held.lease_id)
+
+
+async def test_a_prefill_worker_takes_whole_requests_where_the_policy_ranks_it_best(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """pd_prefill_decodes (the default): with the decoder busier, a long and a short
+    prompt both run whole on the idle prefill worker (no hand-off, counted
+    `on_prefill_worker`); with the prefill worker the busier one, a long prompt goes to the
+    decoder and is handed off to it as before."""
+    sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
+    await _report((decoder, {"num_waiting": 6}), (prefill, {}))
+    whole = _decisions("on_prefill_worker")
+    long, short = await sched.route(LONG), await sched.route(list(range(40, 48)))
+    assert (long.worker_id, short.worker_id) == ("p1", "p1")
+    assert not long.HasField("kv_source") and not short.HasField("kv_source")
+    assert _decisions("on_prefill_worker") == whole + 2
+    await _report((decoder, {}), (prefill, {"num_waiting": 6}))
+    handed = await sched.route(list(range(70, 90)))
+    assert handed.worker_id == "d1" and handed.kv_source.worker_id == "p1"
+    for route in (long, short, handed):
+        await sched.release(route.lease_id)
+    assert sched.lease_ids() == set()
