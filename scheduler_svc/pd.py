@@ -16,13 +16,16 @@ the pull at the decoder's measured import rate. Until no side has measured a rat
 the threshold alone decides. The estimate travels with the route
 (`KvSource.expected_ms`): the decoder abandons a hand-off that runs well past it.
 
-A prefill worker takes whole requests too (``pd_prefill_decodes``, on by default): the
-routing policy may choose it as a request's decoder, as it would a decoder, and it then
-prefills the prompt itself (``on_prefill_worker``). A P/D deployment so keeps every
-engine's capacity for what disaggregation does not pay for, short prompts above all,
-where keeping them on the decoders alone left the prefill worker idle and the decoders
-with twice the colocated load (docs/design-decisions.md, "P/D: prefill workers also take
-whole requests").
+A prefill worker takes whole requests too (``pd_prefill_decodes``, on by default): for a
+prompt too short to be handed off (or one whose KV cannot move) the routing policy ranks
+it with the decoders, and one chosen prefills the prompt itself and decodes it
+(``on_prefill_worker``). A P/D deployment so keeps every engine's capacity for what
+disaggregation does not pay for, where keeping short prompts on the decoders alone left
+the prefill worker idle and the decoders with twice the colocated load. A prompt long
+enough for a hand-off still goes to a decoder (a prefill worker only when no decoder can
+take it), and this rule weighs the queued prompt tokens on both sides, which the policy's
+request counts do not (docs/design-decisions.md, "P/D: prefill workers also take whole
+requests").
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
 ``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
@@ -58,6 +61,11 @@ class PdDecider:
     margin: float = 0.5
     silent_after_s: float = 1.5
     estimate: bool = True  # False: the threshold decision
+
+    def may_hand_off(self, prompt_tokens: int) -> bool:
+        """Whether a text prompt of ``prompt_tokens`` is long enough for a hand-off (with
+        nothing of it cached): it then runs on a decoder, not whole on a prefill worker."""
+        return 0 < self.min_prompt_tokens <= prompt_tokens
 
     def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s

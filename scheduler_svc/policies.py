@@ -52,6 +52,9 @@ class RoutingRequest:
     adapter: str = ""
     # Longest wait in the admission queue (its priority class); None: the scheduler's.
     queue_timeout_s: float | None = None
+    # A prompt P/D may hand off: it runs on a decoder, whole on a prefill worker only when
+    # no decoder can take it (pd.py).
+    decoders_only: bool = False
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[int]:

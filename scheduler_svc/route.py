@@ -167,6 +167,9 @@ class Router:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         routing = routing_request(request, self.scheduler.registry.is_adapter(request.model))
+        routing.decoders_only = self.pd.may_hand_off(len(request.prompt_token_ids)) and self._kv_may_move(
+            request, list(request.mm_items)
+        )
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing

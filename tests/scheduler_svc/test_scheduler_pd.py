@@ -292,23 +292,24 @@ async def test_a_decoder_pulls_the_prefix_another_decoder_holds(
         await other.release(held.lease_id)
 
 
-async def test_a_prefill_worker_takes_whole_requests_where_the_policy_ranks_it_best(
+async def test_a_prefill_worker_takes_whole_the_short_requests_the_policy_ranks_it_best_for(
     start_scheduler: Any, start_worker: Any
 ) -> None:
-    """pd_prefill_decodes (the default): with the decoder busier, a long and a short
-    prompt both run whole on the idle prefill worker (no hand-off, counted
-    `on_prefill_worker`); with the prefill worker the busier one, a long prompt goes to the
-    decoder and is handed off to it as before."""
+    """pd_prefill_decodes (the default): with the decoder busier, a short prompt runs
+    whole on the idle prefill worker (no hand-off, counted `on_prefill_worker`), while a prompt long enough for a hand-off still goes to the
+    decoder and is handed off to the prefill worker; with the prefill worker the busier,
+    short prompts go to the decoder."""
     sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
     await _report((decoder, {"num_waiting": 6}), (prefill, {}))
     whole = _decisions("on_prefill_worker")
-    long, short = await sched.route(LONG), await sched.route(list(range(40, 48)))
-    assert (long.worker_id, short.worker_id) == ("p1", "p1")
-    assert not long.HasField("kv_source") and not short.HasField("kv_source")
-    assert _decisions("on_prefill_worker") == whole + 2
+    short = await sched.route(list(range(40, 48)))
+    assert short.worker_id == "p1" and not short.HasField("kv_source")
+    assert _decisions("on_prefill_worker") == whole + 1
+    long = await sched.route(LONG)
+    assert long.worker_id == "d1" and long.kv_source.worker_id == "p1"
     await _report((decoder, {}), (prefill, {"num_waiting": 6}))
-    handed = await sched.route(list(range(70, 90)))
-    assert handed.worker_id == "d1" and handed.kv_source.worker_id == "p1"
-    for route in (long, short, handed):
+    local = await sched.route(list(range(70, 78)))
+    assert local.worker_id == "d1"
+    for route in (short, long, local):
         await sched.release(route.lease_id)
     assert sched.lease_ids() == set()
