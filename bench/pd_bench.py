@@ -29,10 +29,11 @@ one long prompt (``--long-prompt`` random token ids, ``--long-tokens`` output) s
 every so many seconds. Every prompt is fresh random ids with a round-unique cache salt,
 so no prefix cache helps either mode. Reported per load, mode and round: the chats' TTFT
 and inter-token latency (gap between streamed chunks) p50/p99, the long prompts' TTFT
-p50/p99, output tokens/s, requests completed and failed, and the round's wall time; then
-the median of the rounds, decoder-0's hand-offs by outcome and the scheduler's P/D
-decisions. The JSON (``--out``) records the command, the host and commit, and each
-worker's engine start-up line (its effective configuration).
+p50/p99 and each one's send time and TTFT (``longs``), output tokens/s, requests
+completed and failed, and the round's wall time; then the median of the rounds,
+decoder-0's hand-offs by outcome and the scheduler's P/D decisions. The JSON (``--out``)
+records the command, the host and commit, and each worker's engine start-up line (its
+effective configuration).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Result:
     ttft: float
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
+    sent_s: float = 0.0  # when it was sent, seconds into its round
 
 
 def start_mesh(config: BenchConfig, mode: str) -> Mesh:
@@ -161,16 +163,21 @@ async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, 
     results: list[Result] = []
     failed = 0
     stop_at = time.monotonic() + config.duration_s
+    started = time.perf_counter()
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]
 
     async def send(kind: str, n: int, out: int) -> None:
         nonlocal failed
+        sent_s = time.perf_counter() - started
         try:
-            results.append(await stream(client, base_url, completion_body(model, prompt(n), out, salt), kind))
+            result = await stream(client, base_url, completion_body(model, prompt(n), out, salt), kind)
         except (httpx.HTTPError, RuntimeError):
             failed += 1
+            return
+        result.sent_s = sent_s
+        results.append(result)
 
     async def chat_loop() -> None:
         while time.monotonic() < stop_at:
@@ -185,7 +192,6 @@ async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, 
 
     limits = httpx.Limits(max_connections=config.chats + 64)
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        started = time.perf_counter()
         await asyncio.gather(long_arrivals(), *(chat_loop() for _ in range(config.chats)))
         elapsed = time.perf_counter() - started
     return summarize(results, failed, elapsed)
@@ -206,6 +212,8 @@ def summarize(results: list[Result], failed: int, elapsed: float) -> dict[str, A
         "chat_ttft_ms": {"p50": pct([r.ttft for r in chats], 0.5), "p99": pct([r.ttft for r in chats], 0.99)},
         "chat_itl_ms": {"p50": pct(itls, 0.5), "p99": pct(itls, 0.99)},
         "long_ttft_ms": {"p50": pct([r.ttft for r in longs], 0.5), "p99": pct([r.ttft for r in longs], 0.99)},
+        # Each long prompt's [sent at (s into the round), TTFT (ms)]: which ones set the p99.
+        "longs": sorted([round(r.sent_s, 2), round(r.ttft * 1000)] for r in longs),
         "output_tok_s": sum(r.tokens for r in results) / elapsed,
         "completed": {"chat": len(chats), "long": len(longs)},
         "failed": failed,
@@ -214,11 +222,12 @@ def summarize(results: list[Result], failed: int, elapsed: float) -> dict[str, A
 
 
 def median_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The median of every number over the rounds (same shape as one round)."""
+    """The median of every number over the rounds (same shape as one round, without the
+    per-request lists: those stay in the rounds)."""
 
     def merge(values: list[Any]) -> Any:
         if isinstance(values[0], dict):
-            return {k: merge([v[k] for v in values]) for k in values[0]}
+            return {k: merge([v[k] for v in values]) for k in values[0] if not isinstance(values[0][k], list)}
         return statistics.median(values)
 
     return dict(merge(rounds))
