@@ -390,9 +390,9 @@ def bench_mesh(
             system += f"_g{num_gateways}" if num_gateways > 1 else ""
             for c in concurrencies:
                 fn = gateway_generate_fn(client, base_url, name, f"{system}-c{c}")
-                before = _with_client(cpu_seconds(mesh))
+                before = cpu_seconds(mesh, client=True)
                 row, _ = await run_generate_workload(fn, workload, c, system)
-                used = _with_client(cpu_seconds(mesh))
+                used = cpu_seconds(mesh, client=True)
                 row.process_cores = {k: round((used[k] - before[k]) / row.wall_s, 3) for k in used}
                 rows.append(row)
             return rows
@@ -402,11 +402,6 @@ def bench_mesh(
         num_gateways=num_gateways,
     ) as mesh:  # fmt: skip
         return asyncio.run(main(mesh.gateway_url))
-
-
-def _with_client(seconds: dict[str, float]) -> dict[str, float]:
-    """The mesh's CPU seconds, with this process's (the client's) as "client"."""
-    return {**seconds, "client": sum(os.times()[:2])}
 
 
 # ------------------------------------------------------------- transformers

@@ -80,11 +80,12 @@ async def _load(base_url: str, model: str, args: argparse.Namespace, round_no: i
 
 def _round(mesh: Mesh, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     """One recorded round, with the CPU seconds each process (and this client) used in it."""
-    before, client = cpu_seconds(mesh), time.process_time()
+    before = cpu_seconds(mesh, client=True)
     result: dict[str, Any] = asyncio.run(_load(mesh.gateway_url, Path(args.model_dir).name, args, round_no))
-    after = cpu_seconds(mesh)
-    used = {name: round(after[name] - before[name], 2) for name in after.keys() & before.keys()}
-    result["cpu_s"] = {**dict(sorted(used.items())), "client": round(time.process_time() - client, 2)}
+    after = cpu_seconds(mesh, client=True)
+    result["cpu_s"] = {
+        name: round(after[name] - before[name], 2) for name in sorted(after.keys() & before.keys())
+    }
     return result
 
 

@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import aiohttp
 
 from bench.host import host_info
 from bench.lora_bench import DEFAULT_MODEL, Result, one_request, prompts_for, summary
-from bench.mesh_client import engine_lines, model_name
+from bench.mesh_client import engine_lines, median_of, model_name
 from launcher.mesh import Mesh, free_ports_config
 
 KEYS = ("interactive", "batch", "tenant-a", "tenant-b", "capped")
@@ -237,20 +236,6 @@ def _engine_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     if args.priority_step_ratio is None:
         return ()
     return (("MESHSERVE_PRIORITY_STEP_RATIO", str(args.priority_step_ratio)),)
-
-
-def median_of(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per key, the median over ``records`` of each number (nested dicts likewise); other
-    values as the first record has them."""
-    out: dict[str, Any] = {}
-    for key, value in records[0].items():
-        if isinstance(value, dict):
-            out[key] = median_of([r[key] for r in records])
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in records)
-        else:
-            out[key] = value
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

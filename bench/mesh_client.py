@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -48,9 +49,9 @@ def running_mesh(
         mesh.stop()
 
 
-def cpu_seconds(mesh: Mesh) -> dict[str, float]:
+def cpu_seconds(mesh: Mesh, client: bool = False) -> dict[str, float]:
     """CPU time (user + system) used so far by each of the mesh's processes (Linux /proc;
-    {} elsewhere)."""
+    {} elsewhere); with `client`, this process's (the bench's client) as "client"."""
     result: dict[str, float] = {}
     for name, proc in mesh.procs.items():
         try:
@@ -58,7 +59,24 @@ def cpu_seconds(mesh: Mesh) -> dict[str, float]:
         except OSError:
             continue
         result[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if client:
+        result["client"] = sum(os.times()[:2])
     return result
+
+
+def median_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over `records` (a bench's rounds) of each number, nested dicts
+    likewise; lists (per-request figures) are left out, other values taken from the first
+    record."""
+    out: dict[str, Any] = {}
+    for key, value in records[0].items():
+        if isinstance(value, dict):
+            out[key] = median_of([r[key] for r in records])
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in records)
+        elif not isinstance(value, list):
+            out[key] = value
+    return out
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:

@@ -44,7 +44,6 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import host_info
-from bench.mesh_client import completion_body, engine_lines, free_ports_config
+from bench.mesh_client import completion_body, engine_lines, free_ports_config, median_of
 from launcher.mesh import Mesh
 from services.ports import free_port
 
@@ -221,18 +220,6 @@ def summarize(results: list[Result], failed: int, elapsed: float) -> dict[str, A
     }
 
 
-def median_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The median of every number over the rounds (same shape as one round, without the
-    per-request lists: those stay in the rounds)."""
-
-    def merge(values: list[Any]) -> Any:
-        if isinstance(values[0], dict):
-            return {k: merge([v[k] for v in values]) for k in values[0] if not isinstance(values[0][k], list)}
-        return statistics.median(values)
-
-    return dict(merge(rounds))
-
-
 def vocab_size(model_dir: str) -> int:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = config.get("text_config", config)
@@ -263,7 +250,7 @@ def run_loads(config: BenchConfig) -> dict[str, Any]:
             results[load] = {
                 mode: {
                     "rounds": rounds[mode],
-                    "median": median_summary(rounds[mode]),
+                    "median": median_of(rounds[mode]),
                     "counters": difference(counters(mesh), before[mode]),
                 }
                 for mode, mesh in meshes.items()

@@ -1,8 +1,9 @@
-"""bench/flow_bench.py's rounds: each figure the median over rounds, nested figures too."""
+"""The benches' rounds (bench.mesh_client.median_of): each figure the median over rounds,
+nested figures too, per-request lists left to the rounds."""
 
 from __future__ import annotations
 
-from bench.flow_bench import median_of
+from bench.mesh_client import median_of
 
 
 def test_each_figure_is_its_median_over_the_rounds() -> None:
@@ -10,6 +11,7 @@ def test_each_figure_is_its_median_over_the_rounds() -> None:
         {
             "alone": {"ttft_p99_ms": 200.0, "requests": 24},
             "beside_flood": {"interactive": {"ttft_p99_ms": 900.0}},
+            "longs": [[0.0, 900.0]],
         },
         {
             "alone": {"ttft_p99_ms": 180.0, "requests": 24},

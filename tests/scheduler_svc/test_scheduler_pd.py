@@ -296,9 +296,9 @@ async def test_a_prefill_worker_takes_whole_the_short_requests_the_policy_ranks_
     start_scheduler: Any, start_worker: Any
 ) -> None:
     """pd_prefill_decodes (the default): with the decoder busier, a short prompt runs
-    whole on the idle prefill worker (no hand-off, counted `on_prefill_worker`), while a prompt long enough for a hand-off still goes to the
-    decoder and is handed off to the prefill worker; with the prefill worker the busier,
-    short prompts go to the decoder."""
+    whole on the idle prefill worker (no hand-off, counted `on_prefill_worker`), while a
+    prompt long enough for a hand-off still goes to the decoder and is handed off to the
+    prefill worker; with the prefill worker the busier, short prompts go to the decoder."""
     sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
     await _report((decoder, {"num_waiting": 6}), (prefill, {}))
     whole = _decisions("on_prefill_worker")
