@@ -37,12 +37,15 @@ Domain code: no grpc.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from scheduler_svc import metrics
 from scheduler_svc.registry import WorkerRegistry, WorkerState
 
 __all__ = ["Handoff", "PdDecider"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,21 @@ class PdDecider:
         # The margin is a share of this prompt's own prefill, not of the queues: behind
         # long queues a share of them would let the prefill worker's grow that much longer.
         slower = remote is not None and local is not None and remote > local + self.margin * uncached / rate
+        log.debug(
+            "P/D %d tokens: hand-off to %s %s s (queued %d + %d at %.0f tok/s), local on %s %s s"
+            " (queued %d + %d at %.0f tok/s)",
+            uncached,
+            worker.worker_id,
+            _fmt(remote),
+            worker.load.queued_prompt_tokens,
+            worker.routed_prompt_tokens,
+            _rate(worker, decoder),
+            decoder.worker_id,
+            _fmt(local),
+            decoder.load.queued_prompt_tokens,
+            decoder.routed_prompt_tokens,
+            rate,
+        )
         if self.estimate and slower:
             return self._local("local_faster")
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
@@ -108,6 +126,10 @@ class PdDecider:
     def _local(reason: str) -> None:
         metrics.PD_DECISIONS.labels(decision=reason).inc()
         return None
+
+
+def _fmt(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.2f}"
 
 
 def _rate(worker: WorkerState, other: WorkerState) -> float:

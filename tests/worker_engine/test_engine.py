@@ -60,6 +60,39 @@ def test_prompt_that_fits_a_later_step_is_not_split(make_engine: Factory) -> Non
         engine.step()
 
 
+def test_short_prompts_and_decodes_run_beside_a_long_prompts_chunks(make_engine: Factory) -> None:
+    """A long prompt in chunked prefill neither stalls the decodes admitted after it nor
+    keeps a short prompt next in line waiting until its last chunk: the short prompt
+    starts in the next step and decodes in every step after, the long prompt's chunks
+    taking what is left; every answer equals the engine's with each request alone."""
+    engine = make_engine(max_num_batched_tokens=32)
+    long_prompt, short_prompt = prompts(200, 7, seed=31)
+    alone = {
+        rid: tokens(run_all(make_engine(), [(rid, p, GREEDY)])[rid])
+        for rid, p in (("long", long_prompt), ("short", short_prompt))
+    }
+    outs: dict[str, list[int]] = {"long": [], "short": []}
+
+    def step() -> None:
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+
+    engine.add_request(RequestSpec("long", long_prompt, GREEDY))
+    step()
+    assert engine.requests["long"].num_computed_tokens == 32
+    engine.add_request(RequestSpec("short", short_prompt, GREEDY))
+    step()  # the short prompt whole (7 <= 32 / 4), the long one's chunk what is left
+    assert engine.requests["short"].num_computed_tokens == 7
+    assert engine.requests["long"].num_computed_tokens == 32 + 25
+    for _ in range(3):
+        step()  # the short one's decode, then the long one's chunk
+        assert engine.requests["long"].num_computed_tokens < 200
+    assert len(outs["short"]) == 4
+    while engine.has_unfinished():
+        step()
+    assert outs == alone
+
+
 def test_prefix_reuse(make_engine: Factory) -> None:
     shared = prompts(40, seed=5)[0]
     first = [*shared, 7, 8, 9]

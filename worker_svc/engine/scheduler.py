@@ -1,8 +1,10 @@
 """Token-budget scheduler: one loop per step, prefill and decode mixed (vLLM v1 style).
 
 Each step has a budget of ``max_num_batched_tokens``. Running requests are served
-first, in admission order: a decode needs 1 token, a request in chunked prefill needs
-the rest of its prompt (capped by the remaining budget). Then waiting requests are
+first, in admission order, their decodes before their chunks: a decode needs 1 token, a
+request in chunked prefill needs the rest of its prompt (capped by the remaining budget;
+decodes first, so that a long prompt's chunks never stall the streams admitted after
+it). Then waiting requests are
 admitted by (priority desc, arrival) while budget, ``max_num_seqs`` and free blocks
 allow.
 
@@ -45,6 +47,14 @@ what the highest priority's rows alone would take. A flood of lower priority the
 an interactive request a short step, not a full batch, at each of its tokens and before
 its first (docs/design-decisions.md, "Lower priorities' share of a step").
 
+Short prompts do not wait behind a long one's chunks: a prompt in chunked prefill
+leaves room in each step for the waiting requests next in line (of its priority or
+above) whose uncached prompts fit whole in ``1 / SHORT_PROMPT_SHARE`` of the step budget
+together -- a chat, or a handed-off prompt whose KV was imported and needs a few tokens.
+They start in the same step rather than after the long prompt's last chunk; the long
+prompt's prefill takes at most that share longer (vLLM's ``long_prefill_token_threshold``
+serves the same end; docs/design-decisions.md, "Short prompts beside a long prefill").
+
 LoRA: the running requests use at most ``max_loras`` adapters (the model runner's
 resident slots). A waiting request whose adapter would be one too many is skipped, not
 blocked on: requests behind it (base model, or an adapter already running) go first.
@@ -67,6 +77,8 @@ __all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "SchedulerOutput", "StepSche
 
 # Preemptions after which a running request is no longer displaced by higher priority.
 MAX_DISPLACEMENTS = 2
+# Short prompts next in line may take up to 1/this of a step beside a chunked prefill.
+SHORT_PROMPT_SHARE = 4
 
 
 @dataclass
@@ -103,6 +115,11 @@ class SchedulerOutput:
 
 def _waiting_key(request: Request) -> tuple[int, int]:
     return (-request.priority, request.arrival_seq)
+
+
+def _in_prefill(request: Request) -> bool:
+    """Whether ``request`` computes more than one token next: a chunk, not a decode."""
+    return request.num_tokens - request.num_computed_tokens > 1
 
 
 class StepScheduler:
@@ -166,24 +183,47 @@ class StepScheduler:
         out = SchedulerOutput()
         top = self._capped_below() if floor is None else None
         share = None
+        short = self._short_waiting(floor)
         if top is None:
-            budget = self._schedule_running(out, list(self.running), self.max_num_batched_tokens, floor)
+            budget = self._schedule_running(
+                out, list(self.running), self.max_num_batched_tokens, floor, short
+            )
         else:
-            budget, share = self._schedule_capped(out, top)
+            budget, share = self._schedule_capped(out, top, short)
         if not out.preempted:
             self._schedule_waiting(out, budget, floor, top, share)
         return out
 
-    def _schedule_capped(self, out: SchedulerOutput, top: int) -> tuple[int, Share | None]:
+    def _schedule_capped(
+        self, out: SchedulerOutput, top: int, short: list[tuple[int, int]]
+    ) -> tuple[int, Share | None]:
         """Running requests of priority ``top`` first, then those below it within their
         share, those that sat out longest first (module docstring); the budget left and
         the share left (None: no step cost known yet, no cap)."""
         protected = [r for r in self.running if r.priority >= top]
-        budget = self._schedule_running(out, protected, self.max_num_batched_tokens, None)
+        budget = self._schedule_running(out, protected, self.max_num_batched_tokens, None, short)
         assert self.lower_share is not None  # _capped_below checked it
         share = self.lower_share(len(out.scheduled), self.max_num_batched_tokens - budget)
         lower = sorted((r for r in self.running if r.priority < top), key=lambda r: r.last_step)
-        return self._schedule_running(out, lower, budget, None, share), share
+        return self._schedule_running(out, lower, budget, None, short, share), share
+
+    def _short_waiting(self, floor: int | None) -> list[tuple[int, int]]:
+        """(priority, uncached prompt tokens) of the waiting requests next in line whose
+        prompts fit whole in the short prompts' share of a step together (module
+        docstring): a chunked prefill leaves them room."""
+        limit = self.max_num_batched_tokens // SHORT_PROMPT_SHARE
+        slots = self.max_num_seqs - len(self.running)
+        short: list[tuple[int, int]] = []
+        total = 0
+        for request in self.waiting[: max(slots, 0)]:
+            if floor is not None and request.priority < floor:
+                break
+            needed = max(request.num_tokens - self.block_manager.num_cached_prefix_tokens(request), 1)
+            total += needed
+            if total > limit:
+                break
+            short.append((request.priority, needed))
+        return short
 
     def _capped_below(self) -> int | None:
         """The highest running priority when some running request has a lower one and a
@@ -235,20 +275,25 @@ class StepScheduler:
         requests: list[Request],
         budget: int,
         floor: int | None,
+        short: list[tuple[int, int]],
         share: Share | None = None,
     ) -> int:
-        """Schedules running ``requests`` in order within ``budget`` (and ``share``, until a
-        row no longer fits it); what is left of the budget."""
-        # ``requests`` is a snapshot: preemption removes requests from self.running.
-        for request in requests:
+        """Schedules running ``requests`` in order, decodes before chunks, within ``budget``
+        (and ``share``, until a row no longer fits it), a chunk leaving room for the
+        ``short`` waiting prompts of its priority or above; what is left of the budget."""
+        # A snapshot (preemption removes requests from self.running); the sort is stable.
+        for request in sorted(requests, key=_in_prefill):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             if floor is not None and request.priority < floor:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # defensive: nothing to compute (cannot happen in normal flow)
+            room = budget
+            if _in_prefill(request):  # a chunk
+                room -= sum(tokens for priority, tokens in short if priority >= request.priority)
+            num_new = min(request.num_tokens - request.num_computed_tokens, room)
+            if num_new <= 0:  # nothing to compute, or the step's room is the short prompts'
                 continue
             if share is not None:
                 num_new = share.take(num_new)
