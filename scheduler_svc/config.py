@@ -106,11 +106,14 @@ class SchedulerConfig(ServerConfig):
         "--pd-handoff-margin times the prompt's own prefill there) or "
         "threshold (every one)",
     )
-    pd_handoff_margin: float = opt(0.5, "P/D: see --pd-decision")
+    pd_handoff_margin: float = opt(
+        0.5, "P/D: see --pd-decision; applies only with --pd-prefill-decodes off (scheduler_svc/pd.py)"
+    )
     pd_prefill_decodes: bool = opt(
         True,
-        "P/D: prefill workers also take whole requests (prefill and decode there) where the "
-        "routing policy ranks them best, as decoders do; false: they only prefill hand-offs "
+        "P/D: prefill workers also take whole requests (prefill and decode there): short ones "
+        "where the routing policy ranks them best, as decoders do, long ones where they would "
+        "compute them soonest; false: they only prefill hand-offs "
         '(docs/design-decisions.md, "P/D: prefill workers also take whole requests")',
     )
     kv_share_min_tokens: int = opt(

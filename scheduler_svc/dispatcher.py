@@ -150,8 +150,8 @@ class Dispatcher:
     ) -> tuple[Lease, Decision] | None:
         if routable is None:
             routable = self.registry.candidates(request.model, request.role, exclude)
-        if request.decoders_only:
-            routable = [w for w in routable if w.spec.role != "prefill"] or routable
+        if request.only_role:
+            routable = [w for w in routable if w.spec.role == request.only_role] or routable
         candidates = [w for w in routable if w.has_capacity()]
         if not candidates:  # a higher priority may still displace a lower one (can_displace)
             candidates = [w for w in routable if w.can_displace(request.priority)]

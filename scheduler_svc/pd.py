@@ -22,9 +22,13 @@ it with the decoders, and one chosen prefills the prompt itself and decodes it
 (``on_prefill_worker``). A P/D deployment so keeps every engine's capacity for what
 disaggregation does not pay for, where keeping short prompts on the decoders alone left
 the prefill worker idle and the decoders with twice the colocated load. A prompt long
-enough for a hand-off still goes to a decoder (a prefill worker only when no decoder can
-take it), and this rule weighs the queued prompt tokens on both sides, which the policy's
-request counts do not (docs/design-decisions.md, "P/D: prefill workers also take whole
+enough for a hand-off is placed by this rule, which weighs the queued prompt tokens on
+each side where the policy's request counts do not (`whole_on_prefill`): whole on a
+prefill worker when one would compute it no later than the best decoder could itself (a
+hand-off from it would add a pull and a decoder step to that very prefill), else on a
+decoder, which the rule above then has prefill it or hand it off. The margin applies only
+while prefill workers take hand-offs alone: when they carry streams too, a prefill on
+either side stalls some, and the soonest side takes the prompt (docs/design-decisions.md, "P/D: prefill workers also take whole
 requests").
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
@@ -38,6 +42,7 @@ Domain code: no grpc.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc import metrics
@@ -70,6 +75,43 @@ class PdDecider:
         nothing of it cached): it then runs on a decoder, not whole on a prefill worker."""
         return 0 < self.min_prompt_tokens <= prompt_tokens
 
+    def whole_on_prefill(
+        self, registry: WorkerRegistry, model: str, prompt_tokens: int, cached: Callable[[WorkerState], int]
+    ) -> bool:
+        """Whether a prompt of ``prompt_tokens`` that may be handed off runs whole on a
+        prefill worker instead (``pd_prefill_decodes`` and the ``estimate`` decision): one
+        with room computes it, behind its queue, no later than the decoder with room that
+        would be soonest (`_margin`). ``cached``: a worker's cached prompt tokens.
+        False until rates are measured, or with no decoder with room (the policy places it)."""
+        if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
+            return False
+        now = registry.now()
+        prefill = [
+            w
+            for w in registry.candidates(model, "prefill")
+            if w.has_capacity() and now - w.last_seen <= self.silent_after_s
+        ]
+        decoders = [
+            w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()
+        ]
+        if not prefill or not decoders:
+            return False
+        measured = [
+            w.load.prefill_tokens_per_s for w in prefill + decoders if w.load.prefill_tokens_per_s > 0
+        ]
+        if not measured:
+            return False
+
+        def rate(worker: WorkerState) -> float:  # its own, else another's (same model)
+            return worker.load.prefill_tokens_per_s or measured[0]
+
+        def seconds(worker: WorkerState) -> float:
+            return _queue_s(worker, prompt_tokens - cached(worker), rate(worker)) or 0.0
+
+        best = min(decoders, key=seconds)
+        own_s = (prompt_tokens - cached(best)) / rate(best)
+        return min(map(seconds, prefill)) <= seconds(best) + self._margin(registry) * own_s
+
     def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s
         cache, or None (the decoder prefills it); counts the decision."""
@@ -101,7 +143,8 @@ class PdDecider:
         local = _queue_s(decoder, uncached, rate)
         # The margin is a share of this prompt's own prefill, not of the queues: behind
         # long queues a share of them would let the prefill worker's grow that much longer.
-        slower = remote is not None and local is not None and remote > local + self.margin * uncached / rate
+        margin = self._margin(registry) * uncached / rate if rate > 0.0 else 0.0
+        slower = remote is not None and local is not None and remote > local + margin
         log.debug(
             "P/D %d tokens: hand-off to %s %s s (queued %d + %d at %.0f tok/s), local on %s %s s"
             " (queued %d + %d at %.0f tok/s)",
@@ -121,6 +164,12 @@ class PdDecider:
             return self._local("local_faster")
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
         return Handoff(worker, remote or 0.0)
+
+    def _margin(self, registry: WorkerRegistry) -> float:
+        """The margin, while prefill workers carry no streams of their own: with
+        ``pd_prefill_decodes`` a prefill on either side stalls streams, and the soonest
+        side takes the prompt."""
+        return 0.0 if registry.prefill_decodes else self.margin
 
     @staticmethod
     def _local(reason: str) -> None:

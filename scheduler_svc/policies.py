@@ -52,9 +52,10 @@ class RoutingRequest:
     adapter: str = ""
     # Longest wait in the admission queue (its priority class); None: the scheduler's.
     queue_timeout_s: float | None = None
-    # A prompt P/D may hand off: it runs on a decoder, whole on a prefill worker only when
-    # no decoder can take it (pd.py).
-    decoders_only: bool = False
+    # The role of the workers a prompt P/D may hand off runs on (pd.py): "decoder" (then
+    # prefilled there or handed off), "prefill" (whole there: a prefill worker computes it
+    # soonest); another role's worker only when none of that role can take it. "": any.
+    only_role: str = ""
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[int]:

@@ -166,10 +166,14 @@ class Router:
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        routing = routing_request(request, self.scheduler.registry.is_adapter(request.model))
-        routing.decoders_only = self.pd.may_hand_off(len(request.prompt_token_ids)) and self._kv_may_move(
-            request, list(request.mm_items)
-        )
+        registry = self.scheduler.registry
+        routing = routing_request(request, registry.is_adapter(request.model))
+        prompt_tokens = len(request.prompt_token_ids)
+        if self.pd.may_hand_off(prompt_tokens) and self._kv_may_move(request, list(request.mm_items)):
+            whole = self.pd.whole_on_prefill(
+                registry, routing.model, prompt_tokens, lambda w: self._cached_tokens(routing, w)
+            )
+            routing.only_role = "prefill" if whole else "decoder"
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing
@@ -249,6 +253,12 @@ class Router:
         if share is None:
             return None
         return self._source_lease(request, decode, share.worker), share.expected_s, share.num_tokens
+
+    def _cached_tokens(self, routing: RoutingRequest, worker: WorkerState) -> int:
+        """The prompt tokens ``worker`` holds in its cache (the prefix index)."""
+        block_size = worker.spec.block_size or self.scheduler.config.block_size
+        matched = self.scheduler.index.match(routing.hashes(block_size), [worker.worker_id])
+        return matched[worker.worker_id] * block_size
 
     def _kv_may_move(
         self, request: common_pb2.GenerateRequest, mm_items: list[common_pb2.MultiModalItem]

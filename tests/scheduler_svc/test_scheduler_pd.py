@@ -313,3 +313,34 @@ async def test_a_prefill_worker_takes_whole_the_short_requests_the_policy_ranks_
     for route in (short, long, local):
         await sched.release(route.lease_id)
     assert sched.lease_ids() == set()
+
+
+async def test_a_long_prompt_goes_whole_where_it_is_computed_soonest(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """pd_prefill_decodes, rates measured: a long prompt runs whole on the prefill worker
+    when it computes it no later than the decoder could (a hand-off from it would only add
+    a pull), else on the decoder, prefilled there: the hand-off margin does not apply while
+    prefill workers carry streams too (5,022 queued there against the decoder's 5,020, the
+    20 of the previous prompt included, would be handed off within half this prompt's own
+    prefill with prefill workers taking hand-offs alone, and is prefilled here now)."""
+    sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate | {"kv_import_tokens_per_s": 4000.0}), (prefill, rate))
+    whole, local = _decisions("on_prefill_worker"), _decisions("local_faster")
+    tie = await sched.route(LONG)
+    assert tie.worker_id == "p1" and not tie.HasField("kv_source")
+    assert _decisions("on_prefill_worker") == whole + 1
+    await sched.release(tie.lease_id)
+    routes = []
+    for queued in (9000, 5022):
+        await _report(
+            (decoder, rate | {"queued_prompt_tokens": 5000}),
+            (prefill, rate | {"queued_prompt_tokens": queued}),
+        )
+        routes.append(await sched.route(list(range(queued, queued + 20))))
+    assert [(r.worker_id, r.HasField("kv_source")) for r in routes] == [("d1", False), ("d1", False)]
+    assert _decisions("local_faster") == local + 2
+    for route in routes:
+        await sched.release(route.lease_id)
+    assert sched.lease_ids() == set()
