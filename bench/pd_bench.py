@@ -27,10 +27,11 @@ long prompts): that many closed-loop clients each send short streaming completio
 (``--chat-prompt`` random token ids, ``--chat-tokens`` output) back to back; meanwhile
 one long prompt (``--long-prompt`` random token ids, ``--long-tokens`` output) starts
 every so many seconds. Every prompt is fresh random ids with a round-unique cache salt,
-so no prefix cache helps either mode. Reported per load, mode and round: the chats' TTFT
-and inter-token latency (gap between streamed chunks) p50/p99, the long prompts' TTFT
-p50/p99 and each one's send time and TTFT (``longs``), output tokens/s, requests
-completed and failed, and the round's wall time; then the median of the rounds,
+so no prefix cache helps either mode. Before its first round each mesh serves two long
+prompts and a chat, not measured (`warm_up`). Reported per load, mode and round: the
+chats' TTFT and inter-token latency (gap between streamed chunks) p50/p99, the long
+prompts' TTFT p50/p99 and each one's send time and TTFT (``longs``), output tokens/s,
+requests completed and failed, and the round's wall time; then the median of the rounds,
 decoder-0's hand-offs by outcome and the scheduler's P/D decisions. The JSON (``--out``)
 records the command, the host and commit, and each worker's engine start-up line (its
 effective configuration).
@@ -196,6 +197,27 @@ async def run_round(config: BenchConfig, base_url: str, model: str, vocab: int, 
     return summarize(results, failed, elapsed)
 
 
+async def warm_up(config: BenchConfig, base_url: str, model: str, vocab: int) -> None:
+    """Two long prompts and a chat at once, not measured: a mesh's first requests find no
+    measured rate (the P/D rule falls back to its threshold) and first-use costs that a
+    running deployment has long paid."""
+    salt = f"warm-up-{time.time()}"
+    rng = random.Random(salt)
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        sizes = ((config.long_prompt, config.long_tokens),) * 2 + ((config.chat_prompt, config.chat_tokens),)
+        await asyncio.gather(
+            *(
+                stream(
+                    client,
+                    base_url,
+                    completion_body(model, [rng.randrange(10, vocab) for _ in range(n)], out, salt),
+                    "warm",
+                )
+                for n, out in sizes
+            )
+        )
+
+
 def pct(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -230,11 +252,12 @@ def run_loads(config: BenchConfig) -> dict[str, Any]:
     """Both meshes up; per load, rounds alternating between the modes."""
     meshes: dict[str, Mesh] = {}
     try:
+        model = Path(config.model_dir).name
+        vocab = vocab_size(config.model_dir)
         for mode in MODES:
             meshes[mode] = start_mesh(config, mode)
             asyncio.run(wait_workers(meshes[mode].gateway_url, mode))
-        model = Path(config.model_dir).name
-        vocab = vocab_size(config.model_dir)
+            asyncio.run(warm_up(config, meshes[mode].gateway_url, model, vocab))
         results: dict[str, Any] = {"engines": {mode: engine_lines(mesh) for mode, mesh in meshes.items()}}
         for load in config.loads.split(","):
             chats, every = LOADS[load]
