@@ -153,7 +153,8 @@ PD_DECISIONS = Counter(
     "meshserve_scheduler_pd_decisions_total",
     "Routes of text prompts when P/D is on (pd_min_prompt_tokens > 0), by decision: "
     "disaggregated, short (uncached prompt below the threshold), local_faster (the hand-off "
-    "was expected to be slower than a local prefill by more than the margin), no_prefill_worker, "
-    "on_prefill_worker (a prefill worker runs the request whole: pd_prefill_decodes)",
+    "was expected to be slower than a local prefill, by more than the margin where it applies), "
+    "no_prefill_worker, on_prefill_worker (a prefill worker runs the request whole: "
+    "pd_prefill_decodes)",
     ["decision"],
 )
