@@ -21,7 +21,7 @@ import grpc
 
 from gateway import metrics
 from meshserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.rpc import open_channel
+from services.rpc import REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,9 @@ class WorkerStreams:
             self._drop_channel(stream.address)
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self._max_message_bytes)
+            channel = self._channels[address] = open_channel(
+                address, self._max_message_bytes, REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS
+            )
         stream = WorkerStream(worker_id, address, worker_pb2_grpc.WorkerStub(channel))
         self._streams[worker_id] = stream
         return stream

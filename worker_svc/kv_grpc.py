@@ -17,7 +17,7 @@ from meshserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services import tracing
 from services.errors import InvalidArgument, NotFound, Unavailable
 from services.kv_contract import request_extra_keys
-from services.rpc import PEER_LOST, open_channel, rpc_handler
+from services.rpc import PEER_LOST, REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS, open_channel, rpc_handler
 from worker_svc import metrics
 from worker_svc.engine.async_engine import AsyncLLMEngine
 from worker_svc.engine.engine import RequestOutput
@@ -32,9 +32,6 @@ __all__ = ["FAULT_ENV", "GrpcKvConnector", "KvTransferServicer", "layout_from_pr
 log = logging.getLogger(__name__)
 
 SERVICE = "meshserve.v1.KvTransfer"
-# A hand-off waits on its prefill worker: one that answers no ping for a second (hung,
-# SIGSTOPped) fails every hand-off on its channel at once, and they prefill locally.
-PING_MS, PING_TIMEOUT_MS = 500, 1000
 # Test-only fault injection on the decode side: "corrupt" flips one byte of the first
 # block of every pull after it arrived (the checksum must catch it).
 FAULT_ENV = "MESHSERVE_TEST_KV_FAULT"
@@ -76,7 +73,7 @@ class GrpcKvConnector(KVConnector):
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = open_channel(
-                address, self._max_message_bytes, PING_MS, PING_TIMEOUT_MS
+                address, self._max_message_bytes, REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS
             )
         return kv_transfer_pb2_grpc.KvTransferStub(channel)
 

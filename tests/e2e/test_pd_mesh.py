@@ -7,11 +7,12 @@ killed under load cost no request and no token; no KV block stays in use on eith
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,12 +37,12 @@ def text(seed: int, words: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
 
 
-@pytest.fixture(scope="module")
-def pd(
-    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def pd_mesh(
+    path: Path, model_dir: Path, redis_server: RedisServer, *scheduler_env: tuple[str, str]
 ) -> Iterator[RunningMesh]:
     with running_mesh(
-        tmp_path_factory.mktemp("pd-mesh"),
+        path,
         model_dir=str(model_dir),
         num_decoders=1,
         num_prefill=1,
@@ -51,11 +52,24 @@ def pd(
         metrics_ports=tuple((name, free_port()) for name in ("scheduler", *WORKERS)),
         extra_env=(
             ("MESHSERVE_PD_MIN_PROMPT_TOKENS", str(PD_MIN)),
-            ("MESHSERVE_PD_DECISION", "threshold"),  # the hand-off path under test, every time
-            ("MESHSERVE_PD_PREFILL_DECODES", "false"),  # and never a whole request on prefill-0
+            *scheduler_env,
             ("MESHSERVE_MAX_NUM_BATCHED_TOKENS", str(CHUNK)),
             ("MESHSERVE_NUM_THREADS", "1"),
         ),
+    ) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def pd(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningMesh]:
+    with pd_mesh(
+        tmp_path_factory.mktemp("pd-mesh"),
+        model_dir,
+        redis_server,
+        ("MESHSERVE_PD_DECISION", "threshold"),  # the hand-off path under test, every time
+        ("MESHSERVE_PD_PREFILL_DECODES", "false"),  # and never a whole request on prefill-0
     ) as mesh:
         yield mesh
 
@@ -191,50 +205,62 @@ def test_kill9_prefill_worker_under_load_fails_no_request(
     pd.wait_kv_idle(timeout=30, names=WORKERS)
 
 
+def stopped_run(
+    mesh: RunningMesh,
+    client: openai.OpenAI,
+    model: str,
+    reference: LLMEngine,
+    tokenizer: object,
+    seed: int,
+    stop_when: Callable[[], bool] | None,
+) -> tuple[list[str], list[str], float]:
+    """24 prompts, 16 at a time; with ``stop_when``, prefill-0 is SIGSTOPped once it holds:
+    the answers, the reference's and the slowest request's seconds."""
+    # A leading number per prompt: text() repeats every 17 seeds, and a prompt cached on
+    # the decoder by an earlier run would need no hand-off.
+    prompts = [f"{seed + i} " + text(seed + i, 50 if i % 2 else 6) for i in range(24)]
+
+    def one(prompt: str) -> tuple[str, float]:
+        started = time.monotonic()
+        return complete(client, model, prompt)[0], time.monotonic() - started
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        if stop_when is not None:
+            deadline = time.monotonic() + 120
+            while not stop_when():
+                assert time.monotonic() < deadline, "prefill-0 never got its part of the load"
+                time.sleep(0.05)
+            mesh.kill("prefill-0", signal.SIGSTOP)
+        done = [f.result() for f in futures]
+    wanted = [
+        tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)  # type: ignore[attr-defined]
+        for p in prompts
+    ]
+    return [answer for answer, _ in done], wanted, max(seconds for _, seconds in done)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigstop_prefill_worker_under_load_delays_no_request(
     pd: RunningMesh, client: openai.OpenAI, model_name: str, reference: LLMEngine, model_dir: Path
 ) -> None:
-    """16 concurrent long prompts; the prefill worker is stopped (SIGSTOP: alive, silent)
-    once the first hand-off has landed. Every request answers with the reference's tokens,
-    none more than 2 s later than the slowest of a no-fault run of the same load (its
-    hand-offs fail within a second and prefill on the decoder), and no KV block stays in
-    use once the worker continues."""
+    """16 concurrent prompts, long and short; the prefill worker is stopped (SIGSTOP:
+    alive, silent) once the first hand-off has landed. Every request answers with the
+    reference's tokens, none more than 2 s later than the slowest of a no-fault run of the
+    same load (its hand-offs fail within a second and prefill on the decoder), and no KV
+    block stays in use once the worker continues."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
 
-    def run(seed: int, stop: bool) -> tuple[list[str], list[str], float]:
-        # A leading number per prompt: text() repeats every 17 seeds, and a prompt cached on
-        # the decoder by an earlier run would need no hand-off.
-        prompts = [f"{seed + i} " + text(seed + i, 50) for i in range(24)]
-        imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
+    def landed() -> bool:
+        return count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported") > imported
 
-        def one(prompt: str) -> tuple[str, float]:
-            started = time.monotonic()
-            return complete(client, model_name, prompt)[0], time.monotonic() - started
-
-        with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(one, p) for p in prompts]
-            if stop:
-                deadline = time.monotonic() + 120
-                while (
-                    count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
-                    == imported
-                ):
-                    assert time.monotonic() < deadline, "no hand-off landed"
-                    time.sleep(0.05)
-                pd.kill("prefill-0", signal.SIGSTOP)
-            done = [f.result() for f in futures]
-        wanted = [
-            tokenizer.decode(expected(reference, tokenizer.encode(p)), skip_special_tokens=True)
-            for p in prompts
-        ]
-        return [answer for answer, _ in done], wanted, max(seconds for _, seconds in done)
-
-    answers, wanted, calm_s = run(200, stop=False)
+    answers, wanted, calm_s = stopped_run(pd, client, model_name, reference, tokenizer, 200, None)
     assert answers == wanted
+    imported = count(pd, "decoder-0", "meshserve_worker_kv_transfers_total", outcome="imported")
     try:
-        answers, wanted, stopped_s = run(300, stop=True)
+        answers, wanted, stopped_s = stopped_run(pd, client, model_name, reference, tokenizer, 300, landed)
         assert answers == wanted
         assert stopped_s <= calm_s + 2.0, (
             f"slowest request {stopped_s:.1f} s against {calm_s:.1f} s without the stop"
@@ -247,3 +273,40 @@ def test_sigstop_prefill_worker_under_load_delays_no_request(
         pd.kill("prefill-0", signal.SIGCONT)
     pd.wait_registered("prefill-0")
     pd.wait_kv_idle(timeout=30, names=WORKERS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigstop_prefill_worker_running_whole_requests_delays_none(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory, reference: LLMEngine
+) -> None:
+    """The scheduler's defaults (prefill workers take whole requests, the estimate
+    decides): the prefill worker is stopped while requests run whole on it. The gateway's
+    keepalive finds its streams hung within about a second and they move to the decoder:
+    every answer equals the reference, none more than 2 s later than the slowest of a
+    no-fault run, no KV block stays in use once the worker continues."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with pd_mesh(tmp_path_factory.mktemp("pd-defaults"), model_dir, redis_server) as mesh:
+        client = openai.OpenAI(
+            base_url=mesh.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        model = client.models.list().data[0].id
+
+        def running_there() -> bool:
+            return mesh.metric("scheduler", "meshserve_scheduler_worker_inflight", worker_id="prefill-0") >= 2
+
+        answers, wanted, calm_s = stopped_run(mesh, client, model, reference, tokenizer, 400, None)
+        assert answers == wanted
+        try:
+            answers, wanted, stopped_s = stopped_run(
+                mesh, client, model, reference, tokenizer, 500, running_there
+            )
+            assert answers == wanted
+            assert stopped_s <= calm_s + 2.0, (
+                f"slowest request {stopped_s:.1f} s against {calm_s:.1f} s without the stop"
+            )
+            mesh.wait_kv_idle(timeout=30, names=["decoder-0"])
+        finally:
+            mesh.kill("prefill-0", signal.SIGCONT)
+        mesh.wait_registered("prefill-0")
+        mesh.wait_kv_idle(timeout=30, names=WORKERS)
