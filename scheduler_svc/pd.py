@@ -23,14 +23,13 @@ it with the decoders, and one chosen prefills the prompt itself and decodes it
 disaggregation does not pay for, where keeping short prompts on the decoders alone left
 the prefill worker idle and the decoders with twice the colocated load. A prompt long
 enough for a hand-off is placed by this rule, which weighs the queued prompt tokens on
-each side where the policy's request counts do not (`long_role`): whole on a
+each side where the policy's request counts do not (`whole_on_prefill`): whole on a
 prefill worker when one would compute it no later than the best decoder could itself (a
 hand-off from it would add a pull and a decoder step to that very prefill), else on a
-decoder, which the rule above then has prefill it or hand it off; when the two are
-about even, the routing policy places it among both, by the streams each carries. The
-margin applies only while prefill workers take hand-offs alone: when they carry streams
-too, a prefill on either side stalls some, and the soonest side takes the prompt
-(docs/design-decisions.md, "P/D: prefill workers also take whole requests").
+decoder, which the rule above then has prefill it or hand it off. The margin applies only
+while prefill workers take hand-offs alone: when they carry streams too, a prefill on
+either side stalls some, and the soonest side takes the prompt (docs/design-decisions.md, "P/D: prefill workers also take whole
+requests").
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
 ``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
@@ -52,10 +51,6 @@ from scheduler_svc.registry import WorkerRegistry, WorkerState
 __all__ = ["Handoff", "PdDecider"]
 
 log = logging.getLogger(__name__)
-
-# Placements whose expected ends differ by at most this share of the prompt's own prefill
-# are a tie: equal engines' measured prefill rates alone differ by about as much.
-TIE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,19 +75,16 @@ class PdDecider:
         nothing of it cached): it then runs on a decoder, not whole on a prefill worker."""
         return 0 < self.min_prompt_tokens <= prompt_tokens
 
-    def long_role(
+    def whole_on_prefill(
         self, registry: WorkerRegistry, model: str, prompt_tokens: int, cached: Callable[[WorkerState], int]
-    ) -> str:
-        """The role of the worker a prompt of ``prompt_tokens`` that may be handed off runs
-        on: "prefill" (whole there: with ``pd_prefill_decodes`` and the ``estimate``
-        decision, a prefill worker with room computes it, behind its queue, no later than
-        the soonest decoder with room, `_margin`), "decoder" (prefilled there or handed
-        off), or "" when the two are a tie (`TIE_SHARE`): the routing policy, which weighs
-        the streams each worker carries, places it among both. "decoder" until rates are
-        measured, and with no decoder or prefill worker with room. ``cached``: a worker's
-        cached prompt tokens."""
+    ) -> bool:
+        """Whether a prompt of ``prompt_tokens`` that may be handed off runs whole on a
+        prefill worker instead (``pd_prefill_decodes`` and the ``estimate`` decision): one
+        with room computes it, behind its queue, no later than the decoder with room that
+        would be soonest (`_margin`). ``cached``: a worker's cached prompt tokens.
+        False until rates are measured, or with no decoder with room (the policy places it)."""
         if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
-            return "decoder"
+            return False
         now = registry.now()
         prefill = [
             w
@@ -103,12 +95,12 @@ class PdDecider:
             w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()
         ]
         if not prefill or not decoders:
-            return "decoder"
+            return False
         measured = [
             w.load.prefill_tokens_per_s for w in prefill + decoders if w.load.prefill_tokens_per_s > 0
         ]
         if not measured:
-            return "decoder"
+            return False
 
         def rate(worker: WorkerState) -> float:  # its own, else another's (same model)
             return worker.load.prefill_tokens_per_s or measured[0]
@@ -118,10 +110,7 @@ class PdDecider:
 
         best = min(decoders, key=seconds)
         own_s = (prompt_tokens - cached(best)) / rate(best)
-        whole_s, local_s = min(map(seconds, prefill)), seconds(best)
-        if abs(whole_s - local_s) <= TIE_SHARE * own_s:
-            return ""
-        return "prefill" if whole_s <= local_s + self._margin(registry) * own_s else "decoder"
+        return min(map(seconds, prefill)) <= seconds(best) + self._margin(registry) * own_s
 
     def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s

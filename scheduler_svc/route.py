@@ -170,9 +170,10 @@ class Router:
         routing = routing_request(request, registry.is_adapter(request.model))
         prompt_tokens = len(request.prompt_token_ids)
         if self.pd.may_hand_off(prompt_tokens) and self._kv_may_move(request, list(request.mm_items)):
-            routing.only_role = self.pd.long_role(
+            whole = self.pd.whole_on_prefill(
                 registry, routing.model, prompt_tokens, lambda w: self._cached_tokens(routing, w)
             )
+            routing.only_role = "prefill" if whole else "decoder"
         if exclude:
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing

@@ -319,40 +319,28 @@ async def test_a_long_prompt_goes_whole_where_it_is_computed_soonest(
     start_scheduler: Any, start_worker: Any
 ) -> None:
     """pd_prefill_decodes, rates measured: a long prompt runs whole on the prefill worker
-    when it computes it sooner than the decoder could (a hand-off from it would only add a
-    pull), on the decoder, prefilled there, when that is sooner, and where the routing
-    policy puts it (the one carrying fewer requests) when the two are within a quarter of
-    its own prefill. The hand-off margin does not apply while prefill workers carry streams
-    too: 5,028 queued there against the decoder's 5,020 (the 20 of the previous prompt
-    included) would go to the prefill worker within half this prompt's own prefill, and is
-    prefilled on the decoder now."""
+    when it computes it no later than the decoder could (a hand-off from it would only add
+    a pull), else on the decoder, prefilled there: the hand-off margin does not apply while
+    prefill workers carry streams too (5,022 queued there against the decoder's 5,020, the
+    20 of the previous prompt included, would be handed off within half this prompt's own
+    prefill with prefill workers taking hand-offs alone, and is prefilled here now)."""
     sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
-    rate = {"prefill_tokens_per_s": 1000.0, "kv_import_tokens_per_s": 4000.0}
+    rate = {"prefill_tokens_per_s": 1000.0}
+    await _report((decoder, rate | {"kv_import_tokens_per_s": 4000.0}), (prefill, rate))
     whole, local = _decisions("on_prefill_worker"), _decisions("local_faster")
+    tie = await sched.route(LONG)
+    assert tie.worker_id == "p1" and not tie.HasField("kv_source")
+    assert _decisions("on_prefill_worker") == whole + 1
+    await sched.release(tie.lease_id)
     routes = []
-    for decoder_load, prefill_load, offset in (
-        ({"num_waiting": 6}, {}, 0),  # a tie: the policy sends it to the idle prefill worker
-        ({}, {"num_waiting": 6}, 100),  # a tie: to the idle decoder
-        ({"queued_prompt_tokens": 500}, {}, 200),  # sooner on the prefill worker
-    ):
-        await _report((decoder, rate | decoder_load), (prefill, rate | prefill_load))
-        routes.append(await sched.route(list(range(offset, offset + 20))))
-        await sched.release(routes[-1].lease_id)  # no routed tokens left in either queue
-    assert [(r.worker_id, r.HasField("kv_source")) for r in routes] == [
-        ("p1", False),
-        ("d1", False),
-        ("p1", False),
-    ]
-    assert _decisions("on_prefill_worker") == whole + 2
-    routes = []
-    for queued in (9000, 5028):
+    for queued in (9000, 5022):
         await _report(
             (decoder, rate | {"queued_prompt_tokens": 5000}),
             (prefill, rate | {"queued_prompt_tokens": queued}),
         )
         routes.append(await sched.route(list(range(queued, queued + 20))))
     assert [(r.worker_id, r.HasField("kv_source")) for r in routes] == [("d1", False), ("d1", False)]
-    assert _decisions("local_faster") == local + 3
+    assert _decisions("local_faster") == local + 2
     for route in routes:
         await sched.release(route.lease_id)
     assert sched.lease_ids() == set()
