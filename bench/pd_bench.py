@@ -12,10 +12,11 @@ workers, the forward compiled as `make serve` runs it), both up at once, idle bu
 one under load: rounds alternate between them so the shared host's drift falls on both.
 
 * ``pd``: ``decoder-0`` + ``prefill-0`` (``--num-prefill 1``); short prompts run whole on
-  either (the scheduler's ``pd_prefill_decodes``); a long prompt runs on the decoder and
-  the scheduler decides whether the prefill worker prefills it (``--pd-decision``:
-  ``estimate``, the default, only when the hand-off is expected to beat a local prefill;
-  ``threshold``: every prompt with at least ``--pd-min-prompt-tokens`` uncached tokens);
+  either (the scheduler's ``pd_prefill_decodes``); a long prompt runs whole on the prefill
+  worker when it computes it soonest, else on the decoder, where the scheduler decides
+  whether the prefill worker prefills it (``--pd-decision``: ``estimate``, the default,
+  only when the hand-off is expected to beat a local prefill; ``threshold``: every prompt
+  with at least ``--pd-min-prompt-tokens`` uncached tokens);
 * ``colocated``: ``decoder-0`` + ``decoder-1``, each prefilling its own prompts.
 
 The launcher places the two workers as it does for users: each on half of the CPUs this

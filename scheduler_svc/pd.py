@@ -28,8 +28,8 @@ prefill worker when one would compute it no later than the best decoder could it
 hand-off from it would add a pull and a decoder step to that very prefill), else on a
 decoder, which the rule above then has prefill it or hand it off. The margin applies only
 while prefill workers take hand-offs alone: when they carry streams too, a prefill on
-either side stalls some, and the soonest side takes the prompt (docs/design-decisions.md, "P/D: prefill workers also take whole
-requests").
+either side stalls some, and the soonest side takes the prompt (docs/design-decisions.md,
+"P/D: prefill workers also take whole requests").
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
 ``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
@@ -85,12 +85,7 @@ class PdDecider:
         False until rates are measured, or with no decoder with room (the policy places it)."""
         if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
             return False
-        now = registry.now()
-        prefill = [
-            w
-            for w in registry.candidates(model, "prefill")
-            if w.has_capacity() and now - w.last_seen <= self.silent_after_s
-        ]
+        prefill = self._live_prefill(registry, model)
         decoders = [
             w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()
         ]
@@ -122,16 +117,8 @@ class PdDecider:
             return self._local("on_prefill_worker")  # a whole request there (pd_prefill_decodes)
         if uncached < self.min_prompt_tokens:
             return self._local("short")
-        now = registry.now()
         layout = decoder.spec.kv_layout
-        candidates = [
-            w
-            for w in registry.candidates(model, "prefill")
-            if layout
-            and w.spec.kv_layout == layout
-            and w.has_capacity()
-            and now - w.last_seen <= self.silent_after_s
-        ]
+        candidates = [w for w in self._live_prefill(registry, model) if layout and w.spec.kv_layout == layout]
         if not candidates:
             return self._local("no_prefill_worker")
         worker = min(
@@ -164,6 +151,16 @@ class PdDecider:
             return self._local("local_faster")
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
         return Handoff(worker, remote or 0.0)
+
+    def _live_prefill(self, registry: WorkerRegistry, model: str) -> list[WorkerState]:
+        """The prefill workers of ``model`` with room and a heartbeat within
+        ``silent_after_s`` (a hung one drops out long before the registry's timeout)."""
+        now = registry.now()
+        return [
+            w
+            for w in registry.candidates(model, "prefill")
+            if w.has_capacity() and now - w.last_seen <= self.silent_after_s
+        ]
 
     def _margin(self, registry: WorkerRegistry) -> float:
         """The margin, while prefill workers carry no streams of their own: with

@@ -255,10 +255,10 @@ class Router:
         return self._source_lease(request, decode, share.worker), share.expected_s, share.num_tokens
 
     def _cached_tokens(self, routing: RoutingRequest, worker: WorkerState) -> int:
-        """The prompt tokens ``worker`` holds in its cache (the prefix index)."""
+        """The prompt tokens ``worker`` should find in its cache (the prefix index)."""
         block_size = worker.spec.block_size or self.scheduler.config.block_size
         matched = self.scheduler.index.match(routing.hashes(block_size), [worker.worker_id])
-        return matched[worker.worker_id] * block_size
+        return predicted_cached_tokens(matched[worker.worker_id], len(routing.token_ids), block_size)
 
     def _kv_may_move(
         self, request: common_pb2.GenerateRequest, mm_items: list[common_pb2.MultiModalItem]
