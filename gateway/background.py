@@ -19,8 +19,10 @@ renewed every `RENEW_S`). Every replica sweeps the responses in progress (`SWEEP
 whose lease has lapsed (its replica died) is claimed by the first sweeper and adopted: the
 logged tokens are replayed through a fresh translation -- they make the same events, the
 logged ones are not logged again -- and the request goes on after them on a decoder, as a
-mid-stream migration does. A follower sees no seam: no event lost or repeated. Without
-Redis there is one replica and no adoption.
+mid-stream migration does. A follower sees no seam: no event lost or repeated. A sweep
+never adopts what its own replica still produces, and a producer whose lease lapsed
+unclaimed (its event loop stalled) takes it again. Without Redis there is one replica and
+no adoption.
 
 A background task counts as a request in flight for the gateway's drain.
 """
@@ -119,6 +121,9 @@ class BackgroundResponses:
         self.pipeline_of, self.context_of = pipeline_of, context_of
         self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._tasks: set[asyncio.Task[None]] = set()
+        # (owner, response id) -> the task producing it here: a sweep must not adopt
+        # what this replica still produces (its lease may lapse while the loop stalls).
+        self._producing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -146,7 +151,15 @@ class BackgroundResponses:
         self.state.enter()
         task = asyncio.get_running_loop().create_task(self._produce(production))
         self._tasks.add(task)
+        key = (production.job.tenant, production.job.response_id)
+        self._producing[key] = task
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._forget(key, done))
+
+    def _forget(self, key: tuple[str, str], task: asyncio.Task[Any] | None) -> None:
+        """``task`` no longer produces ``key`` here (ended, or its lease was lost)."""
+        if self._producing.get(key) is task:
+            del self._producing[key]
 
     async def _produce(self, p: _Production) -> None:
         """Runs the generation, logging every event, until its end or a cancel."""
@@ -241,6 +254,7 @@ class BackgroundResponses:
                 if time.monotonic() - renewed >= RENEW_S:
                     if not await self.store.renew_lease(owner, rid, self.me, LEASE_S):
                         log.warning("background response %s: lease lost to another replica", rid)
+                        self._forget((owner, rid), generation)  # a later sweep may adopt it again
                         outcome = "lost"
                         break
                     renewed = time.monotonic()
@@ -258,7 +272,8 @@ class BackgroundResponses:
             await asyncio.sleep(SWEEP_S)
             try:
                 for owner, rid in await self.store.orphaned_jobs(self.me, LEASE_S):
-                    await self._adopt(owner, rid)
+                    if (owner, rid) not in self._producing:  # else the claim renewed our own lease
+                        await self._adopt(owner, rid)
             except APIError:
                 continue
             except Exception:

@@ -42,7 +42,11 @@ END = b""
 # The background jobs in progress ("<owner> <response id>"), over every replica.
 _ACTIVE = _PREFIX + "background"
 # Lease scripts: KEYS[1] the lease, ARGV[1] its holder (ARGV[2]: milliseconds to extend).
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+# A lease lapsed but not yet claimed by another replica is its producer's again.
+_RENEW = (
+    "local h = redis.call('GET', KEYS[1]) if h == false or h == ARGV[1] then "
+    "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 end return 0"
+)
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # A follower's blocking read on Redis: under the client's 1 s socket timeout.
 _BLOCK_MS = 500
@@ -213,7 +217,8 @@ class ResponseStore:
         return data
 
     async def renew_lease(self, owner: str, response_id: str, holder: str, lease_s: float) -> bool:
-        """Extends ``holder``'s lease; False when it no longer holds it."""
+        """Extends ``holder``'s lease (takes it again if it lapsed unclaimed); False when
+        another replica holds it."""
         if self._redis is None or self._renew is None:
             return True
         key = self.key(owner, response_id) + ":lease"

@@ -11,7 +11,9 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 from gateway_fakes import MODEL, SLOW_STEP_S, Harness, RunningGateway, wait_for
+from prometheus_client import REGISTRY
 
 from services.redis_client import RedisServer
 from tests.fake_worker import FakeWorker
@@ -105,6 +107,39 @@ def test_a_replica_stopping_mid_generation_hands_the_response_over(
         for g in (one, two):
             if g in harness.gateways:
                 harness.stop_gateway(g)
+
+
+def test_a_lapsed_lease_of_a_live_producer_is_not_adopted(
+    harness: Harness, redis_server: RedisServer
+) -> None:
+    """The producer's lease vanishes while it produces (as when its event loop stalls past
+    the lease): its own replica's sweep must not adopt the response beside it, and its
+    renewal takes the lease again -- one production, every event once, the undisturbed text."""
+    gw = harness.start_gateway(harness.config(redis_url=redis_server.url))
+    try:
+        client = _client(gw)
+        reference = client.responses.create(model=MODEL, input="SLOW", max_output_tokens=100)
+        adopted = _adopted()
+        started = client.responses.create(model=MODEL, input="SLOW", max_output_tokens=100, background=True)
+        store = redis.Redis.from_url(redis_server.url)
+        leases = 0
+        while _status(client, started.id) not in TERMINAL:
+            for key in store.scan_iter(match=f"*{started.id}:lease"):
+                leases += store.delete(key)
+            time.sleep(0.3)
+        assert leases >= 3  # the lease was taken away again and again while it produced
+        events = list(client.responses.retrieve(started.id, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert _text(events) == reference.output_text
+        assert _adopted() == adopted
+    finally:
+        harness.stop_gateway(gw)
+
+
+def _adopted() -> float:
+    return (
+        REGISTRY.get_sample_value("meshserve_gateway_background_responses_total", {"event": "adopted"}) or 0.0
+    )
 
 
 def test_cancel_from_the_other_replica_stops_the_generation(
