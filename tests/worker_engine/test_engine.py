@@ -249,6 +249,37 @@ def test_lower_priorities_take_a_capped_share_of_a_step_in_turn(make_engine: Fac
         assert outs == {rid: tokens(out) for rid, out in ref.items()}
 
 
+def test_the_share_stays_capped_a_while_after_the_higher_priority_leaves(make_engine: Factory) -> None:
+    """After the last higher-priority request finishes, lower priorities stay within the
+    share for PRIORITY_HOLD_STEPS steps (the next interactive request, arriving in between,
+    waits for a short step, not a whole batch), then take whole steps again; every answer
+    equals the undisturbed engine's."""
+    from worker_svc.engine.scheduler import PRIORITY_HOLD_STEPS
+
+    long = SamplingParams(temperature=0, max_tokens=PRIORITY_HOLD_STEPS + 12, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ps = prompts(*([6] * 16), 9, seed=37)
+    lows = [(f"low-{i}", p) for i, p in enumerate(ps[:16])]
+    ref = run_all(make_engine(), [(rid, p, long) for rid, p in lows])
+    ref |= run_all(make_engine(), [("high", ps[16], short)])
+    engine = make_engine(priority_step_ratio=2.0)
+    assert engine.step_cost is not None
+    engine.step_cost.plane = lambda: (0.010, 0.0005, 0.0005)  # type: ignore[method-assign]
+    outs: dict[str, list[int]] = {rid: [] for rid in ref}
+    for rid, p in lows:
+        engine.add_request(RequestSpec(rid, p, long, priority=0))
+    _step_tokens(engine, outs)
+    engine.add_request(RequestSpec("high", ps[16], short, priority=5))
+    while "high" in engine.requests:
+        _step_tokens(engine, outs)
+    held = [sum(_step_tokens(engine, outs).values()) for _ in range(PRIORITY_HOLD_STEPS)]
+    assert max(held) <= 11  # within the share one high row would leave (10 ms + 0.5 ms a row)
+    assert sum(_step_tokens(engine, outs).values()) == 16  # the hold is over: every row
+    while engine.has_unfinished():
+        _step_tokens(engine, outs)
+    assert outs == {rid: tokens(out) for rid, out in ref.items()}
+
+
 def _step_tokens(engine: LLMEngine, outs: dict[str, list[int]]) -> dict[str, int]:
     """One step, its tokens added to ``outs``; the tokens each request computed in it."""
     before = {rid: r.num_computed_tokens for rid, r in engine.requests.items()}

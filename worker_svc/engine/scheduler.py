@@ -45,7 +45,10 @@ rows are scheduled first, then lower-priority rows -- those that sat out longest
 their prompts chunked to fit -- up to the tokens that keep the step within a multiple of
 what the highest priority's rows alone would take. A flood of lower priority then costs
 an interactive request a short step, not a full batch, at each of its tokens and before
-its first (docs/design-decisions.md, "Lower priorities' share of a step").
+its first (docs/design-decisions.md, "Lower priorities' share of a step"). The cap holds
+for ``PRIORITY_HOLD_STEPS`` steps after the last higher-priority row ran, as if one of its
+rows were in the step: the next request of that class, arriving between two, then waits
+for a short step to end, not a whole batch.
 
 Short prompts do not wait behind a long one's chunks: a prompt in chunked prefill
 leaves room in each step for the waiting requests next in line (of its priority or
@@ -79,6 +82,8 @@ __all__ = ["MAX_DISPLACEMENTS", "ScheduledRequest", "SchedulerOutput", "StepSche
 MAX_DISPLACEMENTS = 2
 # Short prompts next in line may take up to 1/this of a step beside a chunked prefill.
 SHORT_PROMPT_SHARE = 4
+# Steps the lower priorities' share stays capped after the last higher-priority row ran.
+PRIORITY_HOLD_STEPS = 16
 
 
 @dataclass
@@ -138,6 +143,7 @@ class StepScheduler:
         # the given rows and tokens (None: no cap; module docstring).
         self.lower_share = lower_share
         self.num_steps = 0
+        self._top_seen = (0, -PRIORITY_HOLD_STEPS)  # (priority, step) of the last capping row
         # At most this many LoRA adapters among the running requests (the resident slots).
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -177,6 +183,9 @@ class StepScheduler:
         self.num_steps += 1
         for item in out.scheduled:
             item.request.last_step = self.num_steps
+        top = self._capped_below()
+        if top is not None and any(item.request.priority >= top for item in out.scheduled):
+            self._top_seen = (top, self.num_steps)
         return out
 
     def _build(self, floor: int | None) -> SchedulerOutput:
@@ -203,7 +212,9 @@ class StepScheduler:
         protected = [r for r in self.running if r.priority >= top]
         budget = self._schedule_running(out, protected, self.max_num_batched_tokens, None, short)
         assert self.lower_share is not None  # _capped_below checked it
-        share = self.lower_share(len(out.scheduled), self.max_num_batched_tokens - budget)
+        # None of ``top`` running (the hold): the step one of its requests would share.
+        rows = max(len(out.scheduled), 1)
+        share = self.lower_share(rows, max(self.max_num_batched_tokens - budget, rows))
         lower = sorted((r for r in self.running if r.priority < top), key=lambda r: r.last_step)
         return self._schedule_running(out, lower, budget, None, short, share), share
 
@@ -232,6 +243,9 @@ class StepScheduler:
         if self.lower_share is None or not self.running:
             return None
         top = max(r.priority for r in self.running)
+        held, seen_at = self._top_seen
+        if self.num_steps - seen_at < PRIORITY_HOLD_STEPS:
+            top = max(top, held)
         return top if top > min(r.priority for r in self.running) else None
 
     def _priority_floor(self) -> int | None:
