@@ -25,7 +25,8 @@ PRIORITY_PREEMPTIONS = Gauge(
 FINISHED = Gauge("meshserve_worker_num_finished", "Requests finished since start")
 # The rates the scheduler prices routes with (LoadStats): a KV tier block counts at 1 - their ratio.
 PREFILL_RATE = Gauge(
-    "meshserve_worker_prefill_tokens_per_s", "Prompt tokens per second of recent steps that computed some"
+    "meshserve_worker_prefill_tokens_per_s",
+    "Tokens of long prompts per second of recent steps that computed some",
 )
 TIER_LOAD_RATE = Gauge(
     "meshserve_worker_kv_tier_load_tokens_per_s", "Prompt tokens per second of recent loads from the KV tier"

@@ -269,3 +269,20 @@ def test_engine_reports_its_prompt_queue_and_prefill_rate(make_engine: Callable[
         engine.step()
     stats = engine.stats()
     assert stats.queued_prompt_tokens == 0 and stats.prefill_tokens_per_s > 0.0
+
+
+def test_the_prefill_rate_is_measured_on_long_prompts_only(make_engine: Callable[..., LLMEngine]) -> None:
+    """Short prompts (a quarter of the step budget at most) leave the prefill rate
+    unmeasured: it prices long prompts, which attend over more context."""
+    from worker_svc.engine.scheduler import SHORT_PROMPT_SHARE
+
+    engine = make_engine(max_num_batched_tokens=64)
+    short, long = prompts(64 // SHORT_PROMPT_SHARE, 64 // SHORT_PROMPT_SHARE + 1, seed=41)
+    engine.add_request(RequestSpec("short", short, GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().prefill_tokens_per_s == 0.0
+    engine.add_request(RequestSpec("long", long, GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().prefill_tokens_per_s > 0.0

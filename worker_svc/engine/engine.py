@@ -31,7 +31,7 @@ from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
-from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
+from worker_svc.engine.scheduler import SHORT_PROMPT_SHARE, ScheduledRequest, StepScheduler
 from worker_svc.engine.step_cost import Share, StepCost
 from worker_svc.engine.structured import GrammarBackend, Prepared
 from worker_svc.engine.token_rate import TokenRate
@@ -469,12 +469,17 @@ class LLMEngine:
         return self.step_cost.share(rows, tokens, self.config.priority_step_ratio)
 
     def _measure_prefill(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
-        """The step's prompt tokens (rows computing more than one token) into the prefill
-        rate, and what its chunked prompts left for later steps."""
+        """The step's tokens of long prompts into the prefill rate, and what its chunked
+        prompts left for later steps. Short prompts (the scheduler's: a quarter of a step at
+        most) are left out: their tokens attend over little context and share a step with
+        its fixed cost, so a rate of theirs misprices the long prompts the rate is used to
+        place (docs/design-decisions.md, "A prefill rate of long prompts")."""
         chunks = [item for item in scheduled if item.num_new_tokens > 1]
         self._prefill_left = sum(item.request.num_tokens - item.end for item in chunks)
-        if chunks:
-            self.prefill_rate.add(sum(item.num_new_tokens for item in chunks), seconds)
+        short = self.config.max_num_batched_tokens // SHORT_PROMPT_SHARE
+        tokens = sum(item.num_new_tokens for item in chunks if item.request.num_prompt_tokens > short)
+        if tokens:
+            self.prefill_rate.add(tokens, seconds)
 
     def _sample(self, model_out: ModelOutput) -> SamplerOutput:
         if not model_out.sample_items:
