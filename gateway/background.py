@@ -21,7 +21,8 @@ logged tokens are replayed through a fresh translation -- they make the same eve
 logged ones are not logged again -- and the request goes on after them on a decoder, as a
 mid-stream migration does. A follower sees no seam: no event lost or repeated. A sweep
 never adopts what its own replica still produces, and a producer whose lease lapsed
-unclaimed (its event loop stalled) takes it again. Without Redis there is one replica and
+unclaimed (its event loop stalled) takes it again; one whose lease another replica
+claimed can log nothing more (`ResponseStore.append_event`'s fencing check) and stops. Without Redis there is one replica and
 no adoption.
 
 A background task counts as a request in flight for the gateway's drain.
@@ -62,6 +63,10 @@ RENEW_S = 1.0
 SWEEP_S = 1.0  # how often each replica looks for responses whose producer died
 LOG_RETRIES = 6  # a store call timing out under load is tried again for about 3 s
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+class _LeaseLost(Exception):
+    """Another replica holds the response's lease now: this production stops writing."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,10 @@ class BackgroundResponses:
                     await self._log(p, sequence, data)
                 sequence += 1
             await self._ensure_final(p)
+        except _LeaseLost:
+            log.warning("background response %s: lease lost to another replica", rid)
+            self._forget((owner, rid), asyncio.current_task())
+            return
         except asyncio.CancelledError:
             if watcher.cancelled() or not watcher.done() or watcher.result() != "cancel":
                 raise  # the gateway is stopping, or another replica took the response over
@@ -206,7 +215,8 @@ class BackgroundResponses:
         tokens = json.dumps(fresh).encode()
         for attempt in range(LOG_RETRIES):
             try:
-                await self.store.append_event(owner, rid, sequence, data, tokens)
+                if not await self.store.append_event(owner, rid, sequence, data, tokens, self.me):
+                    raise _LeaseLost
                 return
             except APIError:
                 with contextlib.suppress(APIError):
@@ -228,15 +238,15 @@ class BackgroundResponses:
     async def _finish(self, job: JobRecord, sequence: int) -> None:
         """The end mark after the last event, and the job leaves the responses in progress."""
         with contextlib.suppress(APIError):
-            await self.store.append_event(job.tenant, job.response_id, sequence, END)
-            await self.store.end_job(job.tenant, job.response_id, self.me)
+            if await self.store.append_event(job.tenant, job.response_id, sequence, END, holder=self.me):
+                await self.store.end_job(job.tenant, job.response_id, self.me)
 
     async def _record_end(self, p: _Production, final: dict[str, Any], kind: str) -> None:
         """Stores ``final`` and logs its event after the last one logged (a cancel may
         have cut the producer off around a write), then ends the log (a store outage is
         logged)."""
         owner, rid = p.job.tenant, p.job.response_id
-        with contextlib.suppress(APIError):
+        with contextlib.suppress(APIError, _LeaseLost):
             await self.store.put(owner, StoredResponse(final, p.job.items))
             sequence = await self.store.log_length(owner, rid)
             await self._finish(p.job, await self._append_final(p.job, sequence, final, kind))
@@ -292,7 +302,8 @@ class BackgroundResponses:
         )
         metrics.BACKGROUND.labels(event="adopted").inc()
         if found.response["status"] in TERMINAL:  # it had ended: only its last events are missing
-            await self._finish(job, await self._log_final(job, entries, found.response))
+            with contextlib.suppress(_LeaseLost):
+                await self._finish(job, await self._log_final(job, entries, found.response))
             return
         pipeline = self.pipeline_of(job)
         groups = [(int(i), list(ids)) for _data, fresh in entries for i, ids in json.loads(fresh or b"[]")]
@@ -316,7 +327,8 @@ class BackgroundResponses:
     async def _append_final(self, job: JobRecord, sequence: int, final: dict[str, Any], kind: str) -> int:
         """Logs the final response's event ``kind`` as event ``sequence``; the count logged then."""
         event = named_event(kind, {"type": kind, "sequence_number": sequence, "response": final})
-        await self.store.append_event(job.tenant, job.response_id, sequence, event)
+        if not await self.store.append_event(job.tenant, job.response_id, sequence, event, holder=self.me):
+            raise _LeaseLost
         return sequence + 1
 
     async def close(self) -> None:

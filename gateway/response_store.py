@@ -47,6 +47,13 @@ _RENEW = (
     "local h = redis.call('GET', KEYS[1]) if h == false or h == ARGV[1] then "
     "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 end return 0"
 )
+# An event logged only by the lease's holder (or while nobody holds it): a producer that
+# lost the response to another replica cannot write beside the new one (a fencing check).
+_APPEND = (
+    "local h = redis.call('GET', KEYS[2]) if h ~= false and h ~= ARGV[4] then return 0 end "
+    "redis.call('XADD', KEYS[1], ARGV[1], 'e', ARGV[2], 't', ARGV[3]) "
+    "redis.call('EXPIRE', KEYS[1], ARGV[5]) return 1"
+)
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # A follower's blocking read on Redis: under the client's 1 s socket timeout.
 _BLOCK_MS = 500
@@ -90,6 +97,7 @@ class ResponseStore:
         self._local_logs: dict[str, _LocalLog] = {}
         self._renew = self._redis.register_script(_RENEW) if self._redis is not None else None
         self._release = self._redis.register_script(_RELEASE) if self._redis is not None else None
+        self._append = self._redis.register_script(_APPEND) if self._redis is not None else None
         self._local_cancels: set[str] = set()
 
     @staticmethod
@@ -131,11 +139,16 @@ class ResponseStore:
     # -- background responses' event logs ------------------------------------------
 
     async def append_event(
-        self, owner: str, response_id: str, sequence: int, data: bytes, groups: bytes = b""
-    ) -> None:
+        self, owner: str, response_id: str, sequence: int, data: bytes, groups: bytes = b"", holder: str = ""
+    ) -> bool:
         """Logs event number ``sequence`` (its SSE bytes; ``END`` after the last) with
-        ``groups``, the output tokens that came since the previous event (JSON)."""
+        ``groups``, the output tokens that came since the previous event (JSON); with a
+        ``holder``, only while no other replica holds the response's lease (False then)."""
         key = self.key(owner, response_id) + ":events"
+        if self._redis is not None and holder and self._append is not None:
+            lease = self.key(owner, response_id) + ":lease"
+            args: list[bytes | str | int] = [f"{sequence + 1}-0", data, groups, holder, self.ttl_s]
+            return bool(await self._call(self._append(keys=[key, lease], args=args)))
         if self._redis is None:
             if key not in self._local_logs and len(self._local_logs) >= LOCAL_CAPACITY:
                 oldest = next(iter(self._local_logs))
@@ -145,11 +158,12 @@ class ResponseStore:
             log_.events.append(data)
             log_.changed.set()
             log_.changed = asyncio.Event()
-            return
+            return True
         pipe = self._redis.pipeline(transaction=False)
         pipe.xadd(key, {b"e": data, b"t": groups}, id=f"{sequence + 1}-0")
         pipe.expire(key, self.ttl_s)
         await self._call(pipe.execute())
+        return True
 
     async def log_length(self, owner: str, response_id: str) -> int:
         """How many events are logged (the next one's sequence number, before the end mark)."""

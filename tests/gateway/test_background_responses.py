@@ -15,6 +15,7 @@ import redis
 from gateway_fakes import MODEL, SLOW_STEP_S, Harness, RunningGateway, wait_for
 from prometheus_client import REGISTRY
 
+from gateway.response_store import ResponseStore
 from services.redis_client import RedisServer
 from tests.fake_worker import FakeWorker
 
@@ -191,3 +192,21 @@ def test_redis_down_is_a_503_naming_the_store(harness: Harness) -> None:
         ).choices
     finally:
         harness.stop_gateway(gw)
+
+
+async def test_only_the_lease_holder_logs_events(redis_server: RedisServer) -> None:
+    """The fencing check: an event is logged by the response's lease holder, or while
+    nobody holds it; a producer whose lease another replica took writes nothing."""
+    store = ResponseStore(redis_server.url, ttl_s=60)
+    try:
+        owner, rid = "owner", f"resp_{time.monotonic_ns()}"
+        assert await store.append_event(owner, rid, 0, b"e0", holder="a")  # nobody holds it
+        await store.begin_job(owner, rid, b"{}", "a", 3.0)
+        assert await store.append_event(owner, rid, 1, b"e1", holder="a")
+        assert await store.orphaned_jobs("b", 3.0) == []  # a's lease is live
+        redis.Redis.from_url(redis_server.url).set(store.key(owner, rid) + ":lease", "b")  # b took it
+        assert not await store.append_event(owner, rid, 2, b"e2-from-a", holder="a")
+        assert await store.append_event(owner, rid, 2, b"e2", holder="b")
+        assert [data for data, _ in await store.read_log(owner, rid)] == [b"e0", b"e1", b"e2"]
+    finally:
+        await store.close()
