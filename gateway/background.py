@@ -22,8 +22,8 @@ logged ones are not logged again -- and the request goes on after them on a deco
 mid-stream migration does. A follower sees no seam: no event lost or repeated. A sweep
 never adopts what its own replica still produces, and a producer whose lease lapsed
 unclaimed (its event loop stalled) takes it again; one whose lease another replica
-claimed can log nothing more (`ResponseStore.append_event`'s fencing check) and stops. Without Redis there is one replica and
-no adoption.
+claimed can log nothing more (`ResponseStore.append_event`'s fencing check) and stops.
+Without Redis there is one replica and no adoption.
 
 A background task counts as a request in flight for the gateway's drain.
 """
@@ -215,7 +215,7 @@ class BackgroundResponses:
         tokens = json.dumps(fresh).encode()
         for attempt in range(LOG_RETRIES):
             try:
-                if not await self.store.append_event(owner, rid, sequence, data, tokens, self.me):
+                if not await self.store.append_event(owner, rid, sequence, data, self.me, tokens):
                     raise _LeaseLost
                 return
             except APIError:

@@ -139,17 +139,13 @@ class ResponseStore:
     # -- background responses' event logs ------------------------------------------
 
     async def append_event(
-        self, owner: str, response_id: str, sequence: int, data: bytes, groups: bytes = b"", holder: str = ""
+        self, owner: str, response_id: str, sequence: int, data: bytes, holder: str, groups: bytes = b""
     ) -> bool:
         """Logs event number ``sequence`` (its SSE bytes; ``END`` after the last) with
-        ``groups``, the output tokens that came since the previous event (JSON); with a
-        ``holder``, only while no other replica holds the response's lease (False then)."""
+        ``groups``, the output tokens that came since the previous event (JSON), unless a
+        replica other than ``holder`` holds the response's lease (False then)."""
         key = self.key(owner, response_id) + ":events"
-        if self._redis is not None and holder and self._append is not None:
-            lease = self.key(owner, response_id) + ":lease"
-            args: list[bytes | str | int] = [f"{sequence + 1}-0", data, groups, holder, self.ttl_s]
-            return bool(await self._call(self._append(keys=[key, lease], args=args)))
-        if self._redis is None:
+        if self._redis is None or self._append is None:
             if key not in self._local_logs and len(self._local_logs) >= LOCAL_CAPACITY:
                 oldest = next(iter(self._local_logs))
                 del self._local_logs[oldest]
@@ -159,11 +155,9 @@ class ResponseStore:
             log_.changed.set()
             log_.changed = asyncio.Event()
             return True
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(key, {b"e": data, b"t": groups}, id=f"{sequence + 1}-0")
-        pipe.expire(key, self.ttl_s)
-        await self._call(pipe.execute())
-        return True
+        lease = self.key(owner, response_id) + ":lease"
+        args: list[bytes | str | int] = [f"{sequence + 1}-0", data, groups, holder, self.ttl_s]
+        return bool(await self._call(self._append(keys=[key, lease], args=args)))
 
     async def log_length(self, owner: str, response_id: str) -> int:
         """How many events are logged (the next one's sequence number, before the end mark)."""
