@@ -39,7 +39,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from gateway import metrics
@@ -100,6 +100,14 @@ class Pipeline(Protocol):
 
 
 @dataclass
+class _Stop:
+    """Why a production's watcher stops it: "cancel", or "lost" (another replica claimed
+    it); "" while it goes on."""
+
+    reason: str = ""
+
+
+@dataclass
 class _Production:
     """One response being produced here: its job, translation, runs and where its log is."""
 
@@ -109,6 +117,7 @@ class _Production:
     multi: MultiRun
     logged: int = 0  # events already in the log (an adopted response's replay skips them)
     groups_sent: int = 0  # the run's output groups already in the log
+    stop: _Stop = field(default_factory=_Stop)
 
 
 class BackgroundResponses:
@@ -173,12 +182,12 @@ class BackgroundResponses:
         owner, rid = p.job.tenant, p.job.response_id
         started = StartedRequest(p.ctx, rid, p.pipeline.chat.model or "", p.multi)
         streamer = ChatStreamer(started, p.pipeline.chat, "/v1/responses")
-        watcher = asyncio.create_task(self._watch(owner, rid, asyncio.current_task()))
+        watcher = asyncio.create_task(self._watch(owner, rid, p.stop, asyncio.current_task()))
         sequence = 0
         try:
             if not p.logged:
                 await self.store.put(owner, StoredResponse(p.pipeline.snapshot("in_progress"), p.job.items))
-            async for data in p.pipeline.events(streamer):
+            async for data in _until_stopped(p.pipeline.events(streamer), p.stop):
                 if sequence >= p.logged:
                     await self._log(p, sequence, data)
                 sequence += 1
@@ -188,7 +197,7 @@ class BackgroundResponses:
             self._forget((owner, rid), asyncio.current_task())
             return
         except asyncio.CancelledError:
-            if watcher.cancelled() or not watcher.done() or watcher.result() != "cancel":
+            if p.stop.reason != "cancel":
                 raise  # the gateway is stopping, or another replica took the response over
             metrics.BACKGROUND.labels(event="cancelled").inc()
             await self._record_end(p, p.pipeline.snapshot("cancelled"), "response.cancelled")
@@ -251,28 +260,26 @@ class BackgroundResponses:
             sequence = await self.store.log_length(owner, rid)
             await self._finish(p.job, await self._append_final(p.job, sequence, final, kind))
 
-    async def _watch(self, owner: str, rid: str, generation: asyncio.Task[Any] | None) -> str:
-        """Renews the lease and polls the cancel flag; cancels ``generation`` on a cancel
-        ("cancel") or when the lease was lost to another replica ("lost")."""
+    async def _watch(self, owner: str, rid: str, stop: _Stop, generation: asyncio.Task[Any] | None) -> None:
+        """Renews the lease and polls the cancel flag; on a cancel ("cancel") or when the
+        lease was lost to another replica ("lost"), sets ``stop.reason`` and cancels
+        ``generation`` (which also stops at its next event: `_until_stopped`)."""
         renewed = time.monotonic()
-        while True:  # flags and leases another replica may set: polled
+        while not stop.reason:  # flags and leases another replica may set: polled
             await asyncio.sleep(CANCEL_POLL_S)
             try:
                 if await self.store.cancel_requested(owner, rid):
-                    outcome = "cancel"
-                    break
-                if time.monotonic() - renewed >= RENEW_S:
+                    stop.reason = "cancel"
+                elif time.monotonic() - renewed >= RENEW_S:
                     if not await self.store.renew_lease(owner, rid, self.me, LEASE_S):
                         log.warning("background response %s: lease lost to another replica", rid)
                         self._forget((owner, rid), generation)  # a later sweep may adopt it again
-                        outcome = "lost"
-                        break
+                        stop.reason = "lost"
                     renewed = time.monotonic()
             except APIError:
                 continue  # the store is down: the generation goes on
         if generation is not None:
             generation.cancel()
-        return outcome
 
     # -- adoption -----------------------------------------------------------------------
 
@@ -340,6 +347,17 @@ class BackgroundResponses:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
+
+
+async def _until_stopped(events: AsyncIterator[bytes], stop: _Stop) -> AsyncIterator[bytes]:
+    """``events`` until ``stop`` has a reason, then CancelledError: the watcher's cancel
+    alone can be lost. Python 3.11's asyncio.wait_for (redis-py's socket writes, each
+    logged event's) returns its inner call's result when a cancel arrives as that call
+    ends, and the generation would go on to its end."""
+    async for data in events:
+        if stop.reason:
+            raise asyncio.CancelledError
+        yield data
 
 
 async def cancel(store: ResponseStore, owner: str, record: StoredResponse) -> dict[str, Any]:

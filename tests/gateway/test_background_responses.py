@@ -5,9 +5,10 @@ aborted on its worker); refusals name their field; Redis down is a 503 naming th
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, cast
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ import redis
 from gateway_fakes import MODEL, SLOW_STEP_S, Harness, RunningGateway, wait_for
 from prometheus_client import REGISTRY
 
+from gateway import background
 from gateway.response_store import ResponseStore
 from services.redis_client import RedisServer
 from tests.fake_worker import FakeWorker
@@ -209,4 +211,43 @@ async def test_only_the_lease_holder_logs_events(redis_server: RedisServer) -> N
         assert await store.append_event(owner, rid, 2, b"e2", holder="b")
         assert [data for data, _ in await store.read_log(owner, rid)] == [b"e0", b"e1", b"e2"]
     finally:
+        await store.close()
+
+
+async def test_a_flagged_cancel_stops_a_generation_whose_task_cancels_are_lost(
+    redis_server: RedisServer,
+) -> None:
+    """A cancel flagged in the store stops the producer's generation at its next event
+    even when its task's cancel is lost: Python 3.11's asyncio.wait_for, through which
+    redis-py writes each logged event, drops a cancel arriving as its inner call ends."""
+    store = ResponseStore(redis_server.url, ttl_s=60)
+    responses = background.BackgroundResponses(store, cast(Any, None), cast(Any, None), cast(Any, None))
+    owner, rid, stop = "owner", f"resp_{time.monotonic_ns()}", background._Stop()
+
+    async def written() -> None:
+        return None
+
+    async def events() -> AsyncIterator[bytes]:
+        while True:
+            await asyncio.wait_for(written(), 1.0)  # as each event's socket write
+            yield b"event"
+
+    async def produce() -> str:
+        try:
+            async for _ in background._until_stopped(events(), stop):
+                pass
+        except asyncio.CancelledError:
+            return stop.reason
+        return "ended"
+
+    task = asyncio.create_task(produce())
+    watcher = asyncio.create_task(responses._watch(owner, rid, stop, task))
+    try:
+        await asyncio.sleep(0.3)
+        await store.request_cancel(owner, rid)
+        done, _ = await asyncio.wait({task}, timeout=3.0)
+        assert task in done and task.result() == "cancel"
+    finally:
+        task.cancel()
+        watcher.cancel()
         await store.close()
