@@ -123,6 +123,35 @@ async def test_consumer_break_and_cancel_abort(make_async: Callable[..., AsyncLL
     assert engine.stats().num_aborted == 3
 
 
+async def test_queued_prompt_tokens_count_a_request_before_the_engine_takes_it(
+    make_async: Callable[..., AsyncLLMEngine],
+) -> None:
+    """A request submitted while the engine thread is busy (here: in a call; in service: a
+    long prompt's step) counts in the queued prompt tokens at once, not only once a later
+    snapshot has it; once it has run, nothing of it is counted twice."""
+    engine = make_async()
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(_: LLMEngine) -> None:
+        busy.set()
+        release.wait(10)
+
+    held = asyncio.ensure_future(engine.call(hold))
+    prompt = prompts(40)[0]
+    try:
+        assert await asyncio.to_thread(busy.wait, 10)
+        before = engine.stats().queued_prompt_tokens
+        collected = asyncio.ensure_future(collect(engine, "q", prompt, GREEDY))
+        await asyncio.sleep(0)  # submitted (generate's first step)
+        assert engine.stats().queued_prompt_tokens == before + len(prompt)
+    finally:
+        release.set()
+    await held
+    assert tokens(await collected)
+    await wait_for_blocks_released(engine)
+    assert engine.stats().queued_prompt_tokens == 0
+
+
 async def test_abort_ends_stream_with_abort(make_async: Callable[..., AsyncLLMEngine]) -> None:
     engine = make_async()
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker_svc.engine.block_manager import KvEvent
@@ -145,9 +145,13 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards _closed + enqueueing, and _active
+        self._lock = threading.Lock()  # guards _closed + enqueueing, _active and _unseen
         self._closed = False
         self._active: set[str] = set()
+        # Tokens to compute of the requests submitted that the latest snapshot does not
+        # count yet (they reach the engine between two steps): `stats`.
+        self._unseen: dict[str, int] = {}
+        self._added: list[str] = []  # engine-thread owned: added since the last snapshot
         self._streams: dict[str, _Stream] = {}  # engine-thread owned
         self._stats: EngineStats = engine.stats()
 
@@ -166,8 +170,19 @@ class AsyncLLMEngine:
                 self._thread.start()
 
     def stats(self) -> EngineStats:
-        """Snapshot taken by the engine thread after its latest step."""
-        return self._stats
+        """Snapshot taken by the engine thread after its latest step, its queued prompt
+        tokens with those of the requests submitted since: a worker lists a request's lease
+        as soon as it is submitted, and the scheduler then stops counting the route's tokens
+        itself, while the step running then and the next one pass before a snapshot counts
+        them (the engine takes requests in between steps)."""
+        snapshot = self._stats
+        with self._lock:
+            unseen = sum(self._unseen.values())
+        return (
+            replace(snapshot, queued_prompt_tokens=snapshot.queued_prompt_tokens + unseen)
+            if unseen
+            else snapshot
+        )
 
     def _send(self, command: _Command) -> None:
         with self._lock:
@@ -192,6 +207,7 @@ class AsyncLLMEngine:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._active.add(request_id)
+            self._unseen[request_id] = len(spec.prompt_token_ids) + len(spec.resumed_output)
 
         def deliver(item: _Item) -> None:
             if isinstance(item, BaseException) or item.finished:
@@ -205,6 +221,7 @@ class AsyncLLMEngine:
         except BaseException:
             with self._lock:
                 self._active.discard(request_id)
+                self._unseen.pop(request_id, None)
             raise
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
@@ -274,7 +291,7 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self._stats = self.engine.stats()
+                self._snapshot()
         except BaseException as exc:  # a bug in the loop itself: never leave consumers hanging
             log.exception("engine thread crashed")
             with self._lock:
@@ -311,7 +328,18 @@ class AsyncLLMEngine:
                 self._handle_abort(command)
         return True
 
+    def _snapshot(self) -> None:
+        """The engine's counters after a step; the requests it took in before the step
+        are in them now."""
+        self._stats = self.engine.stats()
+        if self._added:
+            with self._lock:
+                for request_id in self._added:
+                    self._unseen.pop(request_id, None)
+            self._added.clear()
+
     def _handle_add(self, cmd: _Add) -> None:
+        self._added.append(cmd.spec.request_id)
         try:
             self.engine.add_request(cmd.spec, validated=True)  # by `submit`
         except ValueError as exc:
