@@ -31,7 +31,7 @@ from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
-from worker_svc.engine.scheduler import SHORT_PROMPT_SHARE, ScheduledRequest, StepScheduler
+from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
 from worker_svc.engine.step_cost import Share, StepCost
 from worker_svc.engine.structured import GrammarBackend, Prepared
 from worker_svc.engine.token_rate import TokenRate
@@ -476,7 +476,7 @@ class LLMEngine:
         place (docs/design-decisions.md, "A prefill rate of long prompts")."""
         chunks = [item for item in scheduled if item.num_new_tokens > 1]
         self._prefill_left = sum(item.request.num_tokens - item.end for item in chunks)
-        short = self.config.max_num_batched_tokens // SHORT_PROMPT_SHARE
+        short = self.scheduler.short_prompt_tokens
         tokens = sum(item.num_new_tokens for item in chunks if item.request.num_prompt_tokens > short)
         if tokens:
             self.prefill_rate.add(tokens, seconds)

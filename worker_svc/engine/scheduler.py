@@ -153,6 +153,12 @@ class StepScheduler:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # preemptions by a waiting request of higher priority
 
+    @property
+    def short_prompt_tokens(self) -> int:
+        """The most tokens of a short prompt: ``1 / SHORT_PROMPT_SHARE`` of a step (module
+        docstring)."""
+        return self.max_num_batched_tokens // SHORT_PROMPT_SHARE
+
     def add(self, request: Request) -> None:
         """Queue a new (or preempted) request."""
         bisect.insort(self.waiting, request, key=_waiting_key)
@@ -222,7 +228,7 @@ class StepScheduler:
         """(priority, uncached prompt tokens) of the waiting requests next in line whose
         prompts fit whole in the short prompts' share of a step together (module
         docstring): a chunked prefill leaves them room."""
-        limit = self.max_num_batched_tokens // SHORT_PROMPT_SHARE
+        limit = self.short_prompt_tokens
         slots = self.max_num_seqs - len(self.running)
         short: list[tuple[int, int]] = []
         total = 0
