@@ -175,6 +175,12 @@ class BackgroundResponses:
         if self._producing.get(key) is task:
             del self._producing[key]
 
+    def _lease_lost(self, key: tuple[str, str], task: asyncio.Task[Any] | None) -> None:
+        """Another replica claimed ``key`` from ``task``: it stops here, and a later sweep
+        may adopt the response again."""
+        log.warning("background response %s: lease lost to another replica", key[1])
+        self._forget(key, task)
+
     async def _produce(self, p: _Production) -> None:
         """Runs the generation, logging every event, until its end or a cancel."""
         from gateway.answers import StartedRequest
@@ -193,8 +199,7 @@ class BackgroundResponses:
                 sequence += 1
             await self._ensure_final(p)
         except _LeaseLost:
-            log.warning("background response %s: lease lost to another replica", rid)
-            self._forget((owner, rid), asyncio.current_task())
+            self._lease_lost((owner, rid), asyncio.current_task())
             return
         except asyncio.CancelledError:
             if p.stop.reason != "cancel":
@@ -272,8 +277,7 @@ class BackgroundResponses:
                     stop.reason = "cancel"
                 elif time.monotonic() - renewed >= RENEW_S:
                     if not await self.store.renew_lease(owner, rid, self.me, LEASE_S):
-                        log.warning("background response %s: lease lost to another replica", rid)
-                        self._forget((owner, rid), generation)  # a later sweep may adopt it again
+                        self._lease_lost((owner, rid), generation)
                         stop.reason = "lost"
                     renewed = time.monotonic()
             except APIError:
