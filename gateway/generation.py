@@ -20,7 +20,10 @@ Data flow of a `GenerationRun`:
   (`GenerateRequest.resumed`); the new worker continues after them -- same seeded
   draws, same max_tokens budget -- and the choices' detokenizers go on where they
   were, so the client's stream shows no seam (up to `max_migrations` per request,
-  then a 503);
+  then a 503). A worker that ends the request as moved (FINISH_REASON_MOVED: a P/D
+  prefill worker before a long prefill) is left the same way, as no failure: it takes
+  none of `max_migrations`. Once an attempt has failed, its later output is ignored:
+  the next attempt resumes after what the client was sent;
 * the lease goes back to the scheduler (batched on the route stream) when the request
   ends on its worker, fails over, migrates, or the run is closed.
 
@@ -65,8 +68,13 @@ _FINISH_NAMES: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
-# A sequence the worker ended this way did not finish: the request failed there.
-_FAILED_REASONS = (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR)
+# A sequence the worker ended this way did not finish: the request goes on elsewhere
+# ("reroute", "move") or fails.
+_UNFINISHED_RETRY = {
+    common_pb2.FINISH_REASON_ABORT: "reroute",
+    common_pb2.FINISH_REASON_ERROR: "",
+    common_pb2.FINISH_REASON_MOVED: "move",
+}
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,8 @@ class _Failure:
     """The request failed upstream; `retry` says how it may go on before any output."""
 
     error: APIError
-    retry: str = ""  # "" (give up), "reroute" (exclude the worker) or "reencode"
+    # "" (give up), "reroute" (exclude the worker), "move" (exclude it, no failure) or "reencode"
+    retry: str = ""
 
 
 class RunState(Enum):
@@ -199,6 +208,7 @@ class GenerationRun:
         self._force_encode = False
         self._attempts = 0
         self._migrations = 0
+        self._attempt_failed = False  # a failure of the running attempt is queued
         self._state = RunState.NEW
         self._cached_tokens = 0
         self._deadline: asyncio.TimerHandle | None = None
@@ -327,7 +337,7 @@ class GenerationRun:
                 # What the client's prompt found cached (a migrated run re-reads prompt + output).
                 self._cached_tokens = response.usage.cached_tokens
         for delta in response.deltas:
-            if 0 <= delta.index < len(self._choices):
+            if 0 <= delta.index < len(self._choices) and not self._attempt_failed:
                 self._on_delta(self._choices[delta.index], delta)
         if response.finished:
             self._upstream_ended()
@@ -336,11 +346,11 @@ class GenerationRun:
         if choice.ended:
             return
         reason = delta.finish_reason
-        if reason in _FAILED_REASONS:
+        if reason in _UNFINISHED_RETRY:
             # This run's own aborts drop the request's sink first: an abort that arrives
             # came from the worker (shutting down), so the request may go on elsewhere.
-            retry = "reroute" if reason == common_pb2.FINISH_REASON_ABORT else ""
-            self._queue.put_nowait(_Failure(_upstream_failure(reason), retry))
+            self._attempt_failed = True
+            self._queue.put_nowait(_Failure(_upstream_failure(reason), _UNFINISHED_RETRY[reason]))
             return
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
@@ -451,6 +461,10 @@ class GenerationRun:
             log.warning("%s: %s; routing again", self.spec.request_id, failure.error.message)
         elif failure.retry == "reroute" and received:
             self._migrate(failure, received)
+        elif failure.retry == "move":
+            self._excluded.append(self._attempt_worker)
+            metrics.MIGRATIONS.labels(outcome="moved").inc()
+            log.debug("%s: %s after %d tokens", self.spec.request_id, failure.error.message, received)
         else:
             raise failure.error
         self._abandon_attempt()
@@ -485,6 +499,7 @@ class GenerationRun:
         self._forget()
         self._move(RunState.ROUTING)
         self._queue = asyncio.Queue()
+        self._attempt_failed = False
 
     async def _finish_upstream(self) -> None:
         """Every choice ended: abort generation still running, wait briefly for usage."""
@@ -530,4 +545,6 @@ class GenerationRun:
 def _upstream_failure(reason: int) -> APIError:
     if reason == common_pb2.FINISH_REASON_ABORT:
         return APIError(503, "worker: the request was aborted by the server", code="aborted")
+    if reason == common_pb2.FINISH_REASON_MOVED:
+        return APIError(503, "worker: the request was moved to another worker", code="moved")
     return APIError(500, "worker: generation failed inside the serving stack", code="internal")

@@ -95,8 +95,9 @@ REROUTES = Counter(
 MIGRATIONS = Counter(
     "meshserve_gateway_migrations_total",
     "Requests whose worker was lost after tokens arrived, by outcome: migrated (continued on "
-    "another worker from the prompt plus the output so far) or limit_reached (ended with an "
-    "error, max_migrations reached)",
+    "another worker from the prompt plus the output so far), limit_reached (ended with an "
+    "error, max_migrations reached), or moved (no failure: a P/D prefill worker handed its "
+    "stream to a decoder before a long prefill, continued likewise)",
     ["outcome"],
 )
 WORKER_STREAMS = Counter(

@@ -29,7 +29,11 @@ hand-off from it would add a pull and a decoder step to that very prefill), else
 decoder, which the rule above then has prefill it or hand it off. The margin applies only
 while prefill workers take hand-offs alone: when they carry streams too, a prefill on
 either side stalls some, and the soonest side takes the prompt (docs/design-decisions.md,
-"P/D: prefill workers also take whole requests").
+"P/D: prefill workers also take whole requests"). A stream on an engine computing a long
+prompt gets one token per chunk step, so while every prefill worker has a long prompt
+queued, short prompts keep to the decoders (`short_on_decoders`), and a prefill worker
+moves the short streams it holds to a decoder before a long prefill starts (the worker
+ends them as moved; the gateway resumes them elsewhere with their output so far).
 
 Only healthy prefill workers with room, the decoder's KV layout and a heartbeat within
 ``silent_after_s`` are candidates: a hung (SIGSTOPped) one stops getting hand-offs within
@@ -51,6 +55,10 @@ from scheduler_svc.registry import WorkerRegistry, WorkerState
 __all__ = ["Handoff", "PdDecider"]
 
 log = logging.getLogger(__name__)
+
+# A prefill worker with at least 1/this of a hand-off's length queued takes no short
+# prompts while a decoder has room (`PdDecider.short_on_decoders`).
+LONG_QUEUE_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,25 @@ class PdDecider:
         best = min(decoders, key=seconds)
         own_s = (prompt_tokens - cached(best)) / rate(best)
         return min(map(seconds, prefill)) <= seconds(best) + self._margin(registry) * own_s
+
+    def short_on_decoders(self, registry: WorkerRegistry, model: str) -> bool:
+        """Whether a prompt too short for a hand-off keeps to the decoders
+        (``pd_prefill_decodes`` and the ``estimate`` decision): every live prefill worker
+        has a long prompt's tokens queued (a quarter of a hand-off's length), so a stream
+        placed there would wait for its prefill steps (and be moved off before them), and
+        a decoder has room."""
+        if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
+            return False
+        prefill = self._live_prefill(registry, model)
+        long_queue = self.min_prompt_tokens // LONG_QUEUE_SHARE
+        busy = all(w.load.queued_prompt_tokens + w.routed_prompt_tokens >= long_queue for w in prefill)
+        return (
+            bool(prefill)
+            and busy
+            and any(
+                w.spec.role != "prefill" and w.has_capacity() for w in registry.candidates(model, "decoder")
+            )
+        )
 
     def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s

@@ -174,7 +174,9 @@ class Router:
                 registry, routing.model, prompt_tokens, lambda w: self._cached_tokens(routing, w)
             )
             routing.only_role = "prefill" if whole else "decoder"
-        if exclude:
+        elif self.pd.short_on_decoders(registry, routing.model):
+            routing.only_role = "decoder"
+        if exclude and not request.resumed:  # a migration or a move is not a failover
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
         return routing
 

@@ -8,7 +8,7 @@ is already running or the worker is `draining`, or when its script refuses it. E
 step makes one token per unfinished choice: finish STOP (the script's stop token) once
 the script's tokens run out, LENGTH at max_tokens (`tokens` when the request sets none);
 the last message carries the usage (with `cached_tokens`). An abort ends the request
-with a final FINISH_REASON_ABORT message. A migrated request's choices go on after the
+with a final FINISH_REASON_ABORT message (a plan's move: FINISH_REASON_MOVED). A migrated request's choices go on after the
 tokens they already produced. Records every request added, every abort, the requests
 completed and cancelled and the errors sent.
 
@@ -95,6 +95,11 @@ class Plan:
 
     def aborts(self, position: int) -> bool:
         """Whether the worker aborts the request by itself after `position` tokens of choice 0."""
+        return False
+
+    def moves(self, position: int) -> bool:
+        """Whether the worker ends the request as moved after `position` tokens of choice 0
+        (as a P/D prefill worker does before a long prefill; never a resumed request)."""
         return False
 
     def pause_s(self, position: int, delay: float) -> float:
@@ -476,7 +481,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 yield failure.error(request.request_id)
                 return
             if run.aborted.is_set() or plan.aborts(position):
-                yield self._aborted(request, choices)
+                yield self._ended(request, choices, common_pb2.FINISH_REASON_ABORT)
+                return
+            if plan.moves(position) and not request.resumed:
+                yield self._ended(request, choices, common_pb2.FINISH_REASON_MOVED)
                 return
             deltas = [self._delta(request, plan, c) for c in choices if not c.done]
             response = common_pb2.GenerateResponse(request_id=request.request_id, deltas=deltas)
@@ -528,14 +536,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             cached_tokens=self.cached_tokens,
         )
 
-    def _aborted(
-        self, request: common_pb2.GenerateRequest, choices: list[_Choice]
+    def _ended(
+        self, request: common_pb2.GenerateRequest, choices: list[_Choice], reason: int
     ) -> common_pb2.GenerateResponse:
-        """The last message of an aborted request: ABORT for every unfinished choice."""
+        """The last message of a request aborted or moved: `reason` for every unfinished choice."""
         deltas = [
-            common_pb2.SequenceDelta(index=c.index, finish_reason=common_pb2.FINISH_REASON_ABORT)
-            for c in choices
-            if not c.done
+            common_pb2.SequenceDelta(index=c.index, finish_reason=reason) for c in choices if not c.done
         ]
         usage = self._usage(request, choices)
         return common_pb2.GenerateResponse(

@@ -21,6 +21,7 @@ FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "moved": common_pb2.FINISH_REASON_MOVED,
 }
 
 

@@ -72,6 +72,8 @@ async def _start_decoder(
     engine = await asyncio.to_thread(
         AsyncLLMEngine, config.engine, publisher.publish if publisher is not None else None
     )
+    # A prefill worker's short streams move to a decoder before a long prefill (P/D).
+    engine.engine.moves_streams = config.role == "prefill"
     engine.start()
     # Its KV layout names the served model, so only workers of that model pair up (P/D).
     engine.engine.kv.layout = engine.engine.kv_layout(identity.model)

@@ -29,7 +29,8 @@ abort. Each is served by the harness and registered with the fake scheduler.
 Prompt keywords: TOOL, JSON, SLOW (200 ticks, 20 ms per step), UNICODE (non-ASCII
 text), ENDLESS (the usual text, then a slow endless tail: only an abort or max_tokens
 ends it), CRASH (RequestError INTERNAL after 3 tokens), WORKER_ABORTS (the worker aborts
-the request by itself after its first token), OVERLOAD (the route answers
+the request by itself after its first token), WORKER_MOVES (the worker ends it as moved
+after 3 tokens, unless it is resumed), OVERLOAD (the route answers
 RESOURCE_EXHAUSTED), WORKER_REFUSES (RequestError INVALID_ARGUMENT naming top_k),
 GRAMMAR_REFUSED (INVALID_ARGUMENT naming structured_outputs, as a worker refusing a constraint),
 EVICTED (the first add of a request id fails FAILED_PRECONDITION, as when image
@@ -446,6 +447,10 @@ class KeywordPlan(Plan):
     def aborts(self, position: int) -> bool:
         """WORKER_ABORTS: the worker aborts the request by itself after its first token."""
         return "WORKER_ABORTS" in self.prompt and position >= 1
+
+    def moves(self, position: int) -> bool:
+        """WORKER_MOVES: the worker ends the request as moved after 3 tokens."""
+        return "WORKER_MOVES" in self.prompt and position >= 3
 
     def pause_s(self, position: int, delay: float) -> float:
         """SLOW, and ENDLESS past its fast part: SLOW_STEP_S per step."""

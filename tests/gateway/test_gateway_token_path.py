@@ -225,6 +225,50 @@ def test_only_worker_stream_reset_migrates_to_it_again(harness: Harness, http: h
     assert_released(harness.scheduler, request_id, count=2)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_moved_request_goes_on_elsewhere_seamlessly_and_is_no_migration(harness: Harness, n: int) -> None:
+    """A worker ends a request as moved after 3 tokens (as a P/D prefill worker moves its
+    short streams before a long prefill): the gateway routes it again without that worker,
+    with every choice's tokens so far, and the client's stream shows no seam. A move is no
+    failure: it goes on with max_migrations=0, and counts as `moved`, not `migrated`."""
+    body = chat("WORKER_MOVES", stream=True, n=n, stream_options={"include_usage": True})
+    with (
+        harness.extra_worker("mover") as mover,
+        harness.gateway(max_migrations=0) as gw,
+        httpx.Client(base_url=gw.url, timeout=20) as http,
+    ):
+        before = [_migrations(http, outcome) for outcome in ("moved", "migrated")]
+        status, events = post(gw.url, body)
+        assert status == 200
+        moved, migrated = (
+            _migrations(http, o) - b for o, b in zip(("moved", "migrated"), before, strict=True)
+        )
+        assert mover.worker.last_request.request_id == json.loads(events[0])["id"]
+    assert isinstance(events, list) and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    texts = dict.fromkeys(range(n), "")
+    for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == {i: keyword_text("WORKER_MOVES", i) for i in range(n)}
+    request_id = chunks[0]["id"]
+    assert [list(r.exclude_worker_ids) for r in harness.scheduler.routes_of(request_id)] == [[], ["mover"]]
+    resumed = harness.worker.last_request
+    assert sorted(len(r.token_ids) for r in resumed.resumed) == [3] * n
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(len(encode(t)) for t in texts.values())
+    assert (moved, migrated) == (1, 0)
+    assert_released(harness.scheduler, request_id, count=2)
+
+
+def _migrations(http: httpx.Client, outcome: str) -> float:
+    """The gateway's meshserve_gateway_migrations_total{outcome} (0 before the first)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(f'meshserve_gateway_migrations_total{{outcome="{outcome}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_migration_limit_ends_stream_with_error(harness: Harness) -> None:
     """With max_migrations=0 a worker lost after tokens ends the SSE stream with a clear
     error event and [DONE] (no hang, not routed again); its lease is released."""

@@ -315,6 +315,23 @@ async def test_a_prefill_worker_takes_whole_the_short_requests_the_policy_ranks_
     assert sched.lease_ids() == set()
 
 
+async def test_short_prompts_keep_off_a_prefill_worker_with_a_long_prompt_queued(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """pd_prefill_decodes: a short prompt the policy ranks the prefill worker best for
+    (the decoder busier) goes to the decoder while the prefill worker reports a quarter of
+    a hand-off's length queued (there, its stream would wait for a long prefill's steps),
+    and to the prefill worker again once what it has queued is less."""
+    sched, decoder, prefill = await _measured_pd_mesh(start_scheduler, start_worker, strict=False)
+    routes = []
+    for queued in (3, 2):  # pd_min_prompt_tokens 12: a long prompt queued from 3 tokens
+        await _report((decoder, {"num_waiting": 6}), (prefill, {"queued_prompt_tokens": queued}))
+        routes.append(await sched.route(list(range(40 + queued, 48 + queued))))
+        await sched.release(routes[-1].lease_id)
+    assert [r.worker_id for r in routes] == ["d1", "p1"]
+    assert sched.lease_ids() == set()
+
+
 async def test_a_long_prompt_goes_whole_where_it_is_computed_soonest(
     start_scheduler: Any, start_worker: Any
 ) -> None:

@@ -93,6 +93,53 @@ def test_short_prompts_and_decodes_run_beside_a_long_prompts_chunks(make_engine:
     assert outs == alone
 
 
+def test_a_prefill_worker_moves_its_short_streams_before_a_long_prefill(make_engine: Factory) -> None:
+    """``moves_streams`` (a P/D prefill worker): when a long prompt arrives, the short
+    requests that are decoding end as "moved" in a step that runs no forward, before the
+    long prompt's first chunk, their blocks freed; a short request resumed from elsewhere
+    and one with a longer prompt stay. Resumed on another engine with its output so far,
+    the moved request's answer equals the one it gives alone."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chat, guest, mid, long_prompt = prompts(7, 7, 12, 200, seed=41)
+    alone = {
+        rid: tokens(run_all(make_engine(), [(rid, p, params)])[rid])
+        for rid, p in (("chat", chat), ("guest", guest))
+    }
+    engine = make_engine(max_num_batched_tokens=32)  # short prompts: up to 32 / 4 tokens
+    engine.moves_streams = True
+    outs: dict[str, list[int]] = {"chat": [], "guest": [], "mid": [], "long": []}
+    engine.add_request(RequestSpec("chat", chat, params))
+    engine.add_request(RequestSpec("guest", guest, params, resumed_output=alone["guest"][:2]))
+    engine.add_request(RequestSpec("mid", mid, params))
+    for _ in range(2):
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    engine.add_request(RequestSpec("long", long_prompt, params))
+    steps, used = engine.num_steps, engine.block_manager.num_used_blocks()
+    ended = [(o.request_id, o.finish_reason, o.new_token_ids) for o in engine.step() if o.finished]
+    assert ended == [("chat", "moved", [])]
+    assert engine.num_steps == steps and engine.requests["long"].num_computed_tokens == 0
+    assert engine.block_manager.num_used_blocks() < used and "chat" not in engine.requests
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "moved", out
+            outs[out.request_id] += out.new_token_ids
+    assert outs["guest"] == alone["guest"][2:]
+    resumed = run_all_resumed(make_engine(), "chat", chat, params, outs["chat"])
+    assert outs["chat"] + resumed == alone["chat"]
+
+
+def run_all_resumed(
+    engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, done: list[int]
+) -> list[int]:
+    """The tokens ``engine`` adds to a request resumed after ``done``."""
+    engine.add_request(RequestSpec(rid, prompt, params, resumed_output=done))
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    return out
+
+
 def test_prefix_reuse(make_engine: Factory) -> None:
     shared = prompts(40, seed=5)[0]
     first = [*shared, 7, 8, 9]

@@ -131,6 +131,8 @@ class LLMEngine:
         self.sampler = Sampler(self.model_info.vocab_size, self.model_info.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
+        # A P/D prefill worker's: its short streams move before a long prefill (`_move_streams`).
+        self.moves_streams = False
         self._eos = frozenset(self.model_info.eos_token_ids)
         self.num_finished = 0
         self.num_aborted = 0
@@ -253,6 +255,7 @@ class LLMEngine:
             transfer_id=spec.transfer_id,
             kv_import_id=spec.kv_import_id,
             lora_name=spec.lora_name,
+            resumed=bool(spec.resumed_output),
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -429,6 +432,9 @@ class LLMEngine:
         if self.kv.held:
             self.kv.expire()
         outputs, self._pending = self._pending, []
+        if self.moves_streams and (moved := self._move_streams()):
+            self.block_manager.flush_events()
+            return outputs + moved  # before the long prefill's first step, not after it
         sched = self.scheduler.schedule()
         if sched.scheduled:
             self.num_steps += 1
@@ -458,6 +464,37 @@ class LLMEngine:
             outputs.extend(self._apply_samples(model_out.sample_items, sampled))
         self.block_manager.flush_events()
         return outputs
+
+    def _move_streams(self) -> list[RequestOutput]:
+        """A P/D prefill worker taking whole requests (``moves_streams``): while a long
+        prompt waits or is in chunked prefill, its short requests that are decoding end
+        here as "moved" (blocks freed), and their clients go on with them on a decoder,
+        the output so far resumed there. Left here, each of their tokens would wait for a
+        chunk step of that prefill, and prefill workers compute long prompts back to back
+        (docs/design-decisions.md, "P/D: prefill workers also take whole requests").
+        Short: a prompt of at most `StepScheduler.short_prompt_tokens`, and with its output
+        within one step's budget, which the decoder recomputes. A request that came with
+        output made elsewhere (one moved here again, for want of a decoder) stays."""
+        sched = self.scheduler
+        short = sched.short_prompt_tokens
+        if all(r.num_prompt_tokens - r.num_computed_tokens <= short for r in sched.waiting) and all(
+            r.num_prompt_tokens - r.num_computed_tokens <= short for r in sched.running
+        ):
+            return []
+        moved = []
+        for request in list(sched.running):
+            if (
+                request.num_computed_tokens >= request.num_prompt_tokens
+                and request.num_prompt_tokens <= short
+                and request.num_tokens <= sched.max_num_batched_tokens
+                and not request.resumed
+                and request.transfer_id is None
+                and not request.mm_inputs
+            ):
+                request.status = RequestStatus.FINISHED_MOVED
+                moved.append(self._output(request, [], None))
+                self._finish(request)
+        return moved
 
     def _lower_share(self, rows: int, tokens: int) -> Share | None:
         """What lower priorities may add to a step in which the highest running priority

@@ -29,15 +29,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_MOVED = "finished_moved"
 
     @property
     def is_finished(self) -> bool:
-        """True for the three terminal states (compared by identity: hashing an enum member
+        """True for the four terminal states (compared by identity: hashing an enum member
         runs Python code, and this is read for every row of every step)."""
         return (
             self is RequestStatus.FINISHED_STOPPED
             or self is RequestStatus.FINISHED_LENGTH
             or (self is RequestStatus.FINISHED_ABORTED)
+            or (self is RequestStatus.FINISHED_MOVED)
         )
 
 
@@ -45,6 +47,8 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    # Ended here to go on elsewhere with its output so far (LLMEngine.moves_streams).
+    RequestStatus.FINISHED_MOVED: "moved",
 }
 
 
@@ -134,6 +138,8 @@ class Request:
     kv_import_id: str | None = None
     # LoRA adapter the request runs under ("" = the base model); its key is in extra_keys.
     lora_name: str = ""
+    # It came with output produced elsewhere (a migration): it is not moved again.
+    resumed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
