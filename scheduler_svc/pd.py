@@ -91,12 +91,10 @@ class PdDecider:
         with room computes it, behind its queue, no later than the decoder with room that
         would be soonest (`_margin`). ``cached``: a worker's cached prompt tokens.
         False until rates are measured, or with no decoder with room (the policy places it)."""
-        if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
+        if not self._weighs_whole(registry):
             return False
         prefill = self._live_prefill(registry, model)
-        decoders = [
-            w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()
-        ]
+        decoders = _decoders_with_room(registry, model)
         if not prefill or not decoders:
             return False
         measured = [
@@ -121,18 +119,12 @@ class PdDecider:
         has a long prompt's tokens queued (a quarter of a hand-off's length), so a stream
         placed there would wait for its prefill steps (and be moved off before them), and
         a decoder has room."""
-        if not (self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0):
+        if not self._weighs_whole(registry):
             return False
         prefill = self._live_prefill(registry, model)
         long_queue = self.min_prompt_tokens // LONG_QUEUE_SHARE
         busy = all(w.load.queued_prompt_tokens + w.routed_prompt_tokens >= long_queue for w in prefill)
-        return (
-            bool(prefill)
-            and busy
-            and any(
-                w.spec.role != "prefill" and w.has_capacity() for w in registry.candidates(model, "decoder")
-            )
-        )
+        return bool(prefill) and busy and bool(_decoders_with_room(registry, model))
 
     def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s
@@ -179,6 +171,11 @@ class PdDecider:
         metrics.PD_DECISIONS.labels(decision="disaggregated").inc()
         return Handoff(worker, remote or 0.0)
 
+    def _weighs_whole(self, registry: WorkerRegistry) -> bool:
+        """Whether the P/D rules place whole requests by queued tokens: prefill workers
+        take them (``pd_prefill_decodes``), the ``estimate`` decision, P/D on."""
+        return self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0
+
     def _live_prefill(self, registry: WorkerRegistry, model: str) -> list[WorkerState]:
         """The prefill workers of ``model`` with room and a heartbeat within
         ``silent_after_s`` (a hung one drops out long before the registry's timeout)."""
@@ -199,6 +196,11 @@ class PdDecider:
     def _local(reason: str) -> None:
         metrics.PD_DECISIONS.labels(decision=reason).inc()
         return None
+
+
+def _decoders_with_room(registry: WorkerRegistry, model: str) -> list[WorkerState]:
+    """The routable decoders of ``model`` (not prefill workers taking whole requests) with room."""
+    return [w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()]
 
 
 def _fmt(seconds: float | None) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Container, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -477,8 +478,8 @@ class LLMEngine:
         output made elsewhere (one moved here again, for want of a decoder) stays."""
         sched = self.scheduler
         short = sched.short_prompt_tokens
-        if all(r.num_prompt_tokens - r.num_computed_tokens <= short for r in sched.waiting) and all(
-            r.num_prompt_tokens - r.num_computed_tokens <= short for r in sched.running
+        if all(
+            r.num_prompt_tokens - r.num_computed_tokens <= short for r in chain(sched.waiting, sched.running)
         ):
             return []
         moved = []
