@@ -216,7 +216,9 @@ def decode_attention(ctx: StepContext) -> None:
     """The paged decode kernel alone, one layer of the bench model's shape, every row's
     context the workload's full length: GPU microseconds per call at each concurrency,
     unsplit (one program per sequence and KV head) and split as the engine splits it
-    (``triton_attention.split_count``), CUDA events over 50 calls each."""
+    (``triton_attention.split_count``), 50 calls replayed from a CUDA graph (launching from
+    Python would be timed instead at small sizes); the K/V bytes read per second, and the
+    largest difference from a float32 torch reference."""
     if not _cuda(ctx):
         raise Skip("the Triton kernel runs natively on CUDA only")
     p = ctx.profile
@@ -233,9 +235,11 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
     blocks = -(-p.max_model_len // BLOCK_SIZE)  # a CUDA graph's block-table width
     cache = torch.randn(2, c * blocks, BLOCK_SIZE, p.kv_heads, head_dim, device=dev, dtype=dtype)
     tables = torch.arange(c * blocks, device=dev, dtype=torch.int32).view(c, blocks)
-    lens = torch.full((c,), p.prompt_len + p.output_len, device=dev, dtype=torch.int32)
+    context = p.prompt_len + p.output_len
+    lens = torch.full((c,), context, device=dev, dtype=torch.int32)
     q = torch.randn(c, p.heads, head_dim, device=dev, dtype=dtype)
-    auto = triton_attention.split_count(c * p.kv_heads, blocks, dev)
+    tiles = -(-blocks // triton_attention.tile_blocks(BLOCK_SIZE))
+    auto = triton_attention.split_count(c * p.kv_heads, tiles, dev)
     row: dict[str, Any] = {"splits": auto}
     outs = {}
     for label, splits in (("unsplit", 1), ("split", auto)):
@@ -243,9 +247,51 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
             triton_attention.paged_decode_attention, q, cache, tables, lens, head_dim**-0.5, num_splits=splits
         )
         outs[label] = call()
-        row[f"{label}_us"] = _cuda_us(call, 50)
+        row[f"{label}_us"] = _graphed_us(call, 50)
+    kv_bytes = 2 * c * context * p.kv_heads * head_dim * cache.element_size()
+    row["kv_gb_per_s"] = round(kv_bytes / min(row["split_us"], row["unsplit_us"]) / 1e3, 1)
     row["max_abs_diff"] = float((outs["split"].float() - outs["unsplit"].float()).abs().max())
+    row["max_abs_diff_vs_torch"] = float(
+        (outs["split"].float() - _torch_decode(q, cache, context)).abs().max()
+    )
+    engine_split = partial(triton_attention.paged_decode_attention, q, cache, tables, lens, head_dim**-0.5)
+    row["keys_per_tile_us"] = _tile_variants_us(engine_split)
     return row
+
+
+def _tile_variants_us(call: Callable[[], Any]) -> dict[int, float]:
+    """``call`` (the engine's splits) timed with other tiles of keys than the kernel's."""
+    from worker_svc.engine import triton_attention
+
+    default, out = triton_attention.KEYS_PER_TILE, {}
+    try:
+        for keys in (32, 128):
+            triton_attention.KEYS_PER_TILE = keys
+            out[keys] = _graphed_us(call, 50)
+    finally:
+        triton_attention.KEYS_PER_TILE = default
+    return out
+
+
+def _torch_decode(q: torch.Tensor, cache: torch.Tensor, context: int) -> torch.Tensor:
+    """Float32 reference of the kit's decode rows: sequence i's keys are its blocks in order."""
+    c, heads, head_dim = q.shape
+    kv = cache.float().view(2, c, -1, cache.shape[-2], head_dim)[:, :, :context]  # [2, c, T, Hkv, D]
+    k, v = (t.repeat_interleave(heads // cache.shape[-2], dim=2) for t in kv)  # [c, T, H, D]
+    scores = torch.einsum("chd,cthd->cht", q.float(), k) * head_dim**-0.5
+    return torch.einsum("cht,cthd->chd", scores.softmax(-1), v)
+
+
+def _graphed_us(fn: Callable[[], Any], calls: int) -> float:
+    """GPU microseconds per call of ``fn``: ``calls`` calls captured in a CUDA graph, the
+    graph replayed three times (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return round(_cuda_us(graph.replay, 3) / calls, 2)
 
 
 def _cuda_us(fn: Callable[[], Any], calls: int) -> float:
@@ -446,6 +492,10 @@ def lora_mix(ctx: StepContext) -> None:
     gc.collect()
     eager, _ = _engine_greedy(replace(small, cuda_graphs=False, compile_model=False), prompts, adapters)
     ctx.record("mix_tokens_equal_eager", graphs == eager)
+    # Where each request first leaves eager (None: never), by its adapter ("" the base model).
+    pairs = [zip(g, e, strict=True) for g, e in zip(graphs, eager, strict=True)]
+    diffs = [next((i for i, (a, b) in enumerate(pair) if a != b), None) for pair in pairs]
+    ctx.record("mix_first_diffs", [[name, diff] for name, diff in zip(adapters, diffs, strict=True)])
 
 
 # -------------------------------------------------------------------- mesh

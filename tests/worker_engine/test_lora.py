@@ -277,7 +277,11 @@ def test_each_row_gets_its_own_adapters_delta() -> None:
     with torch.no_grad(), manager.step([(names[i], 1) for i in order], torch.device("cpu")):
         grouped = layer.self_attn.q_proj(x[:, order])[0]
     torch.testing.assert_close(grouped, want[order])
-    only_a = [i for i in range(7) if names[i] != "b"]  # the step's matmuls span slot 1 only
+    only_a = [i for i in range(7) if names[i] != "b"]
+    # A step of slot 1's adapter alone still spans both slots: its products have the shape
+    # a compiled forward's have, so eager and compiled steps sum them alike.
+    mask = manager.step_rows([(names[i], 1) for i in only_a])
+    assert mask is not None and tuple(mask.shape) == (len(only_a), 2 * 4)
     with torch.no_grad(), manager.step([(names[i], 1) for i in only_a], torch.device("cpu")):
         torch.testing.assert_close(layer.self_attn.q_proj(x[:, only_a])[0], want[only_a])
     with torch.no_grad(), manager.step([("", 7)], torch.device("cpu")):

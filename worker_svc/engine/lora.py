@@ -217,9 +217,9 @@ class _Bank:
 class _LoraState:
     """One manager's banks (by projection name and shape) and the current step's mask.
 
-    The mask is None outside a step and on a base-only eager step; ``[rows, highest slot
-    used * max_rank]`` on an eager step; ``[rows, every slot * max_rank]`` on every step of
-    a compiled forward (LoraManager ``static``)."""
+    The mask is None outside a step and on a base-only eager step; ``[rows, every slot *
+    max_rank]`` on every other step (on every step of a compiled forward: LoraManager
+    ``static``)."""
 
     banks: dict[str, _Bank]
     mask: torch.Tensor | None = None
@@ -274,10 +274,9 @@ class LoraLinear(nn.Module):
         mask = _STATES[self._owner].mask
         if mask is None:
             return y
-        width = mask.shape[1]  # up to the highest slot the step uses (every slot, compiled)
-        h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a[:width])
+        h = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a)
         h.mul_(mask)
-        y.view(-1, y.shape[-1]).addmm_(h, self.lora_b[:, :width].t())
+        y.view(-1, y.shape[-1]).addmm_(h, self.lora_b.t())
         return y
 
 
@@ -385,7 +384,7 @@ class LoraManager:
         if name in self.slots:
             slot = self.slots.index(name)
         else:
-            # The lowest empty slot (a step's matmuls span up to its highest slot), else the LRU one.
+            # The lowest empty slot, else the least recently used one.
             empty = [s for s in range(1, self.max_loras + 1) if self.slots[s] is None]
             slot = empty[0] if empty else next(s for s in self._slot_use if s not in keep)
             adapter = self._cpu_adapter(name)
@@ -402,8 +401,10 @@ class LoraManager:
     def step_rows(self, spans: Sequence[tuple[str, int]], full: bool = False) -> torch.Tensor | None:
         """The mask of a step's packed rows, each span's adapter loaded into a slot first.
         ``spans``: one ``(adapter name or "", number of rows)`` per scheduled chunk, in
-        order. Every slot's columns when ``full`` or ``static``, else up to the highest slot
-        used, and None when no row has an adapter. On the host (the caller moves it)."""
+        order. Always every slot's columns: the products then have one shape whatever the
+        step's adapters, so eager and compiled forwards round them alike (cuBLAS picks its
+        kernel, and with it the order of each sum, by shape). None when no row has an
+        adapter, unless ``full`` or ``static``. On the host (the caller moves it)."""
         names = {n for n, _ in spans if n}
         if len(names) > self.max_loras:
             raise LoraError(f"a step uses {len(names)} LoRA adapters, max_loras={self.max_loras}")
@@ -419,7 +420,7 @@ class LoraManager:
                 keep.add(slot)
                 mask[start : start + n, _slot_columns(slot, self.max_rank)] = self.scalings[slot]
             start += n
-        return mask if full else mask[:, : max(keep) * self.max_rank]
+        return mask
 
     @contextmanager
     def masked(self, mask: torch.Tensor | None) -> Iterator[None]:

@@ -6,9 +6,10 @@ num_kv_heads, head_dim]`` (contiguous), slot = ``block * block_size + offset``.
 
 ``paged_decode_attention`` runs one program per (sequence, KV head, split), covering the
 ``H // Hkv`` query heads of that GQA group. It walks its share of the sequence's block
-table one KV block at a time with an online (streaming) softmax in fp32, so no padded
-context is materialized; with more than one split a second kernel merges the splits'
-partial softmaxes (flash-decoding). Prefill chunks stay on torch SDPA (the runner gathers their
+table a tile of keys (``KEYS_PER_TILE``, whole KV blocks) at a time, scores and weighted
+values as tensor-core matrix products, with an online (streaming) softmax in fp32, so no
+padded context is materialized; with more than one split a second kernel merges the
+splits' partial softmaxes (flash-decoding). Prefill chunks stay on torch SDPA (the runner gathers their
 context), which on GPU dispatches to flash/efficient kernels anyway.
 
 The decode kernel also serves per-layer attention: a sliding window (the walk starts at
@@ -25,7 +26,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["HAS_TRITON", "backend_supported", "paged_decode_attention", "store_kv"]
+__all__ = [
+    "HAS_TRITON",
+    "backend_supported",
+    "paged_decode_attention",
+    "split_count",
+    "store_kv",
+    "tile_blocks",
+]
 
 try:
     import triton
@@ -109,9 +117,14 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PAGES: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         # One program per (sequence, kv head, split of its blocks): the GROUP query heads
-        # sharing that kv head are processed together so each K/V block is loaded once.
+        # sharing that kv head are processed together so each K/V block is loaded once, as
+        # the rows of a matrix product (tensor cores; BLOCK_G pads the group to a tile).
+        # Each iteration covers PAGES KV blocks (a tile of keys), docs/design-decisions.md,
+        # "Decode attention: tiles of keys on tensor cores".
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -124,8 +137,9 @@ if HAS_TRITON:
         d_mask = d < HEAD_DIM
         q_offs = row * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
         q_mask = g_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
-        tok = tl.arange(0, BLOCK_SIZE)
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)  # [G, D]
+        n = tl.arange(0, PAGES * BLOCK_SIZE)  # the tile's keys: PAGES blocks of BLOCK_SIZE
+        page, tok = n // BLOCK_SIZE, n % BLOCK_SIZE
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -135,24 +149,32 @@ if HAS_TRITON:
         first = tl.maximum(seq_len - window, 0)
         lo = tl.maximum(first // BLOCK_SIZE, split * blocks_per_split)
         hi = tl.minimum(num_blocks, (split + 1) * blocks_per_split)
-        for blk in range(lo, hi):
-            phys = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
+        for blk0 in range(lo, hi, PAGES):
+            blk = blk0 + page
+            phys = tl.load(block_tables_ptr + seq * bt_stride + blk, mask=blk < hi, other=0).to(tl.int64)
             pos = blk * BLOCK_SIZE + tok
-            t_mask = (pos < seq_len) & (pos >= first)
-            # [BLOCK_SIZE, BLOCK_D] offsets of this block's K/V rows for kv_head.
+            # Every tile has a valid key (its first block is in [lo, hi)): m_new is finite.
+            t_mask = (blk < hi) & (pos < seq_len) & (pos >= first)
+            # [PAGES * BLOCK_SIZE, BLOCK_D] offsets of the tile's K/V rows for kv_head.
             offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+            if IEEE:  # float32 caches: no TF32 rounding of the products
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
             if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
                 scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
             scores = tl.where(t_mask[None, :], scores, -float("inf"))
-            # Online softmax: every visited block has >= 1 valid token, so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:  # probabilities in the cache's precision, as flash attention's kernels
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         if SPLIT:  # this split's running max, sum and unnormalized output: _merge_kernel ends it
@@ -279,8 +301,9 @@ def paged_decode_attention(
     if rows is None:
         rows = torch.arange(batch, device=q.device)
     max_blocks = block_tables.shape[1]
-    splits = num_splits or split_count(batch * hkv, max_blocks, q.device)
-    per_split = -(-max_blocks // splits)
+    pages = tile_blocks(block_size)
+    splits = num_splits or split_count(batch * hkv, -(-max_blocks // pages), q.device)
+    per_split = -(-max_blocks // (splits * pages)) * pages  # whole tiles per split
     part = stats = out  # unused without splits (any tensor will do)
     if splits > 1:
         part = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -292,7 +315,8 @@ def paged_decode_attention(
         sink_f32, int(window) if window > 0 else _NO_WINDOW, float(softcap) if softcap else 1.0, per_split,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap), SPLIT=splits > 1, GROUP=heads // hkv,
         NUM_KV_HEADS=hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(_next_pow2(heads // hkv), 2), BLOCK_D=_next_pow2(head_dim),
+        BLOCK_G=max(_next_pow2(heads // hkv), _MIN_DOT), BLOCK_D=max(_next_pow2(head_dim), _MIN_DOT),
+        PAGES=pages, IEEE=cache.dtype == torch.float32,
     )  # fmt: skip
     if splits > 1:
         merge: Any = _merge_kernel[(batch, heads)]
@@ -304,22 +328,34 @@ def paged_decode_attention(
     return out
 
 
+# The kernel's tile of keys: KEYS_PER_TILE (a whole number of KV blocks, at least one), and
+# _MIN_DOT, the smallest side of a tensor-core matrix product (query heads of a GQA group
+# and head_dim are padded to it).
+KEYS_PER_TILE = 64
+_MIN_DOT = 16
+
+
+def tile_blocks(block_size: int) -> int:
+    """KV blocks per tile of keys (one iteration of the decode kernel's walk)."""
+    return max(1, KEYS_PER_TILE // block_size)
+
+
 # Split-KV (flash-decoding): a decode step of few sequences has too few (sequence, KV head)
 # programs to occupy the GPU, and each walks its whole context alone; splitting the walk
 # gives every multiprocessor work (docs/design-decisions.md, "Decode attention splits long
-# contexts"). A split covers at least _MIN_SPLIT_BLOCKS blocks, so short contexts stay whole.
-_MIN_SPLIT_BLOCKS = 2
+# contexts"). A split covers at least one tile, so short contexts stay whole.
 _MAX_SPLITS = 64
 _INTERPRETER_SMS = 8  # under TRITON_INTERPRET, as a small GPU: the CPU tests then run split steps too
 
 
-def split_count(programs: int, max_blocks: int, device: torch.device) -> int:
+def split_count(programs: int, max_tiles: int, device: torch.device) -> int:
     """Splits per sequence for ``programs`` (sequence, KV head) programs over block tables
-    ``max_blocks`` wide: enough for two programs per multiprocessor, 1 when already so."""
+    ``max_tiles`` tiles of keys wide: enough for two programs per multiprocessor, 1 when
+    already so."""
     target = 2 * _multiprocessors(device)
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), max_blocks // _MIN_SPLIT_BLOCKS, _MAX_SPLITS))
+    return max(1, min(-(-target // programs), max_tiles, _MAX_SPLITS))
 
 
 @functools.cache
