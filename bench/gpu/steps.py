@@ -333,36 +333,68 @@ def _workload(ctx: StepContext, num_requests: int, seed: int = 0) -> Workload:
 
 class _StepClock:
     """Wall time of each of an engine's steps, by kind: a decode step replayed from a CUDA
-    graph, or an eager one (prefill chunks, mixed steps, or no graphs at all)."""
+    graph, or an eager one (prefill chunks, mixed steps, or no graphs at all). A replayed
+    step is also cut in three at its graph's ``run`` (``phases``): before it (scheduling,
+    input preparation), within it (filling the graph's inputs, launching the replay), and
+    after it (the sampler waiting for the GPU, then the step's outputs)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine, self.inner = engine, engine.step
         self.ms: dict[str, list[float]] = {"graph": [], "eager": []}
+        self.phases: list[tuple[float, float, float]] = []  # seconds before, in and after run
+        self._marks: list[float] = []
         engine.step = self.step  # type: ignore[method-assign]
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            inner_run = graphs.run
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                self._marks.append(time.perf_counter())
+                out = inner_run(*args, **kwargs)
+                self._marks.append(time.perf_counter())
+                return out
+
+            graphs.run = run  # type: ignore[method-assign]
 
     def step(self) -> Any:
         graphs, steps = self.engine.runner.graphs, self.engine.num_steps
         replays = graphs.replays if graphs is not None else 0
+        self._marks = []
         start = time.perf_counter()
         out = self.inner()
+        end = time.perf_counter()
         if self.engine.num_steps != steps:  # a step that ran a forward
             replayed = graphs is not None and graphs.replays != replays
-            self.ms["graph" if replayed else "eager"].append((time.perf_counter() - start) * 1000)
+            self.ms["graph" if replayed else "eager"].append((end - start) * 1000)
+            if replayed and len(self._marks) == 2:
+                entered, returned = self._marks
+                self.phases.append((entered - start, returned - entered, end - returned))
         return out
 
     def take(self) -> dict[str, Any]:
-        """Steps, their total and median milliseconds per kind since the last take."""
-        out = {
+        """Steps, their total and median milliseconds per kind since the last take, and the
+        median milliseconds of each phase of the replayed steps."""
+        out: dict[str, Any] = {
             kind: {
                 "steps": len(ms),
                 "total_ms": round(sum(ms), 1),
-                "p50_ms": round(sorted(ms)[len(ms) // 2], 3),
+                "p50_ms": round(_median(ms), 3),
             }
             for kind, ms in self.ms.items()
             if ms
         }
+        if self.phases:
+            names = ("before_run", "run", "after_run")
+            out["graph_phases_p50_ms"] = {
+                name: round(_median([p[i] * 1000 for p in self.phases]), 3) for i, name in enumerate(names)
+            }
         self.ms = {kind: [] for kind in self.ms}
+        self.phases = []
         return out
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
