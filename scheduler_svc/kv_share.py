@@ -50,9 +50,11 @@ class ShareDecider:
         hashes: Sequence[int],
         matched_here: int,
         prompt_tokens: int,
+        exclude: frozenset[str] = frozenset(),
     ) -> KvShare | None:
         """The share for a prompt of block ``hashes`` of which ``decoder`` holds the first
-        ``matched_here``, or None (the decoder computes what it lacks)."""
+        ``matched_here``, or None (the decoder computes what it lacks). A decoder in
+        ``exclude`` (this request failed on it) holds nothing to share."""
         layout = decoder.spec.kv_layout
         block_size = decoder.spec.block_size
         if self.min_tokens <= 0 or not layout or block_size <= 0:
@@ -60,7 +62,7 @@ class ShareDecider:
         now = registry.now()
         others = [
             w
-            for w in registry.candidates(decoder.spec.model, "decoder")
+            for w in registry.candidates(decoder.spec.model, "decoder", exclude)
             if w is not decoder and w.spec.kv_layout == layout and now - w.last_seen <= self.silent_after_s
         ]
         if not others:

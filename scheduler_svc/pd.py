@@ -84,17 +84,23 @@ class PdDecider:
         return 0 < self.min_prompt_tokens <= prompt_tokens
 
     def whole_on_prefill(
-        self, registry: WorkerRegistry, model: str, prompt_tokens: int, cached: Callable[[WorkerState], int]
+        self,
+        registry: WorkerRegistry,
+        model: str,
+        prompt_tokens: int,
+        cached: Callable[[WorkerState], int],
+        exclude: frozenset[str] = frozenset(),
     ) -> bool:
         """Whether a prompt of ``prompt_tokens`` that may be handed off runs whole on a
         prefill worker instead (``pd_prefill_decodes`` and the ``estimate`` decision): one
         with room computes it, behind its queue, no later than the decoder with room that
         would be soonest (`_margin`). ``cached``: a worker's cached prompt tokens.
-        False until rates are measured, or with no decoder with room (the policy places it)."""
+        False until rates are measured, or with no decoder with room (the policy places it).
+        Workers in ``exclude`` (those this request failed on) are not weighed."""
         if not self._weighs_whole(registry):
             return False
-        prefill = self._live_prefill(registry, model)
-        decoders = _decoders_with_room(registry, model)
+        prefill = self._live_prefill(registry, model, exclude)
+        decoders = _decoders_with_room(registry, model, exclude)
         if not prefill or not decoders:
             return False
         measured = [
@@ -113,22 +119,31 @@ class PdDecider:
         own_s = (prompt_tokens - cached(best)) / rate(best)
         return min(map(seconds, prefill)) <= seconds(best) + self._margin(registry) * own_s
 
-    def short_on_decoders(self, registry: WorkerRegistry, model: str) -> bool:
+    def short_on_decoders(
+        self, registry: WorkerRegistry, model: str, exclude: frozenset[str] = frozenset()
+    ) -> bool:
         """Whether a prompt too short for a hand-off keeps to the decoders
         (``pd_prefill_decodes`` and the ``estimate`` decision): every live prefill worker
         has a long prompt's tokens queued (a quarter of a hand-off's length), so a stream
         placed there would wait for its prefill steps (and be moved off before them), and
-        a decoder has room."""
+        a decoder has room (workers in ``exclude`` left out)."""
         if not self._weighs_whole(registry):
             return False
-        prefill = self._live_prefill(registry, model)
+        prefill = self._live_prefill(registry, model, exclude)
         long_queue = self.min_prompt_tokens // LONG_QUEUE_SHARE
         busy = all(w.load.queued_prompt_tokens + w.routed_prompt_tokens >= long_queue for w in prefill)
-        return bool(prefill) and busy and bool(_decoders_with_room(registry, model))
+        return bool(prefill) and busy and bool(_decoders_with_room(registry, model, exclude))
 
-    def decide(self, registry: WorkerRegistry, decoder: WorkerState, uncached: int) -> Handoff | None:
+    def decide(
+        self,
+        registry: WorkerRegistry,
+        decoder: WorkerState,
+        uncached: int,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Handoff | None:
         """The hand-off for a prompt of which ``uncached`` tokens are not in ``decoder``'s
-        cache, or None (the decoder prefills it); counts the decision."""
+        cache, or None (the decoder prefills it); counts the decision. A prefill worker in
+        ``exclude`` (this request failed on it: hung, gone) is no source."""
         model = decoder.spec.model
         if self.min_prompt_tokens <= 0 or not registry.serving(model, "prefill"):
             return None  # P/D off, or no prefill worker of the model at all
@@ -137,7 +152,9 @@ class PdDecider:
         if uncached < self.min_prompt_tokens:
             return self._local("short")
         layout = decoder.spec.kv_layout
-        candidates = [w for w in self._live_prefill(registry, model) if layout and w.spec.kv_layout == layout]
+        candidates = [
+            w for w in self._live_prefill(registry, model, exclude) if layout and w.spec.kv_layout == layout
+        ]
         if not candidates:
             return self._local("no_prefill_worker")
         worker = min(
@@ -176,13 +193,16 @@ class PdDecider:
         take them (``pd_prefill_decodes``), the ``estimate`` decision, P/D on."""
         return self.estimate and registry.prefill_decodes and self.min_prompt_tokens > 0
 
-    def _live_prefill(self, registry: WorkerRegistry, model: str) -> list[WorkerState]:
+    def _live_prefill(
+        self, registry: WorkerRegistry, model: str, exclude: frozenset[str] = frozenset()
+    ) -> list[WorkerState]:
         """The prefill workers of ``model`` with room and a heartbeat within
-        ``silent_after_s`` (a hung one drops out long before the registry's timeout)."""
+        ``silent_after_s`` (a hung one drops out long before the registry's timeout), but
+        those in ``exclude``."""
         now = registry.now()
         return [
             w
-            for w in registry.candidates(model, "prefill")
+            for w in registry.candidates(model, "prefill", exclude)
             if w.has_capacity() and now - w.last_seen <= self.silent_after_s
         ]
 
@@ -198,9 +218,12 @@ class PdDecider:
         return None
 
 
-def _decoders_with_room(registry: WorkerRegistry, model: str) -> list[WorkerState]:
+def _decoders_with_room(
+    registry: WorkerRegistry, model: str, exclude: frozenset[str] = frozenset()
+) -> list[WorkerState]:
     """The routable decoders of ``model`` (not prefill workers taking whole requests) with room."""
-    return [w for w in registry.candidates(model, "decoder") if w.spec.role != "prefill" and w.has_capacity()]
+    decoders = registry.candidates(model, "decoder", exclude)
+    return [w for w in decoders if w.spec.role != "prefill" and w.has_capacity()]
 
 
 def _fmt(seconds: float | None) -> str:

@@ -148,7 +148,7 @@ class Router:
         if mm_items:  # images: encode what the encoder cache lacks (E/PD disaggregation)
             mm_items = list((await self.mm.prepare(request, force=force_encode)).mm_items)
         lease, decision = await self.scheduler.dispatcher.acquire(routing, exclude, retry=bool(exclude))
-        return self._issue(request, routing, lease, decision, mm_items, received_at)
+        return self._issue(request, routing, lease, decision, mm_items, received_at, exclude)
 
     def route_now(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteResult | None:
         """The route of a request that needs no waiting (no images to encode, a worker
@@ -161,7 +161,7 @@ class Router:
         placed = self.scheduler.dispatcher.acquire_now(routing, exclude)
         if placed is None:
             return None
-        return self._issue(request, routing, placed[0], placed[1], [], received_at)
+        return self._issue(request, routing, placed[0], placed[1], [], received_at, exclude)
 
     def _admit(self, request: common_pb2.GenerateRequest, exclude: frozenset[str]) -> RoutingRequest:
         if not request.request_id:
@@ -171,10 +171,10 @@ class Router:
         prompt_tokens = len(request.prompt_token_ids)
         if self.pd.may_hand_off(prompt_tokens) and self._kv_may_move(request, list(request.mm_items)):
             whole = self.pd.whole_on_prefill(
-                registry, routing.model, prompt_tokens, lambda w: self._cached_tokens(routing, w)
+                registry, routing.model, prompt_tokens, lambda w: self._cached_tokens(routing, w), exclude
             )
             routing.only_role = "prefill" if whole else "decoder"
-        elif self.pd.short_on_decoders(registry, routing.model):
+        elif self.pd.short_on_decoders(registry, routing.model, exclude):
             routing.only_role = "decoder"
         if exclude and not request.resumed:  # a migration or a move is not a failover
             metrics.FAILOVERS.labels(outcome="rerouted").inc()
@@ -188,6 +188,7 @@ class Router:
         decision: Decision,
         mm_items: list[common_pb2.MultiModalItem],
         received_at: float,
+        exclude: frozenset[str],
     ) -> RouteResult:
         block_size = decision.worker.spec.block_size or self.scheduler.config.block_size
         predicted = predicted_cached_tokens(
@@ -196,8 +197,10 @@ class Router:
         active = self.scheduler.leases.issue(lease, request.request_id, predicted)
         source = None
         if self._kv_may_move(request, mm_items):
-            source = self._pair_prefill(request, active, predicted) or self._pair_holder(
-                request, routing, active, decision
+            # A worker the request failed on is no KV source either: a hung prefill worker
+            # still heartbeating would otherwise hold the retry's hand-off to its deadline.
+            source = self._pair_prefill(request, active, predicted, exclude) or self._pair_holder(
+                request, routing, active, decision, exclude
             )
         metrics.LEASES.set(len(self.scheduler.leases))
         metrics.OVERHEAD.observe(time.perf_counter() - received_at)
@@ -221,12 +224,15 @@ class Router:
         request: common_pb2.GenerateRequest,
         decode: LeaseRecord,
         predicted: int,
+        exclude: frozenset[str],
     ) -> tuple[LeaseRecord, float, int] | None:
         """P/D (`pd.py`): a lease on a prefill worker for this route, linked to the
         decode lease so that it ends with it, the hand-off's expected seconds, and 0 (the
         whole prompt); None when the decoder prefills itself."""
         uncached = len(request.prompt_token_ids) - predicted
-        handoff: Handoff | None = self.pd.decide(self.scheduler.registry, decode.lease.worker, uncached)
+        handoff: Handoff | None = self.pd.decide(
+            self.scheduler.registry, decode.lease.worker, uncached, exclude
+        )
         if handoff is None:
             decode.route_prompt_tokens(uncached)
             return None
@@ -240,6 +246,7 @@ class Router:
         routing: RoutingRequest,
         decode: LeaseRecord,
         decision: Decision,
+        exclude: frozenset[str],
     ) -> tuple[LeaseRecord, float, int] | None:
         """Decoders sharing KV (`kv_share.py`): a lease on the decoder holding more of the
         prompt's prefix, the expected seconds, and the prompt tokens it publishes."""
@@ -251,6 +258,7 @@ class Router:
             routing.hashes(decoder.spec.block_size or self.scheduler.config.block_size),
             decision.matched_blocks,
             len(request.prompt_token_ids),
+            exclude,
         )
         if share is None:
             return None

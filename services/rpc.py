@@ -157,10 +157,10 @@ async def feed_stream(request_iterator: AsyncIterator[Any], session: StreamInput
 KEEPALIVE_TIME_MS = 10_000
 PING_TIMEOUT_MS = 5_000
 # The channels a request waits on (the gateway's worker streams, a hand-off's KV channel)
-# ping twice a second: a peer that answers none for a second (hung, SIGSTOPped) fails
+# ping four times a second: a peer that answers none for 0.75 s (hung, SIGSTOPped) fails
 # their calls, and the requests move on (docs/design-decisions.md, "Hung workers found in
 # about a second").
-REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS = 500, 1000
+REQUEST_PING_MS, REQUEST_PING_TIMEOUT_MS = 250, 750
 
 
 def channel_options(
@@ -192,7 +192,7 @@ def channel_options(
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Channel options plus a keepalive policy that accepts our clients' pings: the
     gateway's long-lived worker streams ping every REQUEST_PING_MS (a hung worker is
-    detected within ~1.5 s), and gRPC's default server policy answers pings more frequent
+    detected within about a second), and gRPC's default server policy answers pings more frequent
     than every 5 minutes with GOAWAY "too_many_pings", which broke those streams."""
     return [
         *channel_options(max_message_bytes),

@@ -63,6 +63,21 @@ async def test_long_prompt_gets_a_prefill_worker_and_both_leases_end_together(
     assert sched.lease_ids() == set()
 
 
+async def test_a_prefill_worker_the_request_failed_on_is_no_kv_source(
+    start_scheduler: Any, start_worker: Any
+) -> None:
+    """A request routed again after failing on a prefill worker (the gateway excludes it)
+    takes no hand-off from it: a hung one, still within its heartbeats, would hold the
+    retry's prefill until the hand-off's deadline. Another prefill worker still serves."""
+    sched = await pd_mesh(start_scheduler, start_worker)
+    route = await sched.route(LONG, exclude=["p1"])
+    assert route.worker_id == "d1" and not route.HasField("kv_source")
+    await start_worker("p2", sched, role="prefill", kv_layout=LAYOUT)
+    other = await sched.route(list(range(40, 60)), exclude=["p1"])
+    assert other.kv_source.worker_id == "p2"
+    assert await sched.release(route.lease_id, other.lease_id) == 2
+
+
 async def test_short_cached_image_and_logprob_requests_stay_on_the_decoder(
     start_scheduler: Any, start_worker: Any
 ) -> None:
