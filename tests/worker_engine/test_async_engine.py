@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,49 @@ async def test_concurrent_generate_matches_sync(
         assert all(len(o.new_token_ids) == 1 for o in outs)  # one output per step that produced a token
     await wait_for_blocks_released(engine)
     assert engine.stats().num_finished == len(ps)
+
+
+async def test_outputs_go_out_while_the_next_forward_runs_where_it_runs_on_its_own(
+    make_async: Callable[..., AsyncLLMEngine], make_engine: Factory
+) -> None:
+    """Where a forward runs on its own once launched (CUDA; flagged so here), a step's
+    outputs reach the event loop while the next step's forward is under way, and only a
+    step with none after it hands them over at once: the streams get the sync engine's
+    tokens, each once, and an abort while outputs are held still ends its stream."""
+    ps = prompts(5, 21, 40, 9, seed=21)
+    ref = run_all(make_engine(), [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)])
+    engine = make_async()
+    runner = engine.engine.runner
+    runner.launches_async = True
+    handing_over = {"now": False}
+    where: list[bool] = []  # per hand-over: inside a forward's launch or not
+    on_forward, post = runner.on_forward, engine._post
+    assert on_forward is not None
+
+    def launched() -> None:
+        handing_over["now"] = True
+        on_forward()
+        handing_over["now"] = False
+
+    def recorded_post(batches: Any) -> None:
+        where.append(handing_over["now"])
+        post(batches)
+
+    runner.on_forward = launched
+    engine._post = recorded_post  # type: ignore[method-assign]
+    results = await asyncio.gather(*(collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(ps)))
+    for i, outs in enumerate(results):
+        assert tokens(outs) == tokens(ref[f"r{i}"])
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert where.count(True) >= GREEDY.max_tokens - 1 and where.count(False) <= 2, where
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs: list[RequestOutput] = []
+    async for out in engine.generate(RequestSpec("ab", ps[0], long)):
+        outs.append(out)
+        if len(outs) == 2:
+            assert engine.abort("ab")
+    assert outs[-1].finish_reason == "abort"
+    await wait_for_blocks_released(engine)
 
 
 async def test_invalid_input_raises_before_scheduling(make_async: Callable[..., AsyncLLMEngine]) -> None:

@@ -82,6 +82,8 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Call | _Stop
+# A step's outputs by the event loop they go to.
+_Batches = dict[asyncio.AbstractEventLoop, list[tuple["_Stream", _Item]]]
 
 # How often an idle engine thread wakes to expire KV transfers nobody pulled.
 _HELD_POLL_S = 1.0
@@ -153,6 +155,10 @@ class AsyncLLMEngine:
         self._unseen: dict[str, int] = {}
         self._added: list[str] = []  # engine-thread owned: added since the last snapshot
         self._streams: dict[str, _Stream] = {}  # engine-thread owned
+        # The latest step's outputs, handed over once the next forward is under way on the
+        # GPU, or at once when no step follows (engine-thread owned; `_hold`).
+        self._held: _Batches = {}
+        engine.runner.on_forward = self._hand_over
         self._stats: EngineStats = engine.stats()
 
     @property
@@ -304,6 +310,7 @@ class AsyncLLMEngine:
         """Apply queued commands (waiting for one if ``block``); False once stopped."""
         commands: list[_Command] = []
         if block:
+            self._hand_over()  # nothing may wait for a step that is not coming
             try:  # with transfers held, wake now and then to expire them (LLMEngine.step)
                 commands.append(self._commands.get(timeout=_HELD_POLL_S if self.engine.kv.held else None))
             except queue.Empty:
@@ -357,17 +364,19 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except EngineStepError as exc:
             log.error("engine step failed: %r", exc.cause)
+            self._hand_over()
             self._fail(exc.request_ids, exc.cause)
             return
         except Exception as exc:
             # Unknown engine state: abort everything rather than risk hanging requests.
             log.exception("engine step crashed; aborting all requests")
+            self._hand_over()
             ids = list(self.engine.requests)
             for request_id in ids:
                 self.engine.abort_request(request_id)
             self._fail(ids, exc)
             return
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        batches: _Batches = {}
         failed, self.engine.failed = self.engine.failed, []
         for request_id, cause in failed:  # e.g. a grammar that did not build: the request's error
             stream = self._streams.pop(request_id, None)
@@ -379,10 +388,27 @@ class AsyncLLMEngine:
             )
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream, out))
-        self._post(batches)
+        self._hold(batches)
+
+    def _hold(self, batches: _Batches) -> None:
+        """Where the forward runs on its own (CUDA: ``runner.launches_async``), keeps a
+        step's outputs until the next step's forward is launched (``runner.on_forward``):
+        handing them over wakes the event loop, whose thread then holds the GIL while it
+        turns them into messages, and the next step's host work would wait for it while the
+        GPU idles. Handed over at once elsewhere, and when no step follows
+        (docs/design-decisions.md, "Outputs handed over while the GPU runs")."""
+        self._hand_over()  # a step without a forward (moves, no rows) leaves some
+        self._held = batches
+        if not (self.engine.runner.launches_async and self.engine.has_unfinished()):
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        held, self._held = self._held, {}
+        if held:
+            self._post(held)
 
     def _fail(self, request_ids: list[str], cause: BaseException) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        batches: _Batches = {}
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
@@ -391,7 +417,8 @@ class AsyncLLMEngine:
         self._post(batches)
 
     def _fail_all(self, exc: BaseException) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        self._hand_over()
+        batches: _Batches = {}
         while True:  # commands nobody will run: their callers must not wait forever
             try:
                 command = self._commands.get_nowait()
@@ -409,7 +436,7 @@ class AsyncLLMEngine:
         self._post(batches)
 
     @staticmethod
-    def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]]) -> None:
+    def _post(batches: _Batches) -> None:
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

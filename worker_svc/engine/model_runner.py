@@ -170,6 +170,12 @@ class ModelRunner:
         self._dynamo_patch: Any = None  # _DYNAMO_OPTIONS as one
         self._probe_attention()
         self.graphs: cuda_graphs.DecodeGraphs | None = None
+        # On CUDA a forward returns once its kernels are queued, and the host waits for them
+        # only when the sampler reads its tokens: ``on_forward`` is called in between, once
+        # per forward (the async front hands the previous step's outputs over then:
+        # AsyncLLMEngine, docs/design-decisions.md, "Outputs handed over while the GPU runs").
+        self.launches_async = self.device.type == "cuda"
+        self.on_forward: Callable[[], None] | None = None
         self.graphs, self.graphs_note = cuda_graphs.for_runner(self)
         # oneDNN (CPU bf16/fp16 linears) builds a kernel per step token count on first use;
         # steps are padded to these sizes, warmed before ready (docs/design-decisions.md).
@@ -301,6 +307,7 @@ class ModelRunner:
             rows = None if lora is None else (lambda: lora.step_rows(self._lora_spans(batch, 0), full=True))
             replayed = self.graphs.run(chunks, ids, positions, keep, rows)
             if replayed is not None:
+                self._forward_started()
                 return replayed
         pad = self._padding(len(ids))
         if pad:
@@ -341,11 +348,16 @@ class ModelRunner:
                 out = self.model(inputs_embeds=embeds, position_ids=position_ids, **kwargs)
             else:
                 out = self.model_forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        self._forward_started()
         logits: torch.Tensor = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits[keep_t]
         # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
         return logits
+
+    def _forward_started(self) -> None:
+        if self.launches_async and self.on_forward is not None:
+            self.on_forward()
 
     def model_forward(self, **kwargs: Any) -> Any:
         """The model's forward, compiled when the config ``compiles`` (inside attention_context)."""
