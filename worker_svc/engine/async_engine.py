@@ -361,6 +361,7 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         try:
+            steps = self.engine.num_steps
             outputs = self.engine.step()
         except EngineStepError as exc:
             log.error("engine step failed: %r", exc.cause)
@@ -388,18 +389,20 @@ class AsyncLLMEngine:
             )
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream, out))
-        self._hold(batches)
+        self._hold(batches, forward=self.engine.num_steps != steps)
 
-    def _hold(self, batches: _Batches) -> None:
+    def _hold(self, batches: _Batches, forward: bool) -> None:
         """Where the forward runs on its own (CUDA: ``runner.launches_async``), keeps a
         step's outputs until the next step's forward is launched (``runner.on_forward``):
         handing them over wakes the event loop, whose thread then holds the GIL while it
         turns them into messages, and the next step's host work would wait for it while the
-        GPU idles. Handed over at once elsewhere, and when no step follows
-        (docs/design-decisions.md, "Outputs handed over while the GPU runs")."""
-        self._hand_over()  # a step without a forward (moves, no rows) leaves some
+        GPU idles. Handed over at once elsewhere, after a step that ran no forward (a P/D
+        worker's moved streams must not wait for the prefill chunk it moved them for), and
+        when no step follows (docs/design-decisions.md, "Outputs handed over while the GPU
+        runs")."""
+        self._hand_over()  # the previous step's, where this one launched no forward
         self._held = batches
-        if not (self.engine.runner.launches_async and self.engine.has_unfinished()):
+        if not (forward and self.engine.runner.launches_async and self.engine.has_unfinished()):
             self._hand_over()
 
     def _hand_over(self) -> None:
