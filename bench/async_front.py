@@ -40,7 +40,7 @@ MODES = {"at_once": False, "during_forward": True}  # runner.launches_async
 
 def as_gpu(engine: AsyncLLMEngine, gpu_ms: float) -> None:
     """The forward returns zero logits at once; the sampler waits until ``gpu_ms`` after it."""
-    inner, vocab, launched = engine.engine.runner, engine.model_info.vocab_size, [0.0]
+    runner, vocab, launched = engine.engine.runner, engine.model_info.vocab_size, [0.0]
 
     def forward(**kwargs: Any) -> Any:
         launched[0] = time.perf_counter()
@@ -52,7 +52,7 @@ def as_gpu(engine: AsyncLLMEngine, gpu_ms: float) -> None:
         time.sleep(max(0.0, launched[0] + gpu_ms / 1000 - time.perf_counter()))
         return sample(*args, **kwargs)
 
-    inner.model_forward = forward  # type: ignore[method-assign]
+    runner.model_forward = forward  # type: ignore[method-assign]
     engine.engine.sampler.sample = sample_when_done  # type: ignore[method-assign]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -238,8 +239,7 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
     context = p.prompt_len + p.output_len
     lens = torch.full((c,), context, device=dev, dtype=torch.int32)
     q = torch.randn(c, p.heads, head_dim, device=dev, dtype=dtype)
-    tiles = -(-blocks // triton_attention.tile_blocks(BLOCK_SIZE))
-    auto = triton_attention.split_count(c * p.kv_heads, tiles, dev)
+    auto = triton_attention.split_count(c * p.kv_heads, blocks, BLOCK_SIZE, dev)
     row: dict[str, Any] = {"splits": auto}
     outs = {}
     for label, splits in (("unsplit", 1), ("split", auto)):
@@ -378,7 +378,7 @@ class _StepClock:
             kind: {
                 "steps": len(ms),
                 "total_ms": round(sum(ms), 1),
-                "p50_ms": round(_median(ms), 3),
+                "p50_ms": round(statistics.median_high(ms), 3),
             }
             for kind, ms in self.ms.items()
             if ms
@@ -386,15 +386,12 @@ class _StepClock:
         if self.phases:
             names = ("before_run", "run", "after_run")
             out["graph_phases_p50_ms"] = {
-                name: round(_median([p[i] * 1000 for p in self.phases]), 3) for i, name in enumerate(names)
+                name: round(statistics.median_high([p[i] * 1000 for p in self.phases]), 3)
+                for i, name in enumerate(names)
             }
         self.ms = {kind: [] for kind in self.ms}
         self.phases = []
         return out
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:

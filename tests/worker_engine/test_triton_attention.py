@@ -136,9 +136,9 @@ def test_split_decode_reads_and_writes_only_the_decode_rows() -> None:
 
 def test_splits_fill_the_device_only_where_programs_are_few() -> None:
     cpu = torch.device("cpu")  # the interpreter stands in for a GPU of 8 multiprocessors
-    assert triton_attention.split_count(2, 64, cpu) == 8  # two programs: 8 splits make 16
-    assert triton_attention.split_count(5, 64, cpu) == 4  # ceil(16 / 5)
-    assert triton_attention.split_count(16, 64, cpu) == 1  # already two per multiprocessor
-    assert triton_attention.split_count(2, 6, cpu) == 6  # a split covers at least one tile of keys
-    assert triton_attention.split_count(2, 1, cpu) == 1
+    assert triton_attention.split_count(2, 64, 16, cpu) == 8  # two programs: 8 splits make 16
+    assert triton_attention.split_count(5, 64, 16, cpu) == 4  # ceil(16 / 5)
+    assert triton_attention.split_count(16, 64, 16, cpu) == 1  # already two per multiprocessor
+    assert triton_attention.split_count(2, 23, 16, cpu) == 6  # a split covers at least one tile of keys
+    assert triton_attention.split_count(2, 1, 16, cpu) == 1
     assert triton_attention.tile_blocks(16) == 4 and triton_attention.tile_blocks(128) == 1

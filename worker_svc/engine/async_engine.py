@@ -360,18 +360,16 @@ class AsyncLLMEngine:
         self.engine.abort_request(cmd.request_id)
 
     def _step(self) -> None:
+        steps = self.engine.num_steps
         try:
-            steps = self.engine.num_steps
             outputs = self.engine.step()
         except EngineStepError as exc:
             log.error("engine step failed: %r", exc.cause)
-            self._hand_over()
             self._fail(exc.request_ids, exc.cause)
             return
         except Exception as exc:
             # Unknown engine state: abort everything rather than risk hanging requests.
             log.exception("engine step crashed; aborting all requests")
-            self._hand_over()
             ids = list(self.engine.requests)
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -411,6 +409,7 @@ class AsyncLLMEngine:
             self._post(held)
 
     def _fail(self, request_ids: list[str], cause: BaseException) -> None:
+        self._hand_over()  # the previous step's outputs come before these errors
         batches: _Batches = {}
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)

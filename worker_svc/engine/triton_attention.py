@@ -302,7 +302,7 @@ def paged_decode_attention(
         rows = torch.arange(batch, device=q.device)
     max_blocks = block_tables.shape[1]
     pages = tile_blocks(block_size)
-    splits = num_splits or split_count(batch * hkv, -(-max_blocks // pages), q.device)
+    splits = num_splits or split_count(batch * hkv, max_blocks, block_size, q.device)
     per_split = -(-max_blocks // (splits * pages)) * pages  # whole tiles per split
     part = stats = out  # unused without splits (any tensor will do)
     if splits > 1:
@@ -348,14 +348,15 @@ _MAX_SPLITS = 64
 _INTERPRETER_SMS = 8  # under TRITON_INTERPRET, as a small GPU: the CPU tests then run split steps too
 
 
-def split_count(programs: int, max_tiles: int, device: torch.device) -> int:
+def split_count(programs: int, max_blocks: int, block_size: int, device: torch.device) -> int:
     """Splits per sequence for ``programs`` (sequence, KV head) programs over block tables
-    ``max_tiles`` tiles of keys wide: enough for two programs per multiprocessor, 1 when
-    already so."""
+    ``max_blocks`` blocks of ``block_size`` wide: enough for two programs per
+    multiprocessor, 1 when already so, and at most one per tile of keys."""
     target = 2 * _multiprocessors(device)
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), max_tiles, _MAX_SPLITS))
+    tiles = -(-max_blocks // tile_blocks(block_size))
+    return max(1, min(-(-target // programs), tiles, _MAX_SPLITS))
 
 
 @functools.cache
