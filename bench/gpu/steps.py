@@ -418,7 +418,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
             ctx.record("rows", rows)
             if c == 1:  # greedy tokens, compared with the other steps' in the summary
                 ctx.record("c1_tokens", [t.tokens for t in timings])
-        await _at_once_row(ctx, engine, clock)
+        await _sync_scheduling_row(ctx, engine, clock)
         ctx.record("cuda_graphs", _graph_stats(engine.engine))
         await engine.shutdown()
         _largest_replay_kernels(ctx, engine.engine)
@@ -427,22 +427,23 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
     gc.collect()
 
 
-async def _at_once_row(ctx: StepContext, engine: AsyncLLMEngine, clock: _StepClock) -> None:
-    """The largest concurrency again, with each step's outputs handed to the event loop at
-    once instead of once the next forward is launched (CUDA's default, design decision
-    "Outputs handed over while the GPU runs"): that choice's worth on this GPU."""
-    runner, c = engine.engine.runner, max(ctx.profile.concurrencies)
-    if not runner.launches_async or ctx.left_s() < 20:
+async def _sync_scheduling_row(ctx: StepContext, engine: AsyncLLMEngine, clock: _StepClock) -> None:
+    """The largest concurrency again with async scheduling off: each step read back before
+    the next is scheduled, its outputs handed over once the next forward is launched (the
+    design decisions "Async scheduling" and "Outputs handed over while the GPU runs"): what
+    scheduling ahead is worth on this GPU."""
+    inner, c = engine.engine, max(ctx.profile.concurrencies)
+    if not inner.runs_ahead or ctx.left_s() < 20:
         return
-    runner.launches_async = False
+    inner.runs_ahead = False  # between workloads: no step is in flight
     try:
         workload = _workload(ctx, ctx.profile.num_requests(c), seed=c)
         row, _ = await run_generate_workload(
-            engine_generate_fn(engine, f"at-once-c{c}"), workload, c, "meshserve"
+            engine_generate_fn(engine, f"sync-c{c}"), workload, c, "meshserve"
         )
-        ctx.record("row_outputs_at_once", {**asdict(row), "steps": clock.take()})
+        ctx.record("row_sync_scheduling", {**asdict(row), "steps": clock.take()})
     finally:
-        runner.launches_async = True
+        inner.runs_ahead = True
 
 
 def _largest_replay_kernels(ctx: StepContext, engine: LLMEngine) -> None:

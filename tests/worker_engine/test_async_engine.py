@@ -68,6 +68,33 @@ async def test_concurrent_generate_matches_sync(
     assert engine.stats().num_finished == len(ps)
 
 
+async def test_with_async_scheduling_outputs_go_out_once_read_back(
+    make_async: Callable[..., AsyncLLMEngine], make_engine: Factory
+) -> None:
+    """With async scheduling on CUDA (flagged so here), a step's outputs are read back
+    after the next step's launch, so they go to the event loop at once, none held until
+    another launch: the streams get the sync engine's tokens, each once."""
+    ps = prompts(5, 21, 40, 9, seed=21)
+    ref = run_all(make_engine(), [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)])
+    engine = make_async(async_scheduling="on")
+    engine.engine.runner.launches_async = True
+    held_at_launch: list[bool] = []
+    on_forward = engine.engine.runner.on_forward
+    assert on_forward is not None
+
+    def launched() -> None:
+        held_at_launch.append(bool(engine._held))
+        on_forward()
+
+    engine.engine.runner.on_forward = launched
+    results = await asyncio.gather(*(collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(ps)))
+    for i, outs in enumerate(results):
+        assert tokens(outs) == tokens(ref[f"r{i}"])
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert len(held_at_launch) >= GREEDY.max_tokens and not any(held_at_launch), held_at_launch
+    await wait_for_blocks_released(engine)
+
+
 async def test_outputs_go_out_while_the_next_forward_runs_where_it_runs_on_its_own(
     make_async: Callable[..., AsyncLLMEngine], make_engine: Factory
 ) -> None:
@@ -217,11 +244,11 @@ async def test_step_error_fails_only_affected_and_loop_survives(
     original = runner.execute
     calls = {"n": 0}
 
-    def flaky(batch: list[object]) -> object:
+    def flaky(batch: list[object], ahead: object = None) -> object:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return original(batch)  # type: ignore[arg-type]
+        return original(batch, ahead)  # type: ignore[arg-type]
 
     runner.execute = flaky  # type: ignore[method-assign,assignment]
     with pytest.raises(EngineStepError, match="boom"):

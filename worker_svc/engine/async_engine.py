@@ -397,10 +397,14 @@ class AsyncLLMEngine:
         GPU idles. Handed over at once elsewhere, after a step that ran no forward (a P/D
         worker's moved streams must not wait for the prefill chunk it moved them for), and
         when no step follows (docs/design-decisions.md, "Outputs handed over while the GPU
-        runs")."""
+        runs"); and at once when the engine left a step in flight (async scheduling: these
+        are the outputs of the step before it, read back after its launch)."""
         self._hand_over()  # the previous step's, where this one launched no forward
         self._held = batches
-        if not (forward and self.engine.runner.launches_async and self.engine.has_unfinished()):
+        engine = self.engine
+        if not (
+            forward and engine.runner.launches_async and engine.has_unfinished() and not engine.step_in_flight
+        ):
             self._hand_over()
 
     def _hand_over(self) -> None:

@@ -274,7 +274,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(request.num_computed_tokens, len(request.block_table) * bs) // bs
+        # Tokens still in flight (async scheduling) are not known yet: their blocks wait.
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        full = min(request.num_computed_tokens, known, len(request.block_table) * bs) // bs
         start = self._num_registered.get(request.request_id, 0)
         if full <= start:
             return

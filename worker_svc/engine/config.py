@@ -9,6 +9,7 @@ from services.config import opt, required
 from services.kv_contract import DEFAULT_BLOCK_SIZE
 
 __all__ = [
+    "ASYNC_SCHEDULING",
     "ATTENTION_BACKENDS",
     "DTYPES",
     "THREAD_PRIORITIES",
@@ -23,6 +24,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
 THREAD_PRIORITIES = ("auto", "normal", "idle")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 GENERATION_CONFIGS = ("auto", "vllm")
 
 
@@ -97,6 +99,13 @@ class EngineConfig:
         "on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket "
         "(worker_svc.engine.cuda_graphs); other steps, and every step on CPU, run eagerly",
     )
+    async_scheduling: str = opt(
+        "auto",
+        "on: while a step's tokens are sampled on the device, the next step is scheduled and "
+        "launched, its rows' inputs taken from those tokens there (vLLM's async scheduling); "
+        "steps whose sampling reads host state (penalties, logprobs, grammars, ...) still wait; "
+        "off: every step is read back before the next is scheduled; auto: on on CUDA",
+    )
     kv_transfer_ttl_s: float = opt(
         30.0,
         "P/D: seconds a prefill-only request's KV stays held for its transfer when no decode "
@@ -140,6 +149,10 @@ class EngineConfig:
         if self.engine_priority not in THREAD_PRIORITIES:
             raise ValueError(
                 f"engine_priority must be one of {THREAD_PRIORITIES}, got {self.engine_priority!r}"
+            )
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(
+                f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}"
             )
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(

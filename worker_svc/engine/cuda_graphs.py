@@ -191,10 +191,13 @@ class DecodeGraphs:
         positions: list[int],
         keep: list[int],
         lora_rows: Callable[[], torch.Tensor] | None = None,
+        late: tuple[Sequence[tuple[int, int]], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The logits ``[n, vocab]`` of a decode-only step through its bucket's graph, or
         None when the step must run eagerly (not decode-only, or too large). ``lora_rows``
-        gives the step's LoRA mask ``[n, lora_width]`` on the host (graphs with LoRA)."""
+        gives the step's LoRA mask ``[n, lora_width]`` on the host (graphs with LoRA).
+        ``late``: ``((row, i), ...)`` and a device tensor: row ``row``'s input id is its
+        ``i``-th entry (tokens of a step still in flight)."""
         n = len(chunks)
         if n == 0 or len(ids) != n or any(q_len != 1 for _, q_len, _ in chunks) or keep != list(range(n)):
             return None
@@ -202,20 +205,28 @@ class DecodeGraphs:
         if size is None:
             self.oversize += 1
             return None
-        self._fill(size, chunks, ids, positions)
+        self._fill(size, chunks, ids, positions, late)
         if self.lora_mask is not None:
             rows = torch.zeros((size, self.lora_mask.shape[1]), dtype=self.lora_mask.dtype)
             if lora_rows is not None:
                 rows[:n] = lora_rows()
-            self.lora_mask[:size].copy_(rows)
+            self.lora_mask[:size].copy_(self._pinned(rows), non_blocking=True)
         logits = self._replays[size]()
         self.replays += 1
         self.padded_rows += size - n
         return logits[:n]
 
-    def _fill(self, size: int, chunks: Chunks, ids: list[int], positions: list[int]) -> None:
-        """Copies one step into the static buffers (one host-to-device transfer); rows
-        ``n..size`` become padding (scratch slot and block, length 1)."""
+    def _fill(
+        self,
+        size: int,
+        chunks: Chunks,
+        ids: list[int],
+        positions: list[int],
+        late: tuple[Sequence[tuple[int, int]], torch.Tensor] | None = None,
+    ) -> None:
+        """Copies one step into the static buffers (one host-to-device transfer, which
+        does not wait for the steps queued before it); rows ``n..size`` become padding
+        (scratch slot and block, length 1); then ``late`` rows take their ids (``run``)."""
         n, bs, scratch = len(chunks), self.block_size, self.scratch_block
         width = max(-(-(start + 1) // bs) for start, _, _ in chunks)
         pad = size - n
@@ -227,12 +238,24 @@ class DecodeGraphs:
             row = list(table[:width])
             flat += row + [scratch] * (width - len(row))
         flat += [scratch] * (width * pad)
-        dev = torch.tensor(flat, dtype=torch.long).to(self.device)
+        tables_end = len(flat)
+        if late is not None:
+            flat += [x for pair in late[0] for x in pair]
+        dev = self._pinned(torch.tensor(flat, dtype=torch.long)).to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(dev[:size])
         self.positions[:size].copy_(dev[size : 2 * size])
         self.slots[:size].copy_(dev[2 * size : 3 * size])
         self.lens[:size].copy_(dev[3 * size : 4 * size])
-        self.tables[:size, :width].copy_(dev[4 * size :].view(size, width))
+        self.tables[:size, :width].copy_(dev[4 * size : tables_end].view(size, width))
+        if late is not None:
+            index = dev[tables_end:].view(-1, 2)
+            self.input_ids[index[:, 0]] = late[1][index[:, 1]]
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in page-locked memory when the buffers are on a GPU: copied from there, it
+        queues behind the steps in flight instead of waiting for them (a copy from pageable
+        memory synchronises the stream)."""
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def stats(self) -> dict[str, Any]:
         """Counters for the start-up log and the benchmarks."""

@@ -28,7 +28,7 @@ from worker_svc.engine.kv_handoff import KvHandoff
 from worker_svc.engine.kv_tier import KvTier, TierStats
 from worker_svc.engine.kv_transfer import KvLayout
 from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, UnknownLoraError
-from worker_svc.engine.model_runner import ModelInfo, ModelOutput, ModelRunner
+from worker_svc.engine.model_runner import InFlight, ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
 from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
@@ -104,6 +104,24 @@ class EngineStepError(RuntimeError):
         self.cause = cause
 
 
+@dataclass
+class _Launched:
+    """A step whose forward (and, where ``read`` is set, its draw) is launched: ``read``
+    waits for its tokens and lists them; None: they are drawn on the host (``_sample``)."""
+
+    scheduled: list[ScheduledRequest]
+    model_out: ModelOutput
+    tokens: torch.Tensor | None
+    read: Callable[[], list[int]] | None
+    started: float
+
+    def in_flight(self) -> InFlight | None:
+        """Its tokens on the device, for the next step's inputs (None: none are)."""
+        if self.tokens is None:
+            return None
+        return InFlight(self.tokens, {item.request: i for i, item in enumerate(self.model_out.sample_items)})
+
+
 class LLMEngine:
     """Continuous-batching LLM engine over a transformers causal LM with a paged KV cache."""
 
@@ -139,6 +157,13 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # Async scheduling (EngineConfig.async_scheduling): the step whose tokens are still on
+        # the device (`step`), and when the last step was read back (its time, for step_cost).
+        self.runs_ahead = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.launches_async
+        )
+        self._ahead: _Launched | None = None
+        self._completed_at = 0.0
         self.prefill_rate = TokenRate()
         self._prefill_left = 0  # prompt tokens the last step's prefill chunks left for later
         self._cpus = parse_cpu_list(config.cpu_affinity)
@@ -335,8 +360,13 @@ class LLMEngine:
         self._preparing = still
 
     def has_unfinished(self) -> bool:
-        """Whether ``step()`` has work (requests, or abort notices to deliver)."""
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._preparing)
+        """Whether ``step()`` has work (requests, a step in flight, or abort notices to deliver)."""
+        return (
+            self.scheduler.has_unfinished()
+            or self._ahead is not None
+            or bool(self._pending)
+            or bool(self._preparing)
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (only while no request holds blocks)."""
@@ -423,8 +453,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration and return the outputs it produced.
 
-        On a model/sampler failure the requests of the failed batch are aborted (blocks
-        freed) and :class:`EngineStepError` is raised; the engine stays usable.
+        With async scheduling (``runs_ahead``) a step whose tokens are drawn on the device
+        stays in flight: the next call schedules and launches the following step, then
+        reads those tokens back and returns their outputs (docs/design-decisions.md,
+        "Async scheduling"). On a model/sampler failure the requests of the failed batch
+        are aborted (blocks freed) and :class:`EngineStepError` is raised; the engine
+        stays usable.
         """
         if self._cpus and self._pinned_thread != threading.get_ident():
             self._pinned_thread = threading.get_ident()
@@ -437,34 +471,106 @@ class LLMEngine:
             self.block_manager.flush_events()
             return outputs + moved  # before the long prefill's first step, not after it
         sched = self.scheduler.schedule()
-        if sched.scheduled:
-            self.num_steps += 1
-            for item in sched.scheduled:
-                if item.request.kv_import_id is not None:  # it holds the imported blocks now
-                    self._release_import(item.request)
-            started = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        launched = self._launch(sched.scheduled, ahead, outputs) if sched.scheduled else None
+        if ahead is not None:
             try:
-                model_out = self.runner.execute(sched.scheduled)
-                sampled = self._sample(model_out)
-                self._record_prompt_logprobs(model_out)
-            except Exception as exc:
+                outputs.extend(self._complete(ahead))
+            except EngineStepError as exc:  # the device failed: the step launched after it too
+                if launched is not None:
+                    exc.request_ids.extend(
+                        self._fail([i for i in launched.scheduled if not i.request.is_finished])
+                    )
                 self._pending = outputs + self._pending
-                failed = self._fail(sched.scheduled)
-                self.block_manager.flush_events()
-                raise EngineStepError(failed, exc) from exc
-            block_size = self.block_manager.block_size
-            for item in sched.scheduled:
-                item.request.num_computed_tokens = item.end
-                # A decode row fills a block only at a block's last slot: else nothing to register.
-                if item.num_new_tokens > 1 or item.end % block_size == 0:
-                    self.block_manager.mark_computed(item.request)
-            seconds = time.perf_counter() - started
-            self._measure_prefill(sched.scheduled, seconds)
-            if self.step_cost is not None:
-                self.step_cost.add(len(sched.scheduled), sched.num_tokens, seconds)
-            outputs.extend(self._apply_samples(model_out.sample_items, sampled))
+                raise
+        if launched is not None:
+            if self._may_stay_in_flight(launched):
+                self._ahead = launched
+            else:
+                outputs.extend(self._complete(launched))
         self.block_manager.flush_events()
         return outputs
+
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be read back (async scheduling)."""
+        return self._ahead is not None
+
+    def _may_stay_in_flight(self, launched: _Launched) -> bool:
+        """Whether ``launched`` may be read back after the next step's launch: its tokens
+        are drawn on the device, and nothing of it is read on the host before (prompt
+        logprobs, a P/D hand-off's first token, a prefill worker's moves)."""
+        return (
+            self.runs_ahead
+            and launched.read is not None
+            and not launched.model_out.prompt_logits
+            and not self.moves_streams
+            and not any(item.request.transfer_id is not None for item in launched.model_out.sample_items)
+        )
+
+    def _launch(
+        self, scheduled: list[ScheduledRequest], ahead: _Launched | None, outputs: list[RequestOutput]
+    ) -> _Launched:
+        """Runs the step's forward and, where every row is drawn from its logits as they
+        come, its draw, without waiting for the device; each sampled request then has a
+        token in flight. ``ahead``: the step still in flight, whose tokens are inputs of
+        this one. On failure that step is read back first, its outputs into ``outputs``."""
+        self.num_steps += 1
+        for item in scheduled:
+            if item.request.kv_import_id is not None:  # it holds the imported blocks now
+                self._release_import(item.request)
+        started = time.perf_counter()
+        try:
+            model_out = self.runner.execute(scheduled, ahead.in_flight() if ahead is not None else None)
+            rows = [item.request for item in model_out.sample_items]
+            tokens = self.sampler.launch(model_out.sample_logits, rows) if rows else None
+        except Exception as exc:
+            if ahead is not None:
+                outputs.extend(self._complete(ahead))
+            self._pending = outputs + self._pending
+            failed = self._fail([item for item in scheduled if not item.request.is_finished])
+            self.block_manager.flush_events()
+            raise EngineStepError(failed, exc) from exc
+        for item in scheduled:
+            item.request.num_computed_tokens = item.end
+        for request in rows:
+            request.in_flight += 1
+        read = self.runner.start_readback(tokens) if tokens is not None else None
+        return _Launched(scheduled, model_out, tokens, read, started)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Reads a launched step's tokens back (waiting for the device) and applies them:
+        blocks it filled registered, outputs of the requests still unfinished."""
+        model_out = launched.model_out
+        try:
+            sampled = (
+                SamplerOutput(launched.read(), [None] * len(model_out.sample_items))
+                if launched.read is not None
+                else self._sample(model_out)
+            )
+            self._record_prompt_logprobs(model_out)
+        except Exception as exc:
+            for item in model_out.sample_items:
+                item.request.in_flight -= 1
+            failed = self._fail([item for item in launched.scheduled if not item.request.is_finished])
+            self.block_manager.flush_events()
+            raise EngineStepError(failed, exc) from exc
+        block_size = self.block_manager.block_size
+        for item in launched.scheduled:
+            # A decode row fills a block only at a block's last slot: else nothing to register.
+            if item.request.status is RequestStatus.RUNNING and (
+                item.num_new_tokens > 1 or item.end % block_size == 0
+            ):
+                self.block_manager.mark_computed(item.request)
+        now = time.perf_counter()
+        seconds = now - max(launched.started, self._completed_at)
+        self._completed_at = now
+        self._measure_prefill(launched.scheduled, seconds)
+        if self.step_cost is not None:
+            self.step_cost.add(
+                len(launched.scheduled), sum(i.num_new_tokens for i in launched.scheduled), seconds
+            )
+        return self._apply_samples(model_out.sample_items, sampled)
 
     def _move_streams(self) -> list[RequestOutput]:
         """A P/D prefill worker taking whole requests (``moves_streams``): while a long
@@ -561,9 +667,12 @@ class LLMEngine:
     def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        self.num_generated_tokens += len(items)
         for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
             request = item.request
+            request.in_flight -= 1
+            if request.is_finished:  # aborted, or stopped at the token before (async scheduling)
+                continue
+            self.num_generated_tokens += 1
             request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now

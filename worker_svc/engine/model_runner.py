@@ -34,10 +34,11 @@ from worker_svc.engine.attention import (
 from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.lora import LoraManager
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
+from worker_svc.engine.request import Request
 from worker_svc.engine.sampling import SamplingParams
 from worker_svc.engine.scheduler import ScheduledRequest
 
-__all__ = ["ModelInfo", "ModelOutput", "ModelRunner", "inductor_options", "runtime_guards"]
+__all__ = ["InFlight", "ModelInfo", "ModelOutput", "ModelRunner", "inductor_options", "runtime_guards"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,6 +94,20 @@ class ModelOutput:
     sample_items: list[ScheduledRequest]
     sample_logits: torch.Tensor
     prompt_logits: list[tuple[ScheduledRequest, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class InFlight:
+    """The sampled tokens of a step launched but not read back, left on the device, and the
+    row of each sampled request in them: the next step's rows of those requests take their
+    input token from there (async scheduling, `LLMEngine.step`)."""
+
+    tokens: torch.Tensor
+    rows: dict[Request, int]
+
+
+# (row of the step's input ids, row of InFlight.tokens) of each input token still in flight.
+LateRows = list[tuple[int, int]]
 
 
 def _needs_prompt_logits(item: ScheduledRequest) -> bool:
@@ -249,8 +264,9 @@ class ModelRunner:
         for layer, kv in enumerate(self.kv_caches):
             kv[:, block_id].copy_(values[layer])
 
-    def execute(self, batch: Sequence[ScheduledRequest]) -> ModelOutput:
-        """Run one forward over all scheduled chunks; returns the logits that are needed."""
+    def execute(self, batch: Sequence[ScheduledRequest], ahead: InFlight | None = None) -> ModelOutput:
+        """Run one forward over all scheduled chunks; returns the logits that are needed.
+        ``ahead``: the step in flight, whose sampled tokens are inputs of this one."""
         ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
@@ -258,14 +274,22 @@ class ModelRunner:
         sample_items: list[ScheduledRequest] = []
         prompt_spans: list[tuple[ScheduledRequest, int, int]] = []
         row0s: list[int] = []
+        late: LateRows = []
         for item in batch:
             row0 = len(ids)
             row0s.append(row0)
+            request = item.request
             if item.num_new_tokens == 1:  # a decode row: most rows of most steps
-                ids.append(item.request.token_id(item.start))
+                if request.in_flight and item.start >= request.num_tokens - request.in_flight:
+                    if ahead is None:
+                        raise RuntimeError(f"request {request.request_id}: its input token is in no step")
+                    late.append((row0, ahead.rows[request]))
+                    ids.append(0)  # replaced on the device
+                else:
+                    ids.append(request.token_id(item.start))
                 positions.append(item.start)
             else:
-                ids.extend(item.request.token_slice(item.start, item.end))
+                ids.extend(request.token_slice(item.start, item.end))
                 positions.extend(range(item.start, item.end))
             if _needs_prompt_logits(item):
                 prompt_spans.append((item, len(keep), len(keep) + item.num_new_tokens))
@@ -282,7 +306,8 @@ class ModelRunner:
             # drop the attention ops as dead code (the custom op is functional; its cache
             # writes are invisible to inductor), so one row is kept and thrown away.
             keep.append(len(ids) - 1)
-        logits = self._forward(batch, ids, positions, keep, _image_rows(batch, row0s))
+        late_tokens = (late, ahead.tokens) if late and ahead is not None else None
+        logits = self._forward(batch, ids, positions, keep, _image_rows(batch, row0s), late_tokens)
         if len(sample_rows) != len(keep):  # else every kept row is sampled, in order: no copy
             logits_rows = logits[sample_rows]
         else:
@@ -300,12 +325,13 @@ class ModelRunner:
         positions: list[int],
         keep: list[int],
         image_rows: tuple[list[int], list[torch.Tensor]] = ([], []),
+        late: tuple[LateRows, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         chunks = [(item.start, item.num_new_tokens, item.request.block_table) for item in batch]
         if self.graphs is not None and not image_rows[0]:
             lora = self.lora
             rows = None if lora is None else (lambda: lora.step_rows(self._lora_spans(batch, 0), full=True))
-            replayed = self.graphs.run(chunks, ids, positions, keep, rows)
+            replayed = self.graphs.run(chunks, ids, positions, keep, rows, late)
             if replayed is not None:
                 self._forward_started()
                 return replayed
@@ -313,7 +339,7 @@ class ModelRunner:
         if pad:
             chunks += self._padding_chunks(pad)
             ids, positions = [*ids, *[0] * pad], [*positions, *[0] * pad]
-        return self._run(chunks, ids, positions, keep, self._lora_step(batch, pad), image_rows)
+        return self._run(chunks, ids, positions, keep, self._lora_step(batch, pad), image_rows, late)
 
     def _run(
         self,
@@ -323,6 +349,7 @@ class ModelRunner:
         keep: list[int],
         lora: AbstractContextManager[None],
         image_rows: tuple[list[int], list[torch.Tensor]],
+        late: tuple[LateRows, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The forward of one packed step (``chunks`` as ``build_attention_metadata``'s);
         the logits of the ``keep`` rows. Its input tensors are made outside inference
@@ -336,6 +363,8 @@ class ModelRunner:
             self.attention.layer_windows,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if late is not None:
+            put_late_tokens(input_ids[0], late, self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = row_index(keep, self.device)
         kwargs: dict[str, Any] = {"use_cache": False}
@@ -354,6 +383,23 @@ class ModelRunner:
             logits = logits[keep_t]
         # In the model's dtype: the sampler's greedy fast path needs no float32 copy.
         return logits
+
+    @staticmethod
+    def start_readback(tokens: torch.Tensor) -> Callable[[], list[int]]:
+        """Starts copying sampled ``tokens`` to the host without waiting for them; the
+        call returned waits for them and lists them."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist
+        host = tokens.to("cpu", non_blocking=True)  # into pinned memory
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[int]:
+            copied.synchronize()
+            listed: list[int] = host.tolist()
+            return listed
+
+        return read
 
     def _forward_started(self) -> None:
         if self.launches_async and self.on_forward is not None:
@@ -605,6 +651,16 @@ def cpu_step_sizes(max_tokens: int) -> tuple[int, ...]:
         if size >= 256 and size & (size - 1) == 0:
             spacing *= 2
     return tuple(sorted(sizes))
+
+
+def put_late_tokens(
+    input_ids: torch.Tensor, late: tuple[LateRows, torch.Tensor], device: torch.device
+) -> None:
+    """Writes the input tokens still in flight into ``input_ids`` on the device: row ``r``
+    of the step takes token ``i`` of the step in flight, for each ``(r, i)``."""
+    rows, tokens = late
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    input_ids[index[:, 0]] = tokens[index[:, 1]]
 
 
 def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -96,7 +96,10 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (it lags
     ``num_tokens`` by the last sampled token during decode and by the rest of the
-    prompt during chunked prefill). ``block_table`` lists the KV blocks, in order.
+    prompt during chunked prefill). ``in_flight`` counts sampled tokens a launched step
+    has not read back yet (async scheduling, `LLMEngine.step`): ``num_tokens`` counts them,
+    so the scheduler gives the request its next row, whose input the model runner takes
+    from the device. ``block_table`` lists the KV blocks, in order.
     ``block_hashes`` caches the chained hashes of the request's full token blocks;
     the block manager extends it lazily.
     """
@@ -140,6 +143,7 @@ class Request:
     lora_name: str = ""
     # It came with output produced elsewhere (a migration): it is not moved again.
     resumed: bool = False
+    in_flight: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,8 +157,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt plus generated tokens, those still in flight included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.in_flight
 
     @property
     def is_finished(self) -> bool:

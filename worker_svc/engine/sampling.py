@@ -225,16 +225,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row; ``logits`` is not modified."""
-        if logits.ndim != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
-        if all(_plain_greedy(r) for r in rows):
-            # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
-            # is the faster CPU kernel for bf16 logits.
-            return SamplerOutput(token_ids=_first_argmax(logits).tolist(), logprobs=[None] * len(rows))
-        if all(_plain_random(r) for r in rows):
-            params = [r.sampling_params for r in rows]
-            tokens = _draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params])
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
+        drawn = self.launch(logits, rows)
+        if drawn is not None:
+            return SamplerOutput(token_ids=drawn.tolist(), logprobs=[None] * len(rows))
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
@@ -260,6 +253,21 @@ class Sampler:
             for i, entry in zip(lp_rows, token_logprobs(raw_logprobs, chosen, nums), strict=True):
                 out_logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor | None:
+        """The rows' tokens as a tensor on the logits' device, left there (no host
+        synchronisation), when every row is drawn from its logits as they come (plain
+        greedy or plain random); None when some row needs the host (``sample``)."""
+        if logits.ndim != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if all(_plain_greedy(r) for r in rows):
+            # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
+            # is the faster CPU kernel for bf16 logits.
+            return _first_argmax(logits)
+        if all(_plain_random(r) for r in rows):
+            params = [r.sampling_params for r in rows]
+            return _draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params])
+        return None
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
         vocab = logits.shape[1]

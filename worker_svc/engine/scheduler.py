@@ -127,6 +127,13 @@ def _in_prefill(request: Request) -> bool:
     return request.num_tokens - request.num_computed_tokens > 1
 
 
+def _last_in_flight(request: Request) -> bool:
+    """Whether the tokens ``request`` has in flight take it to its ``max_tokens``: it
+    gets no row ahead of reading them back (validation keeps prompt plus ``max_tokens``
+    within the model's length, so that bound is the only one to check)."""
+    return request.num_output_tokens + request.in_flight >= request.sampling_params.max_tokens
+
+
 class StepScheduler:
     """Decides, each step, which requests compute how many tokens."""
 
@@ -309,6 +316,8 @@ class StepScheduler:
                 continue
             if floor is not None and request.priority < floor:
                 continue
+            if request.in_flight and _last_in_flight(request):
+                continue  # its token in flight is its last (async scheduling)
             room = budget
             if _in_prefill(request):  # a chunk
                 room -= sum(tokens for priority, tokens in short if priority >= request.priority)
