@@ -422,6 +422,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
         ctx.record("cuda_graphs", _graph_stats(engine.engine))
         await engine.shutdown()
         _largest_replay_kernels(ctx, engine.engine)
+        _prefill_step_kernels(ctx, engine.engine)
 
     asyncio.run(run(AsyncLLMEngine(_engine_config(ctx, cuda_graphs))))
     gc.collect()
@@ -457,6 +458,29 @@ def _largest_replay_kernels(ctx: StepContext, engine: LLMEngine) -> None:
         ctx.record("largest_replay_kernels", _kernel_profile(graphs._replays[graphs.buckets[-1]]))
     except Exception as exc:  # the profiler's event API moves between torch versions
         ctx.record("largest_replay_kernels", {"error": repr(exc)})
+
+
+def _prefill_step_kernels(ctx: StepContext, engine: LLMEngine) -> None:
+    """One step of whole prompts filling the step's token budget, under the profiler: where
+    a prefill step's time goes (its GEMMs, the per-prompt attention, the rest). Each run
+    takes fresh prompts (no prefix hits) and reads its step back before the next."""
+    if not _cuda(ctx):
+        return
+    p, runs = ctx.profile, iter(range(2))
+    count = max(1, p.max_batch_tokens // p.prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def one_step() -> None:
+        run = next(runs)
+        for i, prompt in enumerate(_workload(ctx, count, seed=1000 + run).prompts):
+            engine.add_request(RequestSpec(f"prefill-{run}-{i}", prompt, params))
+        while engine.has_unfinished():
+            engine.step()
+
+    try:
+        ctx.record("prefill_step_kernels", {"prompts": count, **_kernel_profile(one_step)})
+    except Exception as exc:  # the profiler's event API moves between torch versions
+        ctx.record("prefill_step_kernels", {"error": repr(exc)})
 
 
 def engine_graphs(ctx: StepContext) -> None:
