@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "priority_step_ratio": ("3", 3.0),
     "generation_config": ("vllm", "vllm"),
     "cuda_graphs": ("false", False),
+    "async_scheduling": ("off", "off"),
     "kv_transfer_ttl_s": ("5", 5.0),
     "max_loras": ("0", 0),
     "max_lora_rank": ("8", 8),
