@@ -10,7 +10,10 @@ sampler's arithmetic is negligible and what is timed is host work. Per concurren
 requests with random `--prompt-tokens`-token prompts, greedy, ignore_eos, are admitted and
 prefilled; then `--steps` decode steps of all c rows are timed one by one (LLMEngine.step);
 per round the median and mean ms per step; the JSON has every round and their medians.
-`--profile-at C` adds cProfile's top functions of the steps at that concurrency.
+Each concurrency runs twice: decode steps eager (``results``) and through the decode graphs'
+static buffers (``graphs``: CUDA's decode path, with a capture that calls the stubbed
+forward again, so the graphs' per-step fill is timed and no device is needed).
+`--profile-at C` adds cProfile's top functions of the graph steps at that concurrency.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 from bench.host import ROOT, host_info
 from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
+from worker_svc.engine.cuda_graphs import capture_graphs
 
 
 def build_model(out: Path) -> Path:
@@ -63,17 +67,30 @@ def stub_forward(engine: LLMEngine) -> None:
     engine.runner.model_forward = forward  # type: ignore[method-assign]
 
 
+def _max_tokens(engine: LLMEngine, concurrency: int, args: argparse.Namespace) -> int:
+    """Enough that no request ends before the timed steps do: the first prompts decode
+    while the last ones prefill, one step budget at a time."""
+    prefill_steps = -(-concurrency * args.prompt_tokens // engine.config.max_num_batched_tokens)
+    return args.steps + 64 + prefill_steps
+
+
 def decode_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace, seed: int) -> list[float]:
     """Admits `concurrency` requests, prefills them, then times `args.steps` decode steps (s each)."""
     rng = random.Random(seed)
     vocab = engine.model_info.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=_max_tokens(engine, concurrency, args), ignore_eos=True
+    )
     for i in range(concurrency):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
         engine.add_request(RequestSpec(f"s{seed}-r{i}", prompt, params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     engine.step()  # every row decodes from here on
+    if len(engine.scheduler.running) != concurrency:
+        raise RuntimeError(
+            f"{len(engine.scheduler.running)} of {concurrency} requests decode: the cache is too small"
+        )
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -97,18 +114,23 @@ def profile_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace)
 
 
 def measure(
-    model_dir: str, device: str, concurrencies: Sequence[int], args: argparse.Namespace
+    model_dir: str, device: str, concurrencies: Sequence[int], args: argparse.Namespace, graphs: bool = False
 ) -> dict[str, Any]:
     """Median host ms per decode step at each concurrency (``args``: steps, rounds,
-    prompt_tokens, profile_at), on ``device`` without CUDA graphs (they would replay the
-    real forward); with cProfile's top functions when ``args.profile_at`` is set."""
+    prompt_tokens, profile_at), on ``device``, decode steps eager or through the decode
+    graphs' buffers (``graphs``: captured as the stubbed forward itself, which a replay
+    calls again); with cProfile's top functions when ``args.profile_at`` is set."""
+    c, budget = max(concurrencies), max(2048, max(concurrencies))
+    tokens = args.prompt_tokens + args.steps + 64 + -(-c * args.prompt_tokens // budget)
     config = EngineConfig(
         model_dir=model_dir, device=device, dtype="float32", compile_model=False, cuda_graphs=False,
-        max_num_seqs=max(concurrencies), max_num_batched_tokens=max(512, max(concurrencies)),
-        num_kv_blocks=max(concurrencies) * 32,
+        max_num_seqs=c, max_num_batched_tokens=budget, num_kv_blocks=c * (tokens // 16 + 2),
+        attention_backend="cpu" if graphs and device == "cpu" else "auto",
     )  # fmt: skip
     engine = LLMEngine(config)
     stub_forward(engine)
+    if graphs and capture_graphs(engine.runner, lambda forward: forward)[0] is None:
+        raise RuntimeError("the decode graphs' buffers could not be attached")
     results: dict[str, Any] = {}
     for c in concurrencies:
         rounds = []
@@ -133,17 +155,22 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--out", default="bench/results/host_overhead.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "tiny")
-        results = measure(str(model), "cpu", [int(c) for c in args.concurrency.split(",")], args)
-    profile = results.pop("profile", "")
-    for c, row in results.items():
-        print(f"c={c}: {row['median_ms']:.3f} ms per step (host)")
+        model = str(build_model(Path(tmp) / "tiny"))
+        eager = measure(model, "cpu", concurrencies, argparse.Namespace(**{**vars(args), "profile_at": 0}))
+        graphs = measure(model, "cpu", concurrencies, args, graphs=True)
+    profile = graphs.pop("profile", "")
+    for c in eager:
+        print(
+            f"c={c}: {eager[c]['median_ms']:.3f} ms per step eager, {graphs[c]['median_ms']:.3f} through graphs"
+        )
     report = {
         "command": "python -m bench.host_overhead " + " ".join(argv),
         "host": host_info(),
         "config": {"steps": args.steps, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens},
-        "results": results,
+        "results": eager,
+        "graphs": graphs,
         "targets_ms": {"1": 0.5, "64": 1.0, "256": 2.0},
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -746,8 +746,9 @@ def c1_anatomy(ctx: StepContext) -> None:
 
 def host_overhead(ctx: StepContext) -> None:
     """The engine's host work per decode step with the forward stubbed out
-    (bench.host_overhead) on this device: input tensors made on it, the sampler's argmax and
-    its copy back included; the tests' tiny model, so the device's arithmetic is nil."""
+    (bench.host_overhead) on this device, steps eager and through the decode graphs'
+    buffers: input tensors made on it, the sampler's argmax and its copy back included;
+    the tests' tiny model, so the device's arithmetic is nil."""
     from bench.host_overhead import build_model, measure
 
     model = build_model(ctx.work / "host-overhead-model")
@@ -755,3 +756,5 @@ def host_overhead(ctx: StepContext) -> None:
     args = argparse.Namespace(steps=p.host_steps, rounds=2, prompt_tokens=p.prompt_len, profile_at=0)
     for c, row in measure(str(model), p.device, p.host_concurrencies, args).items():
         ctx.record(f"c{c}_host_ms_per_step", row["median_ms"])
+    for c, row in measure(str(model), p.device, p.host_concurrencies, args, graphs=True).items():
+        ctx.record(f"c{c}_graph_host_ms_per_step", row["median_ms"])

@@ -65,7 +65,9 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"]
     )
     summary = report["summary"]
-    assert set(summary["host_ms_per_step"]) == {f"c{c}_host_ms_per_step" for c in DRY.host_concurrencies}
+    assert set(summary["host_ms_per_step"]) == {
+        f"c{c}_{path}host_ms_per_step" for c in DRY.host_concurrencies for path in ("", "graph_")
+    }
     assert all(ms > 0 for ms in summary["host_ms_per_step"].values())
     assert summary["correctness_all_match"] is True
     assert summary["lora_mix_over_base_tok_s"] > 0 and summary["lora_mix_tokens_equal_eager"] is True

@@ -233,6 +233,38 @@ def test_pad_turns_rows_back_into_padding() -> None:
     assert graphs.lens[:3].tolist() == [1, 1, 10]
 
 
+def test_a_step_sends_only_the_table_entries_that_changed() -> None:
+    """The static tables keep each row's blocks between steps: a row still holding its
+    request's table gets the blocks appended since, another request's table is written
+    whole, a row turning to padding gets the scratch block; slots and lengths follow."""
+    graphs, _ = _recording_graphs((1, 4))
+    a, b, c = [3, 7], [2], [1, 4, 6]
+    graphs.run([(5, 1, a), (0, 1, b), (9, 1, c)], [11, 12, 13], [5, 0, 9], [0, 1, 2])
+    sent: list[list[int]] = []
+    edits = graphs._table_edits
+
+    def recorded(chunks: Any, size: int) -> list[int]:
+        sent.append(edits(chunks, size))
+        return sent[-1]
+
+    graphs._table_edits = recorded  # type: ignore[method-assign]
+    a.append(8)  # a's request crossed into a new block
+    graphs.run([(8, 1, a), (1, 1, b), (10, 1, c)], [11, 12, 13], [8, 1, 10], [0, 1, 2])
+    assert sent[-1] == [0, 2, 8]
+    assert graphs.slots[:4].tolist() == [8 * 4, 2 * 4 + 1, 6 * 4 + 2, 9 * 4]
+    assert graphs.lens[:4].tolist() == [9, 2, 11, 1]
+    # b finished: c moves up a row (written whole), row 2 turns to padding.
+    graphs.run([(9, 1, a), (11, 1, c)], [11, 13], [9, 11], [0, 1])
+    assert sent[-1] == [1, 0, 1, 1, 1, 4, 1, 2, 6, 2, 0, 9]
+    # The padding row reads only its first column (length 1); the rest keeps c's old ids.
+    assert graphs.tables[:3, :3].tolist() == [[3, 7, 8], [1, 4, 6], [9, 4, 6]]
+    assert graphs.slots[:2].tolist() == [8 * 4 + 1, 6 * 4 + 3] and graphs.lens[:2].tolist() == [10, 12]
+    # A freed table is a new list: the same row then takes it whole, though as long as before.
+    graphs.run([(9, 1, [5, 0, 2]), (11, 1, c)], [11, 13], [9, 11], [0, 1])
+    assert sent[-1] == [0, 0, 5, 0, 1, 0, 0, 2, 2]
+    assert graphs.slots[0].item() == 2 * 4 + 1
+
+
 def test_steps_outside_the_buckets_fall_back() -> None:
     graphs, _ = _recording_graphs((1, 2))
     decode = [(4, 1, [0, 1]), (2, 1, [2]), (3, 1, [3])]

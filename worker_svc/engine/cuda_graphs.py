@@ -1,10 +1,12 @@
 """CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed per step.
 
 A decode-only step (every chunk one new token, every row sampled) of ``n`` sequences runs
-the graph of the smallest bucket ``>= n``: the step's token ids, positions, KV slots,
-block tables and context lengths are copied into static buffers (the tensors the graph
-was captured on), the rows past ``n`` are padding, and the first ``n`` rows of the
-graph's logits are the step's. Prefill and mixed steps, steps with image rows, and
+the graph of the smallest bucket ``>= n``: the step's token ids and positions are copied
+into static buffers (the tensors the graph was captured on), with the block-table entries
+that changed since the last step (the tables stay between steps, docs/design-decisions.md,
+"Decode graphs keep their block tables"); the graph derives KV slots and context lengths
+first. The rows past ``n`` are padding, and the first ``n`` rows of the graph's logits are
+the step's. Prefill and mixed steps, steps with image rows, and
 decode steps larger than the largest bucket run eagerly.
 
 Padding rows never touch a real KV block: their slot is in the *scratch block*, one block
@@ -136,6 +138,8 @@ class DecodeGraphs:
         self.tables = torch.empty((n, width), dtype=torch.int32, device=device)
         self.lens = torch.empty((n,), dtype=torch.int32, device=device)
         self.lora_mask = torch.zeros((n, lora_width), dtype=lora_dtype, device=device) if lora_width else None
+        # Per row: the block table whose entries the row holds, and how many (None: padding).
+        self._held: list[tuple[Sequence[int] | None, int]] = [(None, 0)] * n
         self.pad(n)
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
@@ -146,11 +150,19 @@ class DecodeGraphs:
 
     def pad(self, rows: int) -> None:
         """Makes the first ``rows`` rows padding: their K/V go to the scratch block only
-        (slot and block table on it, length 1). `_fill` writes the same values in its one
-        transfer."""
-        self.slots[:rows].fill_(self.scratch_block * self.block_size)
+        (position 0, block table on it: slot on it, length 1)."""
+        self.positions[:rows].fill_(0)
         self.tables[:rows].fill_(self.scratch_block)
-        self.lens[:rows].fill_(1)
+        self._held[:rows] = [(None, 0)] * rows
+        self._derive(rows)
+
+    def _derive(self, size: int) -> None:
+        """Each row's KV slot and context length from its position and block table: the
+        first ops of every bucket's graph, so a step copies only ids and positions in."""
+        pos = self.positions[:size]
+        self.lens[:size].copy_(pos + 1)
+        block = self.tables[:size].gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)
+        self.slots[:size].copy_(block.long() * self.block_size + pos % self.block_size)
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a bucket: views of the static buffers."""
@@ -177,7 +189,12 @@ class DecodeGraphs:
         ids, pos = self.input_ids[:size].view(1, size), self.positions[:size].view(1, size)
         mask = None if self.lora_mask is None else self.lora_mask[:size]
         rows = self.rows[:size]
-        return lambda: self.forward(meta, ids, pos, mask, rows)
+
+        def forward() -> torch.Tensor:
+            self._derive(size)
+            return self.forward(meta, ids, pos, mask, rows)
+
+        return forward
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` rows (None: more rows than the largest)."""
@@ -224,32 +241,48 @@ class DecodeGraphs:
         positions: list[int],
         late: tuple[Sequence[tuple[int, int]], torch.Tensor] | None = None,
     ) -> None:
-        """Copies one step into the static buffers (one host-to-device transfer, which
-        does not wait for the steps queued before it); rows ``n..size`` become padding
-        (scratch slot and block, length 1); then ``late`` rows take their ids (``run``)."""
-        n, bs, scratch = len(chunks), self.block_size, self.scratch_block
-        width = max(-(-(start + 1) // bs) for start, _, _ in chunks)
-        pad = size - n
-        slots = [table[p // bs] * bs + p % bs for p, _, table in chunks]
+        """Copies one step into the static buffers in one host-to-device transfer, which
+        does not wait for the steps queued before it: ids and positions, and of the block
+        tables only the entries that changed since the rows last held them (`_table_edits`);
+        rows ``n..size`` become padding; then ``late`` rows take their ids (``run``). The
+        graph derives slots and lengths (`_derive`)."""
+        pad = size - len(chunks)
+        edits = self._table_edits(chunks, size)
         # Padding rows repeat the first token (any id in the vocabulary would do) at position 0.
-        flat: list[int] = [*ids, *[ids[0]] * pad, *positions, *[0] * pad]
-        flat += [*slots, *[scratch * bs] * pad, *(p + 1 for p, _, _ in chunks), *[1] * pad]
-        for _, _, table in chunks:
-            row = list(table[:width])
-            flat += row + [scratch] * (width - len(row))
-        flat += [scratch] * (width * pad)
-        tables_end = len(flat)
+        flat: list[int] = [*ids, *[ids[0]] * pad, *positions, *[0] * pad, *edits]
         if late is not None:
             flat += [x for pair in late[0] for x in pair]
         dev = self._pinned(torch.tensor(flat, dtype=torch.long)).to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(dev[:size])
         self.positions[:size].copy_(dev[size : 2 * size])
-        self.slots[:size].copy_(dev[2 * size : 3 * size])
-        self.lens[:size].copy_(dev[3 * size : 4 * size])
-        self.tables[:size, :width].copy_(dev[4 * size : tables_end].view(size, width))
+        end = 2 * size + len(edits)
+        if edits:
+            edit = dev[2 * size : end].view(-1, 3)
+            self.tables[edit[:, 0], edit[:, 1]] = edit[:, 2].to(self.tables.dtype)
         if late is not None:
-            index = dev[tables_end:].view(-1, 2)
+            index = dev[end:].view(-1, 2)
             self.input_ids[index[:, 0]] = late[1][index[:, 1]]
+
+    def _table_edits(self, chunks: Chunks, size: int) -> list[int]:
+        """``(row, column, block)`` triples, flattened, that make the static block tables
+        hold this step's: a row still holding the same request's table gets only the blocks
+        appended since (a table only grows while its request keeps its blocks; freed, it is
+        a new list); another table is written whole; a row turning to padding gets the
+        scratch block. Columns past a row's table keep older ids the kernels never read."""
+        edits: list[int] = []
+        held = self._held
+        for row, (_, _, table) in enumerate(chunks):
+            was, count = held[row]
+            start = count if was is table else 0
+            if start < len(table):
+                for col in range(start, len(table)):
+                    edits += (row, col, table[col])
+                held[row] = (table, len(table))
+        for row in range(len(chunks), size):
+            if held[row][0] is not None:
+                edits += (row, 0, self.scratch_block)
+                held[row] = (None, 0)
+        return edits
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in page-locked memory when the buffers are on a GPU: copied from there, it

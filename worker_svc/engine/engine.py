@@ -558,8 +558,8 @@ class LLMEngine:
         block_size = self.block_manager.block_size
         for item in launched.scheduled:
             # A decode row fills a block only at a block's last slot: else nothing to register.
-            if item.request.status is RequestStatus.RUNNING and (
-                item.num_new_tokens > 1 or item.end % block_size == 0
+            if (item.num_new_tokens > 1 or item.end % block_size == 0) and (
+                item.request.status is RequestStatus.RUNNING
             ):
                 self.block_manager.mark_computed(item.request)
         now = time.perf_counter()
@@ -667,12 +667,13 @@ class LLMEngine:
     def _apply_samples(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
+        running = RequestStatus.RUNNING
         for item, token, logprob in zip(items, sampled.token_ids, sampled.logprobs, strict=True):
             request = item.request
             request.in_flight -= 1
-            if request.is_finished:  # aborted, or stopped at the token before (async scheduling)
-                continue
-            self.num_generated_tokens += 1
+            status = request.status
+            if status is not running and status.is_finished:
+                continue  # aborted, or stopped at the token before (async scheduling)
             request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -682,6 +683,7 @@ class LLMEngine:
             outputs.append(output)
             if output.finished:
                 self._finish(request)
+        self.num_generated_tokens += len(outputs)
         return outputs
 
     def _finish(self, request: Request) -> None:
