@@ -198,6 +198,10 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
             out[f"c1_tpot_over_roofline_{label}"] = rows[1]["tpot_ms"]["p50"] / roof["decode_floor_ms"]
     if graphs:  # a failed capture leaves the engine eager: its rows are then no graph figures
         out["graphs_captured"] = "buckets" in graphs.get("cuda_graphs", {})
+    sync = graphs.get("row_sync_scheduling")
+    top = max(graphs.get("rows", []), key=lambda r: r["concurrency"], default=None)
+    if sync and top and sync["output_tok_per_s"]:
+        out["async_over_sync_scheduling_tok_s"] = top["output_tok_per_s"] / sync["output_tok_per_s"]
     if graphs and eager:
         g = {r["concurrency"]: r["output_tok_per_s"] for r in graphs.get("rows", [])}
         e = {r["concurrency"]: r["output_tok_per_s"] for r in eager.get("rows", [])}

@@ -753,7 +753,7 @@ def host_overhead(ctx: StepContext) -> None:
 
     model = build_model(ctx.work / "host-overhead-model")
     p = ctx.profile
-    args = argparse.Namespace(steps=p.host_steps, rounds=2, prompt_tokens=p.prompt_len, profile_at=0)
+    args = argparse.Namespace(steps=p.host_steps, rounds=1, prompt_tokens=p.prompt_len, profile_at=0)
     for c, row in measure(str(model), p.device, p.host_concurrencies, args).items():
         ctx.record(f"c{c}_host_ms_per_step", row["median_ms"])
     for c, row in measure(str(model), p.device, p.host_concurrencies, args, graphs=True).items():
