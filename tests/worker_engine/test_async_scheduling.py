@@ -83,6 +83,32 @@ def test_streams_equal_the_synchronous_engines(make_engine: Factory) -> None:
     assert ahead.num_generated_tokens == sync.num_generated_tokens
 
 
+def test_logprobs_seeded_draws_min_tokens_and_static_rules_run_ahead(make_engine: Factory) -> None:
+    """Rows whose draw reads no output token values go on running ahead: their logprobs
+    come back with the tokens, seeded draws and min_tokens count the tokens in flight."""
+    sync, ahead = _engine_pair(make_engine)
+    ps = prompts(6, 13, 4, 9, seed=8)
+    requests = [
+        ("logprobs", ps[0], SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)),
+        ("seeded", ps[1], SamplingParams(temperature=1.0, seed=11, max_tokens=10, logprobs=1)),
+        ("min_tokens", ps[2], SamplingParams(temperature=0.7, seed=3, max_tokens=10, min_tokens=6)),
+        (
+            "rules",
+            ps[3],
+            SamplingParams(
+                temperature=0, max_tokens=10, logit_bias=((7, 5.0),), allowed_token_ids=(7, 9, 11)
+            ),
+        ),
+    ]
+    expected = run_all(sync, requests)
+    seen = _watch_rows(ahead)
+    got = run_all(ahead, requests)
+    for rid, outs in expected.items():
+        assert tokens(got[rid]) == tokens(outs), rid
+        assert [o.new_logprobs for o in got[rid]] == [o.new_logprobs for o in outs], rid
+    assert seen["ahead_steps"] >= 8 and seen["late_rows"] >= 30, seen
+
+
 def test_a_stop_token_ends_the_stream_though_the_next_row_ran(make_engine: Factory) -> None:
     sync, ahead = _engine_pair(make_engine)
     prompt = prompts(11, seed=5)[0]

@@ -20,6 +20,7 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    in_flight: int = 0
 
 
 def seeded(params: SamplingParams) -> Row:

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -31,7 +32,14 @@ from worker_svc.engine.lora import LoraManager, LoraSnapshot, LoraStateError, Un
 from worker_svc.engine.model_runner import InFlight, ModelInfo, ModelOutput, ModelRunner
 from worker_svc.engine.multimodal import MultiModalInput, validate_mm_inputs
 from worker_svc.engine.request import Request, RequestSpec, RequestStatus
-from worker_svc.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprob, token_logprobs
+from worker_svc.engine.sampling import (
+    Drawn,
+    Sampler,
+    SamplerOutput,
+    SamplingParams,
+    TokenLogprob,
+    token_logprobs,
+)
 from worker_svc.engine.scheduler import ScheduledRequest, StepScheduler
 from worker_svc.engine.step_cost import Share, StepCost
 from worker_svc.engine.structured import GrammarBackend, Prepared
@@ -106,20 +114,26 @@ class EngineStepError(RuntimeError):
 
 @dataclass
 class _Launched:
-    """A step whose forward (and, where ``read`` is set, its draw) is launched: ``read``
-    waits for its tokens and lists them; None: they are drawn on the host (``_sample``)."""
+    """A step whose forward and draw are launched: ``read`` waits for the draw's tensors
+    (``drawn``, None when the step samples nothing) and lists them."""
 
     scheduled: list[ScheduledRequest]
     model_out: ModelOutput
-    tokens: torch.Tensor | None
-    read: Callable[[], list[int]] | None
+    drawn: Drawn | None
+    read: Callable[[], list[list[Any]]]
     started: float
 
     def in_flight(self) -> InFlight | None:
         """Its tokens on the device, for the next step's inputs (None: none are)."""
-        if self.tokens is None:
+        if self.drawn is None:
             return None
-        return InFlight(self.tokens, {item.request: i for i, item in enumerate(self.model_out.sample_items)})
+        return InFlight(
+            self.drawn.tokens, {item.request: i for i, item in enumerate(self.model_out.sample_items)}
+        )
+
+    def sampled(self) -> SamplerOutput:
+        """Its tokens (and logprobs) read back: waits for the device."""
+        return self.drawn.output(self.read()) if self.drawn is not None else SamplerOutput([], [])
 
 
 class LLMEngine:
@@ -497,15 +511,16 @@ class LLMEngine:
         return self._ahead is not None
 
     def _may_stay_in_flight(self, launched: _Launched) -> bool:
-        """Whether ``launched`` may be read back after the next step's launch: its tokens
-        are drawn on the device, and nothing of it is read on the host before (prompt
-        logprobs, a P/D hand-off's first token, a prefill worker's moves)."""
+        """Whether ``launched`` may be read back after the next step's launch: nothing of
+        it is read on the host before (prompt logprobs, a P/D hand-off's first token, a
+        prefill worker's moves), and none of its requests' next draws reads their output's
+        token values (penalties, bad words, grammars: `Request.reads_output`)."""
         return (
             self.runs_ahead
-            and launched.read is not None
+            and launched.drawn is not None
             and not launched.model_out.prompt_logits
             and not self.moves_streams
-            and not any(item.request.transfer_id is not None for item in launched.model_out.sample_items)
+            and not any(item.request.reads_output for item in launched.model_out.sample_items)
         )
 
     def _launch(
@@ -523,7 +538,7 @@ class LLMEngine:
         try:
             model_out = self.runner.execute(scheduled, ahead.in_flight() if ahead is not None else None)
             rows = [item.request for item in model_out.sample_items]
-            tokens = self.sampler.launch(model_out.sample_logits, rows) if rows else None
+            drawn = self.sampler.launch(model_out.sample_logits, rows) if rows else None
         except Exception as exc:
             if ahead is not None:
                 outputs.extend(self._complete(ahead))
@@ -535,19 +550,15 @@ class LLMEngine:
             item.request.num_computed_tokens = item.end
         for request in rows:
             request.in_flight += 1
-        read = self.runner.start_readback(tokens) if tokens is not None else None
-        return _Launched(scheduled, model_out, tokens, read, started)
+        read = self.runner.start_readback(drawn.tensors() if drawn is not None else [])
+        return _Launched(scheduled, model_out, drawn, read, started)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Reads a launched step's tokens back (waiting for the device) and applies them:
         blocks it filled registered, outputs of the requests still unfinished."""
         model_out = launched.model_out
         try:
-            sampled = (
-                SamplerOutput(launched.read(), [None] * len(model_out.sample_items))
-                if launched.read is not None
-                else self._sample(model_out)
-            )
+            sampled = launched.sampled()
             self._record_prompt_logprobs(model_out)
         except Exception as exc:
             for item in model_out.sample_items:
@@ -624,12 +635,6 @@ class LLMEngine:
         tokens = sum(item.num_new_tokens for item in chunks if item.request.num_prompt_tokens > short)
         if tokens:
             self.prefill_rate.add(tokens, seconds)
-
-    def _sample(self, model_out: ModelOutput) -> SamplerOutput:
-        if not model_out.sample_items:
-            return SamplerOutput([], [])
-        rows = [item.request for item in model_out.sample_items]
-        return self.sampler.sample(model_out.sample_logits, rows)
 
     def _fail(self, scheduled: list[ScheduledRequest]) -> list[str]:
         failed = []

@@ -385,19 +385,18 @@ class ModelRunner:
         return logits
 
     @staticmethod
-    def start_readback(tokens: torch.Tensor) -> Callable[[], list[int]]:
-        """Starts copying sampled ``tokens`` to the host without waiting for them; the
-        call returned waits for them and lists them."""
-        if tokens.device.type != "cuda":
-            return tokens.tolist
-        host = tokens.to("cpu", non_blocking=True)  # into pinned memory
+    def start_readback(tensors: Sequence[torch.Tensor]) -> Callable[[], list[list[Any]]]:
+        """Starts copying a draw's ``tensors`` to the host without waiting for them; the call
+        returned waits for them and lists them."""
+        if not tensors or tensors[0].device.type != "cuda":
+            return lambda: [t.tolist() for t in tensors]
+        hosts = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
         copied = torch.cuda.Event()
         copied.record()
 
-        def read() -> list[int]:
+        def read() -> list[list[Any]]:
             copied.synchronize()
-            listed: list[int] = host.tolist()
-            return listed
+            return [h.tolist() for h in hosts]
 
         return read
 

@@ -146,6 +146,13 @@ class Request:
     in_flight: int = 0
 
     @property
+    def reads_output(self) -> bool:
+        """Whether its next draw reads its output's token values (penalties, bad words, a
+        grammar) or its first token is read on the host (a P/D hand-off): no token of it
+        may be in flight then (async scheduling)."""
+        return self.transfer_id is not None or self.sampling_params.reads_output
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Length of the prompt."""
         return len(self.prompt_token_ids)

@@ -40,8 +40,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +51,7 @@ from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
     "MAX_LOGPROBS",
+    "Drawn",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
@@ -111,6 +112,17 @@ class SamplingParams:
     def token_rules(self) -> bool:
         """Whether the row needs the token-rules stage (bias, allow list, bad words, grammar)."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured)
+
+    @functools.cached_property
+    def reads_output(self) -> bool:
+        """Whether a draw reads the output's token values: penalties, bad words, a grammar."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.bad_words)
+            or self.structured is not None
+        )
 
     @property
     def greedy(self) -> bool:
@@ -206,6 +218,8 @@ class SamplingState(Protocol):
     def sampling_params(self) -> SamplingParams: ...
     @property
     def generator(self) -> torch.Generator | None: ...
+    @property
+    def in_flight(self) -> int: ...
 
 
 @dataclass
@@ -214,6 +228,33 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class Drawn:
+    """A batch's draw left on the device: its tokens and, for the rows that asked for
+    logprobs (``lp_rows``, ``nums`` alternatives each), the chosen token's logprob and rank
+    and the top alternatives. ``tensors`` are read back together; ``output`` makes the
+    sampler's output of what was read."""
+
+    tokens: torch.Tensor
+    lp_rows: list[int] = field(default_factory=list)
+    nums: list[int] = field(default_factory=list)
+    logprob_parts: tuple[torch.Tensor, ...] = ()  # chosen logprobs, ranks[, top values, top ids]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads: the tokens, then the logprob parts."""
+        return [self.tokens, *self.logprob_parts]
+
+    def output(self, read: list[list[Any]]) -> SamplerOutput:
+        """The sampler's output from ``tensors`` read back as lists, in their order."""
+        tokens: list[int] = read[0]
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.lp_rows:
+            chosen = [tokens[i] for i in self.lp_rows]
+            for i, entry in zip(self.lp_rows, _logprob_entries(chosen, self.nums, *read[1:]), strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
 
 
 class Sampler:
@@ -226,8 +267,21 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row; ``logits`` is not modified."""
         drawn = self.launch(logits, rows)
-        if drawn is not None:
-            return SamplerOutput(token_ids=drawn.tolist(), logprobs=[None] * len(rows))
+        return drawn.output([t.tolist() for t in drawn.tensors()])
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> Drawn:
+        """The rows' draw, left on the logits' device (``Drawn``: read it back to use it).
+        Rows count their tokens in flight as drawn (min_tokens, seeded positions); rows with
+        penalties or bad words read their output's token values, which must all be here."""
+        if logits.ndim != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if all(_plain_greedy(r) for r in rows):
+            # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
+            # is the faster CPU kernel for bf16 logits.
+            return Drawn(_first_argmax(logits))
+        if all(_plain_random(r) for r in rows):
+            params = [r.sampling_params for r in rows]
+            return Drawn(_draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params]))
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
@@ -245,29 +299,11 @@ class Sampler:
             tokens = self._sample_random(logits, rows)
         elif rand:
             tokens[rand] = self._sample_random(logits[rand], [rows[i] for i in rand])
-        token_list: list[int] = tokens.tolist()
-        out_logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            chosen = [token_list[i] for i in lp_rows]
-            nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
-            for i, entry in zip(lp_rows, token_logprobs(raw_logprobs, chosen, nums), strict=True):
-                out_logprobs[i] = entry
-        return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
-
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor | None:
-        """The rows' tokens as a tensor on the logits' device, left there (no host
-        synchronisation), when every row is drawn from its logits as they come (plain
-        greedy or plain random); None when some row needs the host (``sample``)."""
-        if logits.ndim != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
-        if all(_plain_greedy(r) for r in rows):
-            # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
-            # is the faster CPU kernel for bf16 logits.
-            return _first_argmax(logits)
-        if all(_plain_random(r) for r in rows):
-            params = [r.sampling_params for r in rows]
-            return _draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params])
-        return None
+        if raw_logprobs is None:
+            return Drawn(tokens)
+        nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
+        parts = _logprob_parts(raw_logprobs, tokens[lp_rows], max(nums))
+        return Drawn(tokens, lp_rows, nums, parts)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
         vocab = logits.shape[1]
@@ -287,7 +323,7 @@ class Sampler:
     def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
         for i, row in enumerate(rows):
             p = row.sampling_params
-            if len(row.output_token_ids) >= p.min_tokens:
+            if _num_drawn(row) >= p.min_tokens:
                 continue
             banned = [t for t in p.stop_token_ids if t < self.vocab_size]
             if not p.ignore_eos:
@@ -402,7 +438,7 @@ def _seeded_draws(
     generator = row.generator
     if generator is None:
         raise ValueError("an unseeded row has no seeded draws")
-    generator.manual_seed(step_seed(row.sampling_params.seed or 0, len(row.output_token_ids)))
+    generator.manual_seed(step_seed(row.sampling_params.seed or 0, _num_drawn(row)))
     draws = torch.empty(vocab, dtype=dtype, device=generator.device).exponential_(generator=generator)
     return draws if token_ids is None else draws[token_ids]
 
@@ -425,11 +461,17 @@ def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def _num_drawn(row: SamplingState) -> int:
+    """Tokens the row drew before this draw: its output and its tokens in flight (a step
+    launched before theirs were read back: async scheduling)."""
+    return len(row.output_token_ids) + row.in_flight
+
+
 def _unedited(row: SamplingState) -> bool:
     """Whether the row's logits are sampled as they come: no penalties, pending min_tokens,
     token rules or logprobs (each of which needs a float32 copy)."""
     p = row.sampling_params
-    return p.unedited and len(row.output_token_ids) >= p.min_tokens
+    return p.unedited and _num_drawn(row) >= p.min_tokens
 
 
 def _plain_greedy(row: SamplingState) -> bool:
@@ -544,16 +586,38 @@ def token_logprobs(
     if not chosen:
         return []
     idx = torch.tensor(list(chosen), dtype=torch.long, device=logprobs.device)
-    chosen_t = logprobs.gather(1, idx.unsqueeze(1))
-    chosen_lp: list[float] = chosen_t.squeeze(1).tolist()
-    ranks: list[int] = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
-    k = max(num_top)
-    top_vals: list[list[float]] = [[] for _ in chosen]
-    top_ids: list[list[int]] = [[] for _ in chosen]
-    if k > 0:
-        vals, ids = logprobs.topk(k, dim=-1)
-        top_vals, top_ids = vals.tolist(), ids.tolist()
+    parts = _logprob_parts(logprobs, idx, max(num_top))
+    return _logprob_entries(chosen, num_top, *(t.tolist() for t in parts))
+
+
+def _logprob_parts(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """On the logprobs' device: each row's chosen-token logprob and rank (1 + the tokens more
+    likely than it), then with ``k`` its top-k logprobs and their token ids."""
+    chosen_t = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_t).sum(dim=1) + 1
+    if k <= 0:
+        return chosen_t.squeeze(1), ranks
+    vals, ids = logprobs.topk(k, dim=-1)
+    return chosen_t.squeeze(1), ranks, vals, ids
+
+
+def _logprob_entries(
+    chosen: Sequence[int],
+    num_top: Sequence[int],
+    chosen_lp: list[float],
+    ranks: list[int],
+    top_vals: list[list[float]] | None = None,
+    top_ids: list[list[int]] | None = None,
+) -> list[TokenLogprob]:
+    """``TokenLogprob`` entries from `_logprob_parts` read back as lists."""
     return [
-        (tok, lp, list(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]], strict=True)), ranks[r])
+        (
+            tok,
+            lp,
+            list(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]], strict=True))
+            if top_ids is not None and top_vals is not None
+            else [],
+            ranks[r],
+        )
         for r, (tok, lp) in enumerate(zip(chosen, chosen_lp, strict=True))
     ]
