@@ -9,8 +9,6 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu_out}
 KIT=.gpu-kit
 PY=${PYTHON:-python3}
-SITE=/tmp/meshserve-gpu-site
-REDIS_ROOT=/tmp/meshserve-redis
 WORK=/tmp/meshserve-gpu-kit
 # The mesh's log folders (tempfile.mkdtemp) land here, so they can come back.
 export TMPDIR=/tmp/meshserve-gpu-tmp
@@ -19,27 +17,7 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 echo "run.sh: $(date -u +%FT%TZ) on $(hostname), $(nproc) CPUs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "run.sh: no nvidia-smi"
 
-for need in "$KIT/wheels" "$KIT/debs" meshserve/v1/worker_pb2.py; do
-  [ -e "$need" ] || { echo "run.sh: $need missing: run bench/gpu/prepare.sh and carry .gpu-kit and meshserve"; exit 2; }
-done
-
-# The host's python3 lives in a venv of its own (torch, CUDA): a venv made from it would not
-# see its packages, so the carried wheels go to a folder on PYTHONPATH, ahead of the host's
-# (grpcio and protobuf at the versions our stubs were generated with).
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/wheels/*.whl \
-  || { echo "run.sh: wheel install failed"; exit 3; }
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-
-# redis-server from its Debian package, with its own libraries only for itself.
-for deb in "$KIT"/debs/*.deb; do dpkg -x "$deb" "$REDIS_ROOT"; done
-mkdir -p "$REDIS_ROOT/bin"
-cat >"$REDIS_ROOT/bin/redis-server" <<EOF
-#!/bin/sh
-LD_LIBRARY_PATH=$REDIS_ROOT/usr/lib/x86_64-linux-gnu exec $REDIS_ROOT/usr/bin/redis-server "\$@"
-EOF
-chmod +x "$REDIS_ROOT/bin/redis-server"
-export PATH="$REDIS_ROOT/bin:$PATH"
-redis-server --version || LD_LIBRARY_PATH=$REDIS_ROOT/usr/lib/x86_64-linux-gnu ldd "$REDIS_ROOT/usr/bin/redis-check-rdb"
+source bench/gpu/env.sh || exit $?
 
 "$PY" - <<'EOF' || echo "run.sh: an import failed (the kit records what it breaks)"
 import fastapi, grpc, grpc_health, llguidance, opentelemetry.sdk, redis, torch, transformers, triton, uvicorn
