@@ -13,7 +13,7 @@ import pytest
 
 from tests.worker_engine.conftest import prompts, run_all, tokens
 from tests.worker_engine.test_cuda_graphs import call_again
-from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
+from worker_svc.engine import EngineConfig, EngineStepError, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.cuda_graphs import attach
 
 Factory = Callable[..., LLMEngine]
@@ -158,3 +158,48 @@ def test_replayed_decode_steps_take_their_inputs_from_the_step_in_flight(make_en
     got = run_all(ahead, requests)
     assert {rid: tokens(o) for rid, o in got.items()} == {rid: tokens(o) for rid, o in expected.items()}
     assert graphs.replays > 5 and seen["late_rows"] > 10
+
+
+def test_a_failed_launch_or_read_back_ends_only_the_requests_it_held(make_engine: Factory) -> None:
+    """A launch that fails while a step is in flight reads that step back first (its tokens
+    are delivered) and fails the launched step's requests; a read-back that fails fails its
+    step's requests and those of the step launched on its tokens. Nothing leaks (the
+    fixture checks the blocks) and the engine serves on."""
+    engine = make_engine(async_scheduling="on")
+    runner = engine.runner
+    execute, start_readback = runner.execute, runner.start_readback
+    p = prompts(7, seed=13)[0]
+    engine.add_request(RequestSpec("a", p, GREEDY))
+    engine.step()  # a's prefill in flight
+    assert engine.step_in_flight
+
+    def broken_launch(*args: Any) -> Any:
+        raise RuntimeError("launch failed")
+
+    runner.execute = broken_launch  # type: ignore[method-assign]
+    with pytest.raises(EngineStepError) as info:
+        engine.step()
+    assert info.value.request_ids == ["a"]
+    runner.execute = execute  # type: ignore[method-assign]
+    delivered = engine.step()  # a's first token, read back before the launch failed
+    assert [(o.request_id, len(o.new_token_ids), o.finished) for o in delivered] == [("a", 1, False)]
+    assert not engine.has_unfinished()
+
+    engine.add_request(RequestSpec("b", p, GREEDY))
+
+    def failing_read(tensors: Any) -> Any:
+        def read() -> Any:
+            raise RuntimeError("read back failed")
+
+        return read
+
+    runner.start_readback = failing_read  # type: ignore[method-assign]
+    engine.step()  # b's prefill in flight; its read back will fail
+    runner.start_readback = start_readback  # type: ignore[method-assign]
+    engine.add_request(RequestSpec("c", prompts(5, seed=14)[0], GREEDY))
+    with pytest.raises(EngineStepError) as info:
+        engine.step()  # launches b's decode and c's prefill, then b's prefill fails to read back
+    assert sorted(info.value.request_ids) == ["b", "c"]
+    assert not engine.has_unfinished()
+    out = run_all(engine, [("d", p, GREEDY)])["d"]
+    assert out[-1].finished and len(tokens(out)) == GREEDY.max_tokens
