@@ -35,6 +35,8 @@ measured until then):
   (host), cProfile's top functions and the kernels one forward launches.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
+* ``skinny_gemm``: the decode projections at 1 and 8 rows by cuBLAS and by the Triton
+  experiment of bench/gpu/skinny_gemm.py, and q/k/v and gate/up merged, by cuBLAS.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,6 +80,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "hf_naive": steps.hf_naive,
         "c1_anatomy": steps.c1_anatomy,
         "host_overhead": steps.host_overhead,
+        "skinny_gemm": steps.skinny_gemm,
     }
 
 
@@ -90,6 +94,7 @@ STEPS = (
     "lora_mix",
     "mesh",
     "host_overhead",
+    "skinny_gemm",
     "engine_eager",  # the last two: the baselines, first to go when the budget runs out
     "hf_naive",
 )
@@ -238,6 +243,21 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step"):
             if variant.get(key) is not None:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
+    skinny = _ok(steps, "skinny_gemm").get("shapes", {}).get("rows_1", {})
+    if all(name in skinny for name in ("q_or_o", "k_or_v", "gate_or_up", "down")):
+        # One layer's seven projections at c=1: q, k, v, o, gate, up, down.
+        count = {"q_or_o": 2, "k_or_v": 2, "gate_or_up": 2, "down": 1}
+        out["c1_layer_projections_us"] = {
+            "cublas": sum(skinny[name]["cublas_us"] * n for name, n in count.items()),
+            "best_of_both": sum(
+                min(skinny[name]["cublas_us"], skinny[name].get("best_us", math.inf)) * n
+                for name, n in count.items()
+            ),
+        }
+        if "qkv_merged" in skinny and "gate_up_merged" in skinny:  # q/k/v and gate/up as one GEMM each
+            out["c1_layer_projections_us"]["cublas_merged"] = sum(
+                skinny[name]["cublas_us"] for name in ("qkv_merged", "q_or_o", "gate_up_merged", "down")
+            )
     host = _ok(steps, "host_overhead")
     if host:
         out["host_ms_per_step"] = {k: v for k, v in host.items() if k.endswith("_host_ms_per_step")}

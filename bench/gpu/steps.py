@@ -259,6 +259,52 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
     return row
 
 
+# ------------------------------------------------------------- skinny_gemm
+def skinny_gemm(ctx: StepContext) -> None:
+    """The bench model's decode projections at 1 and 8 rows: cuBLAS (``F.linear``) against
+    the Triton experiment (bench/gpu/skinny_gemm.py) in each of its configurations, GPU
+    microseconds per call replayed from CUDA graphs, the weight's bytes read per second and
+    the largest difference from cuBLAS; and, by cuBLAS, q/k/v and gate/up merged into one
+    weight each (what merging the projections at load would give)."""
+    if not _cuda(ctx):
+        raise Skip("the Triton kernel runs natively on CUDA only")
+    p = ctx.profile
+    kv = p.kv_heads * (p.hidden // p.heads)
+    shapes = {
+        "q_or_o": (p.hidden, p.hidden),
+        "k_or_v": (kv, p.hidden),
+        "gate_or_up": (p.intermediate, p.hidden),
+        "down": (p.hidden, p.intermediate),
+        "lm_head": (p.vocab, p.hidden),
+        "qkv_merged": (p.hidden + 2 * kv, p.hidden),
+        "gate_up_merged": (2 * p.intermediate, p.hidden),
+    }
+    out: dict[str, Any] = {}
+    for rows in (1, 8):
+        for name, (n, k) in shapes.items():
+            out.setdefault(f"rows_{rows}", {})[name] = _skinny_row(
+                p, rows, n, k, triton=not name.endswith("merged")
+            )
+            ctx.record("shapes", out)
+
+
+def _skinny_row(p: Profile, rows: int, n: int, k: int, triton: bool) -> dict[str, Any]:
+    from bench.gpu.skinny_gemm import CONFIGS, skinny_linear
+
+    dev, dtype = torch.device(p.device), getattr(torch, p.dtype)
+    w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+    x = torch.randn(rows, k, device=dev, dtype=dtype)
+    row: dict[str, Any] = {"cublas_us": _graphed_us(partial(torch.nn.functional.linear, x, w), 20)}
+    if triton:
+        ref = torch.nn.functional.linear(x, w).float()
+        timed = {c: _graphed_us(partial(skinny_linear, x, w, c), 20) for c in CONFIGS}
+        best = min(timed, key=lambda c: timed[c])
+        row.update(triton_us={str(c): us for c, us in timed.items()}, best=str(best), best_us=timed[best])
+        row["max_abs_diff"] = float((skinny_linear(x, w, best).float() - ref).abs().max())
+    row["cublas_gb_per_s"] = round(n * k * w.element_size() / row["cublas_us"] / 1e3, 1)
+    return row
+
+
 def _tile_variants_us(call: Callable[[], Any]) -> dict[int, float]:
     """``call`` (the engine's splits) timed with other tiles of keys than the kernel's."""
     from worker_svc.engine import triton_attention

@@ -40,8 +40,10 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "hf_naive": "ok",
         "c1_anatomy": "ok",
         "host_overhead": "ok",
+        "skinny_gemm": "skipped",
     }, {name: got[name].get("error") for name in steps}
-    assert "CUDA" in got["engine_graphs"]["reason"] and "CUDA" in got["decode_attention"]["reason"]
+    for name in ("engine_graphs", "decode_attention", "skinny_gemm"):
+        assert "CUDA" in got[name]["reason"], name
     assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
     for case in got["correctness"]["archs"].values():
         assert case["eager"]["match"] and "CUDA" in case["graphs"]["skipped"]

@@ -1,0 +1,37 @@
+"""The GPU kit's summary of figures only a GPU produces (here from a report's steps written
+by hand): async scheduling against its sync row, and one layer's projections at c=1 by
+cuBLAS, by the better of cuBLAS and the Triton experiment, and merged."""
+
+from __future__ import annotations
+
+from bench.gpu.kit import PROFILES, summarize
+
+
+def _row(concurrency: int, tok_s: float) -> dict[str, object]:
+    return {"concurrency": concurrency, "output_tok_per_s": tok_s, "tpot_ms": {}}
+
+
+def test_gpu_only_ratios() -> None:
+    rows_1 = {
+        "q_or_o": {"cublas_us": 5.0, "best_us": 3.0},
+        "k_or_v": {"cublas_us": 4.0, "best_us": 6.0},
+        "gate_or_up": {"cublas_us": 10.0, "best_us": 9.0},
+        "down": {"cublas_us": 12.0, "best_us": 10.0},
+        "qkv_merged": {"cublas_us": 7.0},
+        "gate_up_merged": {"cublas_us": 19.0},
+    }
+    steps = {
+        "engine_graphs": {
+            "status": "ok",
+            "rows": [_row(1, 500.0), _row(256, 12_000.0)],
+            "row_sync_scheduling": _row(256, 8_000.0),
+        },
+        "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
+    }
+    out = summarize(steps, PROFILES["gpu"])
+    assert out["async_over_sync_scheduling_tok_s"] == 1.5
+    assert out["c1_layer_projections_us"] == {
+        "cublas": 2 * 5 + 2 * 4 + 2 * 10 + 12,
+        "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,
+        "cublas_merged": 7 + 5 + 19 + 12,
+    }
