@@ -31,22 +31,13 @@ CONFIGS = ((16, 256, 1), (16, 512, 1), (32, 256, 1), (32, 512, 1), (16, 256, 4),
 MAX_ROWS = 16
 
 if HAS_TRITON:
-
+    # fmt: off
     @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
     def _skinny_kernel(  # type: ignore[no-untyped-def]
-        x_ptr,
-        w_ptr,
-        part_ptr,
-        M,
-        N,
-        K,
-        x_stride,
-        w_stride,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        x_ptr, w_ptr, part_ptr, M, N, K, x_stride, w_stride,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
+        # fmt: on
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)

@@ -1,49 +1,21 @@
 """The GPU kit's skinny-GEMM experiment computes ``x @ w.T``: checked on CPU through Triton's
-interpreter (float32 and float16: the interpreter multiplies bfloat16 wrongly), every
-configuration the kit times, rows from one to the most it takes, split and unsplit."""
+interpreter (float32 and float16: the interpreter multiplies bfloat16 wrongly; run by
+tests/worker_engine/test_triton_interpret.py), every configuration the kit times, rows
+from one to the most it takes, split and unsplit."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from bench.gpu import skinny_gemm
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.skipif(not skinny_gemm.HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs natively on the GPU instead")
-def test_skinny_linear_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"{__file__}::test_skinny_linear_equals_matmul",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout
-
 
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs CUDA or TRITON_INTERPRET=1 (test_skinny_linear_under_the_interpreter runs it so)",
+    reason="needs CUDA or TRITON_INTERPRET=1 (test_triton_interpret.py runs it so)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_skinny_linear_equals_matmul(dtype: torch.dtype) -> None:

@@ -53,6 +53,15 @@ def _mixed_requests() -> list[tuple[str, list[int], SamplingParams]]:
     ]
 
 
+def _assert_streams_equal(got: dict[str, list[Any]], expected: dict[str, list[Any]]) -> None:
+    """Each request's tokens and logprobs as the synchronous engine's, one final output."""
+    for rid, outs in expected.items():
+        assert tokens(got[rid]) == tokens(outs), rid
+        assert [o.new_logprobs for o in got[rid]] == [o.new_logprobs for o in outs], rid
+        assert got[rid][-1].finished and not any(o.finished for o in got[rid][:-1]), rid
+        assert got[rid][-1].num_output_tokens == len(tokens(outs)), rid
+
+
 def _engine_pair(make_engine: Factory, **overrides: Any) -> tuple[LLMEngine, LLMEngine]:
     base = {"max_num_batched_tokens": 32, "max_model_len": 256, **overrides}
     return make_engine(async_scheduling="off", **base), make_engine(async_scheduling="on", **base)
@@ -71,11 +80,7 @@ def test_streams_equal_the_synchronous_engines(make_engine: Factory) -> None:
     expected = run_all(sync, requests)
     seen = _watch_rows(ahead)
     got = run_all(ahead, requests)
-    for rid, outs in expected.items():
-        assert tokens(got[rid]) == tokens(outs), rid
-        assert [o.new_logprobs for o in got[rid]] == [o.new_logprobs for o in outs], rid
-        assert got[rid][-1].finished and not any(o.finished for o in got[rid][:-1]), rid
-        assert got[rid][-1].num_output_tokens == len(tokens(outs)), rid
+    _assert_streams_equal(got, expected)
     assert seen["ahead_steps"] > 5 and seen["late_rows"] > 10, seen
     # No row past a request's last token: the token in flight that ends it gets no successor.
     last_input = {rid: len(p) + params.max_tokens - 1 for rid, p, params in requests}
@@ -103,9 +108,7 @@ def test_logprobs_seeded_draws_min_tokens_and_static_rules_run_ahead(make_engine
     expected = run_all(sync, requests)
     seen = _watch_rows(ahead)
     got = run_all(ahead, requests)
-    for rid, outs in expected.items():
-        assert tokens(got[rid]) == tokens(outs), rid
-        assert [o.new_logprobs for o in got[rid]] == [o.new_logprobs for o in outs], rid
+    _assert_streams_equal(got, expected)
     assert seen["ahead_steps"] >= 8 and seen["late_rows"] >= 30, seen
 
 

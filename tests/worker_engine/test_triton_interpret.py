@@ -26,6 +26,7 @@ TRITON_TESTS = [
     "tests/worker_engine/test_triton_layers.py",
     "tests/worker_engine/test_arch_matrix.py::test_windowed_layers_on_the_triton_backend",
     "tests/worker_engine/test_cuda_graphs.py::test_windowed_model_replays_like_eager[triton]",
+    "tests/bench/test_skinny_gemm.py",  # the GPU kit's skinny-GEMM experiment
 ]
 
 
