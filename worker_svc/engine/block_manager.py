@@ -275,8 +275,7 @@ class BlockManager:
             return
         bs = self.block_size
         # Tokens still in flight (async scheduling) are not known yet: their blocks wait.
-        known = len(request.prompt_token_ids) + len(request.output_token_ids)
-        full = min(request.num_computed_tokens, known, len(request.block_table) * bs) // bs
+        full = min(request.num_computed_tokens, request.num_known_tokens, len(request.block_table) * bs) // bs
         start = self._num_registered.get(request.request_id, 0)
         if full <= start:
             return

@@ -43,6 +43,7 @@ __all__ = [
     "bucket_sizes",
     "cuda_capture",
     "for_runner",
+    "put_late_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -260,8 +261,7 @@ class DecodeGraphs:
             edit = dev[2 * size : end].view(-1, 3)
             self.tables[edit[:, 0], edit[:, 1]] = edit[:, 2].to(self.tables.dtype)
         if late is not None:
-            index = dev[end:].view(-1, 2)
-            self.input_ids[index[:, 0]] = late[1][index[:, 1]]
+            put_late_tokens(self.input_ids, dev[end:].view(-1, 2), late[1])
 
     def _table_edits(self, chunks: Chunks, size: int) -> list[int]:
         """``(row, column, block)`` triples, flattened, that make the static block tables
@@ -299,6 +299,13 @@ class DecodeGraphs:
             "padded_rows": self.padded_rows,
             "oversize_steps": self.oversize,
         }
+
+
+def put_late_tokens(input_ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Writes a step's input tokens still in flight into ``input_ids`` on the device: for
+    each ``(row, i)`` of ``index [k, 2]``, row ``row`` takes ``tokens[i]`` (the draw of the
+    step in flight: async scheduling)."""
+    input_ids[index[:, 0]] = tokens[index[:, 1]]
 
 
 def attach(runner: Any, capture: Capture) -> DecodeGraphs:

@@ -280,7 +280,7 @@ class ModelRunner:
             row0s.append(row0)
             request = item.request
             if item.num_new_tokens == 1:  # a decode row: most rows of most steps
-                if request.in_flight and item.start >= request.num_tokens - request.in_flight:
+                if request.in_flight and item.start >= request.num_known_tokens:
                     if ahead is None:
                         raise RuntimeError(f"request {request.request_id}: its input token is in no step")
                     late.append((row0, ahead.rows[request]))
@@ -364,7 +364,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         if late is not None:
-            put_late_tokens(input_ids[0], late, self.device)
+            rows, tokens = late
+            cuda_graphs.put_late_tokens(
+                input_ids[0], torch.tensor(rows, dtype=torch.long, device=self.device), tokens
+            )
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = row_index(keep, self.device)
         kwargs: dict[str, Any] = {"use_cache": False}
@@ -650,16 +653,6 @@ def cpu_step_sizes(max_tokens: int) -> tuple[int, ...]:
         if size >= 256 and size & (size - 1) == 0:
             spacing *= 2
     return tuple(sorted(sizes))
-
-
-def put_late_tokens(
-    input_ids: torch.Tensor, late: tuple[LateRows, torch.Tensor], device: torch.device
-) -> None:
-    """Writes the input tokens still in flight into ``input_ids`` on the device: row ``r``
-    of the step takes token ``i`` of the step in flight, for each ``(r, i)``."""
-    rows, tokens = late
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    input_ids[index[:, 0]] = tokens[index[:, 1]]
 
 
 def _image_rows(batch: Sequence[ScheduledRequest], row0s: list[int]) -> tuple[list[int], list[torch.Tensor]]:

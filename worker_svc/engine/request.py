@@ -168,6 +168,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.in_flight
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus generated tokens read back: those whose ids the host has."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         """True once the request reached a terminal status."""
         return self.status.is_finished

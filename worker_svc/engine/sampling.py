@@ -116,13 +116,7 @@ class SamplingParams:
     @functools.cached_property
     def reads_output(self) -> bool:
         """Whether a draw reads the output's token values: penalties, bad words, a grammar."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or bool(self.bad_words)
-            or self.structured is not None
-        )
+        return self.penalized or bool(self.bad_words) or self.structured is not None
 
     @property
     def greedy(self) -> bool:
@@ -133,13 +127,12 @@ class SamplingParams:
     def unedited(self) -> bool:
         """No penalties, token rules or logprobs: once min_tokens is reached, logits are
         sampled as they come (read for every row of every step, so computed once)."""
-        return (
-            self.logprobs is None
-            and self.repetition_penalty == 1.0
-            and self.presence_penalty == 0.0
-            and self.frequency_penalty == 0.0
-            and not self.token_rules
-        )
+        return self.logprobs is None and not self.penalized and not self.token_rules
+
+    @functools.cached_property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty edits the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first offending field."""
