@@ -77,7 +77,7 @@ PROFILES = {
             "roofline": 30,
             "decode_attention": 30,
             "engine_graphs": 200,
-            "c1_anatomy": 100,
+            "c1_anatomy": 140,
             "lora_mix": 180,
             "mesh": 240,
             "host_overhead": 45,

@@ -240,7 +240,7 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         ]
     anatomy = _ok(steps, "c1_anatomy")
     for label, variant in anatomy.get("variants", {}).items():
-        for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step"):
+        for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step", "tokens_equal_merged"):
             if variant.get(key) is not None:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
     skinny = _ok(steps, "skinny_gemm").get("shapes", {}).get("rows_1", {})

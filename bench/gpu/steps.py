@@ -783,11 +783,30 @@ def _anatomy(ctx: StepContext) -> dict[str, Any]:
     return out
 
 
+def _unmerged(ctx: StepContext, merged_tokens: list[int] | None) -> dict[str, Any]:
+    """The same engine with the checkpoint's separate projections (merge_projections off):
+    its c=1 step, its batch-1 replay and whether its tokens equal the merged engine's."""
+    engine = LLMEngine(replace(_anatomy_config(ctx), merge_projections=False))
+    engine.warm_up()
+    prompts = _workload(ctx, 3, seed=7).prompts
+    _one_request(engine, prompts[0], ctx.profile.output_len, "unmerged-warm")
+    tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "unmerged-timed")
+    out: dict[str, Any] = {"decode_step_ms_p50": sorted(step_ms)[len(step_ms) // 2]}
+    out["graph_replay_ms"] = _replay_ms(engine, _cuda(ctx))
+    out["tokens_equal_merged"] = tokens == merged_tokens
+    del engine
+    gc.collect()
+    return out
+
+
 def c1_anatomy(ctx: StepContext) -> None:
     """Where a c=1 decode step's time goes in the default engine (on CUDA the compiled
     forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
-    (host), the host's top functions (cProfile) and the kernels one forward launches."""
-    ctx.record("variants", {"graphs": _anatomy(ctx)})
+    (host), the host's top functions (cProfile) and the kernels one forward launches; then
+    the step and replay with the projections unmerged (what merging them gains)."""
+    graphs = _anatomy(ctx)
+    ctx.record("variants", {"graphs": graphs})
+    ctx.record("variants", {"graphs": graphs, "unmerged": _unmerged(ctx, graphs.get("tokens"))})
 
 
 def host_overhead(ctx: StepContext) -> None:

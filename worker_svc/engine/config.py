@@ -72,6 +72,12 @@ class EngineConfig:
         "torch.compile the text-only forward before the worker reports ready (1-3 min at start "
         "on 2 cores); on CUDA the decode graphs capture the compiled forward",
     )
+    merge_projections: bool = opt(
+        True,
+        "each layer's q/k/v projections, and its MLP's gate/up, run as one matmul over their "
+        "stacked weights (worker_svc/engine/merged_projections.py); off: the checkpoint's "
+        "separate projections",
+    )
     cpu_affinity: str = opt(
         "", "CPUs the engine's step thread is pinned to, e.g. 0 or 0-1,4 (empty: not pinned)"
     )
@@ -134,8 +140,9 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative_int("max_model_len", self.max_model_len)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be a bool")
+        for name in ("enable_prefix_caching", "merge_projections"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -440,6 +440,7 @@ class LLMEngine:
         return (
             f"dtype {info.dtype}, attention {info.attention_backend}, compiled {self._compile_summary()}, "
             f"native CPU kernels {self._native_summary()}, CUDA graphs {self._graphs_summary()}, "
+            f"{len(self.runner.merged)} merged projection groups, "
             f"{torch.get_num_threads()} threads, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
             f"max_model_len {info.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"{config.max_num_batched_tokens} tokens per step, "

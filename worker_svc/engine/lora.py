@@ -1,7 +1,8 @@
 """Multi-LoRA: PEFT-format adapters on the attention and MLP projections, batched.
 
 Each targeted ``nn.Linear`` of the model (``q/k/v/o_proj``, ``gate/up/down_proj`` of every
-decoder layer: the Llama family's names, shared by Qwen2/3 and Mistral) is replaced by a
+decoder layer: the Llama family's names, shared by Qwen2/3 and Mistral; a merged part of
+one, :mod:`worker_svc.engine.merged_projections`, alike) is replaced by a
 :class:`LoraLinear` that holds the A/B weights of ``max_loras`` resident *slots* side by
 side: ``A`` stacked as ``[max_loras * max_rank, in]``, ``B`` as ``[out, max_loras * max_rank]``.
 One forward serves a mixed batch with three ops per projection, however many adapters the
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from worker_svc.engine.merged_projections import MergedPart
 
 __all__ = [
     "TARGET_MODULES",
@@ -238,7 +241,9 @@ _SERIAL = itertools.count()
 class LoraLinear(nn.Module):
     """``base(x)`` plus each row's adapter delta ``B (A x) * scaling`` (module docstring)."""
 
-    def __init__(self, base: nn.Linear, max_rank: int, owner: int, bank: str, index: int) -> None:
+    def __init__(
+        self, base: nn.Linear | MergedPart, max_rank: int, owner: int, bank: str, index: int
+    ) -> None:
         super().__init__()
         self.base = base
         self.max_rank = max_rank
@@ -442,13 +447,13 @@ def _wrap_projections(
 ) -> dict[Key, LoraLinear]:
     """Replace every targeted projection of ``model`` by a LoraLinear around it, the
     projections of one name and shape sharing a bank of ``state``."""
-    found: list[tuple[str, int, str, nn.Linear]] = []
+    found: list[tuple[str, int, str, nn.Linear | MergedPart]] = []
     for mod_name, module in model.named_modules():
         m = _MODULE_RE.search(mod_name)
         if m and m.group(3) in TARGET_MODULES and m.group(2) == TARGET_MODULES[m.group(3)]:
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear | MergedPart):
                 found.append((mod_name, int(m.group(1)), m.group(3), module))
-    groups: dict[tuple[str, int, int], list[tuple[str, int, nn.Linear]]] = {}
+    groups: dict[tuple[str, int, int], list[tuple[str, int, nn.Linear | MergedPart]]] = {}
     for mod_name, layer, proj, linear in found:
         groups.setdefault((proj, linear.in_features, linear.out_features), []).append(
             (mod_name, layer, linear)

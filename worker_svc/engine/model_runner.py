@@ -33,6 +33,7 @@ from worker_svc.engine.attention import (
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
 from worker_svc.engine.lora import LoraManager
+from worker_svc.engine.merged_projections import check_merged, merge_projections
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
 from worker_svc.engine.request import Request
 from worker_svc.engine.sampling import SamplingParams
@@ -160,6 +161,9 @@ class ModelRunner:
             for _ in range(self.info.num_layers)
         ]
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # Before LoRA wraps the projections (it wraps the merged parts) and the probe (which
+        # unmerges a group whose projections read different inputs).
+        self.merged = merge_projections(self.model) if config.merge_projections else []
         self.lora: LoraManager | None = None
         if config.max_loras:
             self.lora = LoraManager(
@@ -184,6 +188,7 @@ class ModelRunner:
         self._inductor_patch: Any = None  # inductor_options as a reusable context manager
         self._dynamo_patch: Any = None  # _DYNAMO_OPTIONS as one
         self._probe_attention()
+        self.merged = check_merged(self.model, self.merged)
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         # On CUDA a forward returns once its kernels are queued, and the host waits for them
         # only when the sampler reads its tokens: ``on_forward`` is called in between, once
