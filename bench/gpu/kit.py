@@ -32,11 +32,15 @@ measured until then):
 * ``hf_naive``: transformers ``generate`` one request at a time (c=1).
 * ``c1_anatomy``: where a c=1 decode step of the default engine goes (on CUDA the compiled
   forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
-  (host), cProfile's top functions and the kernels one forward launches.
+  (host), cProfile's top functions and the kernels one forward launches; then the step,
+  replay and tokens with the projections merged the other way (on CUDA: unmerged).
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 * ``skinny_gemm``: the decode projections at 1 and 8 rows by cuBLAS and by the Triton
   experiment of bench/gpu/skinny_gemm.py, and q/k/v and gate/up merged, by cuBLAS.
+* ``prefill_attention``: one layer's attention of an eager step (a prefill step, continued
+  chunks, a mixed step) by the engine's path and by the one-launch experiment of
+  bench/gpu/prefill_attention.py.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.
@@ -81,6 +85,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "c1_anatomy": steps.c1_anatomy,
         "host_overhead": steps.host_overhead,
         "skinny_gemm": steps.skinny_gemm,
+        "prefill_attention": steps.prefill_attention,
     }
 
 
@@ -95,6 +100,7 @@ STEPS = (
     "mesh",
     "host_overhead",
     "skinny_gemm",
+    "prefill_attention",
     "engine_eager",  # the last two: the baselines, first to go when the budget runs out
     "hf_naive",
 )
@@ -240,7 +246,7 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         ]
     anatomy = _ok(steps, "c1_anatomy")
     for label, variant in anatomy.get("variants", {}).items():
-        for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step", "tokens_equal_merged"):
+        for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step", "tokens_equal_default"):
             if variant.get(key) is not None:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
     skinny = _ok(steps, "skinny_gemm").get("shapes", {}).get("rows_1", {})
@@ -258,6 +264,11 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
             out["c1_layer_projections_us"]["cublas_merged"] = sum(
                 skinny[name]["cublas_us"] for name in ("qkv_merged", "q_or_o", "gate_up_merged", "down")
             )
+    prefill = _ok(steps, "prefill_attention").get("rows", {})
+    if prefill:  # above 1: the one launch is faster than the engine's path
+        out["prefill_attention_engine_over_one_launch"] = {
+            name: row["engine_us"] / row["one_launch_us"] for name, row in prefill.items()
+        }
     host = _ok(steps, "host_overhead")
     if host:
         out["host_ms_per_step"] = {k: v for k, v in host.items() if k.endswith("_host_ms_per_step")}

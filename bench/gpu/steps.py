@@ -259,6 +259,70 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
     return row
 
 
+# ------------------------------------------------------- prefill_attention
+def prefill_attention(ctx: StepContext) -> None:
+    """One layer's attention of an eager step, the engine's path (store K/V, the decode
+    kernel for decode rows, one SDPA per prompt chunk: worker_svc.engine.attention) against
+    the experiment's one launch for every row (bench/gpu/prefill_attention.py), at the
+    kit's shapes: the c=256 row's prefill step (prompts of the workload's length filling the
+    token budget), chunks continuing cached context, and a mixed step (decodes of the mesh's
+    concurrency beside two prompts). Microseconds per call launched from Python (an eager
+    step's cost, host and GPU), and the largest difference between the two outputs."""
+    if not _cuda(ctx):
+        raise Skip("the Triton kernel runs natively on CUDA only")
+    p = ctx.profile
+    prompts = p.max_batch_tokens // p.prompt_len
+    half = p.max_model_len // 2
+    cases = {
+        "fresh": [(0, p.prompt_len)] * prompts,
+        "continued": [(half, half)] * (p.max_batch_tokens // half),
+        "mixed": [(p.prompt_len, 1)] * (p.mesh_concurrency - 2) + [(0, p.prompt_len)] * 2,
+    }
+    rows: dict[str, Any] = {}
+    for name, chunks in cases.items():
+        rows[name] = _prefill_attention_row(p, chunks)
+        ctx.record("rows", rows)
+
+
+def _prefill_attention_row(
+    p: Profile, chunks: list[tuple[int, int]], timer: Callable[[Callable[[], Any], int], float] | None = None
+) -> dict[str, Any]:
+    from bench.gpu.prefill_attention import paged_prefill_attention, prefill_batch
+    from worker_svc.engine import attention, triton_attention
+
+    dev, dtype, head_dim = torch.device(p.device), getattr(torch, p.dtype), p.hidden // p.heads
+    width = -(-p.max_model_len // BLOCK_SIZE)
+    cache = torch.randn(2, len(chunks) * width, BLOCK_SIZE, p.kv_heads, head_dim, device=dev, dtype=dtype)
+    tables = torch.arange(len(chunks) * width, device=dev, dtype=torch.int32).view(len(chunks), width)
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(1, p.heads, tokens, head_dim, device=dev, dtype=dtype)
+    k, v = (torch.randn(1, p.kv_heads, tokens, head_dim, device=dev, dtype=dtype) for _ in range(2))
+    table_lists = tables.tolist()
+    meta = attention.build_attention_metadata(
+        [(c, n, table_lists[i]) for i, (c, n) in enumerate(chunks)], BLOCK_SIZE, [cache], dev, "triton"
+    )
+    batch = prefill_batch(chunks, tables, dev)
+    scale = head_dim**-0.5
+
+    def engine_path() -> torch.Tensor:
+        return attention._attend(meta, 0, q, k, v, scale)[0]
+
+    def one_launch() -> torch.Tensor:
+        kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        triton_attention.store_kv(kt, vt, cache, meta.slot_mapping)
+        return paged_prefill_attention(q[0].transpose(0, 1), cache, batch, scale)
+
+    diff = (engine_path().float() - one_launch().float()).abs().max()
+    timer = timer or _cuda_us
+    return {
+        "sequences": len(chunks),
+        "tokens": tokens,
+        "engine_us": timer(engine_path, 20),
+        "one_launch_us": timer(one_launch, 20),
+        "max_abs_diff": float(diff),
+    }
+
+
 # ------------------------------------------------------------- skinny_gemm
 def skinny_gemm(ctx: StepContext) -> None:
     """The bench model's decode projections at 1 and 8 rows: cuBLAS (``F.linear``) against
@@ -783,30 +847,35 @@ def _anatomy(ctx: StepContext) -> dict[str, Any]:
     return out
 
 
-def _unmerged(ctx: StepContext, merged_tokens: list[int] | None) -> dict[str, Any]:
-    """The same engine with the checkpoint's separate projections (merge_projections off):
-    its c=1 step, its batch-1 replay and whether its tokens equal the merged engine's."""
-    engine = LLMEngine(replace(_anatomy_config(ctx), merge_projections=False))
+def _other_merge(ctx: StepContext, default_tokens: list[int] | None) -> tuple[str, dict[str, Any]]:
+    """The same engine with merge_projections the other way than the device's default
+    (unmerged on CUDA, merged on CPU): its label, c=1 step, batch-1 replay and whether its
+    tokens equal the default engine's."""
+    config = _anatomy_config(ctx)
+    merged = config.merges_projections(ctx.profile.device)
+    engine = LLMEngine(replace(config, merge_projections="off" if merged else "on"))
     engine.warm_up()
     prompts = _workload(ctx, 3, seed=7).prompts
-    _one_request(engine, prompts[0], ctx.profile.output_len, "unmerged-warm")
-    tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "unmerged-timed")
+    _one_request(engine, prompts[0], ctx.profile.output_len, "merge-warm")
+    tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "merge-timed")
     out: dict[str, Any] = {"decode_step_ms_p50": sorted(step_ms)[len(step_ms) // 2]}
     out["graph_replay_ms"] = _replay_ms(engine, _cuda(ctx))
-    out["tokens_equal_merged"] = tokens == merged_tokens
+    out["tokens_equal_default"] = tokens == default_tokens
     del engine
     gc.collect()
-    return out
+    return ("unmerged" if merged else "merged"), out
 
 
 def c1_anatomy(ctx: StepContext) -> None:
     """Where a c=1 decode step's time goes in the default engine (on CUDA the compiled
     forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
     (host), the host's top functions (cProfile) and the kernels one forward launches; then
-    the step and replay with the projections unmerged (what merging them gains)."""
+    the step and replay with the projections merged the other way than the device's
+    default (on CUDA unmerged: what merging them gains)."""
     graphs = _anatomy(ctx)
     ctx.record("variants", {"graphs": graphs})
-    ctx.record("variants", {"graphs": graphs, "unmerged": _unmerged(ctx, graphs.get("tokens"))})
+    label, other = _other_merge(ctx, graphs.get("tokens"))
+    ctx.record("variants", {"graphs": graphs, label: other})
 
 
 def host_overhead(ctx: StepContext) -> None:

@@ -41,8 +41,9 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         "c1_anatomy": "ok",
         "host_overhead": "ok",
         "skinny_gemm": "skipped",
+        "prefill_attention": "skipped",
     }, {name: got[name].get("error") for name in steps}
-    for name in ("engine_graphs", "decode_attention", "skinny_gemm"):
+    for name in ("engine_graphs", "decode_attention", "skinny_gemm", "prefill_attention"):
         assert "CUDA" in got[name]["reason"], name
     assert set(got["correctness"]["archs"]) == set(ARCHS) and got["correctness"]["all_match"] is True
     for case in got["correctness"]["archs"].values():
@@ -59,12 +60,10 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
         assert lora[label]["output_tokens"] == DRY.num_requests(DRY.mesh_concurrency) * DRY.output_len
     assert lora["cuda_graphs"]["disabled"] == "cuda_graphs off"  # no CUDA: the config asks for none
     assert got["hf_naive"]["row"]["output_tokens"] == DRY.naive_requests * DRY.output_len
-    # CPU: no replay, no kernels; the host profile, and the unmerged engine's tokens equal.
+    # CPU: no replay, no kernels; the host profile, and the merged engine's tokens equal.
     anatomy = got["c1_anatomy"]["variants"]
-    assert list(anatomy) == ["graphs", "unmerged"] and anatomy["graphs"]["kernels"] is None
-    assert (
-        anatomy["unmerged"]["tokens_equal_merged"] is True and anatomy["unmerged"]["graph_replay_ms"] is None
-    )
+    assert list(anatomy) == ["graphs", "merged"] and anatomy["graphs"]["kernels"] is None
+    assert anatomy["merged"]["tokens_equal_default"] is True and anatomy["merged"]["graph_replay_ms"] is None
     assert anatomy["graphs"]["decode_step_ms_p50"] > 0 and len(anatomy["graphs"]["tokens"]) == DRY.output_len
     assert any(
         "forward" in row["fn"] and row["own_us_per_step"] > 0 for row in anatomy["graphs"]["host_profile"]

@@ -1,6 +1,7 @@
 """The GPU kit's summary of figures only a GPU produces (here from a report's steps written
-by hand): async scheduling against its sync row, and one layer's projections at c=1 by
-cuBLAS, by the better of cuBLAS and the Triton experiment, and merged."""
+by hand): async scheduling against its sync row, one layer's projections at c=1 by
+cuBLAS, by the better of cuBLAS and the Triton experiment, and merged, and the engine's
+prefill attention against the one-launch experiment."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def test_gpu_only_ratios() -> None:
             "row_sync_scheduling": _row(256, 8_000.0),
         },
         "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
+        "prefill_attention": {
+            "status": "ok",
+            "rows": {"fresh": {"engine_us": 300.0, "one_launch_us": 200.0}},
+        },
     }
     out = summarize(steps, PROFILES["gpu"])
     assert out["async_over_sync_scheduling_tok_s"] == 1.5
@@ -35,3 +40,4 @@ def test_gpu_only_ratios() -> None:
         "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,
         "cublas_merged": 7 + 5 + 19 + 12,
     }
+    assert out["prefill_attention_engine_over_one_launch"] == {"fresh": 1.5}

@@ -69,6 +69,8 @@ def test_replayed_decode_equals_eager(
     engine = make_engine(attention_backend="cpu", max_num_seqs=6, block_size=4, max_num_batched_tokens=16)
     graphs = attach(engine.runner, call_again)
     assert graphs.buckets == (1, 2, 4, 6)
+    # The largest bucket's capture is timed apart (it initialises lazily).
+    assert 0 < graphs.capture_largest_s < graphs.capture_s and "capture_largest_s" in graphs.stats()
     assert _run(engine, lengths) == expected
     # Prefill and mixed steps ran eagerly; every decode-only step replayed, padded to its bucket.
     assert 0 < graphs.replays < engine.stats().num_steps

@@ -567,7 +567,7 @@ def test_start_up_line_names_the_effective_configuration(make_engine: Factory) -
         "compiled no",
         f"native CPU kernels {'yes' if native.library() is not None else 'no'}",
         f"{torch.get_num_threads()} threads",
-        "4 merged projection groups",  # q/k/v and gate/up of each of the 2 layers
+        "0 merged projection groups",  # merge_projections auto: off on CPU
         "128 KV blocks of 16 tokens",
         "max_num_seqs 7",
         "96 tokens per step",

@@ -37,10 +37,22 @@ def _run(engine: LLMEngine, reqs: list[tuple[str, list[int], str]]) -> dict[str,
     return {rid: tokens(o) for rid, o in outs.items()}
 
 
+# The CPU default (separate projections) and CUDA's (merged: adapters on the merged parts).
+MERGE = pytest.mark.parametrize("merge", ["auto", "on"], ids=["cpu-default", "merged"])
+
+
+@MERGE
 def test_mixed_batch_matches_peft_generate(
-    make_engine: Factory, engine_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
+    make_engine: Factory,
+    engine_model_dir: str,
+    adapter_dirs: dict[str, str],
+    hf_model: LlamaForCausalLM,
+    merge: str,
 ) -> None:
-    engine = make_engine(max_loras=3, lora_modules=tuple(f"{n}={p}" for n, p in adapter_dirs.items()))
+    engine = make_engine(
+        max_loras=3, lora_modules=tuple(f"{n}={p}" for n, p in adapter_dirs.items()), merge_projections=merge
+    )
+    assert bool(engine.runner.merged) == (merge == "on")
     ps = prompts(7, 19, 33, 12, 26)
     names = ["", *adapter_dirs, "ad-all"]
     reqs = [(f"r{i}", p, name) for i, (p, name) in enumerate(zip(ps, names, strict=True))]
@@ -152,8 +164,13 @@ def test_lora_config_checked(engine_model_dir: str) -> None:
     assert EngineConfig(model_dir=engine_model_dir, max_loras=1, compile_model=True).compiles
 
 
+@MERGE
 def test_compiled_forward_serves_adapters_in_one_graph(
-    make_engine: Factory, engine_model_dir: str, adapter_dirs: dict[str, str], hf_model: LlamaForCausalLM
+    make_engine: Factory,
+    engine_model_dir: str,
+    adapter_dirs: dict[str, str],
+    hf_model: LlamaForCausalLM,
+    merge: str,
 ) -> None:
     """LoRA on keeps the forward compiled: steps of base rows only, of one adapter and of
     a mix, and an adapter evicted from its slot and loaded again, all run the graph the
@@ -166,6 +183,7 @@ def test_compiled_forward_serves_adapters_in_one_graph(
         max_loras=2,
         max_num_batched_tokens=64,
         lora_modules=tuple(f"{n}={p}" for n, p in adapter_dirs.items()),
+        merge_projections=merge,
     )
     assert engine.runner.lora is not None and engine.runner.lora.static
     engine.warm_up()

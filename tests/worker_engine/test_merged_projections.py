@@ -5,6 +5,7 @@ whose projections read different inputs unmerged by the load-time check."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
+from worker_svc.engine import LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.merged_projections import MergedPart, check_merged, merge_projections
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -88,3 +90,24 @@ def test_groups_of_unlike_projections_are_left_alone(linear: nn.Module) -> None:
     module.v_proj = linear  # no bias beside biased siblings / not a linear at all
     assert merge_projections(module) == []
     assert not hasattr(module, "qkv_proj")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_engine_with_merged_projections_gives_the_separate_ones_tokens(
+    make_engine: Callable[..., LLMEngine], compiled: bool
+) -> None:
+    """merge_projections on (CUDA's default) against off (CPU's): the same greedy tokens."""
+    got = {}
+    for merge in ("off", "on"):
+        engine = make_engine(merge_projections=merge, compile_model=compiled, max_num_batched_tokens=64)
+        assert len(engine.runner.merged) == (4 if merge == "on" else 0)  # 2 layers x 2 groups
+        assert f"{len(engine.runner.merged)} merged projection groups" in engine.describe()
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        for i, n in enumerate((5, 21, 3)):
+            engine.add_request(RequestSpec(str(i), [(7 * i + j) % 500 + 3 for j in range(n)], params))
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        got[merge] = outs
+    assert got["on"] == got["off"] and all(len(t) == 16 for t in got["on"].values())

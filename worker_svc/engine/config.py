@@ -9,9 +9,9 @@ from services.config import opt, required
 from services.kv_contract import DEFAULT_BLOCK_SIZE
 
 __all__ = [
-    "ASYNC_SCHEDULING",
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "SWITCHES",
     "THREAD_PRIORITIES",
     "EngineConfig",
     "cpu_flags",
@@ -24,7 +24,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "cpu", "auto")
 THREAD_PRIORITIES = ("auto", "normal", "idle")
-ASYNC_SCHEDULING = ("auto", "on", "off")
+SWITCHES = ("auto", "on", "off")  # a feature's setting: auto decides per device
 GENERATION_CONFIGS = ("auto", "vllm")
 
 
@@ -72,11 +72,12 @@ class EngineConfig:
         "torch.compile the text-only forward before the worker reports ready (1-3 min at start "
         "on 2 cores); on CUDA the decode graphs capture the compiled forward",
     )
-    merge_projections: bool = opt(
-        True,
-        "each layer's q/k/v projections, and its MLP's gate/up, run as one matmul over their "
-        "stacked weights (worker_svc/engine/merged_projections.py); off: the checkpoint's "
-        "separate projections",
+    merge_projections: str = opt(
+        "auto",
+        "on: each layer's q/k/v projections, and its MLP's gate/up, run as one matmul over "
+        "their stacked weights (worker_svc/engine/merged_projections.py); off: the "
+        "checkpoint's separate projections; auto: on on CUDA (a GEMM of a few rows is mostly "
+        "its fixed cost there), off on CPU (no faster, docs/design-decisions.md)",
     )
     cpu_affinity: str = opt(
         "", "CPUs the engine's step thread is pinned to, e.g. 0 or 0-1,4 (empty: not pinned)"
@@ -140,9 +141,8 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative_int("max_model_len", self.max_model_len)
-        for name in ("enable_prefix_caching", "merge_projections"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be a bool")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -158,10 +158,9 @@ class EngineConfig:
             raise ValueError(
                 f"engine_priority must be one of {THREAD_PRIORITIES}, got {self.engine_priority!r}"
             )
-        if self.async_scheduling not in ASYNC_SCHEDULING:
-            raise ValueError(
-                f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}"
-            )
+        for name in ("async_scheduling", "merge_projections"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}"
@@ -183,6 +182,12 @@ class EngineConfig:
         modules = parse_lora_modules(self.lora_modules)
         if modules and not self.max_loras:
             raise ValueError("lora_modules needs max_loras >= 1")
+
+    def merges_projections(self, device: str) -> bool:
+        """Whether ``merge_projections`` is on for the engine's ``device`` (auto: on CUDA)."""
+        return self.merge_projections == "on" or (
+            self.merge_projections == "auto" and device.startswith("cuda")
+        )
 
     def compile_skipped(self) -> str:
         """Why the forward runs eagerly ("" when it compiles): ``compile_model`` off."""

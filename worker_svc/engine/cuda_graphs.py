@@ -64,22 +64,29 @@ def bucket_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted({*small, *range(8, max_num_seqs, 8), max_num_seqs}))
 
 
-def cuda_capture(pool: Any = None) -> Capture:
+def cuda_capture(pool: Any = None, phases: dict[str, float] | None = None) -> Capture:
     """Capture into a ``torch.cuda.CUDAGraph`` after two warm-up runs on a side stream
     (lazy initialisation -- cuBLAS workspaces, Triton compiles -- must not happen inside
-    the capture). Graphs sharing ``pool`` share memory: capture the largest first."""
+    the capture). Graphs sharing ``pool`` share memory: capture the largest first.
+    ``phases`` sums the seconds of the warm-up runs and of the recordings (start-up cost)."""
+    spent = phases if phases is not None else {}
 
     def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        start = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        warm = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the worker's event loop) stay legal meanwhile.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
+        spent["warm_up_s"] = spent.get("warm_up_s", 0.0) + warm - start
+        spent["record_s"] = spent.get("record_s", 0.0) + time.perf_counter() - warm
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -145,6 +152,8 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.capture_s = 0.0
+        self.capture_largest_s = 0.0  # of capture_s, the first bucket's (the largest)
+        self.capture_phases: dict[str, float] = {}  # cuda_capture's warm-up / recording seconds
         self.replays = 0  # steps that ran a graph
         self.padded_rows = 0  # padding rows those steps computed
         self.oversize = 0  # decode-only steps larger than the largest bucket (eager)
@@ -180,10 +189,12 @@ class DecodeGraphs:
     def capture(self, capture: Capture) -> None:
         """Captures every bucket, the largest first; the buffers hold padding meanwhile, so
         the capture's own forwards write K/V only into the scratch block."""
-        start = time.monotonic()
+        start = time.perf_counter()
         for size in reversed(self.buckets):
             self._replays[size] = capture(self._bucket_forward(size))
-        self.capture_s = time.monotonic() - start
+            if not self.capture_largest_s:  # the first one also initialises lazily
+                self.capture_largest_s = time.perf_counter() - start
+        self.capture_s = time.perf_counter() - start
 
     def _bucket_forward(self, size: int) -> Callable[[], torch.Tensor]:
         meta = self.metadata(size)
@@ -295,6 +306,8 @@ class DecodeGraphs:
         return {
             "buckets": list(self.buckets),
             "capture_s": round(self.capture_s, 3),
+            "capture_largest_s": round(self.capture_largest_s, 3),
+            **{f"capture_{k}": round(v, 3) for k, v in self.capture_phases.items()},
             "replays": self.replays,
             "padded_rows": self.padded_rows,
             "oversize_steps": self.oversize,
@@ -361,7 +374,11 @@ def for_runner(runner: Any) -> tuple[DecodeGraphs | None, str]:
     backend = runner.info.attention_backend
     if backend not in GRAPH_BACKENDS:
         return None, f"attention backend {backend} builds per-step shapes (graphs need {GRAPH_BACKENDS})"
-    return capture_graphs(runner, cuda_capture(torch.cuda.graph_pool_handle()))
+    phases: dict[str, float] = {}
+    graphs, note = capture_graphs(runner, cuda_capture(torch.cuda.graph_pool_handle(), phases))
+    if graphs is not None:
+        graphs.capture_phases = phases
+    return graphs, note
 
 
 def capture_graphs(runner: Any, capture: Capture) -> tuple[DecodeGraphs | None, str]:

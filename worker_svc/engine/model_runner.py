@@ -163,7 +163,7 @@ class ModelRunner:
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # Before LoRA wraps the projections (it wraps the merged parts) and the probe (which
         # unmerges a group whose projections read different inputs).
-        self.merged = merge_projections(self.model) if config.merge_projections else []
+        self.merged = merge_projections(self.model) if config.merges_projections(self.device.type) else []
         self.lora: LoraManager | None = None
         if config.max_loras:
             self.lora = LoraManager(
