@@ -34,13 +34,13 @@ measured until then):
   forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
   (host), cProfile's top functions and the kernels one forward launches; then the step,
   replay and tokens with the projections merged the other way (on CUDA: unmerged).
-* ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
-  stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 * ``skinny_gemm``: the decode projections at 1 and 8 rows by cuBLAS and by the Triton
   experiment of bench/gpu/skinny_gemm.py, and q/k/v and gate/up merged, by cuBLAS.
 * ``prefill_attention``: one layer's attention of an eager step (a prefill step, continued
   chunks, a mixed step) by the engine's path and by the one-launch experiment of
   bench/gpu/prefill_attention.py.
+* ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
+  stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.
@@ -98,10 +98,12 @@ STEPS = (
     "c1_anatomy",
     "lora_mix",
     "mesh",
-    "host_overhead",
     "skinny_gemm",
     "prefill_attention",
-    "engine_eager",  # the last two: the baselines, first to go when the budget runs out
+    # The last three go first when the budget runs out: host_overhead is measured on the
+    # CPU host too (bench/host_overhead.py), the last two are the baselines.
+    "host_overhead",
+    "engine_eager",
     "hf_naive",
 )
 # Fault injection for the kit's own test: the named step hangs, as a CUDA fault or a stuck

@@ -651,7 +651,11 @@ def lora_mix(ctx: StepContext) -> None:
     names = list(_random_adapters(ctx.model_dir, ctx.work / "loras", LORA_ADAPTERS, LORA_RANK).items())
     lora = {"max_loras": LORA_ADAPTERS, "max_lora_rank": LORA_RANK}
     modules = tuple(f"{n}={d}" for n, d in names)
-    config = replace(_engine_config(ctx, cuda_graphs=_cuda(ctx)), lora_modules=modules, **lora)
+    # Sequences up to the mix's concurrency: its steps replay the same buckets as with 256,
+    # and the other 24 buckets' capture is a minute of the kit's budget.
+    config = replace(
+        _engine_config(ctx, cuda_graphs=_cuda(ctx)), lora_modules=modules, max_num_seqs=c, **lora
+    )
     mix = [n for n, _ in names]
 
     async def run(engine: AsyncLLMEngine) -> None:
