@@ -146,6 +146,12 @@ class ModelRunner:
         except OSError:  # no generation_config.json
             gen_cfg = None
         self.info = self._model_info(text_cfg, gen_cfg)
+        # Before the KV cache takes its memory (the separate weights' memory is returned
+        # first), LoRA wraps the projections (the merged parts) and the probe (which unmerges
+        # a group whose projections read different inputs).
+        self.merged = merge_projections(self.model) if config.merges_projections(self.device.type) else []
+        if self.merged and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         # One block past the block manager's: where CUDA graphs' padding rows write (cuda_graphs).
         self.scratch_block = self.info.num_kv_blocks
         self.kv_caches = [
@@ -161,9 +167,6 @@ class ModelRunner:
             for _ in range(self.info.num_layers)
         ]
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        # Before LoRA wraps the projections (it wraps the merged parts) and the probe (which
-        # unmerges a group whose projections read different inputs).
-        self.merged = merge_projections(self.model) if config.merges_projections(self.device.type) else []
         self.lora: LoraManager | None = None
         if config.max_loras:
             self.lora = LoraManager(
