@@ -8,7 +8,7 @@ gathers that context out of the blocks. This kernel serves every row of the step
 launch: one program per (tile of ``block_q`` queries of one sequence, KV head), the GQA
 group's heads stacked with the tile's queries as the rows of tensor-core products, walking
 the sequence's block table a tile of keys at a time up to the tile's last query (causal),
-with an online softmax in float32 -- the decode kernel's walk
+with an online softmax in float32 -- the decode kernel's walk and its ``key_tile``
 (``worker_svc.engine.triton_attention``) with a tile of queries instead of one. A decode
 row is a sequence of one query. Plain causal attention only (no window, softcap or sinks).
 
@@ -27,6 +27,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from worker_svc.engine.triton_attention import key_tile
 
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
@@ -81,26 +83,12 @@ if HAS_TRITON:
             kpos = blk * BLOCK_SIZE + tok
             k_ok = kpos < hi
             offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-            kv_mask = k_ok[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale
             allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-            scores = tl.where(allowed, scores, -float("inf"))
-            # The first tile holds key 0, which every row sees: m_new is finite from there on.
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            # The first tile holds key 0, which every row sees: the running max is finite.
+            m_i, l_i, acc = key_tile(
+                q, k_cache_ptr, v_cache_ptr, offs, k_ok[:, None] & d_mask[None, :], allowed, m_i, l_i, acc,
+                scale, 1.0, False, IEEE,
+            )  # fmt: skip
         o_offs = tok_row[:, None] * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
         tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 

@@ -41,10 +41,9 @@ GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
 class _Product:
     """The merged product of the last input, until each part has taken its slice.
 
-    A plain object, not a module: the compiled forward stores these attributes back after
-    each call, and a module's ``__setattr__`` would cost that on every step."""
-
-    __slots__ = ("input", "left", "parts")
+    A plain object (no module, no ``__slots__``): the compiled forward stores these
+    attributes back after each call, and a module's ``__setattr__`` would cost that on
+    every step; plain attributes are what every torch version's compiler traces."""
 
     def __init__(self) -> None:
         self.input: torch.Tensor | None = None

@@ -88,6 +88,33 @@ if HAS_TRITON:
         tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
 
     @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def key_tile(  # type: ignore[no-untyped-def]
+        q, k_cache_ptr, v_cache_ptr, offs, kv_mask, allowed, m_i, l_i, acc, scale, softcap,
+        HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of keys into a running (online) softmax of the query rows ``q [M, D]``:
+        the tile's K/V at element offsets ``offs [N, D]`` of the caches (where ``kv_mask``),
+        ``allowed [M, N]`` says which query sees which key. Returns the new running max, sum
+        and unnormalized output ``(m_i [M], l_i [M], acc [M, D])``."""
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if IEEE:  # float32 caches: no TF32 rounding of the products
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(allowed, scores, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:  # probabilities in the cache's precision, as flash attention's kernels
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
     def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_cache_ptr,
@@ -158,25 +185,10 @@ if HAS_TRITON:
             # [PAGES * BLOCK_SIZE, BLOCK_D] offsets of the tile's K/V rows for kv_head.
             offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-            if IEEE:  # float32 caches: no TF32 rounding of the products
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale
-            if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
-                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-            scores = tl.where(t_mask[None, :], scores, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:  # probabilities in the cache's precision, as flash attention's kernels
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = key_tile(
+                q, k_cache_ptr, v_cache_ptr, offs, kv_mask, t_mask[None, :], m_i, l_i, acc, scale, softcap,
+                HAS_SOFTCAP, IEEE,
+            )  # fmt: skip
         if SPLIT:  # this split's running max, sum and unnormalized output: _merge_kernel ends it
             nsplit = tl.num_programs(2)
             at = (seq * NUM_KV_HEADS * GROUP + heads) * nsplit + split  # [G] of [B, H, S]
