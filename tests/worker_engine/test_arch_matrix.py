@@ -90,6 +90,21 @@ def test_matches_transformers(case: ArchCase, tmp_path: Path) -> None:
     assert {k: tokens(v) for k, v in outs.items()} == expected
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_merged_projections_match_transformers(case: ArchCase, tmp_path: Path) -> None:
+    """CUDA's default, q/k/v and gate/up merged (merge_projections), on every architecture:
+    transformers' tokens, chunked beside a decoding request; where the architecture has
+    separate q/k/v linears, they stay merged after the load-time check."""
+    ref = _save(case, tmp_path)
+    long, short, _ = _prompts(int(ref.config.get_text_config().vocab_size))
+    expected = {"long": hf_greedy(ref, long, NEW_TOKENS), "short": hf_greedy(ref, short, NEW_TOKENS)}
+    engine = _engine(tmp_path, max_num_batched_tokens=8, merge_projections="on")
+    outs = run_all(engine, [("long", long, PARAMS), ("short", short, PARAMS)])
+    assert {k: tokens(v) for k, v in outs.items()} == expected
+    qkv = sum(isinstance(getattr(m, "q_proj", None), torch.nn.Linear) for m in ref.modules())
+    assert sum(len(group.sizes) == 3 for group in engine.runner.merged) == qkv  # none unmerged
+
+
 @pytest.mark.parametrize(("case", "phrase"), UNSUPPORTED, ids=[c.name for c, _ in UNSUPPORTED])
 def test_unsupported_attention_is_refused_at_load(case: ArchCase, phrase: str, tmp_path: Path) -> None:
     # config.json only: the refusal must come before any weight is read.

@@ -34,6 +34,7 @@ ENGINE_FLAGS = {
     "generation_config": ("vllm", "vllm"),
     "cuda_graphs": ("false", False),
     "async_scheduling": ("off", "off"),
+    "merge_projections": ("on", "on"),
     "kv_transfer_ttl_s": ("5", 5.0),
     "max_loras": ("0", 0),
     "max_lora_rank": ("8", 8),
