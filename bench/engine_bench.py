@@ -372,14 +372,17 @@ def bench_mesh(
     """The same workload through the full mesh (gateway → scheduler → worker processes);
     rows are named `mesh`, `mesh_si{N}` for a decoder stream interval N > 1, with `_g{G}`
     for G > 1 gateway processes (one port). `extra_env` goes to every service (e.g.
-    MESHSERVE_DEVICE=cuda for the decoder)."""
-    import httpx
+    MESHSERVE_DEVICE=cuda for the decoder). The client is aiohttp's, as `vllm bench
+    serve`'s: with httpx the client process itself neared a core at c=64 on the GPU host
+    (mesh_client.gateway_generate_fn)."""
+    import aiohttp
 
     from bench.mesh_client import cpu_seconds, gateway_generate_fn, model_name, running_mesh
 
     async def main(base_url: str) -> list[RunResult]:
-        limits = httpx.Limits(max_connections=max(concurrencies) + 8)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        connector = aiohttp.TCPConnector(limit=max(concurrencies) + 8)
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             name = model_name(args.model_dir)
             warm = Workload(workload.prompts[:4], 4)
             await run_generate_workload(

@@ -20,6 +20,8 @@ while read -r pin; do
   name=${pin%%==*}
   [[ " $HOST_HAS " == *" ${name,,} "* ]] || pins+=("$pin")
 done < <(sed -e 's/[[:space:]]*#.*//' -e '/^-r/d' -e '/^$/d' requirements.txt)
+# The mesh step's HTTP client (bench_mesh), a development pin: what `vllm bench serve` uses.
+pins+=("$(grep -m1 '^aiohttp==' requirements-dev.txt)")
 
 rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/debs"
 # Unpinned dependencies (pydantic, starlette, ...) at the versions the tests ran with here.
