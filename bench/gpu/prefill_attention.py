@@ -34,9 +34,18 @@ try:
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
-__all__ = ["BLOCK_Q", "HAS_TRITON", "PrefillBatch", "paged_prefill_attention", "prefill_batch"]
+__all__ = [
+    "BLOCK_Q",
+    "BLOCK_Q_WARPS",
+    "HAS_TRITON",
+    "PrefillBatch",
+    "paged_prefill_attention",
+    "prefill_batch",
+]
 
-BLOCK_Q = 16  # queries per program (times the GQA group: the rows of its products)
+BLOCK_Q = 16  # queries per program by default (times the GQA group: the rows of its products)
+# Queries per program the kit tries, and the warps of each (more rows, more warps).
+BLOCK_Q_WARPS = {16: 4, 32: 8}
 _KEYS_PER_TILE = 64
 
 if HAS_TRITON:
@@ -99,22 +108,29 @@ class PrefillBatch:
     tiles of ``BLOCK_Q`` queries (sequence, first query) that the programs take. Built once
     per step (every layer reuses it)."""
 
-    def __init__(self, fields: dict[str, torch.Tensor], block_tables: torch.Tensor) -> None:
+    def __init__(self, fields: dict[str, torch.Tensor], block_tables: torch.Tensor, block_q: int) -> None:
         self.q_starts, self.q_lens, self.ctx_lens = fields["q_starts"], fields["q_lens"], fields["ctx_lens"]
         self.tile_seq, self.tile_m = fields["tile_seq"], fields["tile_m"]
         self.block_tables = block_tables
+        self.block_q = block_q
 
 
 def prefill_batch(
-    chunks: Sequence[tuple[int, int]], block_tables: torch.Tensor, device: torch.device
+    chunks: Sequence[tuple[int, int]],
+    block_tables: torch.Tensor,
+    device: torch.device,
+    block_q: int = BLOCK_Q,
 ) -> PrefillBatch:
     """``chunks``: per sequence, in packed order, ``(cached tokens before the step, new
-    tokens)``; ``block_tables [S, max_blocks]`` int32 on ``device``."""
+    tokens)``; ``block_tables [S, max_blocks]`` int32 on ``device``; ``block_q`` queries
+    per program (a key of :data:`BLOCK_Q_WARPS`)."""
+    if block_q not in BLOCK_Q_WARPS:
+        raise ValueError(f"block_q must be one of {sorted(BLOCK_Q_WARPS)}, got {block_q}")
     starts, tiles_seq, tiles_m, row = [], [], [], 0
     for seq, (_, q_len) in enumerate(chunks):
         starts.append(row)
         row += q_len
-        for m0 in range(0, q_len, BLOCK_Q):
+        for m0 in range(0, q_len, block_q):
             tiles_seq.append(seq)
             tiles_m.append(m0)
     fields = {
@@ -125,7 +141,7 @@ def prefill_batch(
         "tile_m": tiles_m,
     }
     tensors = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in fields.items()}
-    return PrefillBatch(tensors, block_tables)
+    return PrefillBatch(tensors, block_tables, block_q)
 
 
 def paged_prefill_attention(
@@ -146,8 +162,8 @@ def paged_prefill_attention(
         q, cache[0], cache[1], batch.block_tables, batch.q_starts, batch.q_lens, batch.ctx_lens,
         batch.tile_seq, batch.tile_m, out, scale, q.stride(0), q.stride(1), batch.block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_Q=BLOCK_Q, BLOCK_G=1 << max(group - 1, 0).bit_length(),
+        BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=1 << max(group - 1, 0).bit_length(),
         BLOCK_D=max(16, 1 << max(head_dim - 1, 0).bit_length()), PAGES=max(1, _KEYS_PER_TILE // block_size),
-        IEEE=cache.dtype == torch.float32,
+        IEEE=cache.dtype == torch.float32, num_warps=BLOCK_Q_WARPS[batch.block_q],
     )  # fmt: skip
     return out

@@ -38,8 +38,9 @@ def _reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Ten
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("block_q", sorted(prefill_attention.BLOCK_Q_WARPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_one_launch_equals_causal_attention_per_sequence(dtype: torch.dtype) -> None:
+def test_one_launch_equals_causal_attention_per_sequence(dtype: torch.dtype, block_q: int) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-(c + n) // BLOCK) for c, n in CHUNKS) + 3
@@ -56,7 +57,7 @@ def test_one_launch_equals_causal_attention_per_sequence(dtype: torch.dtype) -> 
         values.append(flat[1])
     q = torch.randn(sum(n for _, n in CHUNKS), HEADS, DIM, generator=gen).to(dtype)
     want = _reference(q, keys, values)
-    batch = prefill_attention.prefill_batch(CHUNKS, tables.to(device), torch.device(device))
+    batch = prefill_attention.prefill_batch(CHUNKS, tables.to(device), torch.device(device), block_q)
     got = prefill_attention.paged_prefill_attention(q.to(device), cache.to(device), batch, DIM**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -80,5 +81,9 @@ def test_the_kits_step_compares_the_engines_path_with_one_launch() -> None:
         return 1.0
 
     row = steps._prefill_attention_row(profile, [(20, 1), (0, 19), (33, 1), (40, 24)], timer=once)
-    assert row["sequences"] == 4 and row["tokens"] == 45 and len(calls) == 2
+    assert (
+        row["sequences"] == 4
+        and row["tokens"] == 45
+        and len(calls) == 1 + len(row["one_launch_us_by_block_q"])
+    )
     assert row["max_abs_diff"] < 1e-5  # float32: equal up to summation order
