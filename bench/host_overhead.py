@@ -67,10 +67,10 @@ def stub_forward(engine: LLMEngine) -> None:
     engine.runner.model_forward = forward  # type: ignore[method-assign]
 
 
-def _max_tokens(engine: LLMEngine, concurrency: int, args: argparse.Namespace) -> int:
+def _max_tokens(concurrency: int, args: argparse.Namespace, budget: int) -> int:
     """Enough that no request ends before the timed steps do: the first prompts decode
-    while the last ones prefill, one step budget at a time."""
-    prefill_steps = -(-concurrency * args.prompt_tokens // engine.config.max_num_batched_tokens)
+    while the last ones prefill, ``budget`` tokens (a step's) at a time."""
+    prefill_steps = -(-concurrency * args.prompt_tokens // budget)
     return args.steps + 64 + prefill_steps
 
 
@@ -79,7 +79,9 @@ def decode_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace, 
     rng = random.Random(seed)
     vocab = engine.model_info.vocab_size
     params = SamplingParams(
-        temperature=0.0, max_tokens=_max_tokens(engine, concurrency, args), ignore_eos=True
+        temperature=0.0,
+        max_tokens=_max_tokens(concurrency, args, engine.config.max_num_batched_tokens),
+        ignore_eos=True,
     )
     for i in range(concurrency):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
@@ -121,7 +123,7 @@ def measure(
     graphs' buffers (``graphs``: captured as the stubbed forward itself, which a replay
     calls again); with cProfile's top functions when ``args.profile_at`` is set."""
     c, budget = max(concurrencies), max(2048, max(concurrencies))
-    tokens = args.prompt_tokens + args.steps + 64 + -(-c * args.prompt_tokens // budget)
+    tokens = args.prompt_tokens + _max_tokens(c, args, budget)  # the longest sequence
     config = EngineConfig(
         model_dir=model_dir, device=device, dtype="float32", compile_model=False, cuda_graphs=False,
         max_num_seqs=c, max_num_batched_tokens=budget, num_kv_blocks=c * (tokens // 16 + 2),

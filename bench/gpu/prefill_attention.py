@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from worker_svc.engine.triton_attention import key_tile
+    from worker_svc.engine.triton_attention import _MIN_DOT, _next_pow2, key_tile, tile_blocks
 
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
@@ -46,7 +46,6 @@ __all__ = [
 BLOCK_Q = 16  # queries per program by default (times the GQA group: the rows of its products)
 # Queries per program the kit tries, and the warps of each (more rows, more warps).
 BLOCK_Q_WARPS = {16: 4, 32: 8}
-_KEYS_PER_TILE = 64
 
 if HAS_TRITON:
     # fmt: off
@@ -162,8 +161,8 @@ def paged_prefill_attention(
         q, cache[0], cache[1], batch.block_tables, batch.q_starts, batch.q_lens, batch.ctx_lens,
         batch.tile_seq, batch.tile_m, out, scale, q.stride(0), q.stride(1), batch.block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=1 << max(group - 1, 0).bit_length(),
-        BLOCK_D=max(16, 1 << max(head_dim - 1, 0).bit_length()), PAGES=max(1, _KEYS_PER_TILE // block_size),
+        BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=_next_pow2(group),
+        BLOCK_D=max(_MIN_DOT, _next_pow2(head_dim)), PAGES=tile_blocks(block_size),
         IEEE=cache.dtype == torch.float32, num_warps=BLOCK_Q_WARPS[batch.block_q],
     )  # fmt: skip
     return out

@@ -302,6 +302,7 @@ def _prefill_attention_row(
         [(c, n, table_lists[i]) for i, (c, n) in enumerate(chunks)], BLOCK_SIZE, [cache], dev, "triton"
     )
     scale = head_dim**-0.5
+    batches = {bq: prefill_batch(chunks, tables, dev, bq) for bq in BLOCK_Q_WARPS}
 
     def engine_path() -> torch.Tensor:
         return attention._attend(meta, 0, q, k, v, scale)[0]
@@ -311,7 +312,6 @@ def _prefill_attention_row(
         triton_attention.store_kv(kt, vt, cache, meta.slot_mapping)
         return paged_prefill_attention(q[0].transpose(0, 1), cache, batches[block_q], scale)
 
-    batches = {bq: prefill_batch(chunks, tables, dev, bq) for bq in BLOCK_Q_WARPS}
     want = engine_path().float()
     diff = max(float((one_launch(bq).float() - want).abs().max()) for bq in batches)
     timer = timer or _cuda_us
