@@ -261,13 +261,14 @@ def _decode_attention_row(p: Profile, c: int) -> dict[str, Any]:
 
 # ------------------------------------------------------- prefill_attention
 def prefill_attention(ctx: StepContext) -> None:
-    """One layer's attention of an eager step, the engine's path (store K/V, the decode
-    kernel for decode rows, one SDPA per prompt chunk: worker_svc.engine.attention) against
-    the experiment's one launch for every row (bench/gpu/prefill_attention.py), at the
-    kit's shapes: the c=256 row's prefill step (prompts of the workload's length filling the
-    token budget), chunks continuing cached context, and a mixed step (decodes of the mesh's
-    concurrency beside two prompts). Microseconds per call launched from Python (an eager
-    step's cost, host and GPU), and the largest difference between the two outputs."""
+    """One layer's attention of an eager step on the triton backend (store K/V, the decode
+    kernel for decode rows, the prompt chunks: worker_svc.engine.attention), its prompt
+    chunks attended one SDPA call per chunk (the torch backends' path, the triton one's
+    before) against the one launch for all (triton_attention.paged_prefill_attention), at
+    the kit's shapes: the c=256 row's prefill step (prompts of the workload's length filling
+    the token budget), chunks continuing cached context, and a mixed step (decodes of the
+    mesh's concurrency beside two prompts). Microseconds per call launched from Python (an
+    eager step's cost, host and GPU), and the largest difference between the two outputs."""
     if not _cuda(ctx):
         raise Skip("the Triton kernel runs natively on CUDA only")
     p = ctx.profile
@@ -287,41 +288,37 @@ def prefill_attention(ctx: StepContext) -> None:
 def _prefill_attention_row(
     p: Profile, chunks: list[tuple[int, int]], timer: Callable[[Callable[[], Any], int], float] | None = None
 ) -> dict[str, Any]:
-    from bench.gpu.prefill_attention import BLOCK_Q_WARPS, paged_prefill_attention, prefill_batch
     from worker_svc.engine import attention, triton_attention
 
     dev, dtype, head_dim = torch.device(p.device), getattr(torch, p.dtype), p.hidden // p.heads
     width = -(-p.max_model_len // BLOCK_SIZE)
     cache = torch.randn(2, len(chunks) * width, BLOCK_SIZE, p.kv_heads, head_dim, device=dev, dtype=dtype)
-    tables = torch.arange(len(chunks) * width, device=dev, dtype=torch.int32).view(len(chunks), width)
+    tables = torch.arange(len(chunks) * width).view(len(chunks), width).tolist()
     tokens = sum(n for _, n in chunks)
     q = torch.randn(1, p.heads, tokens, head_dim, device=dev, dtype=dtype)
     k, v = (torch.randn(1, p.kv_heads, tokens, head_dim, device=dev, dtype=dtype) for _ in range(2))
-    table_lists = tables.tolist()
-    meta = attention.build_attention_metadata(
-        [(c, n, table_lists[i]) for i, (c, n) in enumerate(chunks)], BLOCK_SIZE, [cache], dev, "triton"
-    )
+    packed = [(c, n, tables[i]) for i, (c, n) in enumerate(chunks)]
+    metas = {
+        bq: attention.build_attention_metadata(packed, BLOCK_SIZE, [cache], dev, "triton", (), bq)
+        for bq in triton_attention.PREFILL_WARPS
+    }
+    per_chunk = replace(metas[16], prefill_batch=None)
     scale = head_dim**-0.5
-    batches = {bq: prefill_batch(chunks, tables, dev, bq) for bq in BLOCK_Q_WARPS}
 
-    def engine_path() -> torch.Tensor:
+    def attend(meta: attention.AttentionMetadata) -> torch.Tensor:
         return attention._attend(meta, 0, q, k, v, scale)[0]
 
-    def one_launch(block_q: int) -> torch.Tensor:
-        kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)
-        triton_attention.store_kv(kt, vt, cache, meta.slot_mapping)
-        return paged_prefill_attention(q[0].transpose(0, 1), cache, batches[block_q], scale)
-
-    want = engine_path().float()
-    diff = max(float((one_launch(bq).float() - want).abs().max()) for bq in batches)
+    want = attend(per_chunk).float()
+    diff = max(float((attend(m).float() - want).abs().max()) for m in metas.values())
     timer = timer or _cuda_us
-    by_block_q = {bq: timer(partial(one_launch, bq), 20) for bq in batches}
+    by_block_q = {bq: timer(partial(attend, m), 20) for bq, m in metas.items()}
     return {
         "sequences": len(chunks),
         "tokens": tokens,
-        "engine_us": timer(engine_path, 20),
+        "per_chunk_us": timer(partial(attend, per_chunk), 20),
         "one_launch_us": min(by_block_q.values()),
         "one_launch_us_by_block_q": by_block_q,
+        "engine_block_q": triton_attention.prefill_block_q(p.heads // p.kv_heads),
         "max_abs_diff": diff,
     }
 

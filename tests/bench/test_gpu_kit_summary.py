@@ -30,7 +30,7 @@ def test_gpu_only_ratios() -> None:
         "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
         "prefill_attention": {
             "status": "ok",
-            "rows": {"fresh": {"engine_us": 300.0, "one_launch_us": 200.0}},
+            "rows": {"fresh": {"per_chunk_us": 300.0, "one_launch_us": 200.0}},
         },
     }
     out = summarize(steps, PROFILES["gpu"])
@@ -40,4 +40,4 @@ def test_gpu_only_ratios() -> None:
         "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,
         "cublas_merged": 7 + 5 + 19 + 12,
     }
-    assert out["prefill_attention_engine_over_one_launch"] == {"fresh": 1.5}
+    assert out["prefill_attention_per_chunk_over_one_launch"] == {"fresh": 1.5}

@@ -188,10 +188,11 @@ _TRITON_HERE = triton_attention.HAS_TRITON and (torch.cuda.is_available() or tri
 
 
 @pytest.mark.skipif(not _TRITON_HERE, reason="needs triton with CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", ["gpt-oss", "Gemma 2"])
+@pytest.mark.parametrize("name", ["gpt-oss", "Gemma 2", "Gemma 3"])
 def test_windowed_layers_on_the_triton_backend(name: str, tmp_path: Path) -> None:
-    # Triton stores K/V and decodes the full layers; the windowed/sink layers take the
-    # torch path on the same cache. Same tokens as the torch backend.
+    # Triton stores K/V and decodes every layer; prompt chunks of plain layers (Gemma 3's
+    # global ones) are attended in one launch, the windowed/softcapped/sink layers' on torch,
+    # on the same cache. Same tokens as the torch backend.
     case = next(c for c in CASES if c.name == name)
     _save(case, tmp_path)
     long, short, _ = _prompts(VOCAB)

@@ -7,12 +7,13 @@ tensors through Triton's interpreter (test_triton_interpret.py runs this module 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from tests.worker_engine.conftest import prompts, run_all, tokens
-from worker_svc.engine import LLMEngine, SamplingParams, triton_attention
+from worker_svc.engine import LLMEngine, SamplingParams, attention, triton_attention
 from worker_svc.engine.attention import build_attention_metadata, paged_attention_forward, store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,15 +97,88 @@ def test_paged_decode_matches_torch(
     torch.testing.assert_close(out_t.float(), ref[0].float(), rtol=tol, atol=tol)
 
 
-def test_engine_greedy_same_with_triton_backend(make_engine: Callable[..., LLMEngine]) -> None:
+@pytest.mark.parametrize("budget", [None, 24], ids=["whole-prompts", "chunked"])
+def test_engine_greedy_same_with_triton_backend(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    """Same tokens as the torch backend, whole prompts in a step and, with a small token
+    budget, chunks continuing cached context beside decoding rows; every prefill chunk is
+    attended by the one launch (plain layers)."""
     ps = prompts(5, 30, 47, seed=31)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reqs = [(f"r{i}", p, params) for i, p in enumerate(ps)]
-    torch_out = run_all(make_engine(device=DEVICE, attention_backend="torch"), reqs)
-    engine = make_engine(device=DEVICE, attention_backend="triton")
+    kwargs = {} if budget is None else {"max_num_batched_tokens": budget}
+    torch_out = run_all(make_engine(device=DEVICE, attention_backend="torch", **kwargs), reqs)
+    engine = make_engine(device=DEVICE, attention_backend="triton", **kwargs)
     assert engine.model_info.attention_backend == "triton"
+    launches: list[int] = []
+    one_launch = triton_attention.paged_prefill_attention
+
+    def counted(q: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        launches.append(args[1].q_starts.numel())
+        return one_launch(q, *args, **kw)
+
+    monkeypatch.setattr(triton_attention, "paged_prefill_attention", counted)
+    monkeypatch.setattr(attention, "_prefill_torch", None)  # the per-chunk path must not run
     triton_out = run_all(engine, reqs)
     assert {k: tokens(v) for k, v in triton_out.items()} == {k: tokens(v) for k, v in torch_out.items()}
+    layers = engine.model_info.num_layers
+    assert launches and len(launches) % layers == 0
+    if budget is not None:
+        assert len(launches) > layers, "the prompts were not chunked"
+
+
+# (tokens cached before the step, new tokens): a fresh prompt longer than a tile of queries,
+# a chunk continuing cached context past a tile of keys, a decode row, a short prompt.
+CHUNKS = [(0, 37), (70, 9), (19, 1), (0, 3)]
+
+
+def _causal_reference(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], group: int
+) -> torch.Tensor:
+    """float64 causal attention of each sequence's rows of ``q`` over its keys/values."""
+    out, row = [], 0
+    for (cached, new), k, v in zip(CHUNKS, keys, values, strict=True):
+        qs = q[row : row + new].double().transpose(0, 1)  # [H, new, D]
+        kk = k.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
+        vv = v.double().repeat_interleave(group, 1).transpose(0, 1)
+        scores = qs @ kk.transpose(1, 2) * q.shape[-1] ** -0.5
+        allowed = torch.arange(cached + new)[None, :] <= torch.arange(cached, cached + new)[:, None]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out.append((probs @ vv).transpose(0, 1))
+        row += new
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("block_q", sorted(triton_attention.PREFILL_WARPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_launch_prefill_equals_causal_attention_per_sequence(dtype: torch.dtype, block_q: int) -> None:
+    """The prompt chunks' rows equal float64 causal attention over each sequence's context
+    (blocks scattered over the cache); the decode row's is left as it was."""
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in CHUNKS) + 3
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, keys, values = [], [], []
+    for cached, new in CHUNKS:
+        blocks = [order.pop() for _ in range(-(-(cached + new) // bs))]
+        tables.append(blocks)
+        flat = cache[:, blocks].reshape(2, -1, kv_heads, dim)[:, : cached + new]
+        keys.append(flat[0])
+        values.append(flat[1])
+    q = torch.randn(sum(n for _, n in CHUNKS), heads, dim, generator=gen).to(dtype)
+    want = _causal_reference(q, keys, values, heads // kv_heads)
+    dev = torch.device(DEVICE)
+    chunks = [(c, n, t) for (c, n), t in zip(CHUNKS, tables, strict=True)]
+    meta = build_attention_metadata(chunks, bs, [cache.to(dev)], dev, "triton", (), block_q)
+    assert meta.prefill_batch is not None and meta.prefill_batch.q_starts.tolist() == [0, 37, 47]
+    out = torch.full(q.shape, 7.0, dtype=dtype, device=dev)
+    triton_attention.paged_prefill_attention(q.to(dev), cache.to(dev), meta.prefill_batch, dim**-0.5, out)
+    prompt_rows = [r for r in range(q.shape[0]) if r != 46]  # row 46: the decode row
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out[prompt_rows].double().cpu(), want[prompt_rows], rtol=tol, atol=tol)
+    assert bool((out[46] == 7.0).all())
 
 
 def test_split_decode_reads_and_writes_only_the_decode_rows() -> None:

@@ -43,22 +43,30 @@ one SDPA call per sequence over exactly its own keys, no mask: the call transfor
 sdpa attention makes at a decode step, so bf16 results are bit-identical to it on any
 CPU (padding and masks change the flash kernel's rounding), but several times slower
 than the native kernel (one call per sequence and layer);
-``triton`` (CUDA). Prefill chunks (every backend): one SDPA per chunk (``is_causal`` when the chunk starts at position 0, otherwise an
-explicit causal mask offset by the chunk start). GQA via ``enable_gqa``.
+``triton`` (CUDA). Prefill chunks: on ``triton``, every chunk of a step in one launch per
+plain layer (``triton_attention.paged_prefill_attention``, :attr:`AttentionMetadata.prefill_batch`);
+otherwise, and for non-plain layers, one SDPA per chunk (``is_causal`` when the chunk starts
+at position 0, otherwise an explicit causal mask offset by the chunk start). GQA via
+``enable_gqa``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from worker_svc.engine import cpu_attention
+from worker_svc.engine.host_copy import to_device
+
+if TYPE_CHECKING:
+    from worker_svc.engine.triton_attention import PrefillBatch
 
 __all__ = [
     "ATTN_IMPL_NAME",
@@ -102,14 +110,32 @@ KNOWN_KWARGS = frozenset(
 
 @dataclass
 class PrefillChunk:
-    """A sequence with ``q_len > 1`` new tokens at packed rows ``[token_start, token_end)``."""
+    """A sequence with ``q_len > 1`` new tokens at packed rows ``[token_start, token_end)``;
+    ``blocks``: the ids of the blocks covering its context (empty when the chunk starts at
+    position 0: the fresh K/V *are* the whole context). Its tensors for the per-chunk torch
+    path are made on first use: the Triton backend attends plain layers' chunks in one
+    launch (:attr:`AttentionMetadata.prefill_batch`) and never needs them."""
 
     token_start: int
     token_end: int
-    # None when the chunk starts at position 0: the fresh K/V *are* the whole context.
-    context_blocks: torch.Tensor | None  # [num_blocks] block ids covering the context
     context_len: int
-    mask: torch.Tensor | None  # [q_len, context_len] bool, True = attend
+    blocks: Sequence[int]
+    device: torch.device
+
+    @functools.cached_property
+    def context_blocks(self) -> torch.Tensor | None:
+        """``[num_blocks]`` block ids covering the context (None for a fresh prompt)."""
+        return torch.tensor(self.blocks, dtype=torch.long, device=self.device) if self.blocks else None
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """``[q_len, context_len]`` bool, True = attend (None for a fresh prompt: causal)."""
+        if not self.blocks:
+            return None
+        # Query i sits at absolute position start + i and sees keys 0..start + i.
+        start = self.context_len - (self.token_end - self.token_start)
+        q_pos = torch.arange(start, self.context_len, device=self.device).unsqueeze(1)
+        return torch.arange(self.context_len, device=self.device).unsqueeze(0) <= q_pos
 
 
 @dataclass
@@ -128,6 +154,8 @@ class AttentionMetadata:
     # sdpa backend: (packed row, sequence length, its blocks) of every decode sequence
     decode_seqs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # triton: every prefill chunk for one launch per plain layer (None: no chunk, or another backend)
+    prefill_batch: PrefillBatch | None = None
     backend: str = "torch"
     # Sliding window of each layer (None = full attention); empty = every layer full.
     layer_windows: Sequence[int | None] = ()
@@ -162,14 +190,19 @@ def build_attention_metadata(
     device: torch.device,
     backend: str = "torch",
     layer_windows: Sequence[int | None] = (),
+    prefill_block_q: int = 16,
 ) -> AttentionMetadata:
     """Metadata for a packed batch of ``(start_position, q_len, block_table)`` chunks;
-    ``layer_windows`` as :attr:`AttentionMetadata.layer_windows`."""
+    ``layer_windows`` as :attr:`AttentionMetadata.layer_windows`; ``prefill_block_q``:
+    queries per program of the triton backend's prefill (``triton_attention.prefill_block_q``).
+    Its tensors are views of host-to-device copies that do not wait for the device
+    (:func:`host_copy.to_device`)."""
     slot_list: list[int] = []
     dec_rows: list[int] = []
     dec_tables: list[Sequence[int]] = []
     dec_lens: list[int] = []
     prefills: list[PrefillChunk] = []
+    seqs: list[tuple[int, int, int, Sequence[int]]] = []  # the prefill chunks' (row, start, q_len, table)
     row = 0
     for start, q_len, table in chunks:
         end = start + q_len
@@ -180,17 +213,27 @@ def build_attention_metadata(
             dec_lens.append(end)
         else:
             slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            prefills.append(_prefill_chunk(row, start, q_len, table, block_size, device))
+            blocks = table[: -(-end // block_size)] if start else ()
+            prefills.append(PrefillChunk(row, row + q_len, end, blocks, device))
+            seqs.append((row, start, q_len, table))
         row += q_len
-    meta = AttentionMetadata(
-        kv_caches=kv_caches,
-        slot_mapping=torch.tensor(slot_list, dtype=torch.long, device=device),
-        prefills=prefills,
-        backend=backend,
-        layer_windows=layer_windows,
-    )
+    lists: dict[str, Sequence[int]] = {"slots": slot_list}
     if dec_rows:
-        _fill_decode(meta, dec_rows, dec_tables, dec_lens, block_size, device)
+        lists.update(_decode_lists(dec_rows, dec_tables, dec_lens, block_size))
+    sent = to_device(lists, device)
+    meta = AttentionMetadata(
+        kv_caches=kv_caches, slot_mapping=sent["slots"], prefills=prefills, backend=backend,
+        layer_windows=layer_windows,
+    )  # fmt: skip
+    if dec_rows:
+        _fill_decode(meta, sent, dec_rows, dec_lens, block_size, device)
+    if backend == "triton" and seqs:
+        from worker_svc.engine import triton_attention
+
+        fields, width = triton_attention.prefill_fields(seqs, block_size, prefill_block_q)
+        batch = to_device(fields, device, torch.int32)
+        batch["block_tables"] = batch["block_tables"].view(-1, width)
+        meta.prefill_batch = triton_attention.PrefillBatch(**batch, block_q=prefill_block_q)
     return meta
 
 
@@ -202,38 +245,35 @@ def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _prefill_chunk(
-    row: int, start: int, q_len: int, table: Sequence[int], block_size: int, device: torch.device
-) -> PrefillChunk:
-    ctx = start + q_len
-    if start == 0:
-        return PrefillChunk(row, row + q_len, None, ctx, None)
-    nblocks = -(-ctx // block_size)
-    blocks = torch.tensor(list(table[:nblocks]), dtype=torch.long, device=device)
-    # Query i sits at absolute position start + i and sees keys 0..start + i.
-    q_pos = torch.arange(start, ctx, device=device).unsqueeze(1)
-    mask = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
-    return PrefillChunk(row, row + q_len, blocks, ctx, mask)
-
-
-def _fill_decode(
-    meta: AttentionMetadata,
-    rows: list[int],
-    tables: list[Sequence[int]],
-    lens: list[int],
-    block_size: int,
-    device: torch.device,
-) -> None:
+def _decode_lists(
+    rows: list[int], tables: list[Sequence[int]], lens: list[int], block_size: int
+) -> dict[str, list[int]]:
+    """The decode rows' block tables (one flat row-major list, padded with block 0 to the
+    longest), context lengths and packed rows (unless every row from 0), for
+    :func:`_fill_decode`."""
     max_blocks = -(-max(lens) // block_size)
-    # One flat list (a nested one costs torch.tensor a Python sequence check per row).
     flat: list[int] = []
     zeros = [0] * max_blocks
     for t in tables:
         flat.extend(t[:max_blocks])
         flat.extend(zeros[: max_blocks - min(len(t), max_blocks)])
-    table_t = torch.tensor(flat, dtype=torch.long, device=device).view(len(tables), max_blocks)
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    meta.decode_token_idx = row_index(rows, device)
+    out = {"dec_tables": flat, "dec_lens": lens}
+    if not (rows[0] == 0 and rows[-1] == len(rows) - 1):
+        out["dec_rows"] = rows  # else an arange (row_index), nothing to send
+    return out
+
+
+def _fill_decode(
+    meta: AttentionMetadata,
+    sent: dict[str, torch.Tensor],
+    rows: list[int],
+    lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> None:
+    table_t = sent["dec_tables"].view(len(rows), -1)
+    lens_t = sent["dec_lens"]
+    meta.decode_token_idx = sent["dec_rows"] if "dec_rows" in sent else row_index(rows, device)
     meta.decode_table, meta.decode_lens = table_t, lens_t
     if meta.backend in ("triton", "cpu"):
         meta.decode_block_tables = table_t.to(torch.int32)
@@ -246,7 +286,7 @@ def _fill_decode(
         ]
         return
     meta.decode_blocks = table_t.flatten()
-    valid = torch.arange(max_blocks * block_size, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
+    valid = torch.arange(table_t.shape[1] * block_size, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
     # An additive float mask is measurably faster than a bool one in CPU SDPA.
     bias = torch.zeros(valid.shape, dtype=meta.kv_caches[0].dtype, device=device)
     meta.decode_bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
@@ -527,6 +567,11 @@ def _attend(
             rows = meta.decode_token_idx
             od = _decode_layer(q.index_select(0, rows), cache, meta, scale, layer)
             out.index_copy_(0, rows, od.to(out.dtype))
+    if meta.prefill_batch is not None and layer.plain:
+        from worker_svc.engine import triton_attention
+
+        triton_attention.paged_prefill_attention(q, cache, meta.prefill_batch, scale, out)
+        return out.unsqueeze(0)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_end
         if layer.plain:

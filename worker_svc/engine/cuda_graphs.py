@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from worker_svc.engine.attention import AttentionMetadata, attention_context
+from worker_svc.engine.host_copy import pinned_to, to_device
 
 __all__ = [
     "GRAPH_BACKENDS",
@@ -239,7 +240,7 @@ class DecodeGraphs:
             rows = torch.zeros((size, self.lora_mask.shape[1]), dtype=self.lora_mask.dtype)
             if lora_rows is not None:
                 rows[:n] = lora_rows()
-            self.lora_mask[:size].copy_(self._pinned(rows), non_blocking=True)
+            self.lora_mask[:size].copy_(pinned_to(rows, self.device))
         logits = self._replays[size]()
         self.replays += 1
         self.padded_rows += size - n
@@ -261,18 +262,21 @@ class DecodeGraphs:
         pad = size - len(chunks)
         edits = self._table_edits(chunks, size)
         # Padding rows repeat the first token (any id in the vocabulary would do) at position 0.
-        flat: list[int] = [*ids, *[ids[0]] * pad, *positions, *[0] * pad, *edits]
+        lists: dict[str, Sequence[Any]] = {
+            "ids": [*ids, *[ids[0]] * pad],
+            "positions": [*positions, *[0] * pad],
+            "edits": edits,
+        }
         if late is not None:
-            flat += [x for pair in late[0] for x in pair]
-        dev = self._pinned(torch.tensor(flat, dtype=torch.long)).to(self.device, non_blocking=True)
-        self.input_ids[:size].copy_(dev[:size])
-        self.positions[:size].copy_(dev[size : 2 * size])
-        end = 2 * size + len(edits)
+            lists["late"] = late[0]
+        sent = to_device(lists, self.device)
+        self.input_ids[:size].copy_(sent["ids"])
+        self.positions[:size].copy_(sent["positions"])
         if edits:
-            edit = dev[2 * size : end].view(-1, 3)
+            edit = sent["edits"].view(-1, 3)
             self.tables[edit[:, 0], edit[:, 1]] = edit[:, 2].to(self.tables.dtype)
         if late is not None:
-            put_late_tokens(self.input_ids, dev[end:].view(-1, 2), late[1])
+            put_late_tokens(self.input_ids, sent["late"], late[1])
 
     def _table_edits(self, chunks: Chunks, size: int) -> list[int]:
         """``(row, column, block)`` triples, flattened, that make the static block tables
@@ -294,12 +298,6 @@ class DecodeGraphs:
                 edits += (row, 0, self.scratch_block)
                 held[row] = (None, 0)
         return edits
-
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in page-locked memory when the buffers are on a GPU: copied from there, it
-        queues behind the steps in flight instead of waiting for them (a copy from pageable
-        memory synchronises the stream)."""
-        return t.pin_memory() if self.device.type == "cuda" else t
 
     def stats(self) -> dict[str, Any]:
         """Counters for the start-up log and the benchmarks."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker_svc.engine.host_copy import pinned_to
 from worker_svc.engine.merged_projections import MergedPart
 
 __all__ = [
@@ -439,7 +440,7 @@ class LoraManager:
     def step(self, spans: Sequence[tuple[str, int]], device: torch.device) -> AbstractContextManager[None]:
         """Within: the forward applies each span's adapter (`step_rows`)."""
         mask = self.step_rows(spans)
-        return self.masked(None if mask is None else mask.to(device))
+        return self.masked(None if mask is None else pinned_to(mask, device))
 
 
 def _wrap_projections(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from worker_svc.engine import cpu_attention, cuda_graphs
+from worker_svc.engine import cpu_attention, cuda_graphs, triton_attention
 from worker_svc.engine.arch import (
     AttentionSpec,
     UnsupportedModelError,
@@ -32,6 +32,7 @@ from worker_svc.engine.attention import (
     row_index,
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
+from worker_svc.engine.host_copy import own, to_device
 from worker_svc.engine.lora import LoraManager
 from worker_svc.engine.merged_projections import check_merged, merge_projections
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
@@ -146,6 +147,9 @@ class ModelRunner:
         except OSError:  # no generation_config.json
             gen_cfg = None
         self.info = self._model_info(text_cfg, gen_cfg)
+        # Queries per program of the triton backend's one-launch prefill attention.
+        group = int(text_cfg.num_attention_heads) // self.info.num_kv_heads
+        self.prefill_block_q = triton_attention.prefill_block_q(group)
         # Before the KV cache takes its memory (the separate weights' memory is returned
         # first), LoRA wraps the projections (the merged parts) and the probe (which unmerges
         # a group whose projections read different inputs).
@@ -369,15 +373,19 @@ class ModelRunner:
             self.device,
             self.info.attention_backend,
             self.attention.layer_windows,
+            self.prefill_block_q,
         )
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        lists: dict[str, Any] = {"ids": [ids], "positions": [positions]}
         if late is not None:
-            rows, tokens = late
-            cuda_graphs.put_late_tokens(
-                input_ids[0], torch.tensor(rows, dtype=torch.long, device=self.device), tokens
-            )
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep_t = row_index(keep, self.device)
+            lists["late"] = late[0]
+        if not (keep and keep[0] == 0 and keep[-1] == len(keep) - 1):
+            lists["keep"] = keep  # else every row from 0: an arange, nothing to send
+        sent = to_device(lists, self.device)
+        input_ids = own(sent["ids"])
+        if late is not None:
+            cuda_graphs.put_late_tokens(input_ids[0], sent["late"], late[1])
+        position_ids = own(sent["positions"])
+        keep_t = own(sent["keep"]) if "keep" in lists else row_index(keep, self.device)
         kwargs: dict[str, Any] = {"use_cache": False}
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t

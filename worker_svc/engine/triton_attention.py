@@ -9,8 +9,17 @@ num_kv_heads, head_dim]`` (contiguous), slot = ``block * block_size + offset``.
 table a tile of keys (``KEYS_PER_TILE``, whole KV blocks) at a time, scores and weighted
 values as tensor-core matrix products, with an online (streaming) softmax in fp32, so no
 padded context is materialized; with more than one split a second kernel merges the
-splits' partial softmaxes (flash-decoding). Prefill chunks stay on torch SDPA (the runner gathers their
-context), which on GPU dispatches to flash/efficient kernels anyway.
+splits' partial softmaxes (flash-decoding).
+
+``paged_prefill_attention`` attends every prompt chunk of a step in one launch (fresh
+prompts and chunks continuing cached context alike): one program per (tile of ``block_q``
+queries of one sequence, KV head), the GQA group's heads stacked with the tile's queries
+as the rows of tensor-core products, walking the sequence's block table a tile of keys at a
+time up to the tile's last query (causal), with the decode kernel's online softmax
+(``key_tile``). Per layer that is one kernel where one SDPA call per chunk, with its
+context gathered out of the blocks, cost a few kernels and their Python each
+(docs/design-decisions.md, "Prefill attention in one launch"). Plain causal layers only:
+a windowed, softcapped or sink layer's chunks take the torch path.
 
 The decode kernel also serves per-layer attention: a sliding window (the walk starts at
 the window's first block), logit softcapping and attention sinks (one extra logit per head
@@ -22,14 +31,21 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = [
     "HAS_TRITON",
+    "PREFILL_WARPS",
+    "PrefillBatch",
     "backend_supported",
     "paged_decode_attention",
+    "paged_prefill_attention",
+    "prefill_block_q",
+    "prefill_fields",
     "split_count",
     "store_kv",
     "tile_blocks",
@@ -253,6 +269,60 @@ if HAS_TRITON:
             mask=d_mask,
         )
 
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def _prefill_kernel(  # type: ignore[no-untyped-def]
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
+        tile_seq_ptr, tile_m_ptr, out_ptr, scale, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
+        GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGES: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (tile of BLOCK_Q queries of one sequence, kv head): the tile's
+        # queries times the GROUP heads sharing the kv head are the rows of the products.
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        m0 = tl.load(tile_m_ptr + tile)  # the tile's first query, within the sequence's chunk
+        q_start = tl.load(q_starts_ptr + seq)
+        q_len = tl.load(q_lens_ptr + seq)
+        ctx = tl.load(ctx_lens_ptr + seq)  # context after this step (cached + the chunk)
+        r = tl.arange(0, BLOCK_Q * BLOCK_G)
+        qi = m0 + r // BLOCK_G
+        g = r % BLOCK_G
+        row_ok = (qi < q_len) & (g < GROUP)
+        # Query positions; padding rows sit at 0, so every row sees key 0 (no all-masked row).
+        pos = tl.where(row_ok, ctx - q_len + qi, 0)
+        heads = kv_head * GROUP + g
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        tok_row = (q_start + qi).to(tl.int64)
+        q_offs = tok_row[:, None] * q_stride_t + heads[:, None] * q_stride_h + d[None, :]
+        q_mask = row_ok[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+        n = tl.arange(0, PAGES * BLOCK_SIZE)
+        page, tok = n // BLOCK_SIZE, n % BLOCK_SIZE
+        m_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+        hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_Q)  # past the tile's last query's key
+        num_blocks = (hi + BLOCK_SIZE - 1) // BLOCK_SIZE
+        for blk0 in range(0, num_blocks, PAGES):
+            blk = blk0 + page
+            phys = tl.load(block_tables_ptr + seq * bt_stride + blk, mask=blk < num_blocks, other=0).to(
+                tl.int64
+            )
+            kpos = blk * BLOCK_SIZE + tok
+            k_ok = kpos < hi
+            offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+            allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+            # The first tile holds key 0, which every row sees: the running max is finite.
+            m_i, l_i, acc = key_tile(
+                q, k_cache_ptr, v_cache_ptr, offs, k_ok[:, None] & d_mask[None, :], allowed, m_i, l_i, acc,
+                scale, 1.0, False, IEEE,
+            )  # fmt: skip
+        o_offs = tok_row[:, None] * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
+        tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
 
 def _require_triton() -> None:
     if not HAS_TRITON:
@@ -376,3 +446,86 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+# ------------------------------------------------------------------ prefill in one launch
+# Queries per program, and the warps of each (more rows, more warps). 32 was the faster on
+# an H200 with GQA groups of 4 (bench/results/gpu.json, prefill_attention); a program's
+# rows are its queries times the group padded to a power of two, kept to at most 128.
+PREFILL_WARPS = {16: 4, 32: 8}
+_PREFILL_ROWS = 128
+
+
+def prefill_block_q(group: int) -> int:
+    """Queries per program of :func:`paged_prefill_attention` for GQA groups of ``group``
+    query heads per KV head."""
+    return 32 if 32 * _next_pow2(group) <= _PREFILL_ROWS else 16
+
+
+# The fields of a PrefillBatch, in the order prefill_fields lists them.
+PREFILL_FIELDS = ("q_starts", "q_lens", "ctx_lens", "tile_seq", "tile_m", "block_tables")
+
+
+def prefill_fields(
+    chunks: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, block_q: int
+) -> tuple[dict[str, list[int]], int]:
+    """Host lists of a step's prompt chunks for :class:`PrefillBatch`, and the width of its
+    block tables. ``chunks``: per sequence ``(first packed row, cached tokens before the
+    step, new tokens, block table)``; ``block_q`` a key of :data:`PREFILL_WARPS`."""
+    if block_q not in PREFILL_WARPS:
+        raise ValueError(f"block_q must be one of {sorted(PREFILL_WARPS)}, got {block_q}")
+    width = max(-(-(c + n) // block_size) for _, c, n, _ in chunks)
+    fields: dict[str, list[int]] = {name: [] for name in PREFILL_FIELDS}
+    tables = fields["block_tables"]
+    for seq, (row, cached, new, table) in enumerate(chunks):
+        fields["q_starts"].append(row)
+        fields["q_lens"].append(new)
+        fields["ctx_lens"].append(cached + new)
+        starts = range(0, new, block_q)
+        fields["tile_seq"] += [seq] * len(starts)
+        fields["tile_m"] += starts
+        used = -(-(cached + new) // block_size)
+        tables += table[:used]
+        tables += [0] * (width - used)
+    return fields, width
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prompt chunks for :func:`paged_prefill_attention`, int32 on the device
+    (built once per step, every layer reuses it): per sequence its first packed row, query
+    count and context length after the step, its block table ``[S, width]``; and the tiles
+    of ``block_q`` queries (sequence, first query) that the programs take."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    ctx_lens: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_m: torch.Tensor
+    block_tables: torch.Tensor
+    block_q: int
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention of the prompt chunks' rows of ``q [T, H, D]`` over each sequence's
+    paged context in ``cache [2, blocks, block_size, Hkv, D]`` (the step's own K/V already
+    stored there) into the same rows of ``out [T, H, D]`` (a new tensor like ``q`` by
+    default); other rows of ``out`` are left as they are."""
+    _require_triton()
+    _, heads, head_dim = q.shape
+    _, _, block_size, hkv, _ = cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    group = heads // hkv
+    launch: Any = _prefill_kernel[(batch.tile_seq.shape[0], hkv)]
+    launch(
+        q, cache[0], cache[1], batch.block_tables, batch.q_starts, batch.q_lens, batch.ctx_lens,
+        batch.tile_seq, batch.tile_m, out, scale, q.stride(0), q.stride(1), batch.block_tables.stride(0),
+        out.stride(0), out.stride(1), GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=_next_pow2(group),
+        BLOCK_D=max(_MIN_DOT, _next_pow2(head_dim)), PAGES=tile_blocks(block_size),
+        IEEE=cache.dtype == torch.float32, num_warps=PREFILL_WARPS[batch.block_q],
+    )  # fmt: skip
+    return out

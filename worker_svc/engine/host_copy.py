@@ -1,0 +1,57 @@
+"""A step's inputs to the device in one copy that does not wait for the device.
+
+A host-to-device copy from pageable memory synchronises: PyTorch waits for the stream after
+it, so each such copy in a step's preparation waits for every step still queued. With
+async scheduling that is the step in flight, whose GPU time the host's preparation of the
+next step was meant to overlap. A step's integer inputs instead go into one page-locked
+buffer, copied without blocking: the copy queues behind the steps in flight and the
+tensors are views of it (docs/design-decisions.md, "Step inputs in one copy").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["own", "pinned_to", "to_device"]
+
+
+def to_device(
+    lists: Mapping[str, Sequence[int] | Sequence[Sequence[int]]],
+    device: torch.device,
+    dtype: torch.dtype = torch.long,
+) -> dict[str, torch.Tensor]:
+    """Each of ``lists`` (ints, or equally long lists of ints: a matrix) as a ``dtype``
+    tensor on ``device``. To a GPU they are views of one copy; on a CPU each is made as
+    its own tensor (there is nothing to copy, and views cost more to make)."""
+    if device.type == "cpu":
+        return {name: torch.tensor(values, dtype=dtype) for name, values in lists.items()}
+    flat: list[int] = []
+    shapes: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+    for name, values in lists.items():
+        start = len(flat)
+        if values and isinstance(values[0], Sequence):
+            for row in values:
+                flat += row  # type: ignore[arg-type]
+            shape: tuple[int, ...] = (len(values), -1)
+        else:
+            flat += values  # type: ignore[arg-type]
+            shape = (-1,)
+        shapes[name] = (start, len(flat), shape)
+    sent = pinned_to(torch.tensor(flat, dtype=dtype), device)
+    return {name: sent[a:b].view(shape) for name, (a, b, shape) in shapes.items()}
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view (of :func:`to_device`'s one copy): a
+    compiled forward's inputs are tensors of their own, as it is guarded on a view's base."""
+    return t if t._base is None else t.clone()
+
+
+def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``; to a GPU through page-locked memory, without
+    waiting for the work queued before the copy."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
