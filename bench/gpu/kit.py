@@ -24,7 +24,8 @@ measured until then):
   default (the forward compiled in CUDA graphs; graphs need CUDA: skipped elsewhere) and
   plain eager (neither); per concurrency the steps' count,
   total and median wall time by kind (a graph replay or eager), and with graphs the
-  kernels of one replay of the largest bucket.
+  kernels of one replay of the largest bucket and of one prefill step, and the places
+  where a mixed workload's steps synchronise with the GPU (``sync_points``).
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
   gateway; bench.engine_bench.bench_mesh) at the profile's mesh concurrency, with the
   cores each process (and the client) kept busy meanwhile; then, while its box allows,

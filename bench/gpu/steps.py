@@ -533,6 +533,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
         await engine.shutdown()
         _largest_replay_kernels(ctx, engine.engine)
         _prefill_step_kernels(ctx, engine.engine)
+        _sync_points(ctx, engine.engine)
 
     asyncio.run(run(AsyncLLMEngine(_engine_config(ctx, cuda_graphs))))
     gc.collect()
@@ -591,6 +592,64 @@ def _prefill_step_kernels(ctx: StepContext, engine: LLMEngine) -> None:
         ctx.record("prefill_step_kernels", {"prompts": count, **_kernel_profile(one_step)})
     except Exception as exc:  # the profiler's event API moves between torch versions
         ctx.record("prefill_step_kernels", {"error": repr(exc)})
+
+
+def _sync_points(ctx: StepContext, engine: LLMEngine) -> None:
+    """Where the engine's steps make the host wait for the GPU besides reading a step's
+    tokens back: CUDA's sync debug mode over a mixed workload (each prompt arriving while
+    the ones before decode, steps scheduled ahead), each synchronising call counted at its
+    innermost frame in the engine's code. None expected (design decision "Step inputs in
+    one copy"): each one stalls scheduling ahead."""
+    if not _cuda(ctx):
+        return
+    p = ctx.profile
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _workload(ctx, 8, seed=2000).prompts
+    steps = []
+
+    def mixed() -> None:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(RequestSpec(f"sync-{i}", prompt[: p.prompt_len], params))
+            steps.append(engine.step())  # each prompt beside the ones before, decoding
+        while engine.has_unfinished():
+            steps.append(engine.step())
+
+    try:
+        sites = sync_sites(mixed, str(Path(__file__).resolve().parents[2] / "worker_svc"))
+        ctx.record("sync_points", {"steps": len(steps), "sites": sites})
+    except Exception as exc:  # the debug mode's API moves between torch versions
+        ctx.record("sync_points", {"error": repr(exc)})
+
+
+def sync_sites(
+    fn: Callable[[], Any], root: str, debug_mode: Callable[[int], None] | None = None
+) -> dict[str, int]:
+    """Calls ``fn`` with CUDA's sync debug mode on warnings (``debug_mode``: its setter,
+    ``torch.cuda.set_sync_debug_mode``); each synchronising call, by its innermost frame
+    under ``root`` ("path:line function", or the warning's own place when none is)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    set_mode = debug_mode or torch.cuda.set_sync_debug_mode
+    sites: Counter[str] = Counter()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *_: Any, **__: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if f.filename.startswith(root)]
+        place = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else None
+        sites[place or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        set_mode(1)  # warn
+        try:
+            fn()
+        finally:
+            set_mode(0)
+    return dict(sites.most_common())
 
 
 def engine_graphs(ctx: StepContext) -> None:

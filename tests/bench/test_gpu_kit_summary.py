@@ -41,3 +41,29 @@ def test_gpu_only_ratios() -> None:
         "cublas_merged": 7 + 5 + 19 + 12,
     }
     assert out["prefill_attention_per_chunk_over_one_launch"] == {"fresh": 1.5}
+
+
+def test_sync_sites_counts_each_synchronising_call_at_its_frame_under_root() -> None:
+    """The kit's sync-point probe (steps.sync_sites): warnings about synchronising calls are
+    counted at the innermost frame under the root given; others are ignored; the debug mode
+    is set around the call and reset after."""
+    import warnings
+    from pathlib import Path
+
+    from bench.gpu.steps import sync_sites
+
+    modes: list[int] = []
+
+    def synchronising() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    def workload() -> None:
+        for _ in range(3):
+            synchronising()
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    sites = sync_sites(workload, str(Path(__file__).parent), modes.append)
+    assert modes == [1, 0]
+    assert list(sites.values()) == [3]
+    (place,) = sites
+    assert place.startswith("test_gpu_kit_summary.py:") and place.endswith(" synchronising")
