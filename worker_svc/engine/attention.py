@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.engine import cpu_attention
-from worker_svc.engine.host_copy import to_device
+from worker_svc.engine.host_copy import tensor_on, to_device
 
 if TYPE_CHECKING:
     from worker_svc.engine.triton_attention import PrefillBatch
@@ -125,7 +125,7 @@ class PrefillChunk:
     @functools.cached_property
     def context_blocks(self) -> torch.Tensor | None:
         """``[num_blocks]`` block ids covering the context (None for a fresh prompt)."""
-        return torch.tensor(self.blocks, dtype=torch.long, device=self.device) if self.blocks else None
+        return tensor_on(self.blocks, self.device, torch.long) if self.blocks else None
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
@@ -242,7 +242,7 @@ def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     from 0 (a decode step's rows and kept logits), without reading a Python list."""
     if rows and rows[0] == 0 and rows[-1] == len(rows) - 1:
         return torch.arange(len(rows), dtype=torch.long, device=device)
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return tensor_on(rows, device, torch.long)
 
 
 def _decode_lists(

@@ -11,10 +11,11 @@ tensors are views of it (docs/design-decisions.md, "Step inputs in one copy").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["own", "pinned_to", "to_device"]
+__all__ = ["own", "pinned_to", "tensor_on", "to_device"]
 
 
 def to_device(
@@ -55,3 +56,9 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_on(values: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device's
+    queued work: through page-locked memory to a GPU."""
+    return pinned_to(torch.tensor(values, dtype=dtype), device)

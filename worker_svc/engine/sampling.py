@@ -47,6 +47,7 @@ import torch
 
 from services.grammar import StructuredSpec
 from worker_svc.engine import cpu_sampling
+from worker_svc.engine.host_copy import tensor_on
 from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
@@ -328,7 +329,7 @@ class Sampler:
         params = [r.sampling_params for r in rows]
         vocab = logits.shape[1]
         dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+        temps = tensor_on([p.temperature for p in params], dev, logits.dtype)
         logits = logits.div_(temps.unsqueeze(1))  # in place: `sample` gave this call its own copy
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
@@ -362,7 +363,7 @@ def _draw(
     if unseeded:
         chosen[unseeded] = _draw_unseeded(logits[unseeded], [floors[j] for j in unseeded])
     seeded = [j for j, r in enumerate(rows) if r.generator is not None]
-    probs = _probs(logits[seeded], torch.tensor([floors[j] for j in seeded], dtype=logits.dtype, device=dev))
+    probs = _probs(logits[seeded], tensor_on([floors[j] for j in seeded], dev, logits.dtype))
     race = torch.stack(
         [
             _seeded_draws(rows[j], vocab, probs.dtype, candidates[j] if candidates is not None else None)
@@ -392,8 +393,8 @@ def _draw_unseeded(
         scale = torch.ones(n) if scales is None else torch.tensor(scales)
         return native(logits, scale, torch.tensor(floors), torch.rand(n))
     if scales is not None:
-        logits = logits.to(torch.float32) * torch.tensor(scales, device=logits.device).unsqueeze(1)
-    return _inverse_cdf(_probs(logits, torch.tensor(floors, dtype=logits.dtype, device=logits.device)))
+        logits = logits.to(torch.float32) * tensor_on(scales, logits.device).unsqueeze(1)
+    return _inverse_cdf(_probs(logits, tensor_on(floors, logits.device, logits.dtype)))
 
 
 def _probs(
@@ -486,8 +487,8 @@ def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> N
     for i, row in enumerate(rows):
         p = row.sampling_params
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            ids = tensor_on([t for t, _ in p.logit_bias], logits.device, torch.long)
+            bias = tensor_on([b for _, b in p.logit_bias], logits.device, logits.dtype)
             logits[i].index_add_(0, ids, bias)
         if p.allowed_token_ids:
             keep = torch.full((vocab,), True, device=logits.device)
@@ -519,7 +520,7 @@ def _top_k_candidates(
     masked to -inf) and their token ids: top-k/top-p without sorting the vocabulary."""
     vals, ids = logits.topk(max(top_k), dim=-1)
     ranks = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)
-    remove = ranks >= torch.tensor(top_k, device=vals.device).unsqueeze(1)
+    remove = ranks >= tensor_on(top_k, vals.device).unsqueeze(1)
     if any(tp < 1.0 for tp in top_p):
         remove |= _outside_nucleus(vals.masked_fill(remove, -math.inf), top_p)
     return vals.masked_fill(remove, -math.inf), ids
@@ -534,7 +535,7 @@ def _nucleus_candidates(logits: torch.Tensor, top_p: list[float]) -> tuple[torch
 
     The probabilities come from :func:`_probs`, not ``exp`` of ``logits - logsumexp``."""
     probs_all = _probs(logits, exact_zeros=False)  # masses only: no token is drawn from it
-    limit = torch.tensor(top_p, dtype=probs_all.dtype, device=probs_all.device).unsqueeze(1)
+    limit = tensor_on(top_p, probs_all.device, probs_all.dtype).unsqueeze(1)
     for k in NUCLEUS_KS:
         vals, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
         probs = probs_all.gather(1, ids)
@@ -550,7 +551,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     dev = logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    remove = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+    remove = ranks >= tensor_on(top_k, dev).unsqueeze(1)
     if any(tp < 1.0 for tp in top_p):
         remove |= _outside_nucleus(sorted_logits.masked_fill(remove, -math.inf), top_p)
     mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
@@ -562,12 +563,12 @@ def _outside_nucleus(sorted_logits: torch.Tensor, top_p: list[float]) -> torch.T
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # Rows with top_p == 1 get a threshold above any mass so float rounding never trims them.
-    limit = torch.tensor([tp if tp < 1.0 else 2.0 for tp in top_p], dtype=probs.dtype, device=probs.device)
+    limit = tensor_on([tp if tp < 1.0 else 2.0 for tp in top_p], probs.device, probs.dtype)
     return mass_before >= limit.unsqueeze(1)
 
 
 def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(list(ids), dtype=torch.long, device=device)
+    t = tensor_on(list(ids), device, torch.long)
     return t[(t >= 0) & (t < vocab)]
 
 
@@ -578,7 +579,7 @@ def token_logprobs(
     from a ``[n, V]`` logprob matrix."""
     if not chosen:
         return []
-    idx = torch.tensor(list(chosen), dtype=torch.long, device=logprobs.device)
+    idx = tensor_on(list(chosen), logprobs.device, torch.long)
     parts = _logprob_parts(logprobs, idx, max(num_top))
     return _logprob_entries(chosen, num_top, *(t.tolist() for t in parts))
 
