@@ -179,6 +179,10 @@ def test_one_launch_prefill_equals_causal_attention_per_sequence(dtype: torch.dt
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out[prompt_rows].double().cpu(), want[prompt_rows], rtol=tol, atol=tol)
     assert bool((out[46] == 7.0).all())
+    # Queries laid out [T, D, H] (head_dim not the innermost): the same answer.
+    strided = q.to(dev).transpose(1, 2).contiguous().transpose(1, 2)
+    again = triton_attention.paged_prefill_attention(strided, cache.to(dev), meta.prefill_batch, dim**-0.5)
+    torch.testing.assert_close(again[prompt_rows], out[prompt_rows], rtol=0, atol=0)
 
 
 def test_split_decode_reads_and_writes_only_the_decode_rows() -> None:

@@ -516,8 +516,14 @@ def paged_prefill_attention(
     _require_triton()
     _, heads, head_dim = q.shape
     _, _, block_size, hkv, _ = cache.shape
+    if not cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous")
+    if q.stride(2) != 1:  # the kernel steps over tokens and heads by stride, not over dims
+        q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
+    elif out.stride(2) != 1:
+        raise ValueError("out must have unit stride over head_dim")
     group = heads // hkv
     launch: Any = _prefill_kernel[(batch.tile_seq.shape[0], hkv)]
     launch(
