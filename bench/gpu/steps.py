@@ -730,18 +730,34 @@ def lora_mix(ctx: StepContext) -> None:
 
     asyncio.run(run(AsyncLLMEngine(config)))
     gc.collect()
+    _mix_against_eager(ctx, config, mix)
+
+
+def _mix_against_eager(ctx: StepContext, config: EngineConfig, mix: list[str]) -> None:
+    """The LoRA mix's greedy tokens, half the prompts under an adapter, by the CUDA default
+    (compiled, graphs) against the same engine eager; then, while the box allows, compiled
+    without graphs against eager: which of the two moves the tokens."""
     prompts = _workload(ctx, 2 * LORA_ADAPTERS, seed=7).prompts
     adapters = [mix[i % LORA_ADAPTERS] if i % 2 else "" for i in range(len(prompts))]
     # As many sequences as prompts: a few graph buckets to capture, not every one to 256.
-    small = replace(config, max_num_seqs=len(prompts), kv_cache_memory_mb=min(p.kv_cache_mb, 1024))
+    small = replace(config, max_num_seqs=len(prompts), kv_cache_memory_mb=min(ctx.profile.kv_cache_mb, 1024))
     graphs, _ = _engine_greedy(small, prompts, adapters)
     gc.collect()
     eager, _ = _engine_greedy(replace(small, cuda_graphs=False, compile_model=False), prompts, adapters)
     ctx.record("mix_tokens_equal_eager", graphs == eager)
     # Where each request first leaves eager (None: never), by its adapter ("" the base model).
-    pairs = [zip(g, e, strict=True) for g, e in zip(graphs, eager, strict=True)]
+    ctx.record("mix_first_diffs", _first_diffs(graphs, eager, adapters))
+    if small.compiles and ctx.left_s() > 60:
+        gc.collect()
+        compiled, _ = _engine_greedy(replace(small, cuda_graphs=False), prompts, adapters)
+        ctx.record("mix_first_diffs_compiled_no_graphs", _first_diffs(compiled, eager, adapters))
+
+
+def _first_diffs(got: list[list[int]], want: list[list[int]], names: list[str]) -> list[list[Any]]:
+    """Per request ``[its adapter, the first token where got leaves want (None: never)]``."""
+    pairs = [zip(g, w, strict=True) for g, w in zip(got, want, strict=True)]
     diffs = [next((i for i, (a, b) in enumerate(pair) if a != b), None) for pair in pairs]
-    ctx.record("mix_first_diffs", [[name, diff] for name, diff in zip(adapters, diffs, strict=True)])
+    return [[name, diff] for name, diff in zip(names, diffs, strict=True)]
 
 
 # -------------------------------------------------------------------- mesh
