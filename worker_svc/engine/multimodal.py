@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from worker_svc.engine.host_copy import pinned_to, tensor_on
+
 __all__ = [
     "MultiModalInput",
     "is_multimodal_checkpoint",
@@ -140,7 +142,10 @@ def mm_rows(
 
 def merge_mm_rows(embeds: torch.Tensor, rows: list[int], values: list[torch.Tensor]) -> torch.Tensor:
     """``embeds`` ([1, T, H] token embeddings) with ``rows`` replaced by ``values`` (in place)."""
-    index = torch.tensor(rows, dtype=torch.long, device=embeds.device)
-    merged = torch.cat(values).to(device=embeds.device, dtype=embeds.dtype)
+    index = tensor_on(rows, embeds.device, torch.long)
+    merged = torch.cat(values)
+    if merged.device != embeds.device:  # embeddings arrive on the host (from the request)
+        merged = pinned_to(merged, embeds.device)
+    merged = merged.to(embeds.dtype)
     embeds[0].index_copy_(0, index, merged)
     return embeds
