@@ -484,9 +484,9 @@ def prefill_fields(
         starts = range(0, new, block_q)
         fields["tile_seq"] += [seq] * len(starts)
         fields["tile_m"] += starts
-        used = -(-(cached + new) // block_size)
-        tables += table[:used]
-        tables += [0] * (width - used)
+        row_blocks = table[: -(-(cached + new) // block_size)]
+        tables += row_blocks
+        tables += [0] * (width - len(row_blocks))
     return fields, width
 
 
