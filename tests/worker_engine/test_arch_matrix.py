@@ -105,6 +105,32 @@ def test_merged_projections_match_transformers(case: ArchCase, tmp_path: Path) -
     assert sum(len(group.sizes) == 3 for group in engine.runner.merged) == qkv  # none unmerged
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and not triton_attention.interpreting(),
+    reason="needs CUDA or TRITON_INTERPRET=1 (test_triton_interpret.py runs it so)",
+)
+def test_triton_backend_matches_transformers(case: ArchCase, tmp_path: Path) -> None:
+    """CUDA's attention (the triton backend: decode kernel, prompt chunks in one launch on
+    plain layers) and its merged projections, on every architecture: transformers' tokens,
+    chunked beside a decoding request, then from a prefix-cache hit."""
+    ref = _save(case, tmp_path)
+    long, short, shared = _prompts(int(ref.config.get_text_config().vocab_size))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = _engine(
+        tmp_path, device=device, attention_backend="triton", merge_projections="on", max_num_batched_tokens=8
+    )
+    assert engine.model_info.attention_backend == "triton"
+    outs = run_all(engine, [("long", long, PARAMS), ("short", short, PARAMS)])
+    outs.update(run_all(engine, [("shared", shared, PARAMS)]))
+    assert outs["shared"][0].num_cached_tokens == SHARED
+    expected = {
+        name: hf_greedy(ref, p, NEW_TOKENS)
+        for name, p in (("long", long), ("short", short), ("shared", shared))
+    }
+    assert {k: tokens(v) for k, v in outs.items()} == expected
+
+
 @pytest.mark.parametrize(("case", "phrase"), UNSUPPORTED, ids=[c.name for c, _ in UNSUPPORTED])
 def test_unsupported_attention_is_refused_at_load(case: ArchCase, phrase: str, tmp_path: Path) -> None:
     # config.json only: the refusal must come before any weight is read.
