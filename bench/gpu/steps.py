@@ -597,19 +597,25 @@ def _prefill_step_kernels(ctx: StepContext, engine: LLMEngine) -> None:
 def _sync_points(ctx: StepContext, engine: LLMEngine) -> None:
     """Where the engine's steps make the host wait for the GPU besides reading a step's
     tokens back: CUDA's sync debug mode over a mixed workload (each prompt arriving while
-    the ones before decode, steps scheduled ahead), each synchronising call counted at its
-    innermost frame in the engine's code. None expected (design decision "Step inputs in
-    one copy"): each one stalls scheduling ahead."""
+    the ones before decode, steps scheduled ahead; greedy, nucleus, seeded and min_tokens
+    rows together), each synchronising call counted at its innermost frame in the engine's
+    code. Expected: none but the nucleus's data-dependent check where a step's sampled rows
+    all use top-p alone (sampling._nucleus_candidates); design decision "Step inputs in one
+    copy". Each one stalls scheduling ahead."""
     if not _cuda(ctx):
         return
-    p = ctx.profile
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kinds = [  # greedy, nucleus, seeded top-k, min_tokens: the sampler's paths
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_tokens=4, max_tokens=8),
+    ]
     prompts = _workload(ctx, 8, seed=2000).prompts
     steps = []
 
     def mixed() -> None:
         for i, prompt in enumerate(prompts):
-            engine.add_request(RequestSpec(f"sync-{i}", prompt[: p.prompt_len], params))
+            engine.add_request(RequestSpec(f"sync-{i}", prompt, kinds[i % len(kinds)]))
             steps.append(engine.step())  # each prompt beside the ones before, decoding
         while engine.has_unfinished():
             steps.append(engine.step())

@@ -279,7 +279,7 @@ class Sampler:
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        raw_logprobs = torch.log_softmax(logits[_index(lp_rows, logits)], dim=-1) if lp_rows else None
         self._apply_penalties(logits, rows)
         self._apply_min_tokens(logits, rows)
         if any(r.sampling_params.token_rules for r in rows):
@@ -287,16 +287,18 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.sampling_params.greedy]
         if greedy:
-            tokens[greedy] = _first_argmax(logits[greedy])
+            at = _index(greedy, logits)
+            tokens[at] = _first_argmax(logits[at])
         rand = [i for i, r in enumerate(rows) if not r.sampling_params.greedy]
         if len(rand) == len(rows):  # no row copies in the common case
             tokens = self._sample_random(logits, rows)
         elif rand:
-            tokens[rand] = self._sample_random(logits[rand], [rows[i] for i in rand])
+            at = _index(rand, logits)
+            tokens[at] = self._sample_random(logits[at], [rows[i] for i in rand])
         if raw_logprobs is None:
             return Drawn(tokens)
         nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
-        parts = _logprob_parts(raw_logprobs, tokens[lp_rows], max(nums))
+        parts = _logprob_parts(raw_logprobs, tokens[_index(lp_rows, logits)], max(nums))
         return Drawn(tokens, lp_rows, nums, parts)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
@@ -323,7 +325,7 @@ class Sampler:
             if not p.ignore_eos:
                 banned.extend(self.eos_token_ids)
             if banned:
-                logits[i, banned] = -math.inf
+                logits[i, _index(banned, logits)] = -math.inf
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
         params = [r.sampling_params for r in rows]
@@ -361,16 +363,18 @@ def _draw(
         return _draw_unseeded(logits, floors)
     chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
     if unseeded:
-        chosen[unseeded] = _draw_unseeded(logits[unseeded], [floors[j] for j in unseeded])
+        at = _index(unseeded, logits)
+        chosen[at] = _draw_unseeded(logits[at], [floors[j] for j in unseeded])
     seeded = [j for j, r in enumerate(rows) if r.generator is not None]
-    probs = _probs(logits[seeded], tensor_on([floors[j] for j in seeded], dev, logits.dtype))
+    seeded_at = _index(seeded, logits)
+    probs = _probs(logits[seeded_at], tensor_on([floors[j] for j in seeded], dev, logits.dtype))
     race = torch.stack(
         [
             _seeded_draws(rows[j], vocab, probs.dtype, candidates[j] if candidates is not None else None)
             for j in seeded
         ]
     )
-    chosen[seeded] = (probs / race).argmax(dim=-1)
+    chosen[seeded_at] = (probs / race).argmax(dim=-1)
     return chosen
 
 
@@ -448,6 +452,12 @@ def step_seed(seed: int, position: int) -> int:
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+
+
+def _index(rows: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """``rows`` as an index tensor on ``like``'s device: indexing a GPU tensor with a Python
+    list copies the list from pageable memory, which waits for the device's queued work."""
+    return tensor_on(list(rows), like.device, torch.long)
 
 
 def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
