@@ -23,7 +23,9 @@ measured until then):
   closed-loop client) at every concurrency, output tok/s, TPOT and TTFT: as the CUDA
   default (the forward compiled in CUDA graphs; graphs need CUDA: skipped elsewhere) and
   plain eager (neither); per concurrency the steps' count,
-  total and median wall time by kind (a graph replay or eager), and with graphs the
+  total and median wall time by kind (a graph replay or eager), the GPU's busy time and
+  its idle time between steps (waiting for the host) by the kind of step that waited
+  (``gpu``), and with graphs the
   kernels of one replay of the largest bucket and of one prefill step, and the places
   where a mixed workload's steps synchronise with the GPU (``sync_points``).
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -454,6 +455,7 @@ class _StepClock:
         self.phases: list[tuple[float, float, float]] = []  # seconds before, in and after run
         self._marks: list[float] = []
         engine.step = self.step  # type: ignore[method-assign]
+        self.gpu = _GpuSpans(engine) if engine.runner.device.type == "cuda" else None
         graphs = engine.runner.graphs
         if graphs is not None:
             inner_run = graphs.run
@@ -499,9 +501,60 @@ class _StepClock:
                 name: round(statistics.median_high([p[i] * 1000 for p in self.phases]), 3)
                 for i, name in enumerate(names)
             }
+        if self.gpu is not None and (spans := self.gpu.take()):
+            out["gpu"] = gpu_idle(spans)
         self.ms = {kind: [] for kind in self.ms}
         self.phases = []
         return out
+
+
+class _GpuSpans:
+    """Each launched step's span on the GPU: CUDA events recorded on the stream before its
+    forward is launched and after its draw and read-back are queued, with whether it
+    replayed a graph."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.events: list[tuple[Any, Any, bool]] = []
+        inner, graphs = engine._launch, engine.runner.graphs
+
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            replays = graphs.replays if graphs is not None else 0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(*args, **kwargs)
+            end.record()
+            self.events.append((start, end, graphs is not None and graphs.replays != replays))
+            return out
+
+        engine._launch = launch  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[float, float, str]]:
+        """``(start ms, end ms, "graph" | "eager")`` of the steps since the last take, from
+        the first one's start (waits for the GPU to reach the last)."""
+        events, self.events = self.events, []
+        if not events:
+            return []
+        events[-1][1].synchronize()
+        first = events[0][0]
+        kind = {True: "graph", False: "eager"}
+        return [(first.elapsed_time(a), first.elapsed_time(b), kind[g]) for a, b, g in events]
+
+
+def gpu_idle(spans: list[tuple[float, float, str]]) -> dict[str, Any]:
+    """The GPU's busy and idle milliseconds over steps' spans (start, end, kind) in launch
+    order: idle is the time between a step's end and the next one's start (the GPU had
+    nothing queued, waiting for the host), totalled by the kind of the step that waited."""
+    busy = sum(end - start for start, end, _ in spans)
+    gaps: dict[str, list[float]] = {"graph": [], "eager": []}
+    for (_, end, _), (start, _, kind) in itertools.pairwise(spans):
+        gaps[kind].append(max(0.0, start - end))
+    idle = [g for kind in gaps.values() for g in kind]
+    return {
+        "busy_ms": round(busy, 1),
+        "idle_ms": round(sum(idle), 1),
+        "idle_before_ms": {kind: round(sum(g), 1) for kind, g in gaps.items()},
+        "idle_p90_ms": round(statistics.quantiles(idle, n=10)[-1], 3) if len(idle) > 1 else 0.0,
+    }
 
 
 def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:

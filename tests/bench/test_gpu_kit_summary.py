@@ -67,3 +67,13 @@ def test_sync_sites_counts_each_synchronising_call_at_its_frame_under_root() -> 
     assert list(sites.values()) == [3]
     (place,) = sites
     assert place.startswith("test_gpu_kit_summary.py:") and place.endswith(" synchronising")
+
+
+def test_gpu_idle_counts_the_gaps_between_steps_by_the_step_that_waited() -> None:
+    from bench.gpu.steps import gpu_idle
+
+    spans = [(0.0, 3.0, "graph"), (3.0, 6.0, "graph"), (8.0, 40.0, "eager"), (40.5, 44.0, "graph")]
+    out = gpu_idle(spans)
+    assert out["busy_ms"] == 3.0 + 3.0 + 32.0 + 3.5
+    assert out["idle_ms"] == 2.5
+    assert out["idle_before_ms"] == {"graph": 0.5, "eager": 2.0}
