@@ -36,7 +36,8 @@ measured until then):
 * ``c1_anatomy``: where a c=1 decode step of the default engine goes (on CUDA the compiled
   forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
   (host), cProfile's top functions and the kernels one forward launches; then the step,
-  replay and tokens with the projections merged the other way (on CUDA: unmerged).
+  replay and tokens with the projections merged the other way (on CUDA: unmerged), and on
+  Hopper with inductor's kernels as programmatic dependent launches (``pdl``).
 * ``skinny_gemm``: the decode projections at 1 and 8 rows by cuBLAS and by the Triton
   experiment of bench/gpu/skinny_gemm.py, and q/k/v and gate/up merged, by cuBLAS.
 * ``prefill_attention``: one layer's attention of an eager step on the triton backend (a

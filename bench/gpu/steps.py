@@ -985,23 +985,25 @@ def _anatomy(ctx: StepContext) -> dict[str, Any]:
     return out
 
 
-def _other_merge(ctx: StepContext, default_tokens: list[int] | None) -> tuple[str, dict[str, Any]]:
-    """The same engine with merge_projections the other way than the device's default
-    (unmerged on CUDA, merged on CPU): its label, c=1 step, batch-1 replay and whether its
-    tokens equal the default engine's."""
-    config = _anatomy_config(ctx)
-    merged = config.merges_projections(ctx.profile.device)
-    engine = LLMEngine(replace(config, merge_projections="off" if merged else "on"))
-    engine.warm_up()
-    prompts = _workload(ctx, 3, seed=7).prompts
-    _one_request(engine, prompts[0], ctx.profile.output_len, "merge-warm")
-    tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "merge-timed")
+def _variant(
+    ctx: StepContext, config: EngineConfig, default_tokens: list[int] | None, inductor: dict[str, Any]
+) -> dict[str, Any]:
+    """The c=1 step, batch-1 replay and whether the tokens equal the default engine's, of
+    an engine of ``config`` compiled with the inductor settings ``inductor`` on top."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(inductor):
+        engine = LLMEngine(config)
+        engine.warm_up()
+        prompts = _workload(ctx, 3, seed=7).prompts
+        _one_request(engine, prompts[0], ctx.profile.output_len, "variant-warm")
+        tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "variant-timed")
     out: dict[str, Any] = {"decode_step_ms_p50": sorted(step_ms)[len(step_ms) // 2]}
     out["graph_replay_ms"] = _replay_ms(engine, _cuda(ctx))
     out["tokens_equal_default"] = tokens == default_tokens
     del engine
     gc.collect()
-    return ("unmerged" if merged else "merged"), out
+    return out
 
 
 def c1_anatomy(ctx: StepContext) -> None:
@@ -1009,11 +1011,20 @@ def c1_anatomy(ctx: StepContext) -> None:
     forward in CUDA graphs): the step's wall time, the graph replay alone (GPU), the rest
     (host), the host's top functions (cProfile) and the kernels one forward launches; then
     the step and replay with the projections merged the other way than the device's
-    default (on CUDA unmerged: what merging them gains)."""
+    default (on CUDA unmerged: what merging them gains), and on CUDA with inductor's
+    kernels launched as programmatic dependent launches (``pdl``: each may start while the
+    one before ends; Hopper and later)."""
     graphs = _anatomy(ctx)
-    ctx.record("variants", {"graphs": graphs})
-    label, other = _other_merge(ctx, graphs.get("tokens"))
-    ctx.record("variants", {"graphs": graphs, label: other})
+    variants = {"graphs": graphs}
+    ctx.record("variants", variants)
+    config = _anatomy_config(ctx)
+    merged = config.merges_projections(ctx.profile.device)
+    other = replace(config, merge_projections="off" if merged else "on")
+    variants["unmerged" if merged else "merged"] = _variant(ctx, other, graphs.get("tokens"), {})
+    ctx.record("variants", variants)
+    if _cuda(ctx) and torch.cuda.get_device_capability()[0] >= 9 and ctx.left_s() > 40:
+        variants["pdl"] = _variant(ctx, config, graphs.get("tokens"), {"triton.enable_pdl": True})
+        ctx.record("variants", variants)
 
 
 def host_overhead(ctx: StepContext) -> None:
