@@ -43,6 +43,9 @@ measured until then):
 * ``prefill_attention``: one layer's attention of an eager step on the triton backend (a
   prefill step, continued chunks, a mixed step), its prompt chunks by one SDPA call each
   and by the one launch the engine makes (triton_attention.paged_prefill_attention).
+* ``norm_parity``: the c=1 step and replay with RMSNorm's mean left to inductor (fused)
+  against the default's ATen mean kept for bf16 parity with transformers, and the first
+  token where the two part: what the parity costs.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 
@@ -90,6 +93,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "host_overhead": steps.host_overhead,
         "skinny_gemm": steps.skinny_gemm,
         "prefill_attention": steps.prefill_attention,
+        "norm_parity": steps.norm_parity,
     }
 
 
@@ -104,6 +108,7 @@ STEPS = (
     "mesh",
     "skinny_gemm",
     "prefill_attention",
+    "norm_parity",
     # The last three go first when the budget runs out: host_overhead is measured on the
     # CPU host too (bench/host_overhead.py), the last two are the baselines.
     "host_overhead",
@@ -255,6 +260,13 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         for key in ("decode_step_ms_p50", "graph_replay_ms", "host_ms_per_step", "tokens_equal_default"):
             if variant.get(key) is not None:
                 out.setdefault(f"c1_{label}", {})[key] = variant[key]
+    parity = _ok(steps, "norm_parity")
+    if "inductor_mean" in parity and "aten_mean" in parity:  # what bf16 parity costs at c=1
+        out["c1_norm_parity"] = {
+            "replay_ms_inductor_mean": parity["inductor_mean"]["graph_replay_ms"],
+            "replay_ms_aten_mean": parity["aten_mean"]["graph_replay_ms"],
+            "first_diff": parity.get("first_diff"),
+        }
     skinny = _ok(steps, "skinny_gemm").get("shapes", {}).get("rows_1", {})
     if all(name in skinny for name in ("q_or_o", "k_or_v", "gate_or_up", "down")):
         # One layer's seven projections at c=1: q, k, v, o, gate, up, down.

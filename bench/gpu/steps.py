@@ -990,6 +990,15 @@ def _variant(
 ) -> dict[str, Any]:
     """The c=1 step, batch-1 replay and whether the tokens equal the default engine's, of
     an engine of ``config`` compiled with the inductor settings ``inductor`` on top."""
+    out, tokens = _c1_run(ctx, config, inductor)
+    out["tokens_equal_default"] = tokens == default_tokens
+    return out
+
+
+def _c1_run(
+    ctx: StepContext, config: EngineConfig, inductor: dict[str, Any]
+) -> tuple[dict[str, Any], list[int]]:
+    """A fresh engine's c=1 step and batch-1 replay (ms), and its greedy tokens."""
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch(inductor):
@@ -1000,10 +1009,33 @@ def _variant(
         tokens, step_ms = _one_request(engine, prompts[1], ctx.profile.output_len, "variant-timed")
     out: dict[str, Any] = {"decode_step_ms_p50": sorted(step_ms)[len(step_ms) // 2]}
     out["graph_replay_ms"] = _replay_ms(engine, _cuda(ctx))
-    out["tokens_equal_default"] = tokens == default_tokens
     del engine
     gc.collect()
-    return out
+    return out, tokens
+
+
+def norm_parity(ctx: StepContext) -> None:
+    """What bf16 parity with transformers costs a c=1 decode step: the default engine with
+    RMSNorm's mean left to inductor (fused with the norm's other ops) instead of ATen's
+    reduction, which the engine keeps so greedy tokens follow eager bf16
+    (model_runner.eager_mean_reduction); then the default. Each one's step and replay, and
+    the first token where the two part (None: never). That choice is process-wide and
+    cannot be undone, so the fused engine runs first (the kit runs each step in a process
+    of its own)."""
+    if not _cuda(ctx):
+        raise Skip("the compiled forward in CUDA graphs needs CUDA")
+    from worker_svc.engine import model_runner
+
+    keep = model_runner.eager_mean_reduction
+    model_runner.eager_mean_reduction = lambda: None
+    try:
+        fused, fused_tokens = _c1_run(ctx, _anatomy_config(ctx), {})
+    finally:
+        model_runner.eager_mean_reduction = keep
+    ctx.record("inductor_mean", fused)
+    default, tokens = _c1_run(ctx, _anatomy_config(ctx), {})
+    ctx.record("aten_mean", default)
+    ctx.record("first_diff", _first_diffs([fused_tokens], [tokens], [""])[0][1])
 
 
 def c1_anatomy(ctx: StepContext) -> None:

@@ -28,6 +28,12 @@ def test_gpu_only_ratios() -> None:
             "row_sync_scheduling": _row(256, 8_000.0),
         },
         "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
+        "norm_parity": {
+            "status": "ok",
+            "inductor_mean": {"graph_replay_ms": 1.2},
+            "aten_mean": {"graph_replay_ms": 1.3},
+            "first_diff": 40,
+        },
         "prefill_attention": {
             "status": "ok",
             "rows": {"fresh": {"per_chunk_us": 300.0, "one_launch_us": 200.0}},
@@ -41,6 +47,11 @@ def test_gpu_only_ratios() -> None:
         "cublas_merged": 7 + 5 + 19 + 12,
     }
     assert out["prefill_attention_per_chunk_over_one_launch"] == {"fresh": 1.5}
+    assert out["c1_norm_parity"] == {
+        "replay_ms_inductor_mean": 1.2,
+        "replay_ms_aten_mean": 1.3,
+        "first_diff": 40,
+    }
 
 
 def test_sync_sites_counts_each_synchronising_call_at_its_frame_under_root() -> None:
