@@ -68,7 +68,7 @@ PROFILES = {
         max_batch_tokens=8192,
         kv_cache_mb=12288,
         copy_mb=1024,
-        budget_s=540,
+        budget_s=530,
         # Boxes allow for the compiles of the CUDA default (compiled forward in the graphs):
         # a cold one per model and LoRA setting, the FX graph cache's warm ones after.
         step_s={

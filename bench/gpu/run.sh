@@ -28,10 +28,10 @@ EOF
 
 export PYTHONUNBUFFERED=1
 export MESHSERVE_KIT_COMMIT=$(cat "$KIT/commit.txt" 2>/dev/null)  # bench/gpu/env_info.py
-# The kit keeps its own budget (500 s) and writes the JSON after every step; this is the backstop.
+# The kit keeps its own budget (530 s) and writes the JSON after every step; this is the backstop.
 # KIT_STEPS runs a subset (comma-separated, kit order) into KIT_OUT, leaving gpu.json as it is.
 RESULT=${KIT_OUT:-bench/results/gpu.json}
-timeout -k 10 530 "$PY" -m bench.gpu.kit --profile "${KIT_PROFILE:-gpu}" --out "$RESULT" --work "$WORK" \
+timeout -k 10 560 "$PY" -m bench.gpu.kit --profile "${KIT_PROFILE:-gpu}" --out "$RESULT" --work "$WORK" \
   ${KIT_STEPS:+--steps "$KIT_STEPS"}
 echo "run.sh: kit exit code $?"
 
