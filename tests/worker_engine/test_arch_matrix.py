@@ -112,7 +112,7 @@ def test_merged_projections_match_transformers(case: ArchCase, tmp_path: Path) -
 )
 def test_triton_backend_matches_transformers(case: ArchCase, tmp_path: Path) -> None:
     """CUDA's attention (the triton backend: decode kernel, prompt chunks in one launch on
-    plain layers) and its merged projections, on every architecture: transformers' tokens,
+    every layer) and its merged projections, on every architecture: transformers' tokens,
     chunked beside a decoding request, then from a prefix-cache hit."""
     ref = _save(case, tmp_path)
     long, short, shared = _prompts(int(ref.config.get_text_config().vocab_size))
@@ -216,9 +216,8 @@ _TRITON_HERE = triton_attention.HAS_TRITON and (torch.cuda.is_available() or tri
 @pytest.mark.skipif(not _TRITON_HERE, reason="needs triton with CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("name", ["gpt-oss", "Gemma 2", "Gemma 3"])
 def test_windowed_layers_on_the_triton_backend(name: str, tmp_path: Path) -> None:
-    # Triton stores K/V and decodes every layer; prompt chunks of plain layers (Gemma 3's
-    # global ones) are attended in one launch, the windowed/softcapped/sink layers' on torch,
-    # on the same cache. Same tokens as the torch backend.
+    # Triton stores K/V, decodes and attends the prompt chunks of every layer (one launch
+    # each), windowed, softcapped or with sinks. Same tokens as the torch backend.
     case = next(c for c in CASES if c.name == name)
     _save(case, tmp_path)
     long, short, _ = _prompts(VOCAB)

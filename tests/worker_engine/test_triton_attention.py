@@ -103,7 +103,7 @@ def test_engine_greedy_same_with_triton_backend(
 ) -> None:
     """Same tokens as the torch backend, whole prompts in a step and, with a small token
     budget, chunks continuing cached context beside decoding rows; every prefill chunk is
-    attended by the one launch (plain layers)."""
+    attended by the one launch."""
     ps = prompts(5, 30, 47, seed=31)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reqs = [(f"r{i}", p, params) for i, p in enumerate(ps)]

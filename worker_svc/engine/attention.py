@@ -44,9 +44,10 @@ sdpa attention makes at a decode step, so bf16 results are bit-identical to it o
 CPU (padding and masks change the flash kernel's rounding), but several times slower
 than the native kernel (one call per sequence and layer);
 ``triton`` (CUDA). Prefill chunks: on ``triton``, every chunk of a step in one launch per
-plain layer (``triton_attention.paged_prefill_attention``, :attr:`AttentionMetadata.prefill_batch`);
-otherwise, and for non-plain layers, one SDPA per chunk (``is_causal`` when the chunk starts
-at position 0, otherwise an explicit causal mask offset by the chunk start). GQA via
+layer, windows, softcap and sinks included (``triton_attention.paged_prefill_attention``,
+:attr:`AttentionMetadata.prefill_batch`); on the other backends one SDPA per chunk
+(``is_causal`` when the chunk starts at position 0, otherwise an explicit causal mask
+offset by the chunk start; :func:`_prefill_layer` for per-layer attention). GQA via
 ``enable_gqa``.
 """
 
@@ -113,8 +114,8 @@ class PrefillChunk:
     """A sequence with ``q_len > 1`` new tokens at packed rows ``[token_start, token_end)``;
     ``blocks``: the ids of the blocks covering its context (empty when the chunk starts at
     position 0: the fresh K/V *are* the whole context). Its tensors for the per-chunk torch
-    path are made on first use: the Triton backend attends plain layers' chunks in one
-    launch (:attr:`AttentionMetadata.prefill_batch`) and never needs them."""
+    path are made on first use: the Triton backend attends every chunk in one launch
+    (:attr:`AttentionMetadata.prefill_batch`) and never needs them."""
 
     token_start: int
     token_end: int
@@ -154,7 +155,7 @@ class AttentionMetadata:
     # sdpa backend: (packed row, sequence length, its blocks) of every decode sequence
     decode_seqs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # triton: every prefill chunk for one launch per plain layer (None: no chunk, or another backend)
+    # triton: every prefill chunk for one launch per layer (None: no chunk, or another backend)
     prefill_batch: PrefillBatch | None = None
     backend: str = "torch"
     # Sliding window of each layer (None = full attention); empty = every layer full.
@@ -567,10 +568,12 @@ def _attend(
             rows = meta.decode_token_idx
             od = _decode_layer(q.index_select(0, rows), cache, meta, scale, layer)
             out.index_copy_(0, rows, od.to(out.dtype))
-    if meta.prefill_batch is not None and layer.plain:
+    if meta.prefill_batch is not None:
         from worker_svc.engine import triton_attention
 
-        triton_attention.paged_prefill_attention(q, cache, meta.prefill_batch, scale, out)
+        triton_attention.paged_prefill_attention(
+            q, cache, meta.prefill_batch, scale, out, layer.window or 0, layer.softcap or 0.0, layer.sinks
+        )
         return out.unsqueeze(0)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_end

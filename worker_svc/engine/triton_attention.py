@@ -18,12 +18,11 @@ as the rows of tensor-core products, walking the sequence's block table a tile o
 time up to the tile's last query (causal), with the decode kernel's online softmax
 (``key_tile``). Per layer that is one kernel where one SDPA call per chunk, with its
 context gathered out of the blocks, cost a few kernels and their Python each
-(docs/design-decisions.md, "Prefill attention in one launch"). Plain causal layers only:
-a windowed, softcapped or sink layer's chunks take the torch path.
+(docs/design-decisions.md, "Prefill attention in one launch").
 
-The decode kernel also serves per-layer attention: a sliding window (the walk starts at
-the window's first block), logit softcapping and attention sinks (one extra logit per head
-in the denominator), checked against the torch path under TRITON_INTERPRET=1 by
+Both kernels also serve per-layer attention: a sliding window (the walk starts at the
+window's first block), logit softcapping and attention sinks (one extra logit per head in
+the denominator), checked against the torch path under TRITON_INTERPRET=1 by
 ``test_arch_matrix`` and ``test_triton_layers``.
 """
 
@@ -122,8 +121,11 @@ if HAS_TRITON:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(allowed, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        # A row that has seen no key yet (a window starting past this tile) keeps max -inf:
+        # it subtracts 0 instead, so its weights are exp(-inf) = 0, not NaN.
+        m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_sub)
+        p = tl.exp(scores - m_sub[:, None])
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
         else:  # probabilities in the cache's precision, as flash attention's kernels
@@ -273,6 +275,8 @@ if HAS_TRITON:
     def _prefill_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
         tile_seq_ptr, tile_m_ptr, out_ptr, scale, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
+        sinks_ptr, window, softcap,
+        HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGES: tl.constexpr,
         IEEE: tl.constexpr,
@@ -290,8 +294,9 @@ if HAS_TRITON:
         qi = m0 + r // BLOCK_G
         g = r % BLOCK_G
         row_ok = (qi < q_len) & (g < GROUP)
-        # Query positions; padding rows sit at 0, so every row sees key 0 (no all-masked row).
-        pos = tl.where(row_ok, ctx - q_len + qi, 0)
+        # Query positions; padding rows sit at the tile's first, whose keys are all walked.
+        p0 = ctx - q_len + m0
+        pos = tl.where(row_ok, ctx - q_len + qi, p0)
         heads = kv_head * GROUP + g
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
@@ -304,9 +309,12 @@ if HAS_TRITON:
         m_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
-        hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_Q)  # past the tile's last query's key
+        hi = tl.minimum(ctx, p0 + BLOCK_Q)  # past the tile's last query's key
         num_blocks = (hi + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for blk0 in range(0, num_blocks, PAGES):
+        # A query at p sees keys p - window < k <= p: the walk starts at the block of the
+        # tile's first query's first key (no window comes as window >= any length).
+        lo = tl.maximum(p0 - window + 1, 0) // BLOCK_SIZE
+        for blk0 in range(lo, num_blocks, PAGES):
             blk = blk0 + page
             phys = tl.load(block_tables_ptr + seq * bt_stride + blk, mask=blk < num_blocks, other=0).to(
                 tl.int64
@@ -314,12 +322,19 @@ if HAS_TRITON:
             kpos = blk * BLOCK_SIZE + tok
             k_ok = kpos < hi
             offs = ((phys * BLOCK_SIZE + tok)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-            allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-            # The first tile holds key 0, which every row sees: the running max is finite.
+            allowed = (
+                k_ok[None, :] & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - window)
+            )
             m_i, l_i, acc = key_tile(
                 q, k_cache_ptr, v_cache_ptr, offs, k_ok[:, None] & d_mask[None, :], allowed, m_i, l_i, acc,
-                scale, 1.0, False, IEEE,
+                scale, softcap, HAS_SOFTCAP, IEEE,
             )  # fmt: skip
+        if HAS_SINKS:  # one extra logit per head, in the denominator only
+            sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0).to(tl.float32)
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp(sink - m_fin)
+            acc = acc * alpha[:, None]
         o_offs = tok_row[:, None] * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
         tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -507,12 +522,20 @@ class PrefillBatch:
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float, out: torch.Tensor | None = None
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    batch: PrefillBatch,
+    scale: float,
+    out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the prompt chunks' rows of ``q [T, H, D]`` over each sequence's
     paged context in ``cache [2, blocks, block_size, Hkv, D]`` (the step's own K/V already
     stored there) into the same rows of ``out [T, H, D]`` (a new tensor like ``q`` by
-    default); other rows of ``out`` are left as they are."""
+    default); other rows of ``out`` are left as they are. ``window``, ``softcap`` and
+    ``sinks [H]`` as :func:`paged_decode_attention`'s (0 / 0.0 / None: none)."""
     _require_triton()
     _, heads, head_dim = q.shape
     _, _, block_size, hkv, _ = cache.shape
@@ -525,11 +548,14 @@ def paged_prefill_attention(
     elif out.stride(2) != 1:
         raise ValueError("out must have unit stride over head_dim")
     group = heads // hkv
+    sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
     launch: Any = _prefill_kernel[(batch.tile_seq.shape[0], hkv)]
     launch(
         q, cache[0], cache[1], batch.block_tables, batch.q_starts, batch.q_lens, batch.ctx_lens,
         batch.tile_seq, batch.tile_m, out, scale, q.stride(0), q.stride(1), batch.block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), sink_f32, int(window) if window > 0 else _NO_WINDOW,
+        float(softcap) if softcap else 1.0, HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap),
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=_next_pow2(group),
         BLOCK_D=max(_MIN_DOT, _next_pow2(head_dim)), PAGES=tile_blocks(block_size),
         IEEE=cache.dtype == torch.float32, num_warps=PREFILL_WARPS[batch.block_q],
