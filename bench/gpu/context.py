@@ -83,7 +83,7 @@ PROFILES = {
             "host_overhead": 45,
             "skinny_gemm": 40,
             "prefill_attention": 30,
-            "norm_parity": 60,
+            "norm_parity": 75,
             "engine_eager": 100,
             "hf_naive": 45,
         },

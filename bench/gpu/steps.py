@@ -1018,10 +1018,11 @@ def norm_parity(ctx: StepContext) -> None:
     """What bf16 parity with transformers costs a c=1 decode step: the default engine with
     RMSNorm's mean left to inductor (fused with the norm's other ops) instead of ATen's
     reduction, which the engine keeps so greedy tokens follow eager bf16
-    (model_runner.eager_mean_reduction); then the default. Each one's step and replay, and
-    the first token where the two part (None: never). That choice is process-wide and
-    cannot be undone, so the fused engine runs first (the kit runs each step in a process
-    of its own)."""
+    (model_runner.eager_mean_reduction), also with c1_anatomy's pdl variant on Hopper (the
+    two together: how near c=1 could come); then the default. Each one's step and replay,
+    and the first token where the fused and the default part (None: never). That choice is
+    process-wide and cannot be undone, so the fused engines run first (the kit runs each
+    step in a process of its own)."""
     if not _cuda(ctx):
         raise Skip("the compiled forward in CUDA graphs needs CUDA")
     from worker_svc.engine import model_runner
@@ -1030,9 +1031,13 @@ def norm_parity(ctx: StepContext) -> None:
     model_runner.eager_mean_reduction = lambda: None
     try:
         fused, fused_tokens = _c1_run(ctx, _anatomy_config(ctx), {})
+        ctx.record("inductor_mean", fused)
+        if torch.cuda.get_device_capability()[0] >= 9 and ctx.left_s() > 50:  # with c1_anatomy's pdl
+            ctx.record(
+                "inductor_mean_pdl", _c1_run(ctx, _anatomy_config(ctx), {"triton.enable_pdl": True})[0]
+            )
     finally:
         model_runner.eager_mean_reduction = keep
-    ctx.record("inductor_mean", fused)
     default, tokens = _c1_run(ctx, _anatomy_config(ctx), {})
     ctx.record("aten_mean", default)
     ctx.record("first_diff", _first_diffs([fused_tokens], [tokens], [""])[0][1])
