@@ -176,17 +176,24 @@ async def run_generate_workload(
     return summarize(system, concurrency, ordered, wall), ordered
 
 
-def engine_generate_fn(engine: AsyncLLMEngine, salt: str = "", adapters: Sequence[str] = ()) -> GenerateFn:
-    """Adapt :class:`AsyncLLMEngine` to :data:`GenerateFn` (greedy, ignore_eos).
+def engine_generate_fn(
+    engine: AsyncLLMEngine,
+    salt: str = "",
+    adapters: Sequence[str] = (),
+    sampling: dict[str, Any] | None = None,
+) -> GenerateFn:
+    """Adapt :class:`AsyncLLMEngine` to :data:`GenerateFn` (greedy unless ``sampling`` sets
+    other SamplingParams fields, ignore_eos).
 
     ``salt`` goes into the block hashes so repeated runs over the same prompts do not
     hit each other's prefix cache. With ``adapters``, the request of workload index ``i``
     (its id's last ``-`` part) runs under LoRA adapter ``adapters[i % len(adapters)]``.
     """
     extra_keys = (f"salt:{salt}",) if salt else ()
+    fields = {"temperature": 0.0, **(sampling or {})}
 
     async def generate(request_id: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True)
         lora = adapters[int(request_id.rsplit("-", 1)[1]) % len(adapters)] if adapters else ""
         spec = RequestSpec(request_id, prompt, params, extra_keys=extra_keys, lora_name=lora)
         async for out in engine.generate(spec):

@@ -25,7 +25,9 @@ measured until then):
   plain eager (neither); per concurrency the steps' count,
   total and median wall time by kind (a graph replay or eager), the GPU's busy time and
   its idle time between steps (waiting for the host) by the kind of step that waited
-  (``gpu``), and with graphs the
+  (``gpu``); the mesh's concurrency again with top-p sampling, the sampler's candidates
+  path (a synchronising check per step) against a sort of the vocabulary
+  (``top_p_rows``); and with graphs the
   kernels of one replay of the largest bucket and of one prefill step, and the places
   where a mixed workload's steps synchronise with the GPU (``sync_points``).
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
@@ -246,6 +248,11 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
             out["served_more_gateways_over_in_process_tok_s"] = (
                 more["output_tok_per_s"] / inproc[c]["output_tok_per_s"]
             )
+    top_p = graphs.get("top_p_rows", {})
+    if "candidates" in top_p and "sort" in top_p:  # above 1: sorting beats the synchronising check
+        out["top_p_sort_over_candidates_tok_s"] = (
+            top_p["sort"]["output_tok_per_s"] / top_p["candidates"]["output_tok_per_s"]
+        )
     if graphs.get("c1_tokens") and eager.get("c1_tokens"):
         out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]
     naive = _ok(steps, "hf_naive")

@@ -582,6 +582,7 @@ def _engine_rows(ctx: StepContext, cuda_graphs: bool) -> None:
             if c == 1:  # greedy tokens, compared with the other steps' in the summary
                 ctx.record("c1_tokens", [t.tokens for t in timings])
         await _sync_scheduling_row(ctx, engine, clock)
+        await _top_p_rows(ctx, engine, clock)
         ctx.record("cuda_graphs", _graph_stats(engine.engine))
         await engine.shutdown()
         _largest_replay_kernels(ctx, engine.engine)
@@ -609,6 +610,37 @@ async def _sync_scheduling_row(ctx: StepContext, engine: AsyncLLMEngine, clock: 
         ctx.record("row_sync_scheduling", {**asdict(row), "steps": clock.take()})
     finally:
         inner.runs_ahead = True
+
+
+# Sampling as Llama 3's generation_config.json sets it: every request takes the top-p path.
+TOP_P_SAMPLING = {"temperature": 0.6, "top_p": 0.9}
+
+
+async def _top_p_rows(ctx: StepContext, engine: AsyncLLMEngine, clock: _StepClock) -> None:
+    """The mesh's concurrency with top-p sampling, twice: the sampler's default (top-p from
+    the best candidates, after a check on the device of whether they hold every row's
+    nucleus: a synchronisation per step) and every step sorting the vocabulary instead (no
+    check); what the check costs scheduling ahead."""
+    from worker_svc.engine import sampling
+
+    if not engine.engine.runs_ahead or engine.engine.runner.graphs is None:  # the CUDA default only
+        return
+    c = ctx.profile.mesh_concurrency
+    rows: dict[str, Any] = {}
+    for label in ("candidates", "sort"):
+        if ctx.left_s() < 20:
+            break
+        keep = sampling._nucleus_candidates
+        if label == "sort":
+            sampling._nucleus_candidates = lambda *_: None  # type: ignore[assignment]
+        try:
+            workload = _workload(ctx, ctx.profile.num_requests(c), seed=c)
+            generate = engine_generate_fn(engine, f"top-p-{label}", sampling=TOP_P_SAMPLING)
+            row, _ = await run_generate_workload(generate, workload, c, "meshserve")
+        finally:
+            sampling._nucleus_candidates = keep
+        rows[label] = {**asdict(row), "steps": clock.take()}
+        ctx.record("top_p_rows", rows)
 
 
 def _largest_replay_kernels(ctx: StepContext, engine: LLMEngine) -> None:

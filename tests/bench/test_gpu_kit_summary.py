@@ -26,6 +26,7 @@ def test_gpu_only_ratios() -> None:
             "status": "ok",
             "rows": [_row(1, 500.0), _row(256, 12_000.0)],
             "row_sync_scheduling": _row(256, 8_000.0),
+            "top_p_rows": {"candidates": _row(64, 4_000.0), "sort": _row(64, 5_000.0)},
         },
         "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
         "norm_parity": {
@@ -41,6 +42,7 @@ def test_gpu_only_ratios() -> None:
     }
     out = summarize(steps, PROFILES["gpu"])
     assert out["async_over_sync_scheduling_tok_s"] == 1.5
+    assert out["top_p_sort_over_candidates_tok_s"] == 1.25
     assert out["c1_layer_projections_us"] == {
         "cublas": 2 * 5 + 2 * 4 + 2 * 10 + 12,
         "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,
