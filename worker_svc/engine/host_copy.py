@@ -51,10 +51,10 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 
 def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``; to a GPU through page-locked memory, without
+    """``t`` on ``device``; from the host to a GPU through page-locked memory, without
     waiting for the work queued before the copy."""
-    if device.type == "cpu":
-        return t
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

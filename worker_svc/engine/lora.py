@@ -271,7 +271,7 @@ class LoraLinear(nn.Module):
         lora_b[:, cols].zero_()
         if weights is None:
             return
-        a, b = weights
+        a, b = (pinned_to(w, lora_a.device) for w in weights)  # host weights: no wait for the device
         lora_a[cols.start : cols.start + a.shape[0]].copy_(a)
         lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b)
 
