@@ -502,7 +502,10 @@ def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> N
             logits[i].index_add_(0, ids, bias)
         if p.allowed_token_ids:
             keep = torch.full((vocab,), True, device=logits.device)
-            keep[_token_tensor(p.allowed_token_ids, vocab, logits.device)] = False
+            # Filtered on the host: a boolean index would wait for the device (rows with
+            # allowed_token_ids do not read their output back, so they stay scheduled ahead).
+            allowed = [t for t in p.allowed_token_ids if 0 <= t < vocab]
+            keep[tensor_on(allowed, logits.device, torch.long)] = False
             logits[i].masked_fill_(keep, -math.inf)
         banned = _bad_word_tokens(getattr(row, "bad_words_ids", ()), row.output_token_ids)
         if banned:
