@@ -32,7 +32,7 @@ from worker_svc.engine.attention import (
     row_index,
 )
 from worker_svc.engine.config import EngineConfig, default_dtype
-from worker_svc.engine.host_copy import own, to_device
+from worker_svc.engine.host_copy import own, pinned_to, to_device
 from worker_svc.engine.lora import LoraManager
 from worker_svc.engine.merged_projections import check_merged, merge_projections
 from worker_svc.engine.multimodal import is_multimodal_checkpoint, load_causal_lm, merge_mm_rows, mm_rows
@@ -272,7 +272,9 @@ class ModelRunner:
     def write_block(self, block_id: int, data: bytes) -> None:
         """Fill one block from bytes laid out as `read_block` returns them (engine thread)."""
         shape = (len(self.kv_caches), *self.kv_caches[0][:, block_id].shape)
-        values = torch.frombuffer(bytearray(data), dtype=self.dtype).view(shape)
+        # One page-locked copy of the whole block: a copy per layer from pageable memory
+        # would wait for the steps in flight each time.
+        values = pinned_to(torch.frombuffer(bytearray(data), dtype=self.dtype).view(shape), self.device)
         for layer, kv in enumerate(self.kv_caches):
             kv[:, block_id].copy_(values[layer])
 
