@@ -238,10 +238,15 @@ def build_attention_metadata(
     return meta
 
 
+def every_row(rows: Sequence[int]) -> bool:
+    """Whether strictly increasing ``rows`` are every row from 0 (an arange: nothing to send)."""
+    return bool(rows) and rows[0] == 0 and rows[-1] == len(rows) - 1
+
+
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     """``rows`` (strictly increasing) as a long tensor: ``arange`` when they are every row
     from 0 (a decode step's rows and kept logits), without reading a Python list."""
-    if rows and rows[0] == 0 and rows[-1] == len(rows) - 1:
+    if every_row(rows):
         return torch.arange(len(rows), dtype=torch.long, device=device)
     return tensor_on(rows, device, torch.long)
 
@@ -259,8 +264,8 @@ def _decode_lists(
         flat.extend(t[:max_blocks])
         flat.extend(zeros[: max_blocks - min(len(t), max_blocks)])
     out = {"dec_tables": flat, "dec_lens": lens}
-    if not (rows[0] == 0 and rows[-1] == len(rows) - 1):
-        out["dec_rows"] = rows  # else an arange (row_index), nothing to send
+    if not every_row(rows):
+        out["dec_rows"] = rows
     return out
 
 

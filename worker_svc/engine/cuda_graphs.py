@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from worker_svc.engine.attention import AttentionMetadata, attention_context
-from worker_svc.engine.host_copy import pinned_to, to_device
+from worker_svc.engine.host_copy import pinned, to_device
 
 __all__ = [
     "GRAPH_BACKENDS",
@@ -240,7 +240,7 @@ class DecodeGraphs:
             rows = torch.zeros((size, self.lora_mask.shape[1]), dtype=self.lora_mask.dtype)
             if lora_rows is not None:
                 rows[:n] = lora_rows()
-            self.lora_mask[:size].copy_(pinned_to(rows, self.device))
+            self.lora_mask[:size].copy_(pinned(rows, self.device), non_blocking=True)
         logits = self._replays[size]()
         self.replays += 1
         self.padded_rows += size - n

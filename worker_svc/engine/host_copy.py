@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["own", "pinned_to", "tensor_on", "to_device"]
+__all__ = ["own", "pinned", "pinned_to", "tensor_on", "to_device"]
 
 
 def to_device(
@@ -50,12 +50,16 @@ def own(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t.clone()
 
 
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` in page-locked memory when it is bound for a GPU (then copy it with
+    ``non_blocking=True``: the copy queues behind the work before it instead of waiting)."""
+    return t.pin_memory() if device.type != "cpu" and t.device.type == "cpu" else t
+
+
 def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``; from the host to a GPU through page-locked memory, without
     waiting for the work queued before the copy."""
-    if device.type == "cpu" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return pinned(t, device).to(device, non_blocking=True)
 
 
 def tensor_on(values: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

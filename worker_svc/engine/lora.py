@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_svc.engine.host_copy import pinned_to
+from worker_svc.engine.host_copy import pinned, pinned_to
 from worker_svc.engine.merged_projections import MergedPart
 
 __all__ = [
@@ -271,9 +271,9 @@ class LoraLinear(nn.Module):
         lora_b[:, cols].zero_()
         if weights is None:
             return
-        a, b = (pinned_to(w, lora_a.device) for w in weights)  # host weights: no wait for the device
-        lora_a[cols.start : cols.start + a.shape[0]].copy_(a)
-        lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b)
+        a, b = (pinned(w, lora_a.device) for w in weights)  # host weights: no wait for the device
+        lora_a[cols.start : cols.start + a.shape[0]].copy_(a, non_blocking=True)
+        lora_b[:, cols.start : cols.start + b.shape[1]].copy_(b, non_blocking=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

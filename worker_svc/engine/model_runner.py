@@ -28,6 +28,7 @@ from worker_svc.engine.attention import (
     ATTN_IMPL_NAME,
     attention_context,
     build_attention_metadata,
+    every_row,
     register_paged_attention,
     row_index,
 )
@@ -380,8 +381,8 @@ class ModelRunner:
         lists: dict[str, Any] = {"ids": [ids], "positions": [positions]}
         if late is not None:
             lists["late"] = late[0]
-        if not (keep and keep[0] == 0 and keep[-1] == len(keep) - 1):
-            lists["keep"] = keep  # else every row from 0: an arange, nothing to send
+        if not every_row(keep):
+            lists["keep"] = keep
         sent = to_device(lists, self.device)
         input_ids = own(sent["ids"])
         if late is not None:

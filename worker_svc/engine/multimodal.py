@@ -143,9 +143,6 @@ def mm_rows(
 def merge_mm_rows(embeds: torch.Tensor, rows: list[int], values: list[torch.Tensor]) -> torch.Tensor:
     """``embeds`` ([1, T, H] token embeddings) with ``rows`` replaced by ``values`` (in place)."""
     index = tensor_on(rows, embeds.device, torch.long)
-    merged = torch.cat(values)
-    if merged.device != embeds.device:  # embeddings arrive on the host (from the request)
-        merged = pinned_to(merged, embeds.device)
-    merged = merged.to(embeds.dtype)
+    merged = pinned_to(torch.cat(values), embeds.device).to(embeds.dtype)  # from the request: host
     embeds[0].index_copy_(0, index, merged)
     return embeds

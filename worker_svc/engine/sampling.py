@@ -279,7 +279,8 @@ class Sampler:
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[_index(lp_rows, logits)], dim=-1) if lp_rows else None
+        lp_at = _index(lp_rows, logits) if lp_rows else None
+        raw_logprobs = torch.log_softmax(logits[lp_at], dim=-1) if lp_at is not None else None
         self._apply_penalties(logits, rows)
         self._apply_min_tokens(logits, rows)
         if any(r.sampling_params.token_rules for r in rows):
@@ -295,10 +296,10 @@ class Sampler:
         elif rand:
             at = _index(rand, logits)
             tokens[at] = self._sample_random(logits[at], [rows[i] for i in rand])
-        if raw_logprobs is None:
+        if raw_logprobs is None or lp_at is None:
             return Drawn(tokens)
         nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
-        parts = _logprob_parts(raw_logprobs, tokens[_index(lp_rows, logits)], max(nums))
+        parts = _logprob_parts(raw_logprobs, tokens[lp_at], max(nums))
         return Drawn(tokens, lp_rows, nums, parts)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:

@@ -344,6 +344,24 @@ def _require_triton() -> None:
         raise RuntimeError("triton is not installed; use attention_backend='torch'")
 
 
+def _checked(q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``q`` with unit stride over head_dim (the kernels step over tokens and heads by
+    stride, not over dims); ValueError for a non-contiguous cache."""
+    if not cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous")
+    return q if q.stride(2) == 1 else q.contiguous()
+
+
+def _layer_args(
+    q: torch.Tensor, window: int, softcap: float, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, int, float]:
+    """A layer's window, softcap and sinks as the kernels take them: sinks in float32 (a
+    placeholder when none), no window as one longer than any context, no softcap as 1.0
+    (unused: ``HAS_SOFTCAP`` is off)."""
+    sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
+    return sink_f32, int(window) if window > 0 else _NO_WINDOW, float(softcap) if softcap else 1.0
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton twin of :func:`attention.store_kv` (``key/value [T, Hkv, D]``)."""
     _require_triton()
@@ -386,13 +404,10 @@ def paged_decode_attention(
     _, heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _, _, block_size, hkv, _ = cache.shape
-    if not cache.is_contiguous():
-        raise ValueError("KV cache must be contiguous")
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q = _checked(q, cache)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
+    sink_f32, window_arg, softcap_arg = _layer_args(q, window, softcap, sinks)
     if batch == 0:
         return out
     if rows is None:
@@ -409,7 +424,7 @@ def paged_decode_attention(
     launch(
         q, cache[0], cache[1], block_tables, seq_lens, rows, out, part, stats, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        sink_f32, int(window) if window > 0 else _NO_WINDOW, float(softcap) if softcap else 1.0, per_split,
+        sink_f32, window_arg, softcap_arg, per_split,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap), SPLIT=splits > 1, GROUP=heads // hkv,
         NUM_KV_HEADS=hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(_next_pow2(heads // hkv), _MIN_DOT), BLOCK_D=max(_next_pow2(head_dim), _MIN_DOT),
@@ -539,22 +554,19 @@ def paged_prefill_attention(
     _require_triton()
     _, heads, head_dim = q.shape
     _, _, block_size, hkv, _ = cache.shape
-    if not cache.is_contiguous():
-        raise ValueError("KV cache must be contiguous")
-    if q.stride(2) != 1:  # the kernel steps over tokens and heads by stride, not over dims
-        q = q.contiguous()
+    q = _checked(q, cache)
     if out is None:
         out = torch.empty_like(q)
     elif out.stride(2) != 1:
         raise ValueError("out must have unit stride over head_dim")
     group = heads // hkv
-    sink_f32 = q.new_zeros(1, dtype=torch.float32) if sinks is None else sinks.detach().float().contiguous()
+    sink_f32, window_arg, softcap_arg = _layer_args(q, window, softcap, sinks)
     launch: Any = _prefill_kernel[(batch.tile_seq.shape[0], hkv)]
     launch(
         q, cache[0], cache[1], batch.block_tables, batch.q_starts, batch.q_lens, batch.ctx_lens,
         batch.tile_seq, batch.tile_m, out, scale, q.stride(0), q.stride(1), batch.block_tables.stride(0),
-        out.stride(0), out.stride(1), sink_f32, int(window) if window > 0 else _NO_WINDOW,
-        float(softcap) if softcap else 1.0, HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap),
+        out.stride(0), out.stride(1), sink_f32, window_arg, softcap_arg,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=bool(softcap),
         GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=batch.block_q, BLOCK_G=_next_pow2(group),
         BLOCK_D=max(_MIN_DOT, _next_pow2(head_dim)), PAGES=tile_blocks(block_size),
