@@ -36,9 +36,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -65,13 +67,14 @@ KIT_DEVICE_MS = (1.3, 0.0086, 0.0041)
 
 
 def as_gpu(
-    engine: AsyncLLMEngine, gpu_ms: float | tuple[float, float, float], pageable: bool = False
+    engine: AsyncLLMEngine, gpu_ms: float | tuple[float, float, float], patches: ExitStack | None = None
 ) -> dict[str, float]:
     """The forward returns zero logits at once and queues device time behind the steps
     before it: ``gpu_ms`` per step, or (floor, per kept row, per other token); a step's
-    tokens are read back once its device time is over. ``pageable``: a step's input copies
-    (host_copy.to_device) first wait for the device to finish. Returns the device's state:
-    when it finishes the steps launched so far (``free_at``), and its busy seconds."""
+    tokens are read back once its device time is over. With ``patches``, until it closes,
+    a step's input copies (host_copy.to_device) first wait for the device to finish, as
+    pageable ones do. Returns the device's state: when it finishes the steps launched so
+    far (``free_at``), and its busy seconds."""
     runner, vocab = engine.engine.runner, engine.model_info.vocab_size
     floor, per_row, per_token = gpu_ms if isinstance(gpu_ms, tuple) else (gpu_ms, 0.0, 0.0)
     device = {"free_at": 0.0, "busy_s": 0.0}
@@ -83,9 +86,8 @@ def as_gpu(
         device["busy_s"] += seconds
         return SimpleNamespace(logits=torch.zeros(1, rows, vocab))
 
-    if pageable:
-        for module in (attention, model_runner):
-            monkeypatch(module, "to_device", _waiting(module.to_device, device))
+    for module in (attention, model_runner) if patches is not None else ():
+        patches.enter_context(mock.patch.object(module, "to_device", _waiting(module.to_device, device)))
 
     start_readback = runner.start_readback
 
@@ -101,21 +103,6 @@ def as_gpu(
     runner.model_forward = forward  # type: ignore[method-assign]
     runner.start_readback = readback  # type: ignore[method-assign]
     return device
-
-
-_PATCHED: list[tuple[Any, str, Any]] = []
-
-
-def monkeypatch(module: Any, name: str, value: Any) -> None:
-    """Sets ``module.name`` until :func:`unpatch`."""
-    _PATCHED.append((module, name, getattr(module, name)))
-    setattr(module, name, value)
-
-
-def unpatch() -> None:
-    while _PATCHED:
-        module, name, value = _PATCHED.pop()
-        setattr(module, name, value)
 
 
 def _waiting(to_device: Callable[..., Any], device: dict[str, float]) -> Callable[..., Any]:
@@ -169,8 +156,8 @@ async def kit_row(model_dir: str, mode: str, concurrency: int = 256, requests: i
         num_kv_blocks=concurrency * (640 // 16 + 4), async_scheduling=async_scheduling,
     )  # fmt: skip
     engine = AsyncLLMEngine(config)
-    try:
-        device = as_gpu(engine, KIT_DEVICE_MS, pageable)
+    with ExitStack() as patches:
+        device = as_gpu(engine, KIT_DEVICE_MS, patches if pageable else None)
         engine.engine.runner.launches_async = True
         engine.start()
         workload = make_workload(model_dir, requests, 512, 128, seed=concurrency)
@@ -178,8 +165,6 @@ async def kit_row(model_dir: str, mode: str, concurrency: int = 256, requests: i
         row, _ = await run_generate_workload(engine_generate_fn(engine, mode), workload, concurrency, mode)
         wall = time.perf_counter() - start
         await engine.shutdown()
-    finally:
-        unpatch()
     return {
         "tok_s": round(row.output_tok_per_s),
         "wall_s": round(wall, 3),

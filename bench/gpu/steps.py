@@ -10,10 +10,12 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -630,15 +632,11 @@ async def _top_p_rows(ctx: StepContext, engine: AsyncLLMEngine, clock: _StepCloc
     for label in ("candidates", "sort"):
         if ctx.left_s() < 20:
             break
-        keep = sampling._nucleus_candidates
-        if label == "sort":
-            sampling._nucleus_candidates = lambda *_: None  # type: ignore[assignment]
-        try:
+        sort = mock.patch.object(sampling, "_nucleus_candidates", lambda *_: None)
+        with sort if label == "sort" else nullcontext():
             workload = _workload(ctx, ctx.profile.num_requests(c), seed=c)
             generate = engine_generate_fn(engine, f"top-p-{label}", sampling=TOP_P_SAMPLING)
             row, _ = await run_generate_workload(generate, workload, c, "meshserve")
-        finally:
-            sampling._nucleus_candidates = keep
         rows[label] = {**asdict(row), "steps": clock.take()}
         ctx.record("top_p_rows", rows)
 
@@ -1059,17 +1057,13 @@ def norm_parity(ctx: StepContext) -> None:
         raise Skip("the compiled forward in CUDA graphs needs CUDA")
     from worker_svc.engine import model_runner
 
-    keep = model_runner.eager_mean_reduction
-    model_runner.eager_mean_reduction = lambda: None
-    try:
+    with mock.patch.object(model_runner, "eager_mean_reduction", lambda: None):
         fused, fused_tokens = _c1_run(ctx, _anatomy_config(ctx), {})
         ctx.record("inductor_mean", fused)
         if torch.cuda.get_device_capability()[0] >= 9 and ctx.left_s() > 50:  # with c1_anatomy's pdl
             ctx.record(
                 "inductor_mean_pdl", _c1_run(ctx, _anatomy_config(ctx), {"triton.enable_pdl": True})[0]
             )
-    finally:
-        model_runner.eager_mean_reduction = keep
     default, tokens = _c1_run(ctx, _anatomy_config(ctx), {})
     ctx.record("aten_mean", default)
     ctx.record("first_diff", _first_diffs([fused_tokens], [tokens], [""])[0][1])
