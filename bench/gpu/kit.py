@@ -25,9 +25,9 @@ measured until then):
   plain eager (neither); per concurrency the steps' count,
   total and median wall time by kind (a graph replay or eager), the GPU's busy time and
   its idle time between steps (waiting for the host) by the kind of step that waited
-  (``gpu``); the mesh's concurrency again with top-p sampling, the sampler's candidates
-  path (a synchronising check per step) against a sort of the vocabulary
-  (``top_p_rows``); and with graphs the
+  (``gpu``); the mesh's concurrency again with top-p sampling, by each of the sampler's
+  top-p paths: the nuclei searched on the device (the default), the best candidates after
+  a synchronising check, a sort of the vocabulary (``top_p_rows``); and with graphs the
   kernels of one replay of the largest bucket and of one prefill step, and the places
   where a mixed workload's steps synchronise with the GPU (``sync_points``).
 * ``mesh``: the whole mesh over loopback (Redis, scheduler, tokenizer, one decoder,
@@ -48,6 +48,9 @@ measured until then):
 * ``norm_parity``: the c=1 step and replay with RMSNorm's mean left to inductor (fused)
   against the default's ATen mean kept for bf16 parity with transformers, and the first
   token where the two part: what the parity costs.
+* ``top_p_sampler``: the sampler alone on a batch of top-p rows at c=1/64/256, by each of
+  its top-p paths (GPU microseconds per call), and the rows whose nucleus found on the
+  device differs from the sort's.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 
@@ -96,6 +99,7 @@ def _steps() -> dict[str, Callable[[StepContext], None]]:
         "skinny_gemm": steps.skinny_gemm,
         "prefill_attention": steps.prefill_attention,
         "norm_parity": steps.norm_parity,
+        "top_p_sampler": steps.top_p_sampler,
     }
 
 
@@ -111,6 +115,7 @@ STEPS = (
     "skinny_gemm",
     "prefill_attention",
     "norm_parity",
+    "top_p_sampler",
     # The last three go first when the budget runs out: host_overhead is measured on the
     # CPU host too (bench/host_overhead.py), the last two are the baselines.
     "host_overhead",
@@ -249,9 +254,18 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
                 more["output_tok_per_s"] / inproc[c]["output_tok_per_s"]
             )
     top_p = graphs.get("top_p_rows", {})
-    if "candidates" in top_p and "sort" in top_p:  # above 1: sorting beats the synchronising check
-        out["top_p_sort_over_candidates_tok_s"] = (
-            top_p["sort"]["output_tok_per_s"] / top_p["candidates"]["output_tok_per_s"]
+    for path in ("device", "sort"):  # above 1: the path beats the candidates' synchronising check
+        if path in top_p and "candidates" in top_p:
+            out[f"top_p_{path}_over_candidates_tok_s"] = (
+                top_p[path]["output_tok_per_s"] / top_p["candidates"]["output_tok_per_s"]
+            )
+    sampler = _ok(steps, "top_p_sampler").get("rows", {})
+    if sampler:
+        out["top_p_sampler_us"] = {
+            c: {k: v for k, v in row.items() if k.endswith("_us")} for c, row in sampler.items()
+        }
+        out["top_p_rows_differing_from_sort"] = sum(
+            row["rows_differing_from_sort"] for row in sampler.values()
         )
     if graphs.get("c1_tokens") and eager.get("c1_tokens"):
         out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]

@@ -7,11 +7,12 @@ import argparse
 import asyncio
 import gc
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import asdict, replace
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,54 @@ def _prefill_attention_row(
     }
 
 
+# ----------------------------------------------------------- top_p_sampler
+def top_p_sampler(ctx: StepContext) -> None:
+    """The sampler alone on a batch of top-p rows (``TOP_P_SAMPLING``, the bench model's
+    vocabulary, peaked logits whose nuclei lie within the best candidates: the candidates'
+    best case) at each host concurrency, by each of ``TOP_P_PATHS``: GPU microseconds per
+    call launched from Python (the candidates' check leaves the GPU idle while the host
+    waits for it), and the rows whose device-found nucleus differs from the sort's."""
+    if not _cuda(ctx):
+        raise Skip("the device's nucleus search runs natively on CUDA only")
+    p = ctx.profile
+    rows: dict[str, Any] = {}
+    for c in p.host_concurrencies:
+        rows[str(c)] = _top_p_sampler_row(p.vocab, c, torch.device(p.device))
+        ctx.record("rows", rows)
+
+
+@dataclass
+class _SampledRow:
+    """A request's sampling state as the sampler reads it (sampling.SamplingState)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    in_flight: int = 0
+
+
+def _top_p_sampler_row(
+    vocab: int, c: int, dev: torch.device, timer: Callable[[Callable[[], Any], int], float] | None = None
+) -> dict[str, Any]:
+    from worker_svc.engine import triton_sampling
+    from worker_svc.engine.sampling import Sampler, _top_k_top_p
+
+    logits = (torch.randn(c, vocab, generator=torch.Generator().manual_seed(c)) * 3.0).to(dev)
+    rows = [_SampledRow(SamplingParams(**TOP_P_SAMPLING)) for _ in range(c)]  # type: ignore[arg-type]
+    sampler, timer = Sampler(vocab, []), timer or _cuda_us
+    out: dict[str, Any] = {}
+    for label in TOP_P_PATHS:
+        with top_p_path(label):
+            out[f"{label}_us"] = timer(lambda: sampler.launch(logits, rows).tensors(), 20)
+    scaled = logits / TOP_P_SAMPLING["temperature"]
+    top_p = [TOP_P_SAMPLING["top_p"]] * c
+    found = scaled >= triton_sampling.nucleus_thresholds(scaled, torch.tensor(top_p, device=dev)).unsqueeze(1)
+    by_sort = _top_k_top_p(scaled, [vocab] * c, top_p) > -math.inf
+    out["rows_differing_from_sort"] = int((found != by_sort).any(dim=1).sum())
+    return out
+
+
 # ------------------------------------------------------------- skinny_gemm
 def skinny_gemm(ctx: StepContext) -> None:
     """The bench model's decode projections at 1 and 8 rows: cuBLAS (``F.linear``) against
@@ -616,24 +665,35 @@ async def _sync_scheduling_row(ctx: StepContext, engine: AsyncLLMEngine, clock: 
 
 # Sampling as Llama 3's generation_config.json sets it: every request takes the top-p path.
 TOP_P_SAMPLING = {"temperature": 0.6, "top_p": 0.9}
+# The sampler's ways to a top-p batch's nuclei: searched on the device (the CUDA default,
+# triton_sampling), from the best candidates after a check read back to the host, by a sort.
+TOP_P_PATHS = ("device", "candidates", "sort")
+
+
+def top_p_path(label: str) -> ExitStack:
+    """The sampler held to one of ``TOP_P_PATHS`` while the returned context is open."""
+    from worker_svc.engine import sampling
+
+    stack = ExitStack()
+    if label != "device":
+        stack.enter_context(mock.patch.object(sampling.triton_sampling, "serves", lambda *_: False))
+    if label == "sort":
+        stack.enter_context(mock.patch.object(sampling, "_nucleus_candidates", lambda *_: None))
+    return stack
 
 
 async def _top_p_rows(ctx: StepContext, engine: AsyncLLMEngine, clock: _StepClock) -> None:
-    """The mesh's concurrency with top-p sampling, twice: the sampler's default (top-p from
-    the best candidates, after a check on the device of whether they hold every row's
-    nucleus: a synchronisation per step) and every step sorting the vocabulary instead (no
-    check); what the check costs scheduling ahead."""
-    from worker_svc.engine import sampling
-
+    """The mesh's concurrency with top-p sampling, by each of the sampler's top-p paths
+    (``TOP_P_PATHS``): what the candidates' synchronising check costs scheduling ahead,
+    and what the device's search or a sort cost instead."""
     if not engine.engine.runs_ahead or engine.engine.runner.graphs is None:  # the CUDA default only
         return
     c = ctx.profile.mesh_concurrency
     rows: dict[str, Any] = {}
-    for label in ("candidates", "sort"):
+    for label in TOP_P_PATHS:
         if ctx.left_s() < 20:
             break
-        sort = mock.patch.object(sampling, "_nucleus_candidates", lambda *_: None)
-        with sort if label == "sort" else nullcontext():
+        with top_p_path(label):
             workload = _workload(ctx, ctx.profile.num_requests(c), seed=c)
             generate = engine_generate_fn(engine, f"top-p-{label}", sampling=TOP_P_SAMPLING)
             row, _ = await run_generate_workload(generate, workload, c, "meshserve")
@@ -682,9 +742,8 @@ def _sync_points(ctx: StepContext, engine: LLMEngine) -> None:
     tokens back: CUDA's sync debug mode over a mixed workload (each prompt arriving while
     the ones before decode, steps scheduled ahead; greedy, nucleus, seeded and min_tokens
     rows together), each synchronising call counted at its innermost frame in the engine's
-    code. Expected: none but the nucleus's data-dependent check where a step's sampled rows
-    all use top-p alone (sampling._nucleus_candidates); design decision "Step inputs in one
-    copy". Each one stalls scheduling ahead."""
+    code. Expected: none (design decisions "Step inputs in one copy" and "Top-p without
+    waiting for the device"). Each one stalls scheduling ahead."""
     if not _cuda(ctx):
         return
     kinds = [  # greedy, nucleus, seeded top-k, min_tokens: the sampler's paths

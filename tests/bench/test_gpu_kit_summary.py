@@ -26,7 +26,11 @@ def test_gpu_only_ratios() -> None:
             "status": "ok",
             "rows": [_row(1, 500.0), _row(256, 12_000.0)],
             "row_sync_scheduling": _row(256, 8_000.0),
-            "top_p_rows": {"candidates": _row(64, 4_000.0), "sort": _row(64, 5_000.0)},
+            "top_p_rows": {
+                "device": _row(64, 6_000.0),
+                "candidates": _row(64, 4_000.0),
+                "sort": _row(64, 5_000.0),
+            },
         },
         "skinny_gemm": {"status": "ok", "shapes": {"rows_1": rows_1}},
         "norm_parity": {
@@ -34,6 +38,17 @@ def test_gpu_only_ratios() -> None:
             "inductor_mean": {"graph_replay_ms": 1.2},
             "aten_mean": {"graph_replay_ms": 1.3},
             "first_diff": 40,
+        },
+        "top_p_sampler": {
+            "status": "ok",
+            "rows": {
+                "64": {
+                    "device_us": 30.0,
+                    "candidates_us": 50.0,
+                    "sort_us": 90.0,
+                    "rows_differing_from_sort": 1,
+                }
+            },
         },
         "prefill_attention": {
             "status": "ok",
@@ -43,6 +58,9 @@ def test_gpu_only_ratios() -> None:
     out = summarize(steps, PROFILES["gpu"])
     assert out["async_over_sync_scheduling_tok_s"] == 1.5
     assert out["top_p_sort_over_candidates_tok_s"] == 1.25
+    assert out["top_p_device_over_candidates_tok_s"] == 1.5
+    assert out["top_p_sampler_us"] == {"64": {"device_us": 30.0, "candidates_us": 50.0, "sort_us": 90.0}}
+    assert out["top_p_rows_differing_from_sort"] == 1
     assert out["c1_layer_projections_us"] == {
         "cublas": 2 * 5 + 2 * 4 + 2 * 10 + 12,
         "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,

@@ -24,11 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_TESTS = [
     "tests/worker_engine/test_triton_attention.py",
     "tests/worker_engine/test_triton_layers.py",
+    "tests/worker_engine/test_triton_sampling.py",
     "tests/worker_engine/test_arch_matrix.py::test_windowed_layers_on_the_triton_backend",
     "tests/worker_engine/test_arch_matrix.py::test_triton_backend_matches_transformers",
     "tests/worker_engine/test_cuda_graphs.py::test_windowed_model_replays_like_eager[triton]",
     "tests/bench/test_skinny_gemm.py",  # the GPU kit's skinny-GEMM experiment
     "tests/bench/test_prefill_attention.py",  # the GPU kit's prefill-attention step
+    "tests/bench/test_top_p_sampler.py",  # the GPU kit's top-p sampler step
 ]
 
 

@@ -33,6 +33,9 @@ inverse-CDF draw runs in that kernel. When every sampled row has a top-k of at m
 so do a batch's top-p nuclei when they lie within the best :data:`TOP_K_FAST_MAX` tokens;
 the draw runs over those candidates only (a seeded row still draws ``vocab`` values and
 races its candidates with the values of their token ids, so both paths pick the same token).
+On a GPU a top-p batch's nuclei are found on the device instead
+(:func:`triton_sampling.nucleus_thresholds`): whether the candidates hold them is a
+question only a synchronisation can answer, and nothing else in a step waits for the GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any, Protocol
 import torch
 
 from services.grammar import StructuredSpec
-from worker_svc.engine import cpu_sampling
+from worker_svc.engine import cpu_sampling, triton_sampling
 from worker_svc.engine.host_copy import tensor_on
 from worker_svc.engine.structured import apply_grammar_masks
 
@@ -314,7 +317,8 @@ class Sampler:
                 )
             if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.output_token_ids:
                 out = _token_tensor(row.output_token_ids, vocab, logits.device)
-                counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+                # scatter_add_, not bincount: CUDA's bincount reads the ids' max back.
+                counts = logits.new_zeros(vocab).scatter_add_(0, out, logits.new_ones(out.shape))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
@@ -339,6 +343,9 @@ class Sampler:
         candidates = None  # [rows, k] token ids when sampling among top-k candidates only
         if max(top_k) <= TOP_K_FAST_MAX:
             logits, candidates = _top_k_candidates(logits, top_k, top_p)
+        elif min(top_k) >= vocab and min(top_p) < 1.0 and triton_sampling.serves(logits):
+            thresholds = triton_sampling.nucleus_thresholds(logits, tensor_on(top_p, dev, logits.dtype))
+            logits = logits.masked_fill_(logits < thresholds.unsqueeze(1), -math.inf)
         elif min(top_k) >= vocab and max(top_p) < 1.0 and (nucleus := _nucleus_candidates(logits, top_p)):
             logits, candidates = nucleus
         elif any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
@@ -582,8 +589,9 @@ def _outside_nucleus(sorted_logits: torch.Tensor, top_p: list[float]) -> torch.T
 
 
 def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    t = tensor_on(list(ids), device, torch.long)
-    return t[(t >= 0) & (t < vocab)]
+    """The ids inside the vocabulary, on ``device`` (filtered here: a boolean index on a
+    GPU reads its count back)."""
+    return tensor_on([t for t in ids if 0 <= t < vocab], device, torch.long)
 
 
 def token_logprobs(

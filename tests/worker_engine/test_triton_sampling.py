@@ -1,0 +1,101 @@
+"""The GPU sampler's top-p nucleus found on the device (triton_sampling) against the
+sorted nucleus in float64, and the sampler's top-p path through it.
+
+Natively on a GPU; on CPU only under TRITON_INTERPRET=1 (test_triton_interpret runs this
+file in a child pytest with it set)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.worker_engine.test_sampler import EOS, Row, _boom
+from worker_svc.engine import sampling, triton_attention, triton_sampling
+from worker_svc.engine.sampling import TOP_K_FAST_MAX, Sampler, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not triton_attention.HAS_TRITON or not (torch.cuda.is_available() or triton_attention.interpreting()),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sorted_threshold(row: torch.Tensor, top_p: float) -> float:
+    """The smallest logit the sorted nucleus keeps (tokens whose mass before them, best
+    first, is under top_p), in float64; checks the row's boundary is not a rounding call."""
+    if top_p >= 1.0:
+        return -math.inf
+    probs = torch.softmax(row.double(), dim=-1)
+    ordered, order = row.double().sort(descending=True)
+    cum = probs[order].cumsum(0)
+    last = int((cum < top_p).sum())  # the first token whose running mass reaches top_p
+    assert abs(float(cum[last]) - top_p) > 1e-5, "the case sits on float32's rounding"
+    return float(ordered[last])
+
+
+def _rows(vocab: int, seed: int) -> torch.Tensor:
+    """Rows from nearly one-hot to nearly flat; one with masked (-inf) tokens, one in bf16's
+    precision (many ties), one whose masked tokens fill whole tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0, 12.0, 1.0, 3.0])
+    logits = torch.randn(len(scales), vocab, generator=gen) * scales.unsqueeze(1)
+    logits[1, ::3] = -math.inf
+    logits[6] = logits[6].bfloat16().float()
+    logits[7, : vocab - 40] = -math.inf
+    return logits
+
+
+# Seeds whose boundaries all lie clear of float32 rounding (_sorted_threshold checks it).
+@pytest.mark.parametrize(("vocab", "seed"), [(700, 0), (4099, 1)])
+def test_thresholds_equal_the_sorted_nucleus(vocab: int, seed: int) -> None:
+    logits = _rows(vocab, seed)
+    top_p = [0.9, 0.5, 0.95, 0.99, 0.3, 0.8, 0.9, 0.7]
+    found = triton_sampling.nucleus_thresholds(logits.to(DEVICE), torch.tensor(top_p, device=DEVICE)).tolist()
+    assert found == [_sorted_threshold(row, p) for row, p in zip(logits, top_p, strict=True)]
+
+
+def test_ties_at_the_boundary_are_kept_and_top_p_one_keeps_all() -> None:
+    """Four tokens share the boundary's logit: all stay (the sort would keep those its order
+    put first); a row with top_p 1 keeps every token; a top_p under the best token's mass
+    (0.65) keeps it alone."""
+    row = torch.tensor([3.0, 1.0, 1.0, 1.0, 1.0, -2.0, -5.0, -math.inf])
+    logits = torch.stack([row, row, row]).to(DEVICE)
+    found = triton_sampling.nucleus_thresholds(logits, torch.tensor([0.7, 1.0, 0.6], device=DEVICE))
+    assert found.tolist() == [1.0, -math.inf, 3.0]
+
+
+def test_a_top_p_batch_is_drawn_from_its_nucleus_without_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p rows over a vocabulary wider than TOP_K_FAST_MAX take the device's nucleus:
+    no candidate check (which reads a flag back) and no sort; seeded and top_p=1 rows in the
+    same batch. Every draw lies in its row's nucleus, and the draws follow it."""
+    vocab = TOP_K_FAST_MAX + 5
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=gen) * torch.tensor([[6.0], [6.0], [6.0], [0.1]])
+    logits = logits.to(DEVICE)
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.6, temperature=0.7),
+        SamplingParams(top_p=0.8, seed=5),
+        SamplingParams(top_p=1.0),
+    ]
+    rows = [Row(p, generator=torch.Generator(DEVICE).manual_seed(5) if p.seed else None) for p in params]
+    nucleus = []
+    for r, p in enumerate(params):
+        scaled = logits[r].cpu() / torch.tensor(p.temperature)  # as the sampler divides
+        kept = scaled >= _sorted_threshold(scaled, p.top_p)
+        nucleus.append(set(torch.nonzero(kept).flatten().tolist()))
+    monkeypatch.setattr(sampling, "_nucleus_candidates", _boom)
+    monkeypatch.setattr(torch.Tensor, "sort", _boom)
+    sampler = Sampler(vocab, [EOS])
+    torch.manual_seed(0)
+    draws = [sampler.sample(logits, rows).token_ids for _ in range(100)]
+    for r in range(3):
+        assert {d[r] for d in draws} <= nucleus[r], f"row {r} drew outside its nucleus"
+    assert len({d[3] for d in draws}) > 60, "top_p=1 keeps the whole vocabulary"
+    # Row 0's most likely token, renormalised to its nucleus, at its frequency.
+    probs = torch.softmax(logits[0].cpu().double(), dim=-1)
+    mass = float(probs[sorted(nucleus[0])].sum())
+    best = int(logits[0].argmax())
+    assert abs(sum(d[0] == best for d in draws) / len(draws) - float(probs[best]) / mass) < 0.12
