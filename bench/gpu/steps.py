@@ -740,17 +740,18 @@ def _prefill_step_kernels(ctx: StepContext, engine: LLMEngine) -> None:
 def _sync_points(ctx: StepContext, engine: LLMEngine) -> None:
     """Where the engine's steps make the host wait for the GPU besides reading a step's
     tokens back: CUDA's sync debug mode over a mixed workload (each prompt arriving while
-    the ones before decode, steps scheduled ahead; greedy, nucleus, seeded and min_tokens
-    rows together), each synchronising call counted at its innermost frame in the engine's
+    the ones before decode, steps scheduled ahead; greedy, nucleus, seeded, min_tokens and
+    penalized rows together), each synchronising call counted at its innermost frame in the engine's
     code. Expected: none (design decisions "Step inputs in one copy" and "Top-p without
     waiting for the device"). Each one stalls scheduling ahead."""
     if not _cuda(ctx):
         return
-    kinds = [  # greedy, nucleus, seeded top-k, min_tokens: the sampler's paths
+    kinds = [  # greedy, nucleus, seeded top-k, min_tokens, penalties: the sampler's paths
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.7, min_tokens=4, max_tokens=8),
+        SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.2, max_tokens=8),
     ]
     prompts = _workload(ctx, 8, seed=2000).prompts
     steps = []

@@ -112,6 +112,32 @@ def test_logprobs_seeded_draws_min_tokens_and_static_rules_run_ahead(make_engine
     assert seen["ahead_steps"] >= 8 and seen["late_rows"] >= 30, seen
 
 
+def test_penalized_rows_run_ahead(make_engine: Factory) -> None:
+    """Penalties count a row's token in flight on the device: penalized rows go on running
+    ahead (greedy and seeded), their streams the synchronous engine's. Two tokens favoured
+    by a bias make the penalties decide between them at every step, so a count off by the
+    token in flight shows in the stream."""
+    sync, ahead = _engine_pair(make_engine)
+    ps = prompts(6, 13, 4, seed=9)
+    first, second, *_ = (t for t in range(3, 512) if not any(t in p for p in ps))  # in no prompt
+    bias = {"logit_bias": ((first, 6.0), (second, 5.0)), "max_tokens": 12, "ignore_eos": True}
+    requests = [
+        ("repetition", ps[0], SamplingParams(temperature=0, repetition_penalty=1.4, **bias)),  # type: ignore[arg-type]
+        (
+            "frequency",
+            ps[1],
+            SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.5, **bias),
+        ),  # type: ignore[arg-type]
+        ("seeded", ps[2], SamplingParams(temperature=0.5, seed=4, frequency_penalty=0.4, **bias)),  # type: ignore[arg-type]
+    ]
+    expected = run_all(sync, requests)
+    assert all(len(set(tokens(expected[rid]))) > 1 for rid, _, _ in requests), "the penalties decided nothing"
+    seen = _watch_rows(ahead)
+    got = run_all(ahead, requests)
+    _assert_streams_equal(got, expected)
+    assert seen["ahead_steps"] >= 8 and seen["late_rows"] >= 25, seen
+
+
 def test_a_stop_token_ends_the_stream_though_the_next_row_ran(make_engine: Factory) -> None:
     sync, ahead = _engine_pair(make_engine)
     prompt = prompts(11, seed=5)[0]

@@ -515,7 +515,7 @@ class LLMEngine:
         """Whether ``launched`` may be read back after the next step's launch: nothing of
         it is read on the host before (prompt logprobs, a P/D hand-off's first token, a
         prefill worker's moves), and none of its requests' next draws reads their output's
-        token values (penalties, bad words, grammars: `Request.reads_output`)."""
+        token values on the host (bad words, grammars: `Request.reads_output`)."""
         return (
             self.runs_ahead
             and launched.drawn is not None
@@ -537,9 +537,10 @@ class LLMEngine:
                 self._release_import(item.request)
         started = time.perf_counter()
         try:
-            model_out = self.runner.execute(scheduled, ahead.in_flight() if ahead is not None else None)
+            in_flight = ahead.in_flight() if ahead is not None else None
+            model_out = self.runner.execute(scheduled, in_flight)
             rows = [item.request for item in model_out.sample_items]
-            drawn = self.sampler.launch(model_out.sample_logits, rows) if rows else None
+            drawn = self.sampler.launch(model_out.sample_logits, rows, in_flight) if rows else None
         except Exception as exc:
             if ahead is not None:
                 outputs.extend(self._complete(ahead))

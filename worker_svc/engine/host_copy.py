@@ -10,12 +10,13 @@ tensors are views of it (docs/design-decisions.md, "Step inputs in one copy").
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["own", "pinned", "pinned_to", "tensor_on", "to_device"]
+__all__ = ["int_tensor", "own", "pinned", "pinned_to", "tensor_on", "to_device"]
 
 
 def to_device(
@@ -27,12 +28,15 @@ def to_device(
     tensor on ``device``. To a GPU they are views of one copy; on a CPU each is made as
     its own tensor (there is nothing to copy, and views cost more to make)."""
     if device.type == "cpu":
-        return {name: torch.tensor(values, dtype=dtype) for name, values in lists.items()}
+        return {
+            name: torch.tensor(values, dtype=dtype) if _nested(values) else int_tensor(values, dtype)  # type: ignore[arg-type]
+            for name, values in lists.items()
+        }
     flat: list[int] = []
     shapes: dict[str, tuple[int, int, tuple[int, ...]]] = {}
     for name, values in lists.items():
         start = len(flat)
-        if values and isinstance(values[0], Sequence):
+        if _nested(values):
             for row in values:
                 flat += row  # type: ignore[arg-type]
             shape: tuple[int, ...] = (len(values), -1)
@@ -40,8 +44,26 @@ def to_device(
             flat += values  # type: ignore[arg-type]
             shape = (-1,)
         shapes[name] = (start, len(flat), shape)
-    sent = pinned_to(torch.tensor(flat, dtype=dtype), device)
+    sent = pinned_to(int_tensor(flat, dtype), device)
     return {name: sent[a:b].view(shape) for name, (a, b, shape) in shapes.items()}
+
+
+def _nested(values: Sequence[Any]) -> bool:
+    return bool(values) and isinstance(values[0], Sequence)
+
+
+# array typecodes of the integer dtypes int_tensor builds through an array
+_ARRAY_CODES = {torch.long: "q", torch.int32: "i"}
+
+
+def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` for a flat list of ints, built through an
+    ``array.array``: three to four times faster from a few dozen ints up (torch converts
+    a list element by element), for the lists every step sends."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not values:
+        return torch.tensor(values, dtype=dtype)
+    return torch.frombuffer(array.array(code, values), dtype=dtype)
 
 
 def own(t: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ class Request:
 
     @property
     def reads_output(self) -> bool:
-        """Whether its next draw reads its output's token values (penalties, bad words, a
+        """Whether its next draw reads its output's token values on the host (bad words, a
         grammar) or its first token is read on the host (a P/D hand-off): no token of it
         may be in flight then (async scheduling)."""
         return self.transfer_id is not None or self.sampling_params.reads_output

@@ -40,9 +40,10 @@ question only a synchronisation can answer, and nothing else in a step waits for
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,7 +51,7 @@ import torch
 
 from services.grammar import StructuredSpec
 from worker_svc.engine import cpu_sampling, triton_sampling
-from worker_svc.engine.host_copy import tensor_on
+from worker_svc.engine.host_copy import tensor_on, to_device
 from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
@@ -119,8 +120,9 @@ class SamplingParams:
 
     @functools.cached_property
     def reads_output(self) -> bool:
-        """Whether a draw reads the output's token values: penalties, bad words, a grammar."""
-        return self.penalized or bool(self.bad_words) or self.structured is not None
+        """Whether a draw reads the output's token values on the host: bad words, a grammar
+        (penalties take a token still in flight from the device)."""
+        return bool(self.bad_words) or self.structured is not None
 
     @property
     def greedy(self) -> bool:
@@ -219,6 +221,16 @@ class SamplingState(Protocol):
     def in_flight(self) -> int: ...
 
 
+class TokensInFlight(Protocol):
+    """The tokens of the step still in flight, on the device, and the row in them of each
+    request with a token there (async scheduling; ``model_runner.InFlight``)."""
+
+    @property
+    def tokens(self) -> torch.Tensor: ...
+    @property
+    def rows(self) -> Mapping[Any, int]: ...
+
+
 @dataclass
 class SamplerOutput:
     """One sampled token per row, plus logprobs for rows that asked for them."""
@@ -266,10 +278,13 @@ class Sampler:
         drawn = self.launch(logits, rows)
         return drawn.output([t.tolist() for t in drawn.tensors()])
 
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> Drawn:
+    def launch(
+        self, logits: torch.Tensor, rows: Sequence[SamplingState], in_flight: TokensInFlight | None = None
+    ) -> Drawn:
         """The rows' draw, left on the logits' device (``Drawn``: read it back to use it).
-        Rows count their tokens in flight as drawn (min_tokens, seeded positions); rows with
-        penalties or bad words read their output's token values, which must all be here."""
+        Rows count their tokens in flight as drawn (min_tokens, seeded positions), and a
+        penalized row's token in flight is counted from ``in_flight``; rows with bad words
+        or a grammar read their output's token values, which must all be here."""
         if logits.ndim != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if all(_plain_greedy(r) for r in rows):
@@ -284,7 +299,7 @@ class Sampler:
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
         lp_at = _index(lp_rows, logits) if lp_rows else None
         raw_logprobs = torch.log_softmax(logits[lp_at], dim=-1) if lp_at is not None else None
-        self._apply_penalties(logits, rows)
+        _apply_penalties(logits, rows, in_flight)
         self._apply_min_tokens(logits, rows)
         if any(r.sampling_params.token_rules for r in rows):
             _apply_token_rules(logits, rows)
@@ -304,22 +319,6 @@ class Sampler:
         nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
         parts = _logprob_parts(raw_logprobs, tokens[lp_at], max(nums))
         return Drawn(tokens, lp_rows, nums, parts)
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
-        vocab = logits.shape[1]
-        for i, row in enumerate(rows):
-            p = row.sampling_params
-            if p.repetition_penalty != 1.0:
-                seen = _token_tensor([*row.prompt_token_ids, *row.output_token_ids], vocab, logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
-            if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.output_token_ids:
-                out = _token_tensor(row.output_token_ids, vocab, logits.device)
-                # scatter_add_, not bincount: CUDA's bincount reads the ids' max back.
-                counts = logits.new_zeros(vocab).scatter_add_(0, out, logits.new_ones(out.shape))
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
         for i, row in enumerate(rows):
@@ -354,6 +353,79 @@ class Sampler:
         if candidates is None:
             return chosen
         return candidates.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingState], in_flight: TokensInFlight | None
+) -> None:
+    """Repetition (HF: over prompt and output, positive logits divided, negative ones
+    multiplied), then frequency and presence (OpenAI: ``-= freq * count + presence`` per
+    output token) penalties of every penalized row at once, touching only the tokens they
+    name. A row's token still in flight is read from ``in_flight`` on the device, so a
+    penalized row never waits for its last token to be read back."""
+    pen = [i for i, r in enumerate(rows) if r.sampling_params.penalized]
+    if not pen:
+        return
+    dev = logits.device
+    idx, out_counts = _penalty_pairs(rows, pen, in_flight, dev)
+    params = [r.sampling_params for r in rows]
+    factors = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+    rep, freq, presence = tensor_on(factors, dev, logits.dtype).T
+    late_row, r, t = idx["late_row"], idx["rep_row"], idx["rep_id"]
+    late = in_flight.tokens[idx["late_at"]] if in_flight is not None and len(late_row) else None
+    if late is not None:
+        r, t = torch.cat([r, late_row]), torch.cat([t, late])
+    vals = logits[r, t]  # duplicates (a late token also known) write the same value
+    logits[r, t] = torch.where(vals > 0, vals / rep[r], vals * rep[r])
+    r, t = idx["out_row"], idx["out_id"]
+    count = tensor_on(out_counts, dev, logits.dtype)
+    if late is not None:  # the late token adds to its count where the output holds it already
+        late_by_row = torch.full((len(rows),), -1, dtype=t.dtype, device=dev).index_put_((late_row,), late)
+        again = t == late_by_row[r]
+        count = count + again
+        known = torch.zeros(len(rows), dtype=torch.long, device=dev).index_put_(
+            (r,), again.long(), accumulate=True
+        )
+    logits[r, t] = logits[r, t] - (freq[r] * count + presence[r])
+    if late is not None:  # else it is a new token of the output: counted once
+        vals = logits[late_row, late]
+        new = vals - (freq[late_row] + presence[late_row])
+        logits[late_row, late] = torch.where(known[late_row] > 0, vals, new)
+
+
+def _penalty_pairs(
+    rows: Sequence[SamplingState], pen: list[int], in_flight: TokensInFlight | None, device: torch.device
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The (row, token) pairs the penalties touch, on the device: each repetition-penalized
+    row's prompt and distinct output tokens (``rep_*``: a token named twice gets the same
+    value twice), each output's distinct tokens (``out_*``, their counts returned beside),
+    and the rows with a token in flight with its place in ``in_flight.tokens``
+    (``late_*``). Token ids are the vocabulary's: the engine admits no other prompt."""
+    lists: dict[str, list[int]] = {
+        k: [] for k in ("rep_id", "rep_len", "out_id", "out_len", "late_row", "late_at")
+    }
+    counts: list[int] = []
+    for i in pen:
+        row = rows[i]
+        output = collections.Counter(row.output_token_ids)
+        repeated = row.sampling_params.repetition_penalty != 1.0
+        if repeated:
+            lists["rep_id"] += row.prompt_token_ids
+            lists["rep_id"] += output
+        lists["rep_len"].append(len(row.prompt_token_ids) + len(output) if repeated else 0)
+        lists["out_id"] += output
+        lists["out_len"].append(len(output))
+        counts += output.values()
+        if row.in_flight:
+            if in_flight is None or row not in in_flight.rows:
+                raise RuntimeError("a penalized row's token in flight is in no step")
+            lists["late_row"].append(i)
+            lists["late_at"].append(in_flight.rows[row])
+    idx = to_device({**lists, "pen": pen}, device)
+    for part in ("rep", "out"):  # the row of each pair (output_size: no read-back of the total)
+        size = len(lists[f"{part}_id"])
+        idx[f"{part}_row"] = idx["pen"].repeat_interleave(idx[f"{part}_len"], output_size=size)
+    return idx, counts
 
 
 def _draw(
@@ -586,12 +658,6 @@ def _outside_nucleus(sorted_logits: torch.Tensor, top_p: list[float]) -> torch.T
     # Rows with top_p == 1 get a threshold above any mass so float rounding never trims them.
     limit = tensor_on([tp if tp < 1.0 else 2.0 for tp in top_p], probs.device, probs.dtype)
     return mass_before >= limit.unsqueeze(1)
-
-
-def _token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """The ids inside the vocabulary, on ``device`` (filtered here: a boolean index on a
-    GPU reads its count back)."""
-    return tensor_on([t for t in ids if 0 <= t < vocab], device, torch.long)
 
 
 def token_logprobs(
