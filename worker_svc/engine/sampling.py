@@ -321,15 +321,14 @@ class Sampler:
         return Drawn(tokens, lp_rows, nums, parts)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
+        """EOS (unless ignored) and the stop tokens masked in rows short of min_tokens."""
+        banned: list[tuple[int, int]] = []
         for i, row in enumerate(rows):
             p = row.sampling_params
-            if _num_drawn(row) >= p.min_tokens:
-                continue
-            banned = [t for t in p.stop_token_ids if t < self.vocab_size]
-            if not p.ignore_eos:
-                banned.extend(self.eos_token_ids)
-            if banned:
-                logits[i, _index(banned, logits)] = -math.inf
+            if _num_drawn(row) < p.min_tokens:
+                eos = () if p.ignore_eos else self.eos_token_ids
+                banned += [(i, t) for t in (*p.stop_token_ids, *eos) if t < self.vocab_size]
+        _mask_pairs(logits, banned)
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
         params = [r.sampling_params for r in rows]
@@ -571,29 +570,47 @@ def _plain_random(row: SamplingState) -> bool:
 
 
 def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
-    """logit_bias, allowed_token_ids, bad_words and grammar masks, in place."""
-    vocab = logits.shape[1]
+    """logit_bias, allowed_token_ids, bad_words and grammar masks, in place, each rule one
+    scatter over the rows that have it (a loop of per-row ops costs a GPU step a launch or
+    more per row; the pairs go in one copy, and are filtered on the host: a boolean index
+    would wait for the device)."""
+    vocab, dev = logits.shape[1], logits.device
+    bias: list[tuple[int, int]] = []
+    amounts: list[float] = []
+    allowed: list[tuple[int, int]] = []
+    allowed_rows: list[int] = []
+    banned: list[tuple[int, int]] = []
     constrained: list[int] = []
     for i, row in enumerate(rows):
         p = row.sampling_params
-        if p.logit_bias:
-            ids = tensor_on([t for t, _ in p.logit_bias], logits.device, torch.long)
-            bias = tensor_on([b for _, b in p.logit_bias], logits.device, logits.dtype)
-            logits[i].index_add_(0, ids, bias)
+        bias += [(i, t) for t, _ in p.logit_bias]
+        amounts += [b for _, b in p.logit_bias]
         if p.allowed_token_ids:
-            keep = torch.full((vocab,), True, device=logits.device)
-            # Filtered on the host: a boolean index would wait for the device (rows with
-            # allowed_token_ids do not read their output back, so they stay scheduled ahead).
-            allowed = [t for t in p.allowed_token_ids if 0 <= t < vocab]
-            keep[tensor_on(allowed, logits.device, torch.long)] = False
-            logits[i].masked_fill_(keep, -math.inf)
-        banned = _bad_word_tokens(getattr(row, "bad_words_ids", ()), row.output_token_ids)
-        if banned:
-            logits[i, banned] = -math.inf
+            allowed += [(len(allowed_rows), t) for t in p.allowed_token_ids if 0 <= t < vocab]
+            allowed_rows.append(i)
+        banned += [(i, t) for t in _bad_word_tokens(getattr(row, "bad_words_ids", ()), row.output_token_ids)]
         if getattr(row, "grammar", None) is not None:
             constrained.append(i)
+    if bias:
+        r, t = to_device({"pairs": bias}, dev)["pairs"].T
+        logits.index_put_((r, t), tensor_on(amounts, dev, logits.dtype), accumulate=True)
+    if allowed_rows:
+        at = _index(allowed_rows, logits)
+        outside = torch.ones(len(allowed_rows), vocab, dtype=torch.bool, device=dev)
+        if allowed:
+            r, t = to_device({"pairs": allowed}, dev)["pairs"].T
+            outside.index_put_((r, t), torch.zeros((), dtype=torch.bool, device=dev))
+        logits[at] = logits[at].masked_fill_(outside, -math.inf)
+    _mask_pairs(logits, banned)
     if constrained:
         apply_grammar_masks(logits, constrained, [getattr(rows[i], "grammar", None) for i in constrained])
+
+
+def _mask_pairs(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """-inf at each (row, token) of ``pairs``, in one scatter."""
+    if pairs:
+        r, t = to_device({"pairs": pairs}, logits.device)["pairs"].T
+        logits.index_put_((r, t), torch.full((), -math.inf, dtype=logits.dtype, device=logits.device))
 
 
 def _bad_word_tokens(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
