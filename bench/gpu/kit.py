@@ -49,8 +49,9 @@ measured until then):
   against the default's ATen mean kept for bf16 parity with transformers, and the first
   token where the two part: what the parity costs.
 * ``top_p_sampler``: the sampler alone on a batch of top-p rows at c=1/64/256, by each of
-  its top-p paths (GPU microseconds per call), and the rows whose nucleus found on the
-  device differs from the sort's.
+  its top-p paths (GPU microseconds per call); rows at a temperature alone by the draw
+  kernel and by torch's ops; and the rows whose nucleus found on the device differs from
+  the sort's.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
   stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
 

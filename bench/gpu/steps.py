@@ -333,7 +333,8 @@ def top_p_sampler(ctx: StepContext) -> None:
     vocabulary, peaked logits whose nuclei lie within the best candidates: the candidates'
     best case) at each host concurrency, by each of ``TOP_P_PATHS``: GPU microseconds per
     call launched from Python (the candidates' check leaves the GPU idle while the host
-    waits for it), and the rows whose device-found nucleus differs from the sort's."""
+    waits for it); rows at a temperature alone by the draw kernel and by torch's ops; and
+    the rows whose device-found nucleus differs from the sort's."""
     if not _cuda(ctx):
         raise Skip("the device's nucleus search runs natively on CUDA only")
     p = ctx.profile
@@ -367,6 +368,11 @@ def _top_p_sampler_row(
     for label in TOP_P_PATHS:
         with top_p_path(label):
             out[f"{label}_us"] = timer(lambda: sampler.launch(logits, rows).tensors(), 20)
+    # Rows at a temperature alone, from the model's bf16 logits: the draw kernel against torch's.
+    plain, bf16 = [_SampledRow(SamplingParams(temperature=0.6)) for _ in range(c)], logits.bfloat16()
+    for label in ("kernel", "torch"):
+        with top_p_path("device" if label == "kernel" else "candidates"):
+            out[f"plain_{label}_us"] = timer(lambda: sampler.launch(bf16, plain).tensors(), 20)
     scaled = logits / TOP_P_SAMPLING["temperature"]
     top_p = [TOP_P_SAMPLING["top_p"]] * c
     found = scaled >= triton_sampling.nucleus_thresholds(scaled, torch.tensor(top_p, device=dev)).unsqueeze(1)

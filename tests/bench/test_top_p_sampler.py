@@ -6,6 +6,7 @@ tests/worker_engine/test_triton_interpret.py)."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import pytest
@@ -20,30 +21,33 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _spy(taken: list[str], label: str, real: Any, *args: Any) -> Any:
+    taken.append(label)
+    return real(*args)
+
+
 def test_the_kits_step_times_each_top_p_path(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     taken: list[str] = []
-    real_search, real_candidates = sampling.triton_sampling.nucleus_thresholds, sampling._nucleus_candidates
-
-    def search(*args: Any) -> torch.Tensor:
-        taken.append("device")
-        return real_search(*args)
-
-    def candidates(*args: Any) -> Any:
-        taken.append("candidates")
-        return real_candidates(*args)
-
-    monkeypatch.setattr(sampling.triton_sampling, "nucleus_thresholds", search)
-    monkeypatch.setattr(sampling, "_nucleus_candidates", candidates)
+    for owner, name, label in (
+        (sampling.triton_sampling, "draw", "kernel"),
+        (sampling.triton_sampling, "nucleus_thresholds", "thresholds"),
+        (sampling, "_nucleus_candidates", "candidates"),
+    ):
+        monkeypatch.setattr(owner, name, partial(_spy, taken, label, getattr(owner, name)))
     timed: list[str] = []
 
     def once(fn: Any, n: int) -> float:
         taken.clear()
         fn()
-        timed.append("+".join(taken) or "sort")
+        timed.append("+".join(taken) or "-")
         return 1.0
 
     row = steps._top_p_sampler_row(sampling.TOP_K_FAST_MAX + 100, 3, device, timer=once)
-    assert timed == list(steps.TOP_P_PATHS)
+    # Top-p by the draw kernel (unseeded rows), the candidates, the sort; then rows at a
+    # temperature alone by the kernel and by torch (on CPU both by the native draw).
+    plain = "kernel" if device.type == "cuda" else "-"
+    assert timed == ["kernel", "candidates", "-", plain, "-"]
     assert {f"{path}_us" for path in steps.TOP_P_PATHS} <= row.keys()
+    assert {"plain_kernel_us", "plain_torch_us"} <= row.keys()
     assert row["rows_differing_from_sort"] == 0

@@ -99,3 +99,55 @@ def test_a_top_p_batch_is_drawn_from_its_nucleus_without_the_host(monkeypatch: p
     mass = float(probs[sorted(nucleus[0])].sum())
     best = int(logits[0].argmax())
     assert abs(sum(d[0] == best for d in draws) / len(draws) - float(probs[best]) / mass) < 0.12
+
+
+def _reference_draw(row: torch.Tensor, scale: float, floor: float, top_p: float, u: float) -> int:
+    """The inverse-CDF draw in float64: the first token whose running mass (tokens within
+    ``floor`` of the best and in the nucleus) passes ``u`` of the kept mass."""
+    x = row.double() * scale
+    lowest = max(float(x.max()) - floor, _sorted_threshold(x, top_p) if top_p < 1.0 else -math.inf)
+    weight = torch.where(x >= lowest, torch.exp(x - x.max()), 0.0)
+    running = weight.cumsum(0)
+    target = u * float(running[-1])
+    token = int((running <= target).sum())
+    assert abs(float(running[token]) - target) > 1e-5 * float(running[-1]), "on float32's rounding"
+    return token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_draw_kernel_equals_the_inverse_cdf_in_float64(dtype: torch.dtype) -> None:
+    """Plain rows, min-p's floor, top-p at a temperature, masked tokens: the kernel's token
+    is the float64 draw's for the same uniforms (torch's generator, one per row)."""
+    logits = _rows(1500, seed=5).to(dtype)
+    cases = [(1.0, 80.0, 1.0), (1.0, 2.3, 1.0), (1 / 0.7, 80.0, 0.9), (1.0, 80.0, 0.5)] * 2
+    scales, floors, top_p = (torch.tensor(c, device=DEVICE) for c in zip(*cases, strict=True))
+    torch.manual_seed(7)
+    got = triton_sampling.draw(logits.to(DEVICE), scales, floors, top_p).tolist()
+    torch.manual_seed(7)
+    u = torch.rand(len(cases), device=DEVICE).tolist()
+    rows = logits.float()
+    assert got == [_reference_draw(rows[i], *cases[i], u[i]) for i in range(len(cases))]
+
+
+def test_an_unseeded_top_p_batch_is_drawn_in_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unseeded top-p rows (a temperature, min-p on one) draw nucleus and token in the draw
+    kernel: no threshold pass of their own, no candidates, no sort."""
+    vocab = TOP_K_FAST_MAX + 5
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4)) * torch.tensor([[2.5], [1.5]])
+    logits = logits.to(DEVICE)
+    params = [SamplingParams(top_p=0.7, temperature=0.8), SamplingParams(top_p=0.95, min_p=0.05)]
+    nuclei = []
+    for r, p in enumerate(params):
+        scaled = logits[r].cpu() / torch.tensor(p.temperature)
+        floor = float(scaled.max()) + math.log(p.min_p) if p.min_p else -math.inf
+        kept = scaled >= max(_sorted_threshold(scaled, p.top_p), floor)
+        nuclei.append(set(torch.nonzero(kept).flatten().tolist()))
+        assert len(nuclei[-1]) > 4, f"row {r}: a nucleus of a few tokens shows little"
+    monkeypatch.setattr(triton_sampling, "nucleus_thresholds", _boom)
+    monkeypatch.setattr(sampling, "_nucleus_candidates", _boom)
+    monkeypatch.setattr(torch.Tensor, "sort", _boom)
+    torch.manual_seed(0)
+    draws = [Sampler(vocab, [EOS]).sample(logits, [Row(p) for p in params]).token_ids for _ in range(40)]
+    for r, nucleus in enumerate(nuclei):
+        assert {d[r] for d in draws} <= nucleus, f"row {r} drew outside its nucleus"
+        assert len({d[r] for d in draws}) > 1, f"row {r} drew one token only"

@@ -33,7 +33,8 @@ inverse-CDF draw runs in that kernel. When every sampled row has a top-k of at m
 so do a batch's top-p nuclei when they lie within the best :data:`TOP_K_FAST_MAX` tokens;
 the draw runs over those candidates only (a seeded row still draws ``vocab`` values and
 races its candidates with the values of their token ids, so both paths pick the same token).
-On a GPU a top-p batch's nuclei are found on the device instead
+On a GPU an unseeded row is drawn in one Triton kernel (:func:`triton_sampling.draw`),
+its top-p nucleus included, and a seeded batch's nuclei are found on the device
 (:func:`triton_sampling.nucleus_thresholds`): whether the candidates hold them is a
 question only a synchronisation can answer, and nothing else in a step waits for the GPU.
 """
@@ -342,6 +343,8 @@ class Sampler:
         if max(top_k) <= TOP_K_FAST_MAX:
             logits, candidates = _top_k_candidates(logits, top_k, top_p)
         elif min(top_k) >= vocab and min(top_p) < 1.0 and triton_sampling.serves(logits):
+            if all(r.generator is None for r in rows):  # the nucleus and the draw in one kernel
+                return _draw_unseeded(logits, _floors(params), top_p=top_p)
             thresholds = triton_sampling.nucleus_thresholds(logits, tensor_on(top_p, dev, logits.dtype))
             logits = logits.masked_fill_(logits < thresholds.unsqueeze(1), -math.inf)
         elif min(top_k) >= vocab and max(top_p) < 1.0 and (nucleus := _nucleus_candidates(logits, top_p)):
@@ -464,17 +467,27 @@ def _floors(params: Sequence[SamplingParams]) -> list[float]:
 
 
 def _draw_unseeded(
-    logits: torch.Tensor, floors: list[float], scales: list[float] | None = None
+    logits: torch.Tensor,
+    floors: list[float],
+    scales: list[float] | None = None,
+    top_p: list[float] | None = None,
 ) -> torch.Tensor:
     """Column per row by inverse CDF of softmax(logits * scales[row]), columns more than
-    ``floors[row]`` below the row's best weighing 0: the native kernel on CPU (the same
-    draw; docs/design-decisions.md, "The unseeded draw in a native kernel on CPU"), else
-    torch ops. ``scales`` None: the logits are already scaled."""
+    ``floors[row]`` below the row's best weighing 0 (and, with ``top_p``, columns outside
+    the row's nucleus: on a GPU only): the native kernel on CPU (the same draw;
+    docs/design-decisions.md, "The unseeded draw in a native kernel on CPU"), a Triton
+    kernel on a GPU ("The unseeded draw in one kernel on a GPU"), else torch ops.
+    ``scales`` None: the logits are already scaled."""
     n = logits.shape[0]
-    native = cpu_sampling.load() if logits.device.type == "cpu" else None
+    native = cpu_sampling.load() if logits.device.type == "cpu" and top_p is None else None
     if native is not None and logits.dtype in native.dtypes and logits.stride(1) == 1:
         scale = torch.ones(n) if scales is None else torch.tensor(scales)
         return native(logits, scale, torch.tensor(floors), torch.rand(n))
+    if triton_sampling.serves(logits) and logits.stride(1) == 1:
+        params = [scales or [1.0] * n, floors, top_p or [1.0] * n]
+        return triton_sampling.draw(logits, *tensor_on(params, logits.device, torch.float32))
+    if top_p is not None:
+        raise ValueError("a nucleus is drawn in the GPU's kernel only")
     if scales is not None:
         logits = logits.to(torch.float32) * tensor_on(scales, logits.device).unsqueeze(1)
     return _inverse_cdf(_probs(logits, tensor_on(floors, logits.device, logits.dtype)))
