@@ -265,9 +265,8 @@ def summarize(steps: dict[str, Any], profile: Profile) -> dict[str, Any]:
         out["top_p_sampler_us"] = {
             c: {k: v for k, v in row.items() if k.endswith("_us")} for c, row in sampler.items()
         }
-        out["top_p_rows_differing_from_sort"] = sum(
-            row["rows_differing_from_sort"] for row in sampler.values()
-        )
+        for key in ("rows_differing_from_sort", "draws_outside_nucleus", "plain_draws_differing_from_torch"):
+            out[f"top_p_sampler_{key}"] = sum(row.get(key, 0) for row in sampler.values())
     if graphs.get("c1_tokens") and eager.get("c1_tokens"):
         out["c1_tokens_graphs_equal_eager"] = graphs["c1_tokens"] == eager["c1_tokens"]
     naive = _ok(steps, "hf_naive")

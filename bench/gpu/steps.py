@@ -368,16 +368,23 @@ def _top_p_sampler_row(
     for label in TOP_P_PATHS:
         with top_p_path(label):
             out[f"{label}_us"] = timer(lambda: sampler.launch(logits, rows).tensors(), 20)
-    # Rows at a temperature alone, from the model's bf16 logits: the draw kernel against torch's.
+    # Rows at a temperature alone, from the model's bf16 logits: the draw kernel against
+    # torch's, and the rows where the two draw other tokens from the same uniforms.
     plain, bf16 = [_SampledRow(SamplingParams(temperature=0.6)) for _ in range(c)], logits.bfloat16()
+    tokens = {}
     for label in ("kernel", "torch"):
         with top_p_path("device" if label == "kernel" else "candidates"):
             out[f"plain_{label}_us"] = timer(lambda: sampler.launch(bf16, plain).tensors(), 20)
+            torch.manual_seed(c)
+            tokens[label] = sampler.launch(bf16, plain).tokens
+    out["plain_draws_differing_from_torch"] = int((tokens["kernel"] != tokens["torch"]).sum())
     scaled = logits / TOP_P_SAMPLING["temperature"]
     top_p = [TOP_P_SAMPLING["top_p"]] * c
     found = scaled >= triton_sampling.nucleus_thresholds(scaled, torch.tensor(top_p, device=dev)).unsqueeze(1)
     by_sort = _top_k_top_p(scaled, [vocab] * c, top_p) > -math.inf
     out["rows_differing_from_sort"] = int((found != by_sort).any(dim=1).sum())
+    drawn = sampler.launch(logits, rows).tokens  # the default: nucleus and draw in the kernel
+    out["draws_outside_nucleus"] = int((~by_sort.gather(1, drawn.unsqueeze(1))).sum())
     return out
 
 

@@ -60,7 +60,8 @@ def test_gpu_only_ratios() -> None:
     assert out["top_p_sort_over_candidates_tok_s"] == 1.25
     assert out["top_p_device_over_candidates_tok_s"] == 1.5
     assert out["top_p_sampler_us"] == {"64": {"device_us": 30.0, "candidates_us": 50.0, "sort_us": 90.0}}
-    assert out["top_p_rows_differing_from_sort"] == 1
+    assert out["top_p_sampler_rows_differing_from_sort"] == 1
+    assert out["top_p_sampler_draws_outside_nucleus"] == 0
     assert out["c1_layer_projections_us"] == {
         "cublas": 2 * 5 + 2 * 4 + 2 * 10 + 12,
         "best_of_both": 2 * 3 + 2 * 4 + 2 * 9 + 10,

@@ -48,6 +48,7 @@ def test_the_kits_step_times_each_top_p_path(monkeypatch: pytest.MonkeyPatch) ->
     # temperature alone by the kernel and by torch (on CPU both by the native draw).
     plain = "kernel" if device.type == "cuda" else "-"
     assert timed == ["kernel", "candidates", "-", plain, "-"]
+    assert row["draws_outside_nucleus"] == 0 and row["plain_draws_differing_from_torch"] == 0
     assert {f"{path}_us" for path in steps.TOP_P_PATHS} <= row.keys()
     assert {"plain_kernel_us", "plain_torch_us"} <= row.keys()
     assert row["rows_differing_from_sort"] == 0
