@@ -7,6 +7,7 @@ file in a child pytest with it set)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -151,3 +152,21 @@ def test_an_unseeded_top_p_batch_is_drawn_in_one_kernel(monkeypatch: pytest.Monk
     for r, nucleus in enumerate(nuclei):
         assert {d[r] for d in draws} <= nucleus, f"row {r} drew outside its nucleus"
         assert len({d[r] for d in draws}) > 1, f"row {r} drew one token only"
+
+
+def test_warm_up_builds_each_kernel_a_draw_may_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw for the model's dtype and float32 logits, and the nucleus search, before the
+    first sampled request (Triton compiles a kernel at its first call)."""
+    calls: list[tuple[str, torch.dtype]] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def called(logits: torch.Tensor, *args: Any) -> Any:
+            calls.append((name, logits.dtype))
+            return real(logits, *args)
+
+        return called
+
+    for name in ("draw", "nucleus_thresholds"):
+        monkeypatch.setattr(triton_sampling, name, spy(name, getattr(triton_sampling, name)))
+    Sampler(64, [EOS]).warm_up(torch.device(DEVICE), torch.bfloat16)
+    assert calls == [("draw", torch.bfloat16), ("draw", torch.float32), ("nucleus_thresholds", torch.float32)]

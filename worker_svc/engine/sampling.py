@@ -274,6 +274,19 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
 
+    def warm_up(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Builds the GPU's sampling kernels for logits of the model's ``dtype`` and float32
+        (Triton compiles a kernel at its first call: seconds the first sampled request
+        would wait otherwise); nothing where they do not serve."""
+        for kind in dict.fromkeys((dtype, torch.float32)):
+            logits = torch.zeros(1, self.vocab_size, device=device, dtype=kind)
+            if not triton_sampling.serves(logits):
+                return
+            params = torch.tensor([[1.0], [PROB_FLOOR], [0.9]], device=device)
+            triton_sampling.draw(logits, *params)
+            if kind == torch.float32:
+                triton_sampling.nucleus_thresholds(logits, params[2])
+
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row; ``logits`` is not modified."""
         drawn = self.launch(logits, rows)
