@@ -159,9 +159,9 @@ def draw(
     """One token per row of ``logits [rows, vocab]``, drawn from softmax(logits * scales)
     by inverse CDF (a uniform from torch's generator per row), keeping only the tokens
     within ``floors`` of the row's best (the sampler's floor, or min-p's) and, where
-    ``top_p < 1``, in its nucleus: float32 ``[rows]`` tensors on the logits' device. One
-    kernel where torch takes about ten passes over ``[rows, vocab]``, and no float32 copy
-    of the logits; nothing is read back to the host."""
+    ``top_p < 1``, in its nucleus (``scales``, ``floors``, ``top_p``: float32 ``[rows]`` on
+    the logits' device). One kernel where torch takes about ten passes over ``[rows,
+    vocab]``, and no float32 copy of the logits; nothing is read back to the host."""
     rows, vocab = _checked(logits)
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows:
