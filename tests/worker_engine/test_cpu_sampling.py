@@ -85,9 +85,14 @@ def test_plain_random_rows_are_drawn_from_the_logits_as_they_come(monkeypatch: p
     calls: list[torch.dtype] = []
     real = sampling._draw_unseeded
 
-    def spy(lg: torch.Tensor, floors: list[float], scales: list[float] | None = None) -> torch.Tensor:
+    def spy(
+        lg: torch.Tensor,
+        floors: list[float],
+        scales: list[float] | None = None,
+        top_p: list[float] | None = None,
+    ) -> torch.Tensor:
         calls.append(lg.dtype)
-        return real(lg, floors, scales)
+        return real(lg, floors, scales, top_p)
 
     monkeypatch.setattr(sampling, "_draw_unseeded", spy)
     monkeypatch.setattr(sampling, "_apply_penalties", _boom)  # the general path's first step

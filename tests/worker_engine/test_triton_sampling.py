@@ -102,6 +102,16 @@ def test_a_top_p_batch_is_drawn_from_its_nucleus_without_the_host(monkeypatch: p
     assert abs(sum(d[0] == best for d in draws) / len(draws) - float(probs[best]) / mass) < 0.12
 
 
+def _recording(calls: list[tuple[str, torch.dtype]], name: str, real: Any) -> Any:
+    """``real``, recording (name, logits dtype) of each call in ``calls``."""
+
+    def called(logits: torch.Tensor, *args: Any) -> Any:
+        calls.append((name, logits.dtype))
+        return real(logits, *args)
+
+    return called
+
+
 def _reference_draw(row: torch.Tensor, scale: float, floor: float, top_p: float, u: float) -> int:
     """The inverse-CDF draw in float64: the first token whose running mass (tokens within
     ``floor`` of the best and in the nucleus) passes ``u`` of the kept mass."""
@@ -132,23 +142,27 @@ def test_the_draw_kernel_equals_the_inverse_cdf_in_float64(dtype: torch.dtype) -
 
 def test_an_unseeded_top_p_batch_is_drawn_in_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unseeded top-p rows (a temperature, min-p on one) draw nucleus and token in the draw
-    kernel: no threshold pass of their own, no candidates, no sort."""
+    kernel, from the model's bf16 logits as they come: no float32 copy, no threshold pass
+    of their own, no candidates, no sort."""
     vocab = TOP_K_FAST_MAX + 5
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4)) * torch.tensor([[2.5], [1.5]])
-    logits = logits.to(DEVICE)
+    logits = logits.to(DEVICE, torch.bfloat16)
     params = [SamplingParams(top_p=0.7, temperature=0.8), SamplingParams(top_p=0.95, min_p=0.05)]
     nuclei = []
     for r, p in enumerate(params):
-        scaled = logits[r].cpu() / torch.tensor(p.temperature)
+        scaled = logits[r].float().cpu() * (1.0 / p.temperature)  # as the kernel scales
         floor = float(scaled.max()) + math.log(p.min_p) if p.min_p else -math.inf
         kept = scaled >= max(_sorted_threshold(scaled, p.top_p), floor)
         nuclei.append(set(torch.nonzero(kept).flatten().tolist()))
         assert len(nuclei[-1]) > 4, f"row {r}: a nucleus of a few tokens shows little"
+    calls: list[tuple[str, torch.dtype]] = []
+    monkeypatch.setattr(triton_sampling, "draw", _recording(calls, "draw", triton_sampling.draw))
     monkeypatch.setattr(triton_sampling, "nucleus_thresholds", _boom)
     monkeypatch.setattr(sampling, "_nucleus_candidates", _boom)
     monkeypatch.setattr(torch.Tensor, "sort", _boom)
     torch.manual_seed(0)
     draws = [Sampler(vocab, [EOS]).sample(logits, [Row(p) for p in params]).token_ids for _ in range(40)]
+    assert calls == [("draw", torch.bfloat16)] * 40
     for r, nucleus in enumerate(nuclei):
         assert {d[r] for d in draws} <= nucleus, f"row {r} drew outside its nucleus"
         assert len({d[r] for d in draws}) > 1, f"row {r} drew one token only"
@@ -158,15 +172,7 @@ def test_warm_up_builds_each_kernel_a_draw_may_take(monkeypatch: pytest.MonkeyPa
     """The draw for the model's dtype and float32 logits, and the nucleus search, before the
     first sampled request (Triton compiles a kernel at its first call)."""
     calls: list[tuple[str, torch.dtype]] = []
-
-    def spy(name: str, real: Any) -> Any:
-        def called(logits: torch.Tensor, *args: Any) -> Any:
-            calls.append((name, logits.dtype))
-            return real(logits, *args)
-
-        return called
-
     for name in ("draw", "nucleus_thresholds"):
-        monkeypatch.setattr(triton_sampling, name, spy(name, getattr(triton_sampling, name)))
+        monkeypatch.setattr(triton_sampling, name, _recording(calls, name, getattr(triton_sampling, name)))
     Sampler(64, [EOS]).warm_up(torch.device(DEVICE), torch.bfloat16)
     assert calls == [("draw", torch.bfloat16), ("draw", torch.float32), ("nucleus_thresholds", torch.float32)]

@@ -305,9 +305,12 @@ class Sampler:
             # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
             # is the faster CPU kernel for bf16 logits.
             return Drawn(_first_argmax(logits))
-        if all(_plain_random(r) for r in rows):
+        kernel = triton_sampling.serves(logits)  # the GPU's draw also takes top-p rows whole
+        if all(_plain_random(r, kernel) for r in rows):
             params = [r.sampling_params for r in rows]
-            return Drawn(_draw_unseeded(logits, _floors(params), [1.0 / p.temperature for p in params]))
+            scales, top_p = [1.0 / p.temperature for p in params], [p.top_p for p in params]
+            nucleus = top_p if min(top_p) < 1.0 else None
+            return Drawn(_draw_unseeded(logits, _floors(params), scales, top_p=nucleus))
         # Copy: the penalties below work in place and logits may be a view of model output.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
@@ -588,11 +591,13 @@ def _plain_greedy(row: SamplingState) -> bool:
     return row.sampling_params.greedy and _unedited(row)
 
 
-def _plain_random(row: SamplingState) -> bool:
-    """Unseeded sampling from the whole vocabulary (min-p at most) with nothing that needs
-    float32 logits: one draw from the logits as they come, temperature included."""
+def _plain_random(row: SamplingState, nucleus: bool = False) -> bool:
+    """Unseeded sampling from the whole vocabulary (min-p at most; top-p too where the draw
+    takes a ``nucleus``) with nothing that needs float32 logits: one draw from the logits
+    as they come, temperature included."""
     p = row.sampling_params
-    return not p.greedy and p.top_k <= 0 and p.top_p == 1.0 and row.generator is None and _unedited(row)
+    plain = p.top_p == 1.0 or nucleus
+    return not p.greedy and p.top_k <= 0 and plain and row.generator is None and _unedited(row)
 
 
 def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> None:
