@@ -176,3 +176,19 @@ def test_warm_up_builds_each_kernel_a_draw_may_take(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(triton_sampling, name, _recording(calls, name, getattr(triton_sampling, name)))
     Sampler(64, [EOS]).warm_up(torch.device(DEVICE), torch.bfloat16)
     assert calls == [("draw", torch.bfloat16), ("draw", torch.float32), ("nucleus_thresholds", torch.float32)]
+
+
+def test_a_kernel_that_fails_to_build_leaves_sampling_to_torch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Triton build failure at warm-up is a warning and torch's ops sample from then on,
+    never a worker that does not start."""
+    monkeypatch.setattr(triton_sampling, "failed", None)
+    monkeypatch.setattr(triton_sampling, "draw", _boom)
+    sampler = Sampler(TOP_K_FAST_MAX + 5, [EOS])
+    sampler.warm_up(torch.device(DEVICE), torch.float32)
+    assert "failed to build" in caplog.text and triton_sampling.failed is not None
+    logits = torch.randn(2, TOP_K_FAST_MAX + 5).to(DEVICE)
+    assert not triton_sampling.serves(logits)
+    tokens = sampler.sample(logits, [Row(SamplingParams(top_p=0.9)), Row(SamplingParams())]).token_ids
+    assert all(0 <= t < TOP_K_FAST_MAX + 5 for t in tokens)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ __all__ = [
     "TokenLogprob",
     "token_logprobs",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 # Largest top-k served by ``topk`` + a race over k candidates instead of a vocab-wide sort.
@@ -277,15 +280,21 @@ class Sampler:
     def warm_up(self, device: torch.device, dtype: torch.dtype) -> None:
         """Builds the GPU's sampling kernels for logits of the model's ``dtype`` and float32
         (Triton compiles a kernel at its first call: seconds the first sampled request
-        would wait otherwise); nothing where they do not serve."""
+        would wait otherwise); nothing where they do not serve. A kernel that fails to
+        build leaves sampling to torch's ops, with a warning."""
         for kind in dict.fromkeys((dtype, torch.float32)):
             logits = torch.zeros(1, self.vocab_size, device=device, dtype=kind)
             if not triton_sampling.serves(logits):
                 return
             params = torch.tensor([[1.0], [PROB_FLOOR], [0.9]], device=device)
-            triton_sampling.draw(logits, *params)
-            if kind == torch.float32:
-                triton_sampling.nucleus_thresholds(logits, params[2])
+            try:
+                triton_sampling.draw(logits, *params)
+                if kind == torch.float32:
+                    triton_sampling.nucleus_thresholds(logits, params[2])
+            except Exception as exc:  # a compiler's failure: slower sampling, not a dead worker
+                log.warning("the GPU's sampling kernels failed to build, sampling with torch ops: %r", exc)
+                triton_sampling.fail(repr(exc))
+                return
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row; ``logits`` is not modified."""

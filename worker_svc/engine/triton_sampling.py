@@ -30,7 +30,7 @@ import torch
 
 from worker_svc.engine.triton_attention import HAS_TRITON, interpreting, tl, triton
 
-__all__ = ["NUCLEUS_PASSES", "NUCLEUS_WAYS", "draw", "nucleus_thresholds", "serves"]
+__all__ = ["NUCLEUS_PASSES", "NUCLEUS_WAYS", "draw", "fail", "nucleus_thresholds", "serves"]
 
 NUCLEUS_WAYS = 16  # cut points weighed per pass: 4 of the key's 32 bits
 NUCLEUS_PASSES = 8  # 16**8 = 2**32: the bracket shrinks to the one exact key
@@ -38,12 +38,24 @@ _BLOCK = 512  # logits per tile: [_BLOCK, NUCLEUS_WAYS] comparisons per tile
 _WARPS = 4
 
 
+# Why the kernels failed to build here (set by ``fail``): the sampler then keeps torch's ops.
+failed: str | None = None
+
+
 def serves(logits: torch.Tensor) -> bool:
     """Whether the kernels can take these logits (float32, bfloat16 or float16 on a GPU,
-    or on CPU under Triton's interpreter)."""
+    or on CPU under Triton's interpreter) and built here."""
     dev = logits.device.type
     on_device = dev == "cuda" or (dev == "cpu" and interpreting())
-    return HAS_TRITON and on_device and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return HAS_TRITON and failed is None and on_device and logits.dtype in floats
+
+
+def fail(reason: str) -> None:
+    """The kernels do not serve in this process from now on (a build failed at warm-up):
+    slower sampling by torch's ops, never a worker that does not start."""
+    global failed
+    failed = reason
 
 
 if HAS_TRITON:
