@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -344,25 +344,15 @@ def top_p_sampler(ctx: StepContext) -> None:
         ctx.record("rows", rows)
 
 
-@dataclass
-class _SampledRow:
-    """A request's sampling state as the sampler reads it (sampling.SamplingState)."""
-
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    in_flight: int = 0
-
-
 def _top_p_sampler_row(
     vocab: int, c: int, dev: torch.device, timer: Callable[[Callable[[], Any], int], float] | None = None
 ) -> dict[str, Any]:
     from worker_svc.engine import triton_sampling
+    from worker_svc.engine.request import Request
     from worker_svc.engine.sampling import Sampler, _top_k_top_p
 
     logits = (torch.randn(c, vocab, generator=torch.Generator().manual_seed(c)) * 3.0).to(dev)
-    rows = [_SampledRow(SamplingParams(**TOP_P_SAMPLING)) for _ in range(c)]  # type: ignore[arg-type]
+    rows = [Request(f"top-p-{i}", [], SamplingParams(**TOP_P_SAMPLING)) for i in range(c)]  # type: ignore[arg-type]
     sampler, timer = Sampler(vocab, []), timer or _cuda_us
     out: dict[str, Any] = {}
     for label in TOP_P_PATHS:
@@ -370,7 +360,8 @@ def _top_p_sampler_row(
             out[f"{label}_us"] = timer(lambda: sampler.launch(logits, rows).tensors(), 20)
     # Rows at a temperature alone, from the model's bf16 logits: the draw kernel against
     # torch's, and the rows where the two draw other tokens from the same uniforms.
-    plain, bf16 = [_SampledRow(SamplingParams(temperature=0.6)) for _ in range(c)], logits.bfloat16()
+    plain = [Request(f"plain-{i}", [], SamplingParams(temperature=0.6)) for i in range(c)]
+    bf16 = logits.bfloat16()
     tokens = {}
     for label in ("kernel", "torch"):
         with top_p_path("device" if label == "kernel" else "candidates"):

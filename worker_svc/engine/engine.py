@@ -395,8 +395,9 @@ class LLMEngine:
         step: one prompt alone (prefill: many tokens, one row; decode: one and one), then two
         together (many tokens and rows), the same graph each time, which a warm-up checks
         rather than assumes; then the prefix cache it filled is emptied. On a GPU the
-        sampler's kernels are built too. Returns the seconds it took. A model the compiler fails on is served eagerly (a warning, and the start-up
-        log says why): slower, never wrong."""
+        sampler's kernels are built too. Returns the seconds it took. A model the compiler
+        fails on is served eagerly (a warning, and the start-up log says why): slower,
+        never wrong."""
         self.sampler.warm_up(self.runner.device, self.runner.dtype)
         if not (self.config.compiles or self.runner.step_sizes):
             return 0.0

@@ -86,5 +86,8 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def tensor_on(values: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device's
-    queued work: through page-locked memory to a GPU."""
-    return pinned_to(torch.tensor(values, dtype=dtype), device)
+    queued work: through page-locked memory to a GPU (a flat list of ints of an integer
+    ``dtype`` through :func:`int_tensor`)."""
+    flat_ints = dtype in _ARRAY_CODES and not _nested(values)
+    host = int_tensor(values, dtype) if flat_ints else torch.tensor(values, dtype=dtype)  # type: ignore[arg-type]
+    return pinned_to(host, device)

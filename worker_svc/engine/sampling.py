@@ -282,11 +282,11 @@ class Sampler:
         (Triton compiles a kernel at its first call: seconds the first sampled request
         would wait otherwise); nothing where they do not serve. A kernel that fails to
         build leaves sampling to torch's ops, with a warning."""
+        params = torch.tensor([[1.0], [PROB_FLOOR], [0.9]], device=device)  # scale, floor, top_p
         for kind in dict.fromkeys((dtype, torch.float32)):
             logits = torch.zeros(1, self.vocab_size, device=device, dtype=kind)
             if not triton_sampling.serves(logits):
                 return
-            params = torch.tensor([[1.0], [PROB_FLOOR], [0.9]], device=device)
             try:
                 triton_sampling.draw(logits, *params)
                 if kind == torch.float32:
@@ -632,14 +632,12 @@ def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> N
         if getattr(row, "grammar", None) is not None:
             constrained.append(i)
     if bias:
-        r, t = to_device({"pairs": bias}, dev)["pairs"].T
-        logits.index_put_((r, t), tensor_on(amounts, dev, logits.dtype), accumulate=True)
+        logits.index_put_(_pairs_on(bias, dev), tensor_on(amounts, dev, logits.dtype), accumulate=True)
     if allowed_rows:
         at = _index(allowed_rows, logits)
         outside = torch.ones(len(allowed_rows), vocab, dtype=torch.bool, device=dev)
         if allowed:
-            r, t = to_device({"pairs": allowed}, dev)["pairs"].T
-            outside.index_put_((r, t), torch.zeros((), dtype=torch.bool, device=dev))
+            outside.index_put_(_pairs_on(allowed, dev), torch.zeros((), dtype=torch.bool, device=dev))
         logits[at] = logits[at].masked_fill_(outside, -math.inf)
     _mask_pairs(logits, banned)
     if constrained:
@@ -649,8 +647,14 @@ def _apply_token_rules(logits: torch.Tensor, rows: Sequence[SamplingState]) -> N
 def _mask_pairs(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """-inf at each (row, token) of ``pairs``, in one scatter."""
     if pairs:
-        r, t = to_device({"pairs": pairs}, logits.device)["pairs"].T
-        logits.index_put_((r, t), torch.full((), -math.inf, dtype=logits.dtype, device=logits.device))
+        minus_inf = torch.full((), -math.inf, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_pairs_on(pairs, logits.device), minus_inf)
+
+
+def _pairs_on(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) ``pairs`` as an index: their rows and their tokens, on ``device``."""
+    rows, tokens = to_device({"pairs": pairs}, device)["pairs"].T
+    return rows, tokens
 
 
 def _bad_word_tokens(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
