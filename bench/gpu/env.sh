@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by bench/gpu/run.sh and bench/gpu/amx.sh on the GPU host, in the repo's root: puts
+# Sourced by bench/gpu/run.sh on the GPU host, in the repo's root: puts
 # the carried wheels (.gpu-kit/wheels) on PYTHONPATH and redis-server (.gpu-kit/debs) on PATH.
 # Both land under /tmp, where a later call to the same (warm) machine finds them set up.
 KIT=${KIT:-.gpu-kit}

@@ -1010,10 +1010,15 @@ def _host_profile(
     return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
 
 
+_ORDER_SHOWN = 60  # kernels listed in launch order: more than the embedding and two layers
+
+
 def _kernel_profile(fn: Callable[[], Any]) -> dict[str, Any]:
     """``fn`` once under the torch profiler (CUDA activity): its kernels, their summed GPU
     time, the span from the first kernel's start to the last one's end (the difference is
-    time the GPU spent between kernels) and the kernels with the most time."""
+    time the GPU spent between kernels), every kernel by name with the most time first, and
+    the first ``_ORDER_SHOWN`` in launch order (the embedding and the first layers: which
+    kernels one layer launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -1027,19 +1032,22 @@ def _kernel_profile(fn: Callable[[], Any]) -> dict[str, Any]:
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    first = sorted(kernels, key=lambda e: e.time_range.start)[:_ORDER_SHOWN]
     span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
     return {
         "kernels": len(kernels),
         "gpu_us": round(sum(e.time_range.elapsed_us() for e in kernels), 1),
         "span_us": round(span, 1),
         "top": [{"kernel": k, "count": len(v), "us": round(sum(v), 1)} for k, v in top],
+        "order": [[e.name[:60], round(e.time_range.elapsed_us(), 1)] for e in first],
     }
 
 
-def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
+def _kernels(engine: LLMEngine, cuda: bool, prompt: list[int], new_tokens: int) -> dict[str, Any] | None:
     """The batch-1 forward's kernels, run outside its graph and as its graph's replay (the
-    static buffers set to padding first: K/V go only to the scratch block)."""
+    static buffers set to padding first: K/V go only to the scratch block); then those of
+    ``STEP_WINDOW`` consecutive decode steps of one request (`_step_kernels`)."""
     graphs = engine.runner.graphs
     if graphs is None or not cuda:
         return None
@@ -1047,7 +1055,30 @@ def _kernels(engine: LLMEngine, cuda: bool) -> dict[str, Any] | None:
     return {
         "eager_forward": _kernel_profile(graphs._bucket_forward(1)),
         "graph_replay": _kernel_profile(graphs._replays[graphs.buckets[0]]),
+        "engine_steps": _step_kernels(engine, prompt, new_tokens),
     }
+
+
+STEP_WINDOW = 8  # decode steps profiled together, twice (_kernel_profile warms up once)
+
+
+def _step_kernels(engine: LLMEngine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """The GPU's work over ``STEP_WINDOW`` consecutive c=1 decode steps as the engine runs
+    them (scheduled ahead): beside the graph replay's own kernels, what a step adds outside
+    its graph (the step inputs' copies, the sampler) and the GPU's idle time between them."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(RequestSpec("anatomy-steps", prompt, params))
+    for _ in range(3):  # the prefill and the first decode steps
+        engine.step()
+
+    def window() -> None:
+        for _ in range(STEP_WINDOW):
+            engine.step()
+
+    out = {"steps": STEP_WINDOW, **_kernel_profile(window)}
+    while engine.has_unfinished():
+        engine.step()
+    return out
 
 
 def _anatomy(ctx: StepContext) -> dict[str, Any]:
@@ -1070,7 +1101,7 @@ def _anatomy(ctx: StepContext) -> dict[str, Any]:
         out["host_ms_per_step"] = out["decode_step_ms_p50"] - replay
     out["host_profile"] = _host_profile(engine, prompts[2], p.output_len)
     try:  # the profiler's event API moves between torch versions: keep the other figures
-        out["kernels"] = _kernels(engine, cuda)
+        out["kernels"] = _kernels(engine, cuda, prompts[2], p.output_len)
     except Exception as exc:
         out["kernels"] = {"error": repr(exc)}
     out["cuda_graphs"] = _graph_stats(engine)
