@@ -67,15 +67,15 @@ def test_ties_at_the_boundary_are_kept_and_top_p_one_keeps_all() -> None:
     assert found.tolist() == [1.0, -math.inf, 3.0]
 
 
+NARROW_FAST_MAX = 64  # the top-k fast path's limit in the tests that need a vocabulary past it
+
+
 @pytest.fixture
 def narrow_fast_path(monkeypatch: pytest.MonkeyPatch) -> int:
     """A vocabulary wider than the top-k fast path's limit, made small: the limit is lowered
     to NARROW_FAST_MAX (the interpreter's time grows with the row), the vocabulary is 5 wider."""
     monkeypatch.setattr(sampling, "TOP_K_FAST_MAX", NARROW_FAST_MAX)
     return NARROW_FAST_MAX + 5
-
-
-NARROW_FAST_MAX = 64
 
 
 def test_a_top_p_batch_is_drawn_from_its_nucleus_without_the_host(
