@@ -4,17 +4,16 @@ shared mesh (tests/mesh.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.redis_client import RedisServer
+from tests import head_start
 from tests.mesh import RunningMesh, release_after_last_test, session_mesh, start_e2e_mesh, start_shared_mesh
+from tests.models import build_test_model, default_model
 
-ROOT = Path(__file__).resolve().parent.parent
 # The services the tests start compute in float32 whatever the host: the tests compare their tokens
 # with float32 references (transformers' generate, an in-process engine, an earlier answer), and
 # bfloat16 results depend on batch composition. The worker's default, dtype auto, is bf16 on hosts
@@ -25,14 +24,6 @@ os.environ.setdefault("MESHSERVE_DTYPE", "float32")
 # compiled path has tests of its own (compile_model=True), and the default model's end-to-end
 # tests run the mesh with the worker's defaults (tests/e2e/test_default_model_answers.py).
 os.environ.setdefault("MESHSERVE_COMPILE_MODEL", "false")
-DEFAULT_MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
-
-
-def _build(out: Path, *extra: str) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "devtools.build_model", "--out", str(out), *extra], check=True, cwd=ROOT
-    )
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -42,25 +33,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     configured = os.environ.get("MESHSERVE_TEST_MODEL_DIR")
     if configured:
         return Path(configured)
-    return _build(tmp_path_factory.mktemp("models") / "test-llama")
+    return build_test_model(tmp_path_factory.mktemp("models") / "test-llama")
 
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model, SmolLM2-135M-Instruct (`make model` builds it; built here if missing)."""
-    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "devtools.default_model", "--out", str(DEFAULT_MODEL_DIR)],
-            check=True,
-            cwd=ROOT,
-        )
-    return DEFAULT_MODEL_DIR
+    return default_model()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A very small untrained model for fast tests (same loading code as any HF dir)."""
-    return _build(tmp_path_factory.mktemp("models") / "tiny", "--tiny")
+    return build_test_model(tmp_path_factory.mktemp("models") / "tiny", "--tiny")
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +83,9 @@ def mesh(shared: RunningMesh) -> RunningMesh:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stops a session mesh once the last test that uses it has run."""
     release_after_last_test(item)
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Starts the set-ups that run beside the other tests (tests/head_start.py)."""
+    head_start.start(config, items)

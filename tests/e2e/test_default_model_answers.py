@@ -5,8 +5,10 @@ openai client: what a new user sees first. These are the tests that fail when th
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import anthropic
@@ -15,12 +17,14 @@ import pytest
 from pydantic import BaseModel
 
 from launcher.mesh import Mesh
-from services.redis_client import RedisServer
+from tests import head_start
 from tests.mesh import running_mesh
+from tests.models import default_model
 
-# The first test's set-up compiles the default model's forward, as `make serve` does (2-3 min of
-# a 2-vCPU host): pytest's per-test limit is the mesh start's own.
-pytestmark = pytest.mark.timeout(600)
+# The mesh's worker compiles the default model's forward, as `make serve` does (2-3 min of a
+# 2-vCPU host): a test that waits for the mesh waits up to the mesh start's own limit.
+MESH_TIMEOUT_S = 600
+pytestmark = pytest.mark.timeout(MESH_TIMEOUT_S)
 
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -45,23 +49,29 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def answers_mesh(
-    default_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Mesh]:
-    with running_mesh(
-        tmp_path_factory.mktemp("mesh"),
-        timeout=600,
-        model_dir=str(default_model_dir),
-        redis_url=redis_server.url,
+def _answers_mesh() -> AbstractContextManager[Mesh]:
+    return running_mesh(
+        Path(tempfile.mkdtemp(prefix="answers-mesh-")),
+        timeout=MESH_TIMEOUT_S,
+        model_dir=str(default_model()),
+        # Its own Redis, as `make serve` starts one.
         kv_cache_memory_mb=64,
         embedding_model_dir="",
         # The worker's defaults, which tests/conftest.py pins for every other test: the forward
         # compiled (the first request below must not pay for it) in the host's dtype (bfloat16
         # where the CPU has native bf16, as `make serve` runs it).
         extra_env=(("MESHSERVE_COMPILE_MODEL", "true"), ("MESHSERVE_DTYPE", "auto")),
-    ) as started:
-        yield started
+    )
+
+
+# The mesh starts with the session, beside the other tests (tests/head_start.py).
+head_start.register("answers_mesh", _answers_mesh)
+
+
+@pytest.fixture(scope="module")
+def answers_mesh() -> Iterator[Mesh]:
+    yield head_start.take("answers_mesh", timeout=MESH_TIMEOUT_S)
+    head_start.release("answers_mesh")
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +82,8 @@ def client(answers_mesh: Mesh) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir: Path) -> str:
-    return default_model_dir.name
+def model() -> str:
+    return default_model().name
 
 
 def test_the_first_request_after_start_gets_its_first_token_within_2_s(
