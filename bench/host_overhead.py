@@ -3,12 +3,13 @@ step (scheduler, block manager, input preparation, attention metadata, sampler, 
 measured on any host with the model's forward replaced by one that returns at once.
 
     python -m bench.host_overhead [--concurrency 1,64,256] [--steps 200] [--rounds 3]
-        [--prompt-tokens 128] [--profile-at 256] [--out bench/results/host_overhead.json]
+        [--prompt-tokens 128] [--repetition-penalty 1.0] [--frequency-penalty 0.0]
+        [--profile-at 256] [--out bench/results/host_overhead.json]
 
 The model is the tests' tiny Llama (devtools.build_model --tiny: vocab 1000), so the
 sampler's arithmetic is negligible and what is timed is host work. Per concurrency c: c
-requests with random `--prompt-tokens`-token prompts, greedy, ignore_eos, are admitted and
-prefilled; then `--steps` decode steps of all c rows are timed one by one (LLMEngine.step);
+requests with random `--prompt-tokens`-token prompts, greedy (penalized where asked),
+ignore_eos, are admitted and prefilled; then `--steps` decode steps of all c rows are timed one by one (LLMEngine.step);
 per round the median and mean ms per step; the JSON has every round and their medians.
 Each concurrency runs twice: decode steps eager (``results``) and through the decode graphs'
 static buffers (``graphs``: CUDA's decode path, with a capture that calls the stubbed
@@ -82,6 +83,8 @@ def decode_steps(engine: LLMEngine, concurrency: int, args: argparse.Namespace, 
         temperature=0.0,
         max_tokens=_max_tokens(concurrency, args, engine.config.max_num_batched_tokens),
         ignore_eos=True,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     for i in range(concurrency):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
@@ -153,6 +156,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (1.0: none)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's (0.0: none)")
     parser.add_argument("--profile-at", type=int, default=0, help="cProfile the steps at this concurrency")
     parser.add_argument("--out", default="bench/results/host_overhead.json")
     args = parser.parse_args(argv)
@@ -170,7 +175,10 @@ def main(argv: Sequence[str]) -> None:
     report = {
         "command": "python -m bench.host_overhead " + " ".join(argv),
         "host": host_info(),
-        "config": {"steps": args.steps, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens},
+        "config": {
+            k: getattr(args, k)
+            for k in ("steps", "rounds", "prompt_tokens", "repetition_penalty", "frequency_penalty")
+        },
         "results": eager,
         "graphs": graphs,
         "targets_ms": {"1": 0.5, "64": 1.0, "256": 2.0},

@@ -48,7 +48,7 @@ class _SetUp:
             self.done.set()
 
 
-LANE_NICENESS = 10
+LANE_NICENESS = 19
 _SET_UPS: dict[str, _SetUp] = {}
 _lane: threading.Thread | None = None
 
