@@ -41,6 +41,9 @@ from bench.host import ROOT, host_info
 from worker_svc.engine import EngineConfig, LLMEngine, RequestSpec, SamplingParams
 from worker_svc.engine.cuda_graphs import capture_graphs
 
+# The sampling penalties of the flags' defaults: none (for callers that build the arguments).
+NO_PENALTIES = {"repetition_penalty": 1.0, "frequency_penalty": 0.0}
+
 
 def build_model(out: Path) -> Path:
     subprocess.run(
@@ -156,8 +159,10 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (1.0: none)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's (0.0: none)")
+    for name, none in NO_PENALTIES.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=float, default=none, help=f"every request's ({none}: none)"
+        )
     parser.add_argument("--profile-at", type=int, default=0, help="cProfile the steps at this concurrency")
     parser.add_argument("--out", default="bench/results/host_overhead.json")
     args = parser.parse_args(argv)

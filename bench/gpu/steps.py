@@ -1190,11 +1190,13 @@ def host_overhead(ctx: StepContext) -> None:
     (bench.host_overhead) on this device, steps eager and through the decode graphs'
     buffers: input tensors made on it, the sampler's argmax and its copy back included;
     the tests' tiny model, so the device's arithmetic is nil."""
-    from bench.host_overhead import build_model, measure
+    from bench.host_overhead import NO_PENALTIES, build_model, measure
 
     model = build_model(ctx.work / "host-overhead-model")
     p = ctx.profile
-    args = argparse.Namespace(steps=p.host_steps, rounds=1, prompt_tokens=p.prompt_len, profile_at=0)
+    args = argparse.Namespace(
+        steps=p.host_steps, rounds=1, prompt_tokens=p.prompt_len, profile_at=0, **NO_PENALTIES
+    )
     for c, row in measure(str(model), p.device, p.host_concurrencies, args).items():
         ctx.record(f"c{c}_host_ms_per_step", row["median_ms"])
     for c, row in measure(str(model), p.device, p.host_concurrencies, args, graphs=True).items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.host_overhead import decode_steps, stub_forward
+from bench.host_overhead import NO_PENALTIES, decode_steps, stub_forward
 from worker_svc.engine import EngineConfig, LLMEngine
 
 
@@ -17,7 +17,7 @@ def test_timed_steps_decode_every_row_and_leave_the_engine_empty(tiny_model_dir:
     stub_forward(engine)
     free = engine.block_manager.num_free_blocks()
     generated = engine.num_generated_tokens
-    args = argparse.Namespace(steps=5, prompt_tokens=20)
+    args = argparse.Namespace(steps=5, prompt_tokens=20, **NO_PENALTIES)
     times = decode_steps(engine, 3, args, seed=0)
     assert len(times) == 5 and all(t > 0 for t in times)
     # One token per row at the prefill's end, one more before timing, then one per timed step.
