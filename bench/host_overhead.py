@@ -9,8 +9,9 @@ measured on any host with the model's forward replaced by one that returns at on
 The model is the tests' tiny Llama (devtools.build_model --tiny: vocab 1000), so the
 sampler's arithmetic is negligible and what is timed is host work. Per concurrency c: c
 requests with random `--prompt-tokens`-token prompts, greedy (penalized where asked),
-ignore_eos, are admitted and prefilled; then `--steps` decode steps of all c rows are timed one by one (LLMEngine.step);
-per round the median and mean ms per step; the JSON has every round and their medians.
+ignore_eos, are admitted and prefilled; then `--steps` decode steps of all c rows are timed
+one by one (LLMEngine.step); per round the median and mean ms per step; the JSON has every
+round and their medians.
 Each concurrency runs twice: decode steps eager (``results``) and through the decode graphs'
 static buffers (``graphs``: CUDA's decode path, with a capture that calls the stubbed
 forward again, so the graphs' per-step fill is timed and no device is needed).
