@@ -9,8 +9,9 @@ single-threaded work of their own:
 So they run on the core the suite leaves idle, at a lower priority than the tests. A
 test module registers such a set-up under the name of the fixture that serves it
 (`register`). If any selected test uses that fixture, the set-up starts when collection
-ends, on one background thread that runs the registered set-ups one after the other. The tests that use it move to the end
-of the run, and the fixture takes the result there (`take`), waiting if it is not ready.
+ends, on one background thread that runs the registered set-ups one after the other. The
+tests that use it move to the end of the run, and the fixture takes the result there
+(`take`), waiting if it is not ready.
 A set-up no selected test uses never starts; one that was not started runs when it is
 taken, as an ordinary fixture would.
 
