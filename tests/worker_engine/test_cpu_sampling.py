@@ -95,7 +95,7 @@ def test_plain_random_rows_are_drawn_from_the_logits_as_they_come(monkeypatch: p
         return real(lg, floors, scales, top_p)
 
     monkeypatch.setattr(sampling, "_draw_unseeded", spy)
-    monkeypatch.setattr(sampling, "_apply_penalties", _boom)  # the general path's first step
+    monkeypatch.setattr(Sampler, "_apply_min_tokens", _boom)  # a step of the general path
     out = Sampler(64, [2]).sample(logits, [Row(SamplingParams(temperature=0.8))] * 4)
     assert calls == [torch.bfloat16] and all(0 <= t < 64 for t in out.token_ids)
 

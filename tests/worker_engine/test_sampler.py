@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from worker_svc.engine import sampling
 from worker_svc.engine.sampling import TOP_K_FAST_MAX, Sampler, SamplingParams
 
 V = 32
@@ -112,42 +110,6 @@ def test_presence_and_frequency_penalty_use_output_only() -> None:
     assert sampler.sample(logits, [freq]).token_ids == [6]  # 1.0 - 2 * 0.3 = 0.4 < 0.5
     freq1 = Row(SamplingParams(temperature=0, frequency_penalty=0.3), output_token_ids=[5])
     assert sampler.sample(logits, [freq1]).token_ids == [5]  # 1.0 - 0.3 = 0.7 > 0.5
-
-
-class FlightRow(Row):
-    """A row by identity, as ``Request``: the step in flight maps rows to their tokens."""
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-
-def test_penalties_count_a_token_still_in_flight_on_the_device() -> None:
-    """Async scheduling leaves a row's last token on the device: each penalty counts it as
-    if it were known, whether the output already holds it (5) or not (9), row by row in a
-    batch beside an unpenalized row and a penalized one with nothing in flight."""
-    logits = logits_batch(4, seed=12)
-    kinds = [
-        SamplingParams(temperature=0, repetition_penalty=1.7),
-        SamplingParams(temperature=0),
-        SamplingParams(temperature=0, frequency_penalty=0.6, presence_penalty=0.4),
-        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.2),
-    ]
-    for late in (5, 9):
-        known = [FlightRow(p, prompt_token_ids=[3, 9, 11], output_token_ids=[5, 5, 7, late]) for p in kinds]
-        flying = [
-            FlightRow(p, prompt_token_ids=[3, 9, 11], output_token_ids=[5, 5, 7], in_flight=1) for p in kinds
-        ]
-        flying[3] = known[3]  # nothing in flight
-        in_flight = SimpleNamespace(
-            tokens=torch.tensor([1, late, 2, late, 4]), rows={flying[0]: 1, flying[2]: 3}
-        )
-        want, got = logits.clone(), logits.clone()
-        sampling._apply_penalties(want, known, None)
-        sampling._apply_penalties(got, flying, in_flight)
-        assert not torch.equal(want, logits), "the penalties changed nothing"
-        assert torch.equal(got, want), f"late token {late}"
-    with pytest.raises(RuntimeError, match="in flight"):
-        sampling._apply_penalties(logits.clone(), flying, None)
 
 
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
@@ -263,24 +225,25 @@ def test_plain_greedy_fast_path_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 logits, greedy rows with nothing else: argmax on the logits as they are."""
     logits = logits_batch(5, seed=7).to(torch.bfloat16)
     expected = logits.float().argmax(-1).tolist()
-    monkeypatch.setattr(sampling, "_apply_penalties", _boom)  # the general path's first step
+    monkeypatch.setattr(Sampler, "_apply_min_tokens", _boom)  # a step of the general path
     out = Sampler(V, [EOS]).sample(logits, [Row(SamplingParams(temperature=0))] * 5)
     assert out.token_ids == expected and out.logprobs == [None] * 5
 
 
 def test_greedy_with_penalty_still_takes_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = logits_batch(2, seed=8)
-    calls: list[int] = []
-    original = sampling._apply_penalties
+    calls: list[list[int]] = []
+    sampler = Sampler(V, [EOS])
+    original = sampler.penalties.apply
 
-    def spy(lg: torch.Tensor, rows: list[Row], in_flight: object) -> None:
-        calls.append(len(rows))
-        original(lg, rows, in_flight)
+    def spy(lg: torch.Tensor, rows: list[Row], pen: list[int], in_flight: object) -> object:
+        calls.append(pen)
+        return original(lg, rows, pen, in_flight)
 
-    monkeypatch.setattr(sampling, "_apply_penalties", spy)
+    monkeypatch.setattr(sampler.penalties, "apply", spy)
     rows = [Row(SamplingParams(temperature=0)), Row(SamplingParams(temperature=0, repetition_penalty=1.5))]
-    Sampler(V, [EOS]).sample(logits, rows)
-    assert calls == [2]
+    sampler.sample(logits, rows)
+    assert calls == [[1]]
 
 
 def test_top_k_fast_path_uses_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,7 +110,7 @@ class EngineConfig:
         "auto",
         "on: while a step's tokens are sampled on the device, the next step is scheduled and "
         "launched, its rows' inputs taken from those tokens there (vLLM's async scheduling); "
-        "steps with a request whose draw reads its output's tokens (penalties, bad words, "
+        "steps with a request whose draw reads its output's tokens on the host (bad words, "
         "grammars) still wait; "
         "off: every step is read back before the next is scheduled; auto: on on CUDA",
     )

@@ -7,7 +7,8 @@ Processing order for one step (all rows at once where possible):
    logprobs describe the *model's* distribution, before penalties/temperature/top-k.
 2. penalties: repetition (HF semantics, over prompt + output: positive logits are
    divided by the penalty, negative ones multiplied), presence and frequency (OpenAI
-   semantics, over output tokens only: ``logit -= freq * count + presence * (count > 0)``).
+   semantics, over output tokens only: ``logit -= freq * count + presence * (count > 0)``),
+   from each penalized request's state on the device (:mod:`worker_svc.engine.penalties`).
 3. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked.
 3b. token rules: ``logit_bias`` is added (OpenAI semantics), tokens outside
    ``allowed_token_ids`` and the last token of any ``bad_words`` sequence whose prefix
@@ -41,7 +42,6 @@ question only a synchronisation can answer, and nothing else in a step waits for
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -54,6 +54,7 @@ import torch
 from services.grammar import StructuredSpec
 from worker_svc.engine import cpu_sampling, triton_sampling
 from worker_svc.engine.host_copy import tensor_on, to_device
+from worker_svc.engine.penalties import PenaltyTable
 from worker_svc.engine.structured import apply_grammar_masks
 
 __all__ = [
@@ -276,6 +277,7 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self.penalties = PenaltyTable()
 
     def warm_up(self, device: torch.device, dtype: torch.dtype) -> None:
         """Builds the GPU's sampling kernels for logits of the model's ``dtype`` and float32
@@ -310,6 +312,8 @@ class Sampler:
         or a grammar read their output's token values, which must all be here."""
         if logits.ndim != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if self.penalties.held and not any(r.sampling_params.penalized for r in rows):
+            self.penalties.release_all()
         if all(_plain_greedy(r) for r in rows):
             # Exact in any float dtype, first maximum wins (like argmax on float32); max(dim)
             # is the faster CPU kernel for bf16 logits.
@@ -325,7 +329,8 @@ class Sampler:
         lp_rows = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
         lp_at = _index(lp_rows, logits) if lp_rows else None
         raw_logprobs = torch.log_softmax(logits[lp_at], dim=-1) if lp_at is not None else None
-        _apply_penalties(logits, rows, in_flight)
+        pen = [i for i, r in enumerate(rows) if r.sampling_params.penalized]
+        penalized = self.penalties.apply(logits, rows, pen, in_flight) if pen else None
         self._apply_min_tokens(logits, rows)
         if any(r.sampling_params.token_rules for r in rows):
             _apply_token_rules(logits, rows)
@@ -340,6 +345,8 @@ class Sampler:
         elif rand:
             at = _index(rand, logits)
             tokens[at] = self._sample_random(logits[at], [rows[i] for i in rand])
+        if penalized is not None:
+            self.penalties.count(penalized, tokens)
         if raw_logprobs is None or lp_at is None:
             return Drawn(tokens)
         nums = [rows[i].sampling_params.logprobs or 0 for i in lp_rows]
@@ -380,79 +387,6 @@ class Sampler:
         if candidates is None:
             return chosen
         return candidates.gather(1, chosen.unsqueeze(1)).squeeze(1)
-
-
-def _apply_penalties(
-    logits: torch.Tensor, rows: Sequence[SamplingState], in_flight: TokensInFlight | None
-) -> None:
-    """Repetition (HF: over prompt and output, positive logits divided, negative ones
-    multiplied), then frequency and presence (OpenAI: ``-= freq * count + presence`` per
-    output token) penalties of every penalized row at once, touching only the tokens they
-    name. A row's token still in flight is read from ``in_flight`` on the device, so a
-    penalized row never waits for its last token to be read back."""
-    pen = [i for i, r in enumerate(rows) if r.sampling_params.penalized]
-    if not pen:
-        return
-    dev = logits.device
-    idx, out_counts = _penalty_pairs(rows, pen, in_flight, dev)
-    params = [r.sampling_params for r in rows]
-    factors = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
-    rep, freq, presence = tensor_on(factors, dev, logits.dtype).T
-    late_row, r, t = idx["late_row"], idx["rep_row"], idx["rep_id"]
-    late = in_flight.tokens[idx["late_at"]] if in_flight is not None and len(late_row) else None
-    if late is not None:
-        r, t = torch.cat([r, late_row]), torch.cat([t, late])
-    vals = logits[r, t]  # duplicates (a late token also known) write the same value
-    logits[r, t] = torch.where(vals > 0, vals / rep[r], vals * rep[r])
-    r, t = idx["out_row"], idx["out_id"]
-    count = tensor_on(out_counts, dev, logits.dtype)
-    if late is not None:  # the late token adds to its count where the output holds it already
-        late_by_row = torch.full((len(rows),), -1, dtype=t.dtype, device=dev).index_put_((late_row,), late)
-        again = t == late_by_row[r]
-        count = count + again
-        known = torch.zeros(len(rows), dtype=torch.long, device=dev).index_put_(
-            (r,), again.long(), accumulate=True
-        )
-    logits[r, t] = logits[r, t] - (freq[r] * count + presence[r])
-    if late is not None:  # else it is a new token of the output: counted once
-        vals = logits[late_row, late]
-        new = vals - (freq[late_row] + presence[late_row])
-        logits[late_row, late] = torch.where(known[late_row] > 0, vals, new)
-
-
-def _penalty_pairs(
-    rows: Sequence[SamplingState], pen: list[int], in_flight: TokensInFlight | None, device: torch.device
-) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The (row, token) pairs the penalties touch, on the device: each repetition-penalized
-    row's prompt and distinct output tokens (``rep_*``: a token named twice gets the same
-    value twice), each output's distinct tokens (``out_*``, their counts returned beside),
-    and the rows with a token in flight with its place in ``in_flight.tokens``
-    (``late_*``). Token ids are the vocabulary's: the engine admits no other prompt."""
-    lists: dict[str, list[int]] = {
-        k: [] for k in ("rep_id", "rep_len", "out_id", "out_len", "late_row", "late_at")
-    }
-    counts: list[int] = []
-    for i in pen:
-        row = rows[i]
-        output = collections.Counter(row.output_token_ids)
-        repeated = row.sampling_params.repetition_penalty != 1.0
-        if repeated:
-            lists["rep_id"] += row.prompt_token_ids
-            lists["rep_id"] += output
-        lists["rep_len"].append(len(row.prompt_token_ids) + len(output) if repeated else 0)
-        lists["out_id"] += output
-        lists["out_len"].append(len(output))
-        counts += output.values()
-        if row.in_flight:
-            if in_flight is None or row not in in_flight.rows:
-                raise RuntimeError("a penalized row's token in flight is in no step")
-            lists["late_row"].append(i)
-            lists["late_at"].append(in_flight.rows[row])
-    idx = to_device({**lists, "pen": pen}, device)
-    for part in ("rep", "out"):  # the row of each pair (output_size: no read-back of the total)
-        size = len(lists[f"{part}_id"])
-        idx[f"{part}_row"] = idx["pen"].repeat_interleave(idx[f"{part}_len"], output_size=size)
-    return idx, counts
 
 
 def _draw(
