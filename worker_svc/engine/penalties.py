@@ -18,42 +18,23 @@ A step's device work is proportional to its rows' distinct tokens, not to the vo
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker_svc.engine.host_copy import tensor_on, to_device
 
+if TYPE_CHECKING:  # the sampler's protocols (it imports this module)
+    from worker_svc.engine.sampling import SamplingState, TokensInFlight
+
 __all__ = ["PenaltyStep", "PenaltyTable"]
-
-
-class PenalizedRow(Protocol):
-    """What the table reads of a request (``sampling.SamplingState`` satisfies it)."""
-
-    @property
-    def prompt_token_ids(self) -> Sequence[int]: ...
-    @property
-    def output_token_ids(self) -> Sequence[int]: ...
-    @property
-    def sampling_params(self) -> Any: ...
-    @property
-    def in_flight(self) -> int: ...
-
-
-class InFlightTokens(Protocol):
-    """The tokens of the step in flight on the device, and each request's row in them."""
-
-    @property
-    def tokens(self) -> torch.Tensor: ...
-    @property
-    def rows(self) -> Mapping[Any, int]: ...
 
 
 @dataclass
 class _Slot:
-    row: PenalizedRow  # held: its id keys the slot
+    row: SamplingState  # held: its id keys the slot
     index: int
     counted: int  # output tokens the slot holds, drawn ones still in flight included
     width: int  # an upper bound of its distinct tokens: the columns it may use
@@ -72,7 +53,7 @@ class PenaltyStep:
     counts: torch.Tensor
 
 
-def _drawn(row: PenalizedRow) -> int:
+def _drawn(row: SamplingState) -> int:
     return len(row.output_token_ids) + row.in_flight
 
 
@@ -100,9 +81,9 @@ class PenaltyTable:
     def apply(
         self,
         logits: torch.Tensor,
-        rows: Sequence[PenalizedRow],
+        rows: Sequence[SamplingState],
         pen: list[int],
-        in_flight: InFlightTokens | None,
+        in_flight: TokensInFlight | None,
     ) -> PenaltyStep | None:
         """Penalizes rows ``pen`` of float ``logits`` (one row per ``rows``) in place; None
         when none has a token to penalize. A row's token in flight is read from
@@ -159,7 +140,7 @@ class PenaltyTable:
         tokens = torch.where(past, tokens[:, :1], tokens)
         return PenaltyStep(slots, at, index, tokens, torch.where(past, counts[:, :1], counts))
 
-    def _stale(self, row: PenalizedRow) -> bool:
+    def _stale(self, row: SamplingState) -> bool:
         """Whether the row's slot is missing or counts another output than the row's (a
         draw whose token was never kept, an output made elsewhere): then it is filled."""
         slot = self._slots.get(id(row))
@@ -192,7 +173,7 @@ class PenaltyTable:
         self._free += range(self._capacity, rows)
         self._capacity, self._columns = rows, cols
 
-    def _fill(self, rows: list[PenalizedRow], in_flight: InFlightTokens | None) -> None:
+    def _fill(self, rows: list[SamplingState], in_flight: TokensInFlight | None) -> None:
         """The rows' slots from the host: prompt and output tokens with the output's
         counts, the factors; a token in flight then counted from the device."""
         lists: dict[str, list[int]] = {k: [] for k in ("slot", "col", "token", "count", "at", "length")}
