@@ -44,6 +44,8 @@ from worker_svc.engine.cuda_graphs import capture_graphs
 
 # The sampling penalties of the flags' defaults: none (for callers that build the arguments).
 NO_PENALTIES = {"repetition_penalty": 1.0, "frequency_penalty": 0.0}
+# Penalties of a penalized run: Qwen2.5's default repetition penalty, and a frequency penalty.
+PENALIZED = {"repetition_penalty": 1.05, "frequency_penalty": 0.1}
 
 
 def build_model(out: Path) -> Path:

@@ -53,7 +53,8 @@ measured until then):
   kernel and by torch's ops; and the rows whose nucleus found on the device differs from
   the sort's.
 * ``host_overhead``: the engine's host work per decode step at c=1/64/256 with the forward
-  stubbed out (bench.host_overhead), on the device: what a step waits for on the host.
+  stubbed out (bench.host_overhead), on the device: what a step waits for on the host;
+  through the graphs' buffers also with every request penalized.
 
 ``summary`` holds the headline ratios: graphs over eager, decode step over the roofline,
 served over in-process throughput.

@@ -1189,8 +1189,10 @@ def host_overhead(ctx: StepContext) -> None:
     """The engine's host work per decode step with the forward stubbed out
     (bench.host_overhead) on this device, steps eager and through the decode graphs'
     buffers: input tensors made on it, the sampler's argmax and its copy back included;
-    the tests' tiny model, so the device's arithmetic is nil."""
-    from bench.host_overhead import NO_PENALTIES, build_model, measure
+    the tests' tiny model, so the device's arithmetic is nil. Then through the graphs'
+    buffers with every request penalized (``PENALIZED``: Qwen2.5's default repetition
+    penalty and a frequency penalty), the penalty table's work on the device included."""
+    from bench.host_overhead import NO_PENALTIES, PENALIZED, build_model, measure
 
     model = build_model(ctx.work / "host-overhead-model")
     p = ctx.profile
@@ -1201,3 +1203,6 @@ def host_overhead(ctx: StepContext) -> None:
         ctx.record(f"c{c}_host_ms_per_step", row["median_ms"])
     for c, row in measure(str(model), p.device, p.host_concurrencies, args, graphs=True).items():
         ctx.record(f"c{c}_graph_host_ms_per_step", row["median_ms"])
+    penalized = argparse.Namespace(**{**vars(args), **PENALIZED})
+    for c, row in measure(str(model), p.device, p.host_concurrencies, penalized, graphs=True).items():
+        ctx.record(f"c{c}_penalized_graph_host_ms_per_step", row["median_ms"])

@@ -80,7 +80,9 @@ def test_dry_run_leaves_every_figure(tmp_path: Path) -> None:
     )
     summary = report["summary"]
     assert set(summary["host_ms_per_step"]) == {
-        f"c{c}_{path}host_ms_per_step" for c in DRY.host_concurrencies for path in ("", "graph_")
+        f"c{c}_{path}host_ms_per_step"
+        for c in DRY.host_concurrencies
+        for path in ("", "graph_", "penalized_graph_")
     }
     assert all(ms > 0 for ms in summary["host_ms_per_step"].values())
     assert summary["correctness_all_match"] is True
