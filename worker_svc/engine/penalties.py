@@ -106,10 +106,10 @@ class PenaltyTable:
         vals = logits.gather(1, step.tokens) if step.at is None else logits[step.at.unsqueeze(1), step.tokens]
         # HF's rule (positive / rep, negative * rep) picks the smaller value for rep >= 1.
         if any(s.row.sampling_params.repetition_penalty < 1.0 for s in slots):
-            seen = torch.where(vals > 0, vals / rep, vals * rep)
+            repeated = torch.where(vals > 0, vals / rep, vals * rep)
         else:
-            seen = torch.minimum(vals / rep, vals * rep)
-        new = seen - (step.counts * freq + step.counts.clamp(max=1.0) * presence)
+            repeated = torch.minimum(vals / rep, vals * rep)
+        new = repeated - (step.counts * freq + step.counts.clamp(max=1.0) * presence)
         if step.at is None:
             logits.scatter_(1, step.tokens, new)
         else:
